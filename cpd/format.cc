@@ -1,0 +1,375 @@
+#include "cpd/format.h"
+
+#include <charconv>
+#include <cmath>
+#include <set>
+
+namespace cpd {
+
+namespace {
+
+using kernels::FloatGrid;
+using kernels::MakeFloatGrid;
+using kernels::NonFiniteStyle;
+
+constexpr char kAccepted[] =
+    "accepted: fp32, bf16, fp16, eXmY (1<=X<=8, 0<=Y<=23), e4m3, e5m2, e3m2, e2m3, e2m1, "
+    "int<b>[:ch], uint<b>:minmax[:ch] (2<=b<=16), fp134|fp143|fp152[:room=N][:ch], "
+    "log<b> (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16); float modifiers :sat "
+    "(default) :inf :nosub :ieee";
+
+Status BadSpec(std::string_view spec, const std::string& why) {
+  return Status::InvalidArgument("bad format spec '" + std::string(spec) + "': " + why + " (" +
+                                 kAccepted + ")");
+}
+
+// Parses a decimal integer that is the whole of `s`.
+bool ParseInt(std::string_view s, int* out) {
+  if (s.empty()) return false;
+  const char* end = s.data() + s.size();
+  auto [p, ec] = std::from_chars(s.data(), end, *out);
+  return ec == std::errc() && p == end;
+}
+
+std::vector<std::string_view> Split(std::string_view s, char sep) {
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t pos = s.find(sep, start);
+    parts.push_back(s.substr(start, pos == std::string_view::npos ? pos : pos - start));
+    if (pos == std::string_view::npos) break;
+    start = pos + 1;
+  }
+  return parts;
+}
+
+// Modifiers after the base name, each used at most once.
+struct Modifiers {
+  bool sat = false, inf = false, nosub = false, ieee = false, ch = false, minmax = false;
+  int room = 1;
+  bool has_room = false;
+  int block = 0;  // bfp
+  std::vector<std::string> seen;
+};
+
+}  // namespace
+
+const char* FormatSpecHelp() {
+  return "A format spec is a name with optional ':modifiers'. Floats: fp32, bf16, fp16 "
+         "(IEEE binary16), eXmY for 1<=X<=8, 0<=Y<=23 (IEEE-style: bias 2^(X-1)-1, "
+         "subnormals, top exponent reserved for Inf/NaN); OCP e4m3 (bias 7, max 448, no Inf), "
+         "e5m2, e3m2, e2m3, e2m1 (all codes finite; add :ieee for the IEEE-style eXmY reading). "
+         "Float modifiers: :sat saturate overflow to +-max (default), :inf IEEE overflow to Inf "
+         "(NaN where there is no Inf), :nosub flush subnormal results to zero. Integers: int<b> "
+         "symmetric linear with a per-tensor max-abs scale, int<b>:ch per output channel, "
+         "uint<b>:minmax[:ch] asymmetric range (CPT), 2<=b<=16. Shared-exponent 8-bit floats "
+         "(Lee et al.): fp134, fp143, fp152 with top binade [2^s, 2^(s+1)), "
+         "s = floor(log2 max|x|) + room (:room=N, default 1), per tensor or per channel (:ch). "
+         "log<b> (2<=b<=8): sign and powers of two 2^(s-L+1)..2^s, L = 2^(b-1)-1, per-channel "
+         "s = floor(log2 max|x|). Block formats: mxfp8 (e4m3), mxfp6 (e2m3), mxfp4 (e2m1) with "
+         "32-element blocks and an E8M0 scale (OCP MX v1.0); bfp<b>:<block> block floating point "
+         "(sign + b-1 magnitude bits under a shared exponent).";
+}
+
+Result<Format> Format::Parse(std::string_view spec) {
+  const std::vector<std::string_view> parts = Split(spec, ':');
+  const std::string_view name = parts[0];
+  if (name.empty()) return BadSpec(spec, "empty format name");
+
+  Modifiers mod;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string_view p = parts[i];
+    std::string key(p.substr(0, p.find('=')));
+    for (const auto& s : mod.seen) {
+      if (s == key) return BadSpec(spec, "modifier ':" + key + "' given twice");
+    }
+    mod.seen.push_back(key);
+    if (p == "sat") {
+      mod.sat = true;
+    } else if (p == "inf") {
+      mod.inf = true;
+    } else if (p == "nosub") {
+      mod.nosub = true;
+    } else if (p == "ieee") {
+      mod.ieee = true;
+    } else if (p == "ch") {
+      mod.ch = true;
+    } else if (p == "minmax") {
+      mod.minmax = true;
+    } else if (p.substr(0, 5) == "room=") {
+      if (!ParseInt(p.substr(5), &mod.room) || mod.room < -8 || mod.room > 8) {
+        return BadSpec(spec, "':" + std::string(p) + "' needs an integer room in -8..8");
+      }
+      mod.has_room = true;
+    } else if (!p.empty() && ParseInt(p, &mod.block)) {
+      mod.seen.back() = "<block>";
+    } else {
+      return BadSpec(spec, "unknown modifier ':" + std::string(p) + "'");
+    }
+  }
+  if (mod.sat && mod.inf) return BadSpec(spec, ":sat and :inf exclude each other");
+
+  Format f;
+  // Checks that only the listed modifiers were given.
+  auto allow = [&](std::initializer_list<std::string_view> ok) -> Status {
+    for (const auto& s : mod.seen) {
+      bool found = false;
+      for (auto o : ok) found = found || s == o;
+      if (!found) {
+        return BadSpec(spec, "modifier ':" + s + "' does not apply to '" + std::string(name) +
+                                 "'");
+      }
+    }
+    return Status::Ok();
+  };
+  auto float_grid = [&](int ebits, int mbits, int bias, NonFiniteStyle style) -> Status {
+    CPD_RETURN_IF_ERROR(allow({"sat", "inf", "nosub", "ieee"}));
+    if (mod.inf && style == NonFiniteStyle::kAllFinite) {
+      return BadSpec(spec, "'" + std::string(name) +
+                               "' has no Inf or NaN code, so ':inf' cannot apply");
+    }
+    f.family_ = FormatFamily::kFloat;
+    f.bits_ = 1 + ebits + mbits;
+    f.grid_ = MakeFloatGrid(ebits, mbits, bias, style, !mod.nosub, mod.inf);
+    if (f.grid_.max_bits == 0) {
+      return BadSpec(spec, "this format has no nonzero finite value");
+    }
+    if (mod.nosub && ebits == 1 && style == NonFiniteStyle::kIeee) {
+      return BadSpec(spec, "with :nosub this format has no nonzero finite value");
+    }
+    return Status::Ok();
+  };
+
+  int x = 0, y = 0;
+  const bool is_exmy = name.size() >= 4 && name[0] == 'e' && name.find('m') != std::string::npos &&
+                       ParseInt(name.substr(1, name.find('m') - 1), &x) &&
+                       ParseInt(name.substr(name.find('m') + 1), &y);
+  auto with_prefix = [&](std::string_view prefix, int* b) {
+    return name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix &&
+           ParseInt(name.substr(prefix.size()), b);
+  };
+  int b = 0;
+
+  if (name == "fp32") {
+    CPD_RETURN_IF_ERROR(allow({"sat", "inf", "nosub"}));
+    f.family_ = FormatFamily::kFloat32;
+    f.bits_ = 32;
+    f.flush_subnormals_ = mod.nosub;
+    // The identity as a grid: rounding is a no-op and Inf stays Inf (NaN becomes the canonical
+    // quiet NaN, as in every other format).
+    f.grid_ = MakeFloatGrid(8, 23, 127, NonFiniteStyle::kIeee, !mod.nosub, true);
+  } else if (name == "bf16") {
+    CPD_RETURN_IF_ERROR(float_grid(8, 7, 127, NonFiniteStyle::kIeee));
+  } else if (name == "fp16") {
+    CPD_RETURN_IF_ERROR(float_grid(5, 10, 15, NonFiniteStyle::kIeee));
+  } else if (is_exmy) {
+    if (x < 1 || x > 8) return BadSpec(spec, "exponent bits X must be 1..8");
+    if (y < 0 || y > 23) return BadSpec(spec, "mantissa bits Y must be 0..23");
+    NonFiniteStyle style = NonFiniteStyle::kIeee;
+    int bias = (1 << (x - 1)) - 1;
+    if (!mod.ieee) {
+      if (name == "e4m3") {
+        style = NonFiniteStyle::kNanOnly;
+      } else if (name == "e3m2" || name == "e2m3" || name == "e2m1") {
+        style = NonFiniteStyle::kAllFinite;
+      }
+    }
+    CPD_RETURN_IF_ERROR(float_grid(x, y, bias, style));
+  } else if (name == "fp134" || name == "fp143" || name == "fp152") {
+    CPD_RETURN_IF_ERROR(allow({"room", "ch"}));
+    const int ebits = name[3] - '0', mbits = name[4] - '0';
+    // Unscaled, every exponent code 1..2^E-1 is a normal binade and the top one is [1, 2).
+    const int bias = (1 << ebits) - 1;
+    f.family_ = FormatFamily::kSharedShift;
+    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+    f.bits_ = 8;
+    f.grid_ = MakeFloatGrid(ebits, mbits, bias, NonFiniteStyle::kAllFinite, true, false);
+    f.shift_rule_ = {mod.room, -126, 127};
+  } else if (with_prefix("log", &b)) {
+    CPD_RETURN_IF_ERROR(allow({}));
+    if (b < 2 || b > 8) return BadSpec(spec, "log<b> needs 2 <= b <= 8");
+    // Levels 2^(s-L+1)..2^s with L = 2^(b-1)-1: a float grid with M = 0 and b-1 exponent bits.
+    const int ebits = b - 1;
+    f.family_ = FormatFamily::kSharedShift;
+    f.scope_ = ScaleScope::kChannel;
+    f.bits_ = b;
+    f.grid_ = MakeFloatGrid(ebits, 0, (1 << ebits) - 1, NonFiniteStyle::kAllFinite, true, false);
+    f.shift_rule_ = {0, -126, 127};
+  } else if (name == "mxfp8" || name == "mxfp6" || name == "mxfp4") {
+    CPD_RETURN_IF_ERROR(allow({}));
+    f.family_ = FormatFamily::kSharedShift;
+    f.scope_ = ScaleScope::kBlock;
+    f.block_size_ = 32;
+    int emax = 0;
+    if (name == "mxfp8") {
+      f.grid_ = MakeFloatGrid(4, 3, 7, NonFiniteStyle::kNanOnly, true, false);
+      f.bits_ = 8;
+      emax = 8;
+    } else if (name == "mxfp6") {
+      f.grid_ = MakeFloatGrid(2, 3, 1, NonFiniteStyle::kAllFinite, true, false);
+      f.bits_ = 6;
+      emax = 2;
+    } else {
+      f.grid_ = MakeFloatGrid(2, 1, 1, NonFiniteStyle::kAllFinite, true, false);
+      f.bits_ = 4;
+      emax = 2;
+    }
+    // OCP MX v1.0: X = 2^(floor(log2 max|V|) - emax_elem), an E8M0 value in 2^-127..2^127.
+    f.shift_rule_ = {-emax, -127, 127};
+  } else if (with_prefix("bfp", &b)) {
+    CPD_RETURN_IF_ERROR(allow({"<block>"}));
+    if (b < 2 || b > 16) return BadSpec(spec, "bfp<b> needs 2 <= b <= 16");
+    if (mod.block < 1 || mod.block > 65536) {
+      return BadSpec(spec, "bfp<b> needs a block size ':N' with 1 <= N <= 65536");
+    }
+    // Sign + (b-1)-bit magnitude integer times 2^(e-(b-2)), e = floor(log2 max|block|): one
+    // normal binade [2^e, 2^(e+1)) plus subnormals, i.e. a float grid with X = 1, M = b-2.
+    f.family_ = FormatFamily::kSharedShift;
+    f.scope_ = ScaleScope::kBlock;
+    f.block_size_ = size_t(mod.block);
+    f.bits_ = b;
+    f.grid_ = MakeFloatGrid(1, b - 2, 1, NonFiniteStyle::kAllFinite, true, false);
+    f.shift_rule_ = {0, -126, 127};
+  } else if (with_prefix("uint", &b)) {
+    CPD_RETURN_IF_ERROR(allow({"minmax", "ch"}));
+    if (!mod.minmax) return BadSpec(spec, "uint<b> needs ':minmax'");
+    if (b < 2 || b > 16) return BadSpec(spec, "uint<b> needs 2 <= b <= 16");
+    f.family_ = FormatFamily::kUintMinMax;
+    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+    f.bits_ = b;
+  } else if (with_prefix("int", &b)) {
+    CPD_RETURN_IF_ERROR(allow({"ch"}));
+    if (b < 2 || b > 16) return BadSpec(spec, "int<b> needs 2 <= b <= 16");
+    f.family_ = FormatFamily::kIntSymmetric;
+    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+    f.bits_ = b;
+  } else {
+    return BadSpec(spec, "unknown format name '" + std::string(name) + "'");
+  }
+
+  // Canonical spelling: name, then the modifiers that change behaviour, in a fixed order.
+  std::string canon(name);
+  if (f.family_ == FormatFamily::kFloat && mod.ieee) canon += ":ieee";
+  if (mod.inf) canon += ":inf";
+  if (mod.nosub) canon += ":nosub";
+  if (mod.minmax) canon += ":minmax";
+  if (mod.has_room && mod.room != 1) canon += ":room=" + std::to_string(mod.room);
+  if (mod.ch) canon += ":ch";
+  if (f.family_ == FormatFamily::kSharedShift && f.scope_ == ScaleScope::kBlock &&
+      name.substr(0, 3) == "bfp") {
+    canon += ":" + std::to_string(mod.block);
+  }
+  f.spec_ = canon;
+  return f;
+}
+
+size_t Format::meta_bytes_per_group() const {
+  switch (family_) {
+    case FormatFamily::kFloat32:
+    case FormatFamily::kFloat:
+      return 0;
+    case FormatFamily::kSharedShift:
+      return 1;  // int8 shift (MX: the E8M0 byte, shift + 127)
+    case FormatFamily::kIntSymmetric:
+      return 4;  // float32 scale
+    case FormatFamily::kUintMinMax:
+      return 8;  // float32 min, float32 scale
+  }
+  return 0;
+}
+
+size_t Format::num_groups(size_t n, size_t channels) const {
+  switch (scope_) {
+    case ScaleScope::kNone:
+      return 0;
+    case ScaleScope::kTensor:
+      return 1;
+    case ScaleScope::kChannel:
+      return channels;
+    case ScaleScope::kBlock:
+      return (n + block_size_ - 1) / block_size_;
+  }
+  return 0;
+}
+
+FormatInfo Format::Info() const {
+  FormatInfo info;
+  info.bits = bits_;
+  switch (family_) {
+    case FormatFamily::kFloat32:
+      info.max_finite = 3.4028234663852886e38;
+      info.min_normal = std::ldexp(1.0, -126);
+      info.min_subnormal = flush_subnormals_ ? 0.0 : std::ldexp(1.0, -149);
+      info.distinct_finite = (uint64_t(1) << 32) - (uint64_t(1) << 24) - 1 -
+                             (flush_subnormals_ ? 2 * ((uint64_t(1) << 23) - 1) : 0);
+      break;
+    case FormatFamily::kFloat:
+    case FormatFamily::kSharedShift: {
+      const FloatGrid& g = grid_;
+      info.max_finite = kernels::BitsFloat(g.max_bits);
+      const bool has_normal = (g.max_code >> g.mbits) > 0;
+      info.min_normal = has_normal ? std::ldexp(1.0, g.emin) : 0.0;
+      info.min_subnormal = g.subnormals && g.mbits > 0 ? g.quantum : 0.0;
+      uint64_t magnitudes = uint64_t(g.max_code) + 1;  // codes 0..max_code are all finite
+      if (!g.subnormals) magnitudes -= (uint64_t(1) << g.mbits) - 1;
+      info.distinct_finite = 2 * magnitudes - 1;
+      if (family_ == FormatFamily::kSharedShift) {
+        const char* where = scope_ == ScaleScope::kTensor    ? "tensor"
+                            : scope_ == ScaleScope::kChannel ? "channel"
+                                                             : "block";
+        info.scale_note = std::string("values shown at shift s = 0; each ") + where +
+                          " is scaled by 2^s, s chosen from its max |x|";
+      }
+      break;
+    }
+    case FormatFamily::kIntSymmetric: {
+      const int qmax = (1 << (bits_ - 1)) - 1;
+      info.max_finite = qmax;
+      info.min_normal = 1;
+      info.distinct_finite = 2 * uint64_t(qmax) + 1;
+      info.scale_note = "integer levels shown; value = q * scale, scale = max|x| / " +
+                        std::to_string(qmax) + (scope_ == ScaleScope::kChannel
+                                                    ? " per channel"
+                                                    : " per tensor");
+      break;
+    }
+    case FormatFamily::kUintMinMax: {
+      const int qmax = (1 << bits_) - 1;
+      info.max_finite = qmax;
+      info.min_normal = 1;
+      info.distinct_finite = uint64_t(qmax) + 1;
+      info.scale_note = "integer levels shown; value = min + q * scale, scale = (max - min) / " +
+                        std::to_string(qmax) + (scope_ == ScaleScope::kChannel
+                                                    ? " per channel"
+                                                    : " per tensor");
+      break;
+    }
+  }
+  return info;
+}
+
+Result<std::vector<float>> Format::Values() const {
+  if (bits_ > 16) {
+    return Status::InvalidArgument("format '" + spec_ + "' has " + std::to_string(bits_) +
+                                   " bits; values are listed only for formats of <= 16 bits");
+  }
+  std::set<float> values;
+  if (is_float_grid()) {
+    for (uint32_t code = 0; code < (1u << bits_); ++code) {
+      const float v = kernels::DecodeFloatGrid(code, grid_);
+      if (!std::isfinite(v)) continue;
+      // Codes a round never produces under :nosub (nonzero subnormals) are not values.
+      const uint32_t mag = code & ((1u << (bits_ - 1)) - 1u);
+      if (!grid_.subnormals && mag != 0 && (mag >> grid_.mbits) == 0) continue;
+      values.insert(v == 0.0f ? 0.0f : v);
+    }
+  } else if (family_ == FormatFamily::kIntSymmetric) {
+    const int qmax = (1 << (bits_ - 1)) - 1;
+    for (int q = -qmax; q <= qmax; ++q) values.insert(float(q));
+  } else {
+    for (int q = 0; q < (1 << bits_); ++q) values.insert(float(q));
+  }
+  return std::vector<float>(values.begin(), values.end());
+}
+
+}  // namespace cpd

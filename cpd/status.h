@@ -1,0 +1,64 @@
+// A cheap success-or-error value for library code (after leveldb's Status). Exceptions and exit
+// codes belong at program edges only.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace cpd {
+
+class Status {
+ public:
+  enum class Code { kOk = 0, kInvalidArgument, kOutOfRange, kNotFound, kIoError, kCorruption,
+                    kUnavailable, kInternal };
+
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status InvalidArgument(std::string msg) { return Status(Code::kInvalidArgument, std::move(msg)); }
+  static Status OutOfRange(std::string msg) { return Status(Code::kOutOfRange, std::move(msg)); }
+  static Status NotFound(std::string msg) { return Status(Code::kNotFound, std::move(msg)); }
+  static Status IoError(std::string msg) { return Status(Code::kIoError, std::move(msg)); }
+  static Status Corruption(std::string msg) { return Status(Code::kCorruption, std::move(msg)); }
+  static Status Unavailable(std::string msg) { return Status(Code::kUnavailable, std::move(msg)); }
+  static Status Internal(std::string msg) { return Status(Code::kInternal, std::move(msg)); }
+
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  std::string ToString() const { return ok() ? "OK" : message_; }
+
+ private:
+  Status(Code code, std::string msg) : code_(code), message_(std::move(msg)) {}
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+// A value or the Status explaining why there is none.
+template <typename T>
+class Result {
+ public:
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {}  // NOLINT: must not be ok()
+  bool ok() const { return std::holds_alternative<T>(v_); }
+  const Status& status() const {
+    static const Status kOk;
+    return ok() ? kOk : std::get<Status>(v_);
+  }
+  const T& value() const& { return std::get<T>(v_); }
+  T& value() & { return std::get<T>(v_); }
+  T&& value() && { return std::get<T>(std::move(v_)); }
+  const T& operator*() const& { return value(); }
+  const T* operator->() const { return &value(); }
+
+ private:
+  std::variant<T, Status> v_;
+};
+
+#define CPD_RETURN_IF_ERROR(expr)          \
+  do {                                     \
+    ::cpd::Status _cpd_status = (expr);    \
+    if (!_cpd_status.ok()) return _cpd_status; \
+  } while (0)
+
+}  // namespace cpd

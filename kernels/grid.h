@@ -1,0 +1,347 @@
+// Per-element rounding of float32 onto a number grid: the numeric core shared by the CPU loops
+// (kernels/quantize_cpu.cc) and the CUDA kernels (kernels/cuda/quantize.cu). Everything here is
+// header-only, branch-free and host/device, so that both paths produce bit-identical results.
+//
+// Two kinds of grid:
+//  * FloatGrid: sign, X exponent bits, M mantissa bits (IEEE-like, gradual underflow). Covers
+//    eXmY, bf16/fp16, OCP FP8/FP6/FP4, and, after a power-of-two shift chosen per tensor, channel
+//    or block, the fp134 family, log<b> (M = 0), MX elements and bfp<b> (X = 1).
+//  * LinearGrid: q = clamp(round((x - offset) / scale)), value = q * scale + offset: int<b> and
+//    the min/max range quantiser of CPT.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define CPD_HD __host__ __device__ __forceinline__
+#else
+#define CPD_HD inline __attribute__((always_inline))
+#endif
+
+namespace cpd::kernels {
+
+// How a value between two grid points is resolved.
+enum class RoundMode : uint8_t {
+  kNearestEven = 0,  // ties to the even code
+  kStochastic = 1,   // up with probability (x - lo) / (hi - lo); needs 32 random bits
+  kTowardZero = 2,
+  kDown = 3,  // toward -inf (floor onto the grid): hysteresis
+  kUp = 4,    // toward +inf (ceil onto the grid): hysteresis
+};
+
+// Which codes of a float grid are not finite numbers.
+enum class NonFiniteStyle : uint8_t {
+  kAllFinite = 0,  // every code is a number (OCP E3M2/E2M3/E2M1, fp134, log, MX/bfp elements)
+  kIeee = 1,       // the top exponent code is Inf (mantissa 0) or NaN (IEEE, CPD's eXmY, E5M2)
+  kNanOnly = 2,    // only S.1..1.1..1 is NaN, no Inf (OCP E4M3)
+};
+
+// An unscaled floating-point grid. Values: +-m * 2^(emin - mbits) for 0 <= m < 2^mbits
+// (subnormals) and +-(1 + m / 2^mbits) * 2^e for emin <= e, capped at the largest finite code.
+// Requires -126 <= emin and max <= FLT_MAX so that every grid point is a float32.
+// Build with MakeFloatGrid.
+struct FloatGrid {
+  int32_t ebits;           // exponent field width X (1..8)
+  int32_t mbits;           // mantissa field width M (0..23)
+  int32_t emin;            // unbiased exponent of the smallest normal binade (1 - bias)
+  float quantum;           // 2^(emin - mbits): the subnormal step
+  uint32_t max_bits;       // float32 bits of the largest finite magnitude
+  uint32_t max_code;       // its magnitude code
+  uint32_t overflow_bits;  // magnitude that overflow and +-Inf inputs become (max, Inf or NaN)
+  uint32_t overflow_code;
+  uint32_t nan_bits;  // what a NaN input becomes (sign cleared): NaN, or +Inf / +max where the
+  uint32_t nan_code;  // format has no NaN code (CUDA's FP6/FP4 conversions also give +max)
+  NonFiniteStyle style;
+  bool subnormals;  // false: results below 2^emin flush to +-0 (after rounding)
+};
+
+// q = clamp(round((x - offset) / scale), qmin, qmax); value = q * scale + offset.
+// Codes are q - qmin (unsigned, fits in `bits`).
+struct LinearGrid {
+  float scale;   // > 0, or 0 for a constant tensor (then every value becomes `offset`)
+  float offset;  // 0 for symmetric int<b>, min for uint<b>:minmax
+  int32_t qmin;
+  int32_t qmax;
+};
+
+// Fused per-element statistics, accumulated by the loops (not by these functions).
+struct ElementFlags {
+  bool saturated;  // finite input that overflowed, or +-Inf input
+  bool flushed;    // nonzero finite input that became zero
+  bool nonfinite;  // NaN or Inf input
+};
+
+CPD_HD uint32_t FloatBits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+CPD_HD float BitsFloat(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// 2^e as a float32 for -149 <= e <= 127 (subnormal powers included).
+CPD_HD float Pow2(int32_t e) {
+  return e >= -126 ? BitsFloat(uint32_t(e + 127) << 23) : BitsFloat(1u << (e + 149));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counter-based random bits: a function of (key, index) only, so stochastic rounding gives the
+// same result for any thread count, chunking, or CPU vs GPU. key = MakeRandomKey(seed, step).
+// Mix32 is Chris Wellons' "lowbias32" integer hash (a bijection with low avalanche bias).
+CPD_HD uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  x ^= x >> 15;
+  return x;
+}
+
+CPD_HD uint64_t SplitMix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+CPD_HD uint64_t MakeRandomKey(uint64_t seed, uint64_t step) {
+  return SplitMix64(SplitMix64(seed) ^ step);
+}
+
+CPD_HD uint32_t RandomBits(uint64_t key, uint64_t index) {
+  const uint32_t lo = uint32_t(index) ^ uint32_t(key);
+  const uint32_t hi = uint32_t(index >> 32) ^ uint32_t(key >> 32);
+  return Mix32(Mix32(lo) + Mix32(hi ^ 0x5bd1e995u));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rounds y onto grid g. Returns the float32 bits of the result and writes its code
+// (sign | magnitude code, sign at bit ebits + mbits) when `code` is non-null.
+// `rnd` is used only by kStochastic.
+template <RoundMode kMode>
+CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint32_t* code,
+                                 ElementFlags* flags) {
+  const uint32_t u = FloatBits(y);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u & 0x7fffffffu;
+  const int32_t exp_field = int32_t(a >> 23);
+  const int32_t exp_eff = exp_field > 0 ? exp_field : 1;
+  const int32_t emin_field = g.emin + 127;  // >= 1
+  const int32_t m = g.mbits;
+  const bool normal_region = exp_field >= emin_field;
+  // Bits of the working integer below the grid's quantum at |y|.
+  const int32_t r = normal_region ? 23 - m : 23 - m + emin_field - exp_eff;
+  const int32_t rc = r < 31 ? r : 31;
+  // Normal region: round the float bits themselves (a carry walks into the exponent).
+  // Subnormal region: round the significand; the result is k quanta of 2^(emin - m).
+  const uint32_t sig = (a & 0x7fffffu) | (exp_field > 0 ? 0x800000u : 0u);
+  const uint32_t v = normal_region ? a : sig;
+  const uint32_t mask = (1u << rc) - 1u;
+
+  bool toward_zero;
+  if (kMode == RoundMode::kDown) {
+    toward_zero = sign == 0;
+  } else if (kMode == RoundMode::kUp) {
+    toward_zero = sign != 0;
+  } else {
+    toward_zero = kMode == RoundMode::kTowardZero;
+  }
+
+  uint32_t inc;
+  if (kMode == RoundMode::kNearestEven) {
+    const uint32_t half = (1u << rc) >> 1;
+    inc = half != 0 ? half - 1u + ((v >> rc) & 1u) : 0u;
+  } else if (kMode == RoundMode::kStochastic) {
+    inc = (rnd >> 1) >> (31 - rc);  // the top rc random bits
+  } else {
+    inc = toward_zero ? 0u : mask;
+  }
+  const uint32_t vr = (v + inc) & ~mask;
+
+  uint32_t kq = vr >> rc;  // subnormal region: number of quanta
+  if (kMode == RoundMode::kStochastic) {
+    // Far below the smallest quantum (r >= 32): round up with probability v / 2^r.
+    const int32_t s = r - 32 < 31 ? r - 32 : 31;
+    if (r >= 32) kq = rnd < (v >> (s > 0 ? s : 0)) ? 1u : 0u;
+  }
+  const float sub_value = float(int32_t(kq)) * g.quantum;
+  uint32_t res = normal_region ? vr : FloatBits(sub_value);
+
+  // Codes, computed from the rounded magnitude before overflow/flush adjustments.
+  const int32_t code_offset = (emin_field - 1) << m;
+  uint32_t mag_code = normal_region ? uint32_t(int32_t(res >> (23 - m)) - code_offset) : kq;
+
+  const bool was_nonzero = a != 0;
+  if (!g.subnormals && res < uint32_t(emin_field) << 23) {
+    res = 0;
+    mag_code = 0;
+  }
+  const bool overflow = res > g.max_bits;  // includes a carry into the float32 Inf pattern
+  const bool is_inf = a == 0x7f800000u;
+  const bool is_nan = a > 0x7f800000u;
+  if (overflow || is_inf) {
+    res = g.overflow_bits;
+    mag_code = g.overflow_code;
+  }
+  uint32_t out_sign = sign;
+  if (is_nan) {
+    res = g.nan_bits;
+    mag_code = g.nan_code;
+    out_sign = 0;
+  }
+  if (flags != nullptr) {
+    flags->saturated = (overflow && !is_nan) || is_inf;
+    flags->flushed = was_nonzero && !is_nan && !is_inf && res == 0;
+    flags->nonfinite = is_nan || is_inf;
+  }
+  if (code != nullptr) {
+    *code = mag_code | (out_sign != 0 ? 1u << (g.ebits + m) : 0u);
+  }
+  return res | out_sign;
+}
+
+// Value of a code on grid g (the inverse of RoundToFloatGrid's code). NaN codes decode to the
+// canonical quiet NaN with the code's sign.
+CPD_HD float DecodeFloatGrid(uint32_t code, const FloatGrid& g) {
+  const int32_t m = g.mbits;
+  const uint32_t sign = (code >> (g.ebits + m)) & 1u;
+  const uint32_t mag = code & ((1u << (g.ebits + m)) - 1u);
+  const uint32_t exp_code = mag >> m;
+  const uint32_t top_exp = (1u << g.ebits) - 1u;
+  uint32_t bits;
+  if (g.style == NonFiniteStyle::kIeee && exp_code == top_exp) {
+    bits = (mag & ((1u << m) - 1u)) == 0 ? 0x7f800000u : 0x7fc00000u;
+  } else if (g.style == NonFiniteStyle::kNanOnly && mag == (1u << (g.ebits + m)) - 1u) {
+    bits = 0x7fc00000u;
+  } else if (exp_code == 0) {
+    bits = FloatBits(float(int32_t(mag)) * g.quantum);
+  } else {
+    bits = (mag << (23 - m)) + (uint32_t(g.emin + 127 - 1) << 23);
+  }
+  return BitsFloat(bits | (sign << 31));
+}
+
+// Builds a grid of 1 sign, `ebits` exponent and `mbits` mantissa bits with exponent bias `bias`.
+// overflow_to_nonfinite: overflow (and +-Inf) become Inf, or NaN where the style has no Inf
+// (only meaningful for kIeee and kNanOnly); otherwise they saturate to +-max.
+inline FloatGrid MakeFloatGrid(int32_t ebits, int32_t mbits, int32_t bias, NonFiniteStyle style,
+                               bool subnormals, bool overflow_to_nonfinite) {
+  FloatGrid g{};
+  g.ebits = ebits;
+  g.mbits = mbits;
+  g.emin = 1 - bias;
+  g.quantum = Pow2(g.emin - mbits);
+  g.style = style;
+  g.subnormals = subnormals;
+  const uint32_t all_ones = (1u << (ebits + mbits)) - 1u;
+  const uint32_t mant_ones = (1u << mbits) - 1u;
+  switch (style) {
+    case NonFiniteStyle::kAllFinite: g.max_code = all_ones; break;
+    case NonFiniteStyle::kIeee: g.max_code = (((1u << ebits) - 2u) << mbits) | mant_ones; break;
+    case NonFiniteStyle::kNanOnly: g.max_code = all_ones - 1u; break;
+  }
+  g.max_bits = FloatBits(DecodeFloatGrid(g.max_code, g));
+  g.overflow_bits = g.max_bits;
+  g.overflow_code = g.max_code;
+  g.nan_bits = g.max_bits;
+  g.nan_code = g.max_code;
+  if (style == NonFiniteStyle::kIeee) {
+    const uint32_t inf_code = ((1u << ebits) - 1u) << mbits;
+    if (overflow_to_nonfinite) {
+      g.overflow_bits = 0x7f800000u;
+      g.overflow_code = inf_code;
+    }
+    // Without a mantissa bit there is no NaN code: NaN becomes +Inf, still non-finite.
+    g.nan_bits = mbits > 0 ? 0x7fc00000u : 0x7f800000u;
+    g.nan_code = mbits > 0 ? all_ones : inf_code;
+  } else if (style == NonFiniteStyle::kNanOnly) {
+    if (overflow_to_nonfinite) {
+      g.overflow_bits = 0x7fc00000u;
+      g.overflow_code = all_ones;
+    }
+    g.nan_bits = 0x7fc00000u;
+    g.nan_code = all_ones;
+  }
+  return g;
+}
+
+// How a shared power-of-two shift is chosen from a group's largest finite magnitude:
+// shift = clamp(floor(log2 max_abs) + offset, lo, hi); a group of zeros gets lo.
+struct ShiftRule {
+  int32_t offset;
+  int32_t lo;
+  int32_t hi;
+};
+
+CPD_HD int32_t FloorLog2(float x) {  // x > 0 and finite
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  if (a >= 0x00800000u) return int32_t(a >> 23) - 127;
+  int32_t e = -127;
+  for (uint32_t m = a; m >= 2u; m >>= 1) ++e;  // subnormal: position of the top bit
+  return e - 22;
+}
+
+CPD_HD int32_t ShiftForMax(float max_abs, const ShiftRule& r) {
+  if (!(max_abs > 0.0f)) return r.lo;
+  int32_t s = FloorLog2(max_abs) + r.offset;
+  s = s < r.lo ? r.lo : s;
+  return s > r.hi ? r.hi : s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear grids. Division, not multiplication by a reciprocal, so the quotient is correctly
+// rounded on both CPU and GPU; products and sums are never contracted into FMAs (the build
+// passes -ffp-contract=off, the CUDA code uses __fmul_rn/__fadd_rn).
+// The value of level q; a constant tensor (scale 0) maps everything to its offset.
+CPD_HD float LinearValue(int32_t q, const LinearGrid& g) {
+#if defined(__CUDA_ARCH__)
+  return g.scale == 0.0f ? g.offset : __fadd_rn(__fmul_rn(float(q), g.scale), g.offset);
+#else
+  return g.scale == 0.0f ? g.offset : float(q) * g.scale + g.offset;
+#endif
+}
+
+template <RoundMode kMode>
+CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32_t* q_out,
+                               ElementFlags* flags) {
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  const bool is_nan = a > 0x7f800000u;
+  const bool is_inf = a == 0x7f800000u;
+  float t = g.scale > 0.0f ? (x - g.offset) / g.scale : 0.0f;
+  float rq;
+  if (kMode == RoundMode::kNearestEven) {
+    rq = rintf(t);  // default rounding mode: ties to even
+  } else if (kMode == RoundMode::kStochastic) {
+    const float lo = floorf(t);
+    // Up with probability frac(t), at 24-bit resolution.
+    const float u = float(int32_t(rnd >> 8)) * 5.9604644775390625e-8f;  // 2^-24
+    rq = (t - lo) > u ? lo + 1.0f : lo;
+  } else if (kMode == RoundMode::kTowardZero) {
+    rq = truncf(t);
+  } else if (kMode == RoundMode::kDown) {
+    rq = floorf(t);
+  } else {
+    rq = ceilf(t);
+  }
+  const float fmin = float(g.qmin), fmax = float(g.qmax);
+  const bool sat = is_inf || !(rq <= fmax && rq >= fmin) || is_nan;
+  rq = rq < fmin ? fmin : rq;
+  rq = rq > fmax ? fmax : rq;
+  if (is_nan) rq = fmax;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
+  const int32_t q = int32_t(rq);
+  const float value = LinearValue(q, g);
+  if (flags != nullptr) {
+    flags->saturated = sat && !is_nan;
+    flags->flushed = a != 0 && !is_nan && !is_inf && value == 0.0f;
+    flags->nonfinite = is_nan || is_inf;
+  }
+  if (q_out != nullptr) *q_out = q;
+  return value;
+}
+
+}  // namespace cpd::kernels

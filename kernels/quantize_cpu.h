@@ -1,0 +1,55 @@
+// Single-threaded CPU loops over contiguous float32 spans, built on kernels/grid.h. The caller
+// (cpd/quantize.cc) splits work into chunks across threads and merges the statistics in chunk
+// order, so every result, statistics included, is independent of the thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/grid.h"
+
+namespace cpd::kernels {
+
+// Sums over one span; Merge() is associative but the caller merges in a fixed order.
+struct ElementStats {
+  float max_abs = 0.0f;      // over non-NaN inputs (Inf included)
+  uint64_t saturated = 0;    // overflowed finite inputs + Inf inputs
+  uint64_t flushed = 0;      // nonzero finite inputs that became zero
+  uint64_t nonfinite = 0;    // NaN or Inf inputs
+  double sq_error = 0.0;     // sum (out - in)^2 over finite inputs with finite outputs
+  double sq_input = 0.0;     // sum in^2 over the same elements
+  void Merge(const ElementStats& o);
+};
+
+struct LoopParams {
+  RoundMode mode = RoundMode::kNearestEven;
+  uint64_t rng_key = 0;     // MakeRandomKey(seed, step); used by kStochastic
+  uint64_t index_base = 0;  // global index of in[0], the counter of the random stream
+};
+
+// out[i] = round(in[i] * 2^-shift) * 2^shift on grid g; codes[i] = its code. `out` may equal
+// `in`; `out`, `codes` and `stats` may each be null. -127 <= shift <= 127.
+void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, const FloatGrid& g,
+                       int shift, const LoopParams& p, ElementStats* stats);
+
+// Same for a linear grid; codes[i] = q - qmin.
+void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n,
+                        const LinearGrid& g, const LoopParams& p, ElementStats* stats);
+
+// Hysteresis (Lee et al., ICLR 2022): q[i] = ceil_grid(w[i]) if w[i] < q[i] else floor_grid(w[i]),
+// with q holding the previous quantised weights on entry and the new ones on return.
+// Returns the number of elements whose quantised value changed.
+uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g, int shift,
+                             ElementStats* stats);
+uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
+                              ElementStats* stats);
+
+// Reductions used to choose scales. NaN is ignored; Inf is ignored by the *Finite variants.
+float MaxAbsFinite(const float* x, size_t n);
+void MinMaxFinite(const float* x, size_t n, float* min_out, float* max_out);
+
+// Decodes codes of grid g (any bit width) into floats.
+void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
+                         int shift);
+
+}  // namespace cpd::kernels

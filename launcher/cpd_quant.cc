@@ -1,0 +1,166 @@
+// cpd-quant: inspect CPD number formats and quantise raw float32 streams.
+//
+//   cpd-quant info SPEC [--list]
+//   cpd-quant quantize --format SPEC [--rounding nearest|stochastic|zero] [--seed N] [--stats]
+//
+// Errors (bad spec, truncated input) print one line to stderr, nothing to stdout, and exit 2.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpd/config.h"
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+
+namespace {
+
+constexpr int kUsageError = 2;
+
+[[noreturn]] void Fail(const std::string& msg) {
+  std::fprintf(stderr, "cpd-quant: %s\n", msg.c_str());
+  std::exit(kUsageError);
+}
+
+// "0.015625 (2^-6)" for powers of two, plain %.9g otherwise.
+std::string Describe(double v) {
+  char buf[64];
+  int e = 0;
+  const double m = std::frexp(v, &e);
+  if (v > 0 && m == 0.5) {
+    std::snprintf(buf, sizeof(buf), "%.9g (2^%d)", v, e - 1);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.9g", v);
+  }
+  return buf;
+}
+
+int RunInfo(const std::string& spec, bool list) {
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) Fail(f.status().message());
+  const cpd::FormatInfo info = f->Info();
+  std::printf("format          %s\n", f->spec().c_str());
+  std::printf("bits            %d\n", info.bits);
+  std::printf("max finite      %s\n", Describe(info.max_finite).c_str());
+  std::printf("min normal      %s\n", info.min_normal > 0 ? Describe(info.min_normal).c_str() : "none");
+  std::printf("min subnormal   %s\n",
+              info.min_subnormal > 0 ? Describe(info.min_subnormal).c_str() : "none");
+  std::printf("distinct finite %llu\n", static_cast<unsigned long long>(info.distinct_finite));
+  if (f->scope() == cpd::ScaleScope::kBlock) {
+    std::printf("block           %zu\n", f->block_size());
+  }
+  if (!info.scale_note.empty()) std::printf("scale           %s\n", info.scale_note.c_str());
+  if (list) {
+    if (info.bits > 8) Fail("--list prints formats of <= 8 bits; '" + f->spec() + "' has " +
+                            std::to_string(info.bits));
+    auto values = f->Values();
+    if (!values.ok()) Fail(values.status().message());
+    std::printf("values:\n");
+    for (float v : *values) std::printf("%.9g\n", double(v));
+  }
+  return 0;
+}
+
+std::vector<unsigned char> ReadAll(FILE* in) {
+  std::vector<unsigned char> data;
+  unsigned char buf[1 << 16];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof(buf), in)) > 0) data.insert(data.end(), buf, buf + got);
+  if (std::ferror(in)) Fail(std::string("reading stdin: ") + std::strerror(errno));
+  return data;
+}
+
+int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t seed,
+                uint64_t step, size_t channels, int threads, bool stats) {
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) Fail(f.status().message());
+  auto r = cpd::ParseRounding(rounding);
+  if (!r.ok()) Fail(r.status().message());
+  if (isatty(STDIN_FILENO)) Fail("reads raw little-endian float32 from stdin; pipe data in");
+
+  std::vector<unsigned char> raw = ReadAll(stdin);
+  if (raw.size() % 4 != 0) {
+    Fail("input is " + std::to_string(raw.size()) +
+         " bytes, not a multiple of 4 (raw little-endian float32 expected)");
+  }
+  const size_t n = raw.size() / 4;
+  std::vector<float> x(n);
+  if (n > 0) std::memcpy(x.data(), raw.data(), raw.size());
+
+  cpd::QuantizeOptions opts;
+  opts.rounding = *r;
+  opts.seed = seed;
+  opts.step = step;
+  opts.channels = channels;
+  opts.threads = threads;
+  cpd::QuantStats st;
+  cpd::Status s = cpd::Quantize(*f, x.data(), x.data(), n, opts, stats ? &st : nullptr);
+  if (!s.ok()) Fail(s.message());
+  if (n > 0 && std::fwrite(x.data(), 4, n, stdout) != n) Fail("writing stdout failed");
+  if (std::fflush(stdout) != 0) Fail("writing stdout failed");
+  if (stats) {
+    const double denom = n > 0 ? double(n) : 1.0;
+    std::fprintf(stderr,
+                 "format %s rounding %s count %zu max_abs %.9g saturated %llu (%.4f%%) "
+                 "flushed %llu (%.4f%%) nonfinite %llu rel_error %.6g sq_error %.9g\n",
+                 f->spec().c_str(), cpd::RoundingName(*r), n, double(st.max_abs),
+                 static_cast<unsigned long long>(st.saturated), 100.0 * st.saturated / denom,
+                 static_cast<unsigned long long>(st.flushed), 100.0 * st.flushed / denom,
+                 static_cast<unsigned long long>(st.nonfinite), st.relative_error(),
+                 st.sq_error);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cpd-quant: inspect CPD number formats and quantise raw float32 streams.\n" +
+               std::string(cpd::FormatSpecHelp())};
+  app.set_version_flag("--version", std::string("cpd-quant ") + CPD_VERSION);
+  app.require_subcommand(1);
+
+  std::string info_spec;
+  bool list = false;
+  CLI::App* info = app.add_subcommand("info", "Print a format's bits, range and value count");
+  info->add_option("SPEC", info_spec, "Format spec, e.g. e4m3, fp134, log4, mxfp4")->required();
+  info->add_flag("--list", list, "Also print every distinct finite value (formats <= 8 bits)");
+
+  std::string spec, rounding = "nearest";
+  uint64_t seed = 0, step = 0;
+  size_t channels = 1;
+  int threads = 0;
+  bool stats = false;
+  CLI::App* quant = app.add_subcommand(
+      "quantize", "Quantise raw little-endian float32 from stdin to stdout (one tensor)");
+  quant->add_option("--format", spec, "Format spec")->required();
+  quant->add_option("--rounding", rounding, "nearest (ties to even) | stochastic | zero")
+      ->capture_default_str();
+  quant->add_option("--seed", seed, "Seed of the stochastic-rounding stream")->capture_default_str();
+  quant->add_option("--step", step, "Step number mixed into the stochastic stream")
+      ->capture_default_str();
+  quant->add_option("--channels", channels,
+                    "View the input as this many equal rows (for :ch formats and log<b>)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  quant->add_option("--threads", threads, "Worker threads (0 = all cores)")->capture_default_str();
+  quant->add_flag("--stats", stats, "Print statistics (max|x|, saturated, flushed, error) to stderr");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    Fail(e.what());
+  }
+  if (info->parsed()) return RunInfo(info_spec, list);
+  return RunQuantize(spec, rounding, seed, step, channels, threads, stats);
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs every Debian package CPD needs to build and test. Idempotent and quiet: packages
+# already present are skipped, so a second run costs one dpkg query.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config git
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev libfmt-dev nlohmann-json3-dev
+  libopenblas-dev
+  libopenmpi-dev openmpi-bin
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev
+  dataset-fashion-mnist python3 python3-numpy
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install_deps: installing ${#missing[@]} package(s): ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

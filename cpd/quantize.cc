@@ -254,7 +254,16 @@ void FillStats(const ElementStats& e, size_t n, QuantStats* stats) {
 Status Run(const Format& format, const float* in, float* out, uint8_t* packed, size_t n,
            const QuantizeOptions& opts, QuantStats* stats) {
   CPD_RETURN_IF_ERROR(Validate(format, n, opts));
-  const Groups groups = ComputeGroups(format, in, n, opts);
+  // Blocks that never straddle a chunk are scaled inside the chunk loop, in one pass.
+  const bool fused_blocks =
+      format.scope() == ScaleScope::kBlock && kChunk % format.block_size() == 0;
+  Groups groups;
+  if (fused_blocks) {
+    groups.group_len = format.block_size();
+    groups.shifts.resize(format.num_groups(n, opts.channels));
+  } else {
+    groups = ComputeGroups(format, in, n, opts);
+  }
   LoopParams base;
   base.mode = ToMode(opts.rounding);
   base.rng_key = kernels::MakeRandomKey(opts.seed, opts.step);
@@ -266,12 +275,21 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
 #pragma omp parallel num_threads(ThreadCount(opts, chunks))
   {
     std::vector<uint32_t> codes(packed != nullptr ? kChunk : 0);
+    uint32_t* const c = packed != nullptr ? codes.data() : nullptr;
 #pragma omp for schedule(static)
-    for (size_t c = 0; c < chunks; ++c) {
-      const size_t s = c * kChunk, e = std::min(n, s + kChunk);
-      ElementStats* st = stats != nullptr ? &chunk_stats[c] : nullptr;
-      QuantizeChunk(format, groups, in, out, packed != nullptr ? codes.data() : nullptr, s, e,
-                    base, st);
+    for (size_t ci = 0; ci < chunks; ++ci) {
+      const size_t s = ci * kChunk, e = std::min(n, s + kChunk);
+      ElementStats* st = stats != nullptr ? &chunk_stats[ci] : nullptr;
+      if (fused_blocks) {
+        LoopParams p = base;
+        p.index_base = base.index_base + s;
+        kernels::QuantizeFloatGridBlocks(in + s, out != nullptr ? out + s : nullptr, c, e - s,
+                                         format.block_size(), format.grid(),
+                                         format.shift_rule(), p, st,
+                                         groups.shifts.data() + s / format.block_size());
+      } else {
+        QuantizeChunk(format, groups, in, out, c, s, e, base, st);
+      }
       if (packed != nullptr) PackCodes(codes.data(), e - s, bits, packed + s * bits / 8);
     }
   }

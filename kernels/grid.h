@@ -47,6 +47,7 @@ struct FloatGrid {
   int32_t mbits;           // mantissa field width M (0..23)
   int32_t emin;            // unbiased exponent of the smallest normal binade (1 - bias)
   float quantum;           // 2^(emin - mbits): the subnormal step
+  float rne_magic;         // 2^(emin - mbits + 23): |y| + rne_magic rounds |y| to quanta
   uint32_t max_bits;       // float32 bits of the largest finite magnitude
   uint32_t max_code;       // its magnitude code
   uint32_t overflow_bits;  // magnitude that overflow and +-Inf inputs become (max, Inf or NaN)
@@ -134,74 +135,80 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   const int32_t emin_field = g.emin + 127;  // >= 1
   const int32_t m = g.mbits;
   const bool normal_region = exp_field >= emin_field;
-  // Bits of the working integer below the grid's quantum at |y|.
-  const int32_t r = normal_region ? 23 - m : 23 - m + emin_field - exp_eff;
-  const int32_t rc = r < 31 ? r : 31;
-  // Normal region: round the float bits themselves (a carry walks into the exponent).
-  // Subnormal region: round the significand; the result is k quanta of 2^(emin - m).
-  const uint32_t sig = (a & 0x7fffffu) | (exp_field > 0 ? 0x800000u : 0u);
-  const uint32_t v = normal_region ? a : sig;
-  const uint32_t mask = (1u << rc) - 1u;
-
-  bool toward_zero;
-  if (kMode == RoundMode::kDown) {
-    toward_zero = sign == 0;
-  } else if (kMode == RoundMode::kUp) {
-    toward_zero = sign != 0;
+  const int32_t r0 = 23 - m;  // float32 mantissa bits below the grid's in the normal region
+  uint32_t res, kq;
+  if constexpr (kMode == RoundMode::kNearestEven) {
+    // The hot path, without per-lane variable shifts. Normal region: round the float bits
+    // (ties to even; a carry walks into the exponent). Subnormal region: the hardware rounds
+    // |y| + C to a multiple of ulp(C) = 2^(emin - m), ties to even; k quanta = bits - bits(C).
+    const uint32_t lsb = r0 > 0 ? (a >> r0) & 1u : 0u;
+    const uint32_t half_m1 = r0 > 0 ? (1u << (r0 - 1)) - 1u : 0u;
+    const uint32_t res_n = (a + half_m1 + lsb) & ~((1u << r0) - 1u);
+    const uint32_t sum_bits = FloatBits(BitsFloat(a) + g.rne_magic);
+    const uint32_t res_s = FloatBits(BitsFloat(sum_bits) - g.rne_magic);
+    kq = sum_bits - FloatBits(g.rne_magic);
+    res = normal_region ? res_n : res_s;
   } else {
-    toward_zero = kMode == RoundMode::kTowardZero;
-  }
+    // Other modes round an integer: the float bits in the normal region, the significand in
+    // the subnormal region. r = bits of it below the grid's quantum at |y|.
+    const int32_t r = normal_region ? 23 - m : 23 - m + emin_field - exp_eff;
+    const int32_t rc = r < 31 ? r : 31;
+    const uint32_t sig = (a & 0x7fffffu) | (exp_field > 0 ? 0x800000u : 0u);
+    const uint32_t v = normal_region ? a : sig;
+    const uint32_t mask = (1u << rc) - 1u;
 
-  uint32_t inc;
-  if (kMode == RoundMode::kNearestEven) {
-    const uint32_t half = (1u << rc) >> 1;
-    inc = half != 0 ? half - 1u + ((v >> rc) & 1u) : 0u;
-  } else if (kMode == RoundMode::kStochastic) {
-    inc = (rnd >> 1) >> (31 - rc);  // the top rc random bits
-  } else {
-    inc = toward_zero ? 0u : mask;
-  }
-  const uint32_t vr = (v + inc) & ~mask;
+    bool toward_zero;
+    if (kMode == RoundMode::kDown) {
+      toward_zero = sign == 0;
+    } else if (kMode == RoundMode::kUp) {
+      toward_zero = sign != 0;
+    } else {
+      toward_zero = kMode == RoundMode::kTowardZero;
+    }
 
-  uint32_t kq = vr >> rc;  // subnormal region: number of quanta
-  if (kMode == RoundMode::kStochastic) {
-    // Far below the smallest quantum (r >= 32): round up with probability v / 2^r.
-    const int32_t s = r - 32 < 31 ? r - 32 : 31;
-    if (r >= 32) kq = rnd < (v >> (s > 0 ? s : 0)) ? 1u : 0u;
+    uint32_t inc;
+    if (kMode == RoundMode::kStochastic) {
+      inc = (rnd >> 1) >> (31 - rc);  // the top rc random bits
+    } else {
+      inc = toward_zero ? 0u : mask;
+    }
+    const uint32_t vr = (v + inc) & ~mask;
+
+    kq = vr >> rc;  // subnormal region: number of quanta
+    if (kMode == RoundMode::kStochastic) {
+      // Far below the smallest quantum (r >= 32): round up with probability v / 2^r.
+      const int32_t s = r - 32 < 31 ? r - 32 : 31;
+      const uint32_t far_kq = rnd < (v >> (s > 0 ? s : 0)) ? 1u : 0u;
+      kq = r >= 32 ? far_kq : kq;
+    }
+    const float sub_value = float(int32_t(kq)) * g.quantum;
+    res = normal_region ? vr : FloatBits(sub_value);
   }
-  const float sub_value = float(int32_t(kq)) * g.quantum;
-  uint32_t res = normal_region ? vr : FloatBits(sub_value);
 
   // Codes, computed from the rounded magnitude before overflow/flush adjustments.
   const int32_t code_offset = (emin_field - 1) << m;
-  uint32_t mag_code = normal_region ? uint32_t(int32_t(res >> (23 - m)) - code_offset) : kq;
+  uint32_t mag_code = normal_region ? uint32_t(int32_t(res >> r0) - code_offset) : kq;
 
-  const bool was_nonzero = a != 0;
-  if (!g.subnormals && res < uint32_t(emin_field) << 23) {
-    res = 0;
-    mag_code = 0;
-  }
+  // Everything below is selects, not branches, so that the loops vectorise. Predicates are
+  // taken from the rounded value before any replacement (a flushed value never overflows).
+  const uint32_t flush_below = g.subnormals ? 0u : uint32_t(emin_field) << 23;
+  const bool flush = res < flush_below;
   const bool overflow = res > g.max_bits;  // includes a carry into the float32 Inf pattern
   const bool is_inf = a == 0x7f800000u;
   const bool is_nan = a > 0x7f800000u;
-  if (overflow || is_inf) {
-    res = g.overflow_bits;
-    mag_code = g.overflow_code;
-  }
-  uint32_t out_sign = sign;
-  if (is_nan) {
-    res = g.nan_bits;
-    mag_code = g.nan_code;
-    out_sign = 0;
-  }
+  res = flush ? 0u : res;
+  mag_code = flush ? 0u : mag_code;
+  res = overflow ? g.overflow_bits : res;  // a NaN or Inf input also lands here
+  mag_code = overflow ? g.overflow_code : mag_code;
+  res = is_nan ? g.nan_bits : res;
+  mag_code = is_nan ? g.nan_code : mag_code;
+  const uint32_t out_sign = is_nan ? 0u : sign;
   if (flags != nullptr) {
     flags->saturated = (overflow && !is_nan) || is_inf;
-    flags->flushed = was_nonzero && !is_nan && !is_inf && res == 0;
+    flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
     flags->nonfinite = is_nan || is_inf;
   }
-  if (code != nullptr) {
-    *code = mag_code | (out_sign != 0 ? 1u << (g.ebits + m) : 0u);
-  }
+  if (code != nullptr) *code = mag_code | (out_sign >> 31 << (g.ebits + m));
   return res | out_sign;
 }
 
@@ -236,6 +243,7 @@ inline FloatGrid MakeFloatGrid(int32_t ebits, int32_t mbits, int32_t bias, NonFi
   g.mbits = mbits;
   g.emin = 1 - bias;
   g.quantum = Pow2(g.emin - mbits);
+  g.rne_magic = Pow2(g.emin - mbits + 23);
   g.style = style;
   g.subnormals = subnormals;
   const uint32_t all_ones = (1u << (ebits + mbits)) - 1u;

@@ -11,6 +11,9 @@
 #else
 #define CPD_CLONES
 #endif
+// The loop templates are forced inline into each clone so they are compiled for its ISA.
+#define CPD_INLINE inline __attribute__((always_inline))
+#define CPD_LAMBDA_INLINE __attribute__((always_inline))
 
 namespace cpd::kernels {
 
@@ -25,132 +28,135 @@ void ElementStats::Merge(const ElementStats& o) {
 
 namespace {
 
-constexpr int kLanes = 16;  // statistics accumulate lane-wise so the loops stay vectorised
-
-// Lane-wise statistics accumulator, summed in a fixed order at the end.
-struct LaneStats {
-  uint32_t max_bits[kLanes] = {};
-  uint32_t saturated[kLanes] = {};
-  uint32_t flushed[kLanes] = {};
-  uint32_t nonfinite[kLanes] = {};
-  double sq_error[kLanes] = {};
-  double sq_input[kLanes] = {};
-
-  inline void Add(int lane, float in, float out, const ElementFlags& f) {
-    const uint32_t a = FloatBits(in) & 0x7fffffffu;
-    const uint32_t abits = a > 0x7f800000u ? 0u : a;
-    max_bits[lane] = std::max(max_bits[lane], abits);
-    saturated[lane] += f.saturated;
-    flushed[lane] += f.flushed;
-    nonfinite[lane] += f.nonfinite;
-    const bool finite = a < 0x7f800000u && (FloatBits(out) & 0x7fffffffu) < 0x7f800000u;
-    const double d = finite ? double(out) - double(in) : 0.0;
-    const double x = finite ? double(in) : 0.0;
-    sq_error[lane] += d * d;
-    sq_input[lane] += x * x;
-  }
-
-  void Flush(ElementStats* s) const {
+// The statistics of one span, reduced inside `omp simd` loops so that they stay vectorised.
+// The order of the floating-point sums is fixed for a given instruction set, so results do not
+// depend on the thread count (work items are fixed-size chunks merged in order).
+struct SpanAcc {
+  uint32_t max_bits = 0;
+  uint64_t saturated = 0, flushed = 0, nonfinite = 0;
+  double sq_error = 0.0, sq_input = 0.0;
+  void MergeInto(ElementStats* s) const {
     ElementStats t;
-    uint32_t mb = 0;
-    for (int j = 0; j < kLanes; ++j) {
-      mb = std::max(mb, max_bits[j]);
-      t.saturated += saturated[j];
-      t.flushed += flushed[j];
-      t.nonfinite += nonfinite[j];
-      t.sq_error += sq_error[j];
-      t.sq_input += sq_input[j];
-    }
-    t.max_abs = BitsFloat(mb);
+    t.max_abs = BitsFloat(max_bits);
+    t.saturated = saturated;
+    t.flushed = flushed;
+    t.nonfinite = nonfinite;
+    t.sq_error = sq_error;
+    t.sq_input = sq_input;
     s->Merge(t);
   }
 };
 
-// Counters are 32-bit per lane; spans longer than this are processed in pieces.
-constexpr size_t kMaxStatsSpan = size_t(1) << 30;
+// What a RoundFn returns for one element.
+struct Rounded {
+  float value;
+  uint32_t code;
+  ElementFlags flags;
+};
 
-template <RoundMode kMode, bool kOut, bool kCodes>
-inline void FloatGridLoop(const float* __restrict in, float* out, uint32_t* __restrict codes,
-                          size_t n, const FloatGrid& grid, int shift, const LoopParams& p) {
+// The one element loop: round(x, i) -> Rounded. Writes out/codes as asked and accumulates
+// statistics when kStats. RoundFn returns by value: an address-taken local inside an
+// `omp simd` body would become a per-lane array and stop vectorisation.
+template <bool kOut, bool kCodes, bool kStats, typename RoundFn>
+CPD_INLINE void ElementLoop(const float* in, float* out, uint32_t* codes, size_t n,
+                            const RoundFn& round, ElementStats* stats) {
+  if constexpr (!kStats) {
+    for (size_t i = 0; i < n; ++i) {
+      const Rounded r = round(in[i], i);
+      if (kOut) out[i] = r.value;
+      if (kCodes) codes[i] = r.code;
+    }
+  } else {
+    uint32_t mx = 0;
+    uint64_t sat = 0, fl = 0, nf = 0;
+    double se = 0.0, si = 0.0;
+#pragma omp simd reduction(max : mx) reduction(+ : sat, fl, nf, se, si)
+    for (size_t i = 0; i < n; ++i) {
+      const float x = in[i];
+      const Rounded r = round(x, i);
+      if (kOut) out[i] = r.value;
+      if (kCodes) codes[i] = r.code;
+      const uint32_t a = FloatBits(x) & 0x7fffffffu;
+      mx = std::max(mx, a & (0u - uint32_t(a <= 0x7f800000u)));  // NaN excluded, Inf kept
+      sat += r.flags.saturated;
+      fl += r.flags.flushed;
+      nf += r.flags.nonfinite;
+      const bool finite = a < 0x7f800000u && (FloatBits(r.value) & 0x7fffffffu) < 0x7f800000u;
+      const double xd = finite ? double(x) : 0.0;
+      const double d = finite ? double(r.value) - xd : 0.0;
+      se += d * d;
+      si += xd * xd;
+    }
+    SpanAcc acc;
+    acc.max_bits = mx;
+    acc.saturated = sat;
+    acc.flushed = fl;
+    acc.nonfinite = nf;
+    acc.sq_error = se;
+    acc.sq_input = si;
+    acc.MergeInto(stats);
+  }
+}
+
+// Picks the ElementLoop instantiation for the outputs asked for.
+template <typename RoundFn>
+CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, size_t n,
+                                const RoundFn& round, ElementStats* stats) {
+  const int key = (out != nullptr) | (codes != nullptr) << 1 | (stats != nullptr) << 2;
+  switch (key) {
+    case 1: ElementLoop<true, false, false>(in, out, codes, n, round, stats); break;
+    case 2: ElementLoop<false, true, false>(in, out, codes, n, round, stats); break;
+    case 3: ElementLoop<true, true, false>(in, out, codes, n, round, stats); break;
+    case 4: ElementLoop<false, false, true>(in, out, codes, n, round, stats); break;
+    case 5: ElementLoop<true, false, true>(in, out, codes, n, round, stats); break;
+    case 6: ElementLoop<false, true, true>(in, out, codes, n, round, stats); break;
+    case 7: ElementLoop<true, true, true>(in, out, codes, n, round, stats); break;
+    default: break;
+  }
+}
+
+template <RoundMode kMode>
+CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
+                                  const FloatGrid& grid, int shift, const LoopParams& p,
+                                  ElementStats* stats) {
   const FloatGrid g = grid;
   const float down = Pow2(-shift), up = Pow2(shift);
   const uint64_t key = p.rng_key, base = p.index_base;
-  for (size_t i = 0; i < n; ++i) {
+  auto round = [&g, down, up, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
-    uint32_t code;
-    const float y = in[i] * down;
-    const float z = BitsFloat(RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr));
-    if (kOut) out[i] = z * up;
-    if (kCodes) codes[i] = code;
-  }
+    Rounded r;
+    r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code, &r.flags)) * up;
+    return r;
+  };
+  DispatchOutputs(in, out, codes, n, round, stats);
 }
 
 template <RoundMode kMode>
-inline void FloatGridLoopStats(const float* in, float* out, uint32_t* codes, size_t n,
-                               const FloatGrid& grid, int shift, const LoopParams& p,
-                               ElementStats* stats) {
-  const FloatGrid g = grid;
-  const float down = Pow2(-shift), up = Pow2(shift);
-  for (size_t start = 0; start < n; start += kMaxStatsSpan) {
-    const size_t end = std::min(n, start + kMaxStatsSpan);
-    LaneStats ls;
-    for (size_t i0 = start; i0 < end; i0 += kLanes) {
-      const int lanes = int(std::min<size_t>(kLanes, end - i0));
-      for (int j = 0; j < lanes; ++j) {
-        const size_t i = i0 + j;
-        const uint32_t rnd =
-            kMode == RoundMode::kStochastic ? RandomBits(p.rng_key, p.index_base + i) : 0u;
-        uint32_t code;
-        ElementFlags f;
-        const float x = in[i];
-        const float z = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &code, &f)) * up;
-        ls.Add(j, x, z, f);
-        if (out != nullptr) out[i] = z;
-        if (codes != nullptr) codes[i] = code;
-      }
-    }
-    ls.Flush(stats);
-  }
-}
-
-template <RoundMode kMode>
-void FloatGridDispatch(const float* in, float* out, uint32_t* codes, size_t n, const FloatGrid& g,
-                       int shift, const LoopParams& p, ElementStats* stats) {
-  if (stats != nullptr) {
-    FloatGridLoopStats<kMode>(in, out, codes, n, g, shift, p, stats);
-  } else if (out != nullptr && codes != nullptr) {
-    FloatGridLoop<kMode, true, true>(in, out, codes, n, g, shift, p);
-  } else if (out != nullptr) {
-    FloatGridLoop<kMode, true, false>(in, out, codes, n, g, shift, p);
-  } else if (codes != nullptr) {
-    FloatGridLoop<kMode, false, true>(in, out, codes, n, g, shift, p);
-  }
-}
-
-template <RoundMode kMode>
-inline void LinearGridLoop(const float* in, float* out, uint32_t* codes, size_t n,
-                           const LinearGrid& grid, const LoopParams& p, ElementStats* stats) {
+CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
+                                   const LinearGrid& grid, const LoopParams& p,
+                                   ElementStats* stats) {
   const LinearGrid g = grid;
-  for (size_t start = 0; start < n; start += kMaxStatsSpan) {
-    const size_t end = std::min(n, start + kMaxStatsSpan);
-    LaneStats ls;
-    for (size_t i0 = start; i0 < end; i0 += kLanes) {
-      const int lanes = int(std::min<size_t>(kLanes, end - i0));
-      for (int j = 0; j < lanes; ++j) {
-        const size_t i = i0 + j;
-        const uint32_t rnd =
-            kMode == RoundMode::kStochastic ? RandomBits(p.rng_key, p.index_base + i) : 0u;
-        int32_t q;
-        ElementFlags f;
-        const float x = in[i];
-        const float z = RoundToLinearGrid<kMode>(x, g, rnd, &q, &f);
-        if (stats != nullptr) ls.Add(j, x, z, f);
-        if (out != nullptr) out[i] = z;
-        if (codes != nullptr) codes[i] = uint32_t(q - g.qmin);
-      }
-    }
-    if (stats != nullptr) ls.Flush(stats);
+  const uint64_t key = p.rng_key, base = p.index_base;
+  auto round = [&g, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
+    int32_t q;
+    Rounded r;
+    r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q, &r.flags);
+    r.code = uint32_t(q - g.qmin);
+    return r;
+  };
+  DispatchOutputs(in, out, codes, n, round, stats);
+}
+
+CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {
+  // Non-negative floats order like their bits: an unsigned max reduction, which vectorises.
+  uint32_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t a = FloatBits(x[i]) & 0x7fffffffu;
+    // Masking, not a select: GCC turns a select here into a conditional (scalar) reduction.
+    m = std::max(m, a & (0u - uint32_t(a < 0x7f800000u)));
   }
+  return m;
 }
 
 }  // namespace
@@ -178,115 +184,131 @@ void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, c
 }
 
 CPD_CLONES
+void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n,
+                             size_t block, const FloatGrid& g, const ShiftRule& rule,
+                             const LoopParams& p, ElementStats* stats, int32_t* shifts) {
+  for (size_t b = 0, s = 0; s < n; ++b, s += block) {
+    const size_t len = std::min(block, n - s);
+    const int32_t shift = ShiftForMax(BitsFloat(MaxAbsBits(in + s, len)), rule);
+    shifts[b] = shift;
+    LoopParams bp = p;
+    bp.index_base = p.index_base + s;
+    float* o = out != nullptr ? out + s : nullptr;
+    uint32_t* c = codes != nullptr ? codes + s : nullptr;
+    switch (p.mode) {
+      case RoundMode::kNearestEven:
+        FloatGridDispatch<RoundMode::kNearestEven>(in + s, o, c, len, g, shift, bp, stats);
+        break;
+      case RoundMode::kStochastic:
+        FloatGridDispatch<RoundMode::kStochastic>(in + s, o, c, len, g, shift, bp, stats);
+        break;
+      case RoundMode::kTowardZero:
+        FloatGridDispatch<RoundMode::kTowardZero>(in + s, o, c, len, g, shift, bp, stats);
+        break;
+      default:
+        QuantizeFloatGrid(in + s, o, c, len, g, shift, bp, stats);
+        break;
+    }
+  }
+}
+
+CPD_CLONES
 void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n,
                         const LinearGrid& g, const LoopParams& p, ElementStats* stats) {
   switch (p.mode) {
     case RoundMode::kNearestEven:
-      LinearGridLoop<RoundMode::kNearestEven>(in, out, codes, n, g, p, stats);
+      LinearGridDispatch<RoundMode::kNearestEven>(in, out, codes, n, g, p, stats);
       break;
     case RoundMode::kStochastic:
-      LinearGridLoop<RoundMode::kStochastic>(in, out, codes, n, g, p, stats);
+      LinearGridDispatch<RoundMode::kStochastic>(in, out, codes, n, g, p, stats);
       break;
     case RoundMode::kTowardZero:
-      LinearGridLoop<RoundMode::kTowardZero>(in, out, codes, n, g, p, stats);
+      LinearGridDispatch<RoundMode::kTowardZero>(in, out, codes, n, g, p, stats);
       break;
     case RoundMode::kDown:
-      LinearGridLoop<RoundMode::kDown>(in, out, codes, n, g, p, stats);
+      LinearGridDispatch<RoundMode::kDown>(in, out, codes, n, g, p, stats);
       break;
     case RoundMode::kUp:
-      LinearGridLoop<RoundMode::kUp>(in, out, codes, n, g, p, stats);
+      LinearGridDispatch<RoundMode::kUp>(in, out, codes, n, g, p, stats);
       break;
   }
 }
+
+namespace {
+
+// Hysteresis is applied to weights once per step: a plain scalar loop is fast enough.
+template <typename RoundFn>
+uint64_t HysteresisLoop(const float* w, float* q, size_t n, const RoundFn& round,
+                        ElementStats* stats) {
+  uint64_t flips = 0;
+  SpanAcc acc;
+  for (size_t i = 0; i < n; ++i) {
+    const float x = w[i];
+    const float prev = q[i];
+    ElementFlags f;
+    const float z = round(x, x < prev, &f);
+    flips += FloatBits(z) != FloatBits(prev);
+    q[i] = z;
+    const uint32_t a = FloatBits(x) & 0x7fffffffu;
+    if (a <= 0x7f800000u) acc.max_bits = std::max(acc.max_bits, a);
+    acc.saturated += f.saturated;
+    acc.flushed += f.flushed;
+    acc.nonfinite += f.nonfinite;
+    if (a < 0x7f800000u && (FloatBits(z) & 0x7fffffffu) < 0x7f800000u) {
+      const double d = double(z) - double(x);
+      acc.sq_error += d * d;
+      acc.sq_input += double(x) * double(x);
+    }
+  }
+  if (stats != nullptr) acc.MergeInto(stats);
+  return flips;
+}
+
+}  // namespace
 
 uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g, int shift,
                              ElementStats* stats) {
   const float down = Pow2(-shift), up = Pow2(shift);
-  uint64_t flips = 0;
-  LaneStats ls;
-  for (size_t i = 0; i < n; ++i) {
-    const float x = w[i];
-    const float prev = q[i];
-    ElementFlags f;
+  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
     const float y = x * down;
-    const uint32_t zb = x < prev ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0, nullptr, &f)
-                                 : RoundToFloatGrid<RoundMode::kDown>(y, g, 0, nullptr, &f);
-    const float z = BitsFloat(zb) * up;
-    flips += FloatBits(z) != FloatBits(prev);
-    if (stats != nullptr) ls.Add(int(i % kLanes), x, z, f);
-    q[i] = z;
-  }
-  if (stats != nullptr) ls.Flush(stats);
-  return flips;
+    const uint32_t zb = up_dir ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0, nullptr, f)
+                               : RoundToFloatGrid<RoundMode::kDown>(y, g, 0, nullptr, f);
+    return BitsFloat(zb) * up;
+  };
+  return HysteresisLoop(w, q, n, round, stats);
 }
 
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats) {
-  uint64_t flips = 0;
-  LaneStats ls;
-  for (size_t i = 0; i < n; ++i) {
-    const float x = w[i];
-    const float prev = q[i];
-    ElementFlags f;
-    const float z = x < prev ? RoundToLinearGrid<RoundMode::kUp>(x, g, 0, nullptr, &f)
-                             : RoundToLinearGrid<RoundMode::kDown>(x, g, 0, nullptr, &f);
-    flips += FloatBits(z) != FloatBits(prev);
-    if (stats != nullptr) ls.Add(int(i % kLanes), x, z, f);
-    q[i] = z;
-  }
-  if (stats != nullptr) ls.Flush(stats);
-  return flips;
+  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
+    return up_dir ? RoundToLinearGrid<RoundMode::kUp>(x, g, 0, nullptr, f)
+                  : RoundToLinearGrid<RoundMode::kDown>(x, g, 0, nullptr, f);
+  };
+  return HysteresisLoop(w, q, n, round, stats);
 }
 
 CPD_CLONES
-float MaxAbsFinite(const float* x, size_t n) {
-  uint32_t lanes[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const uint32_t a = FloatBits(x[i + j]) & 0x7fffffffu;
-      lanes[j] = std::max(lanes[j], a < 0x7f800000u ? a : 0u);
-    }
-  }
-  for (; i < n; ++i) {
-    const uint32_t a = FloatBits(x[i]) & 0x7fffffffu;
-    lanes[0] = std::max(lanes[0], a < 0x7f800000u ? a : 0u);
-  }
-  uint32_t m = 0;
-  for (int j = 0; j < kLanes; ++j) m = std::max(m, lanes[j]);
-  return BitsFloat(m);
-}
+float MaxAbsFinite(const float* x, size_t n) { return BitsFloat(MaxAbsBits(x, n)); }
+
+namespace {
+// A key whose unsigned order is the float order (negative floats reversed below positives).
+inline uint32_t OrderKey(uint32_t u) { return (u & 0x80000000u) ? ~u : u | 0x80000000u; }
+inline uint32_t KeyBits(uint32_t k) { return (k & 0x80000000u) ? k & 0x7fffffffu : ~k; }
+}  // namespace
 
 CPD_CLONES
 void MinMaxFinite(const float* x, size_t n, float* min_out, float* max_out) {
-  float lo[kLanes], hi[kLanes];
-  for (int j = 0; j < kLanes; ++j) {
-    lo[j] = INFINITY;
-    hi[j] = -INFINITY;
+  uint32_t lo = 0xffffffffu, hi = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t u = FloatBits(x[i]);
+    const uint32_t finite_mask = 0u - uint32_t((u & 0x7fffffffu) < 0x7f800000u);
+    const uint32_t k = OrderKey(u);
+    lo = std::min(lo, k | ~finite_mask);
+    hi = std::max(hi, k & finite_mask);
   }
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float v = x[i + j];
-      const bool finite = (FloatBits(v) & 0x7fffffffu) < 0x7f800000u;
-      lo[j] = finite && v < lo[j] ? v : lo[j];
-      hi[j] = finite && v > hi[j] ? v : hi[j];
-    }
-  }
-  for (; i < n; ++i) {
-    const float v = x[i];
-    if ((FloatBits(v) & 0x7fffffffu) < 0x7f800000u) {
-      lo[0] = std::min(lo[0], v);
-      hi[0] = std::max(hi[0], v);
-    }
-  }
-  float a = INFINITY, b = -INFINITY;
-  for (int j = 0; j < kLanes; ++j) {
-    a = std::min(a, lo[j]);
-    b = std::max(b, hi[j]);
-  }
-  *min_out = a;
-  *max_out = b;
+  // No finite element: report +Inf / -Inf (min > max), which callers treat as empty.
+  *min_out = lo == 0xffffffffu ? INFINITY : BitsFloat(KeyBits(lo));
+  *max_out = hi == 0u ? -INFINITY : BitsFloat(KeyBits(hi));
 }
 
 void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,

@@ -32,7 +32,14 @@ struct LoopParams {
 void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, const FloatGrid& g,
                        int shift, const LoopParams& p, ElementStats* stats);
 
-// Same for a linear grid; codes[i] = q - qmin.
+// Blocked shared-exponent formats (MX, bfp) in one pass: for each block of `block` elements
+// (the last may be shorter), shifts[b] = ShiftForMax(max|block|, rule), then the block is
+// quantised as QuantizeFloatGrid does with that shift.
+void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n,
+                             size_t block, const FloatGrid& g, const ShiftRule& rule,
+                             const LoopParams& p, ElementStats* stats, int32_t* shifts);
+
+// Same as QuantizeFloatGrid for a linear grid; codes[i] = q - qmin.
 void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n,
                         const LinearGrid& g, const LoopParams& p, ElementStats* stats);
 

@@ -1,0 +1,409 @@
+#include "cpd/quantize_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/quantize.h"
+
+namespace cpd {
+
+namespace {
+
+using kernels::FloatGrid;
+using kernels::LinearGrid;
+using kernels::RoundMode;
+using kernels::cuda::CudaResult;
+using kernels::cuda::DeviceStats;
+using kernels::cuda::GroupLayout;
+using kernels::cuda::RandomParams;
+using kernels::cuda::StatsTarget;
+
+// The CPU driver reduces one large group in chunks of this many elements (cpd/quantize.cc
+// kChunk); which zero wins the uint<b>:minmax minimum depends on it.
+constexpr size_t kCpuChunk = size_t(1) << 16;
+
+Status CudaStatus(cudaError_t err, const char* file, int line, const char* expr) {
+  return Status::Internal(std::string("CUDA error at ") + file + ":" + std::to_string(line) + ": " +
+                          expr + ": " + cudaGetErrorString(err) + " (" + std::to_string(int(err)) +
+                          ")");
+}
+
+Status LaunchStatus(const CudaResult& r) {
+  return Status::Internal(std::string("CUDA error at ") + (r.file ? r.file : "?") + ":" +
+                          std::to_string(r.line) + ": " + (r.expr ? r.expr : "?") + ": " +
+                          (r.message ? r.message : "?") + " (" + std::to_string(r.code) + ")");
+}
+
+// Wraps a CUDA runtime call in a function returning Status.
+#define CPD_CUDA_RETURN_IF_ERROR(expr)                             \
+  do {                                                             \
+    const cudaError_t cpd_cuda_err_ = (expr);                      \
+    if (cpd_cuda_err_ != cudaSuccess) {                            \
+      return CudaStatus(cpd_cuda_err_, __FILE__, __LINE__, #expr); \
+    }                                                              \
+  } while (0)
+
+// Wraps a launcher (kernels/cuda/quantize.h) in a function returning Status.
+#define CPD_LAUNCH_RETURN_IF_ERROR(expr)                                   \
+  do {                                                                     \
+    const CudaResult cpd_launch_result_ = (expr);                          \
+    if (!cpd_launch_result_.ok()) return LaunchStatus(cpd_launch_result_); \
+  } while (0)
+
+RoundMode ToMode(Rounding r) {
+  switch (r) {
+    case Rounding::kNearest:
+      return RoundMode::kNearestEven;
+    case Rounding::kStochastic:
+      return RoundMode::kStochastic;
+    case Rounding::kZero:
+      return RoundMode::kTowardZero;
+  }
+  return RoundMode::kNearestEven;
+}
+
+// The argument checks of cpd/quantize.cc (Validate), with the same messages.
+Status Validate(const Format& format, size_t n, const QuantizeOptions& opts) {
+  if (opts.channels == 0) return Status::InvalidArgument("channels must be >= 1");
+  if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
+    return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
+                                   std::to_string(n) + " elements do not split into " +
+                                   std::to_string(opts.channels) + " equal channels");
+  }
+  return Status::Ok();
+}
+
+// The buffer must be memory the current device can read and write.
+Status CheckDeviceBuffer(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % alignof(float) != 0) {
+    return Status::InvalidArgument(std::string(what) + " is not aligned to a float");
+  }
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, p);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the (non-sticky) error
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {
+      return Status::Unavailable(std::string(what) + ": no usable CUDA device (" +
+                                 cudaGetErrorString(err) + ")");
+    }
+    return Status::InvalidArgument(std::string(what) + " is not a CUDA-accessible pointer (" +
+                                   cudaGetErrorString(err) + ")");
+  }
+  if (attr.type == cudaMemoryTypeUnregistered) {
+    int device = 0, pageable = 0;
+    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
+    if (pageable == 0) {
+      return Status::InvalidArgument(std::string(what) +
+                                     " is ordinary host memory, which this device cannot "
+                                     "access; pass device memory (cudaMalloc) or managed or "
+                                     "pinned host memory");
+    }
+  }
+  return Status::Ok();
+}
+
+// Device scratch from the stream-ordered allocator (plain cudaMalloc where the device has no
+// memory pools), released in stream order.
+class DeviceScratch {
+ public:
+  DeviceScratch() = default;
+  DeviceScratch(const DeviceScratch&) = delete;
+  DeviceScratch& operator=(const DeviceScratch&) = delete;
+  ~DeviceScratch() { (void)Release(); }
+
+  Status Allocate(size_t bytes, cudaStream_t stream) {
+    stream_ = stream;
+    int device = 0, pools = 0;
+    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
+    async_ = pools != 0;
+    if (async_) {
+      CPD_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&ptr_, bytes, stream));
+    } else {
+      CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
+    }
+    return Status::Ok();
+  }
+
+  // Queues the release after the work already on the stream (or waits, without pools).
+  Status Release() {
+    if (ptr_ == nullptr) return Status::Ok();
+    void* p = ptr_;
+    ptr_ = nullptr;
+    if (async_) {
+      CPD_CUDA_RETURN_IF_ERROR(cudaFreeAsync(p, stream_));
+    } else {
+      CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      CPD_CUDA_RETURN_IF_ERROR(cudaFree(p));
+    }
+    return Status::Ok();
+  }
+
+  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  bool async_ = true;
+};
+
+// How a format is computed on the device.
+enum class Path {
+  kFixed,  // a fixed float grid (shift 0): one element-wise pass
+  kFused,  // power-of-two blocks of <= 128 (MX, bfp<b>:16 ...): one pass with warp reductions
+  kShift,  // shared shift per tensor, channel or block: max-abs pass, then element-wise
+  kInt,    // int<b>: max-abs pass, then the linear grid
+  kUint,   // uint<b>:minmax: min/max pass, then the linear grid
+};
+
+struct Plan {
+  Path path = Path::kFixed;
+  size_t num_groups = 0;
+  GroupLayout reduce;  // the groups of the scale reduction
+  GroupLayout apply;   // the groups of the element-wise pass ({0, 1}: one group)
+  bool chunked = false;
+};
+
+Plan MakePlan(const Format& format, size_t n, size_t channels, bool hysteresis) {
+  Plan plan;
+  switch (format.family()) {
+    case FormatFamily::kFloat32:
+    case FormatFamily::kFloat:
+      plan.path = Path::kFixed;
+      return plan;
+    case FormatFamily::kSharedShift:
+      plan.path = format.scope() == ScaleScope::kBlock && !hysteresis &&
+                          kernels::cuda::FusedBlockSupported(format.block_size())
+                      ? Path::kFused
+                      : Path::kShift;
+      break;
+    case FormatFamily::kIntSymmetric:
+      plan.path = Path::kInt;
+      break;
+    case FormatFamily::kUintMinMax:
+      plan.path = Path::kUint;
+      break;
+  }
+  if (plan.path == Path::kFused) return plan;
+  size_t len = n;  // cpd/quantize.cc GroupLength
+  if (format.scope() == ScaleScope::kChannel) len = n / channels;
+  if (format.scope() == ScaleScope::kBlock) len = format.block_size();
+  plan.num_groups = format.num_groups(n, channels);
+  plan.reduce = GroupLayout{len, plan.num_groups};
+  plan.apply = plan.num_groups == 1 ? GroupLayout{0, 1} : GroupLayout{len, plan.num_groups};
+  plan.chunked = plan.num_groups == 1 && n > kCpuChunk;
+  return plan;
+}
+
+// Offsets into one scratch allocation.
+struct ScratchLayout {
+  size_t stats_result = 0, stats_partials = 0;  // DeviceStats, DeviceStats[kMaxStatsBlocks]
+  size_t params = 0;                            // int32_t shifts[num] or LinearGrid grids[num]
+  size_t reduce = 0;   // uint32_t max_bits[num], or uint64_t lo_keys[num] then hi_ord
+  size_t reduce2 = 0;  // uint32_t hi_ord[num]
+  size_t bytes = 0;
+};
+
+size_t Align(size_t x) { return (x + 255) & ~size_t(255); }
+
+ScratchLayout MakeLayout(const Plan& plan, bool want_stats) {
+  ScratchLayout l;
+  size_t at = 0;
+  if (want_stats) {
+    l.stats_result = at;
+    at = Align(at + sizeof(DeviceStats));
+    l.stats_partials = at;
+    at = Align(at + kernels::cuda::kStatsScratchBytes);
+  }
+  const size_t num = plan.num_groups;
+  switch (plan.path) {
+    case Path::kShift:
+      l.params = at;
+      at = Align(at + num * sizeof(int32_t));
+      l.reduce = at;
+      at = Align(at + num * sizeof(uint32_t));
+      break;
+    case Path::kInt:
+      l.params = at;
+      at = Align(at + num * sizeof(LinearGrid));
+      l.reduce = at;
+      at = Align(at + num * sizeof(uint32_t));
+      break;
+    case Path::kUint:
+      l.params = at;
+      at = Align(at + num * sizeof(LinearGrid));
+      l.reduce = at;
+      at = Align(at + num * sizeof(uint64_t));
+      l.reduce2 = at;
+      at = Align(at + num * sizeof(uint32_t));
+      break;
+    default:
+      break;
+  }
+  l.bytes = at;
+  return l;
+}
+
+// The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
+Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
+           bool hysteresis, QuantStats* stats, uint64_t* flips, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Plan plan = MakePlan(format, n, opts.channels, hysteresis);
+  const bool want_stats = stats != nullptr || flips != nullptr;
+  const ScratchLayout layout = MakeLayout(plan, want_stats);
+
+  DeviceScratch scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  uint8_t* base = scratch.data();
+  StatsTarget st;
+  if (want_stats) {
+    st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
+    st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
+  }
+  int32_t* shifts = nullptr;
+  LinearGrid* grids = nullptr;
+  const size_t num = plan.num_groups;
+
+  // 1. Scales, on the device.
+  switch (plan.path) {
+    case Path::kShift:
+    case Path::kInt: {
+      uint32_t* max_bits = reinterpret_cast<uint32_t*>(base + layout.reduce);
+      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(max_bits, 0, num * sizeof(uint32_t), stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(
+          kernels::cuda::LaunchGroupMaxAbs(in, n, plan.reduce, max_bits, stream));
+      if (plan.path == Path::kShift) {
+        shifts = reinterpret_cast<int32_t*>(base + layout.params);
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchShiftsFromMaxAbs(
+            max_bits, num, format.shift_rule(), shifts, stream));
+      } else {
+        grids = reinterpret_cast<LinearGrid*>(base + layout.params);
+        CPD_LAUNCH_RETURN_IF_ERROR(
+            kernels::cuda::LaunchIntGridsFromMaxAbs(max_bits, num, format.bits(), grids, stream));
+      }
+      break;
+    }
+    case Path::kUint: {
+      uint64_t* lo_keys = reinterpret_cast<uint64_t*>(base + layout.reduce);
+      uint32_t* hi_ord = reinterpret_cast<uint32_t*>(base + layout.reduce2);
+      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(lo_keys, 0xff, num * sizeof(uint64_t), stream));
+      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hi_ord, 0, num * sizeof(uint32_t), stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchGroupMinMax(in, n, plan.reduce, plan.chunked,
+                                                                  lo_keys, hi_ord, stream));
+      grids = reinterpret_cast<LinearGrid*>(base + layout.params);
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchUintGridsFromMinMax(
+          lo_keys, hi_ord, num, format.bits(), grids, stream));
+      break;
+    }
+    default:
+      break;
+  }
+
+  // 2. The element-wise pass (statistics fused).
+  const FloatGrid& g = format.grid();
+  if (hysteresis) {
+    if (format.is_float_grid()) {
+      CPD_LAUNCH_RETURN_IF_ERROR(
+          kernels::cuda::LaunchHysteresisFloatGrid(in, out, n, g, shifts, plan.apply, st, stream));
+    } else {
+      CPD_LAUNCH_RETURN_IF_ERROR(
+          kernels::cuda::LaunchHysteresisLinearGrid(in, out, n, grids, plan.apply, st, stream));
+    }
+  } else {
+    const RoundMode mode = ToMode(opts.rounding);
+    RandomParams rng;
+    rng.key = kernels::MakeRandomKey(opts.seed, opts.step);
+    rng.index_base = opts.index_offset;
+    switch (plan.path) {
+      case Path::kFixed:
+      case Path::kShift:
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeFloatGrid(
+            in, out, n, g, shifts, plan.apply, mode, rng, st, stream));
+        break;
+      case Path::kFused:
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeFloatBlocksFused(
+            in, out, n, g, format.shift_rule(), format.block_size(), mode, rng, st, stream));
+        break;
+      case Path::kInt:
+      case Path::kUint:
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeLinearGrid(
+            in, out, n, grids, plan.apply, mode, rng, st, stream));
+        break;
+    }
+  }
+
+  // 3. Statistics: copy back and wait.
+  DeviceStats ds{};
+  if (want_stats) {
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&ds, st.result, sizeof(DeviceStats), cudaMemcpyDeviceToHost, stream));
+  }
+  CPD_RETURN_IF_ERROR(scratch.Release());
+  if (!want_stats) return Status::Ok();
+  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (stats != nullptr) {
+    *stats = QuantStats{};
+    stats->count = n;
+    float max_abs;
+    std::memcpy(&max_abs, &ds.max_bits, sizeof(max_abs));
+    stats->max_abs = max_abs;
+    stats->saturated = ds.saturated;
+    stats->flushed = ds.flushed;
+    stats->nonfinite = ds.nonfinite;
+    stats->sq_error = ds.sq_error;
+    stats->sq_input = ds.sq_input;
+  }
+  if (flips != nullptr) *flips = ds.flips;
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool CudaDeviceAvailable() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: clear the error
+    return false;
+  }
+  return count > 0;
+}
+
+Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_t n,
+                    const QuantizeOptions& opts, QuantStats* stats, void* stream) {
+  if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
+    return Status::InvalidArgument("QuantizeCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  if (n == 0) {
+    if (stats != nullptr) *stats = QuantStats{};
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
+  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/false, stats, nullptr, stream);
+}
+
+Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
+                              const QuantizeOptions& opts, QuantStats* stats, uint64_t* flips,
+                              void* stream) {
+  if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  if (n == 0) {
+    if (stats != nullptr) *stats = QuantStats{};
+    if (flips != nullptr) *flips = 0;
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
+  return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, stats, flips, stream);
+}
+
+}  // namespace cpd

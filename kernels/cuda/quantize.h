@@ -1,0 +1,123 @@
+// CUDA kernels of the quantiser: launchers callable from plain C++ (no CUDA types here; streams
+// are passed as void*, i.e. a cudaStream_t, nullptr for the legacy default stream). Each
+// launcher checks its sizes, launches on the given stream and checks the launch; it never
+// synchronises and never aborts: failures come back as a CudaResult naming the file, line and
+// expression, which the cpd layer (cpd/quantize_cuda.cc) turns into a cpd::Status.
+//
+// The per-element math is kernels/grid.h, shared with the CPU loops (kernels/quantize_cpu.cc),
+// and the kernels are built with -fmad=false, so every output equals the CPU path bit for bit.
+// Pointers are device pointers (or host memory the device can access). `out` may equal `in`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/grid.h"
+
+namespace cpd::kernels::cuda {
+
+// The outcome of one launcher: code is a cudaError_t (0 = cudaSuccess).
+struct CudaResult {
+  int code = 0;
+  const char* file = nullptr;  // where the failing call is
+  int line = 0;
+  const char* expr = nullptr;     // the failing expression, as written
+  const char* message = nullptr;  // cudaGetErrorString(code), or a launcher's own message
+  bool ok() const { return code == 0; }
+};
+
+// Device-side statistics of one launch (see ElementStats in kernels/quantize_cpu.h for the
+// meaning of each field). Partial sums are per block and are summed in block order, so the
+// result is deterministic for a given device, but the double sums may differ from the CPU in
+// the last bits (a different summation order).
+struct DeviceStats {
+  uint64_t saturated;
+  uint64_t flushed;
+  uint64_t nonfinite;
+  uint64_t flips;  // hysteresis: elements whose quantised value changed
+  double sq_error;
+  double sq_input;
+  uint32_t max_bits;  // float32 bits of the largest |x| over non-NaN inputs (Inf included)
+  uint32_t pad;
+};
+
+// Scratch a stats-producing launcher needs: one DeviceStats per block of the main kernel.
+constexpr size_t kMaxStatsBlocks = 2048;
+constexpr size_t kStatsScratchBytes = kMaxStatsBlocks * sizeof(DeviceStats);
+
+// Optional statistics of an element-wise launch: when `result` is non-null, `scratch` must hold
+// kStatsScratchBytes of device memory and the launch writes one DeviceStats to `result`
+// (device memory) once the stream reaches it.
+struct StatsTarget {
+  DeviceStats* result = nullptr;
+  DeviceStats* scratch = nullptr;
+};
+
+// Where the scale of element i comes from. group_len == 0: one group (index 0) for the whole
+// span; otherwise element i belongs to group i / group_len.
+struct GroupLayout {
+  uint64_t group_len = 0;
+  uint64_t num_groups = 1;
+};
+
+// ---- Scale reductions (two-pass formats: per tensor, per channel, bfp blocks) ----------------
+
+// max_bits[g] = max over group g of the float32 bits of |x|, finite elements only (0 when the
+// group has none), exactly kernels::MaxAbsFinite. max_bits must be zeroed first (atomics).
+CudaResult LaunchGroupMaxAbs(const float* in, size_t n, GroupLayout groups, uint32_t* max_bits,
+                             void* stream);
+
+// The finite minimum and maximum of each group, in an order-preserving encoding (see
+// quantize.cu): lo_keys must be filled with 0xff bytes first, hi_ord with zeros. When the finite
+// minimum is zero, lo_keys also records which zero the CPU picks (+0 or -0), so LinearGridFor
+// sees the same `lo`: kernels::MinMaxFinite prefers -0, and `chunked` (cpd/quantize.cc reduced
+// the single group in 65536-element chunks, num == 1 && n > 65536) the earliest chunk's zero.
+CudaResult LaunchGroupMinMax(const float* in, size_t n, GroupLayout groups, bool chunked,
+                             uint64_t* lo_keys, uint32_t* hi_ord, void* stream);
+
+// shifts[g] = ShiftForMax(max of group g, rule).
+CudaResult LaunchShiftsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, ShiftRule rule,
+                                  int32_t* shifts, void* stream);
+// int<bits>: grids[g] = {max / qmax, 0, -qmax, qmax}, qmax = 2^(bits-1) - 1 (float division).
+CudaResult LaunchIntGridsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, int bits,
+                                    LinearGrid* grids, void* stream);
+// uint<bits>:minmax: grids[g] = {(hi - lo) / qmax, lo, 0, qmax}, with the CPU's fallbacks
+// (no finite element: lo = hi = 0; a non-finite float scale is recomputed in double).
+CudaResult LaunchUintGridsFromMinMax(const uint64_t* lo_keys, const uint32_t* hi_ord,
+                                     size_t num_groups, int bits, LinearGrid* grids, void* stream);
+
+// ---- Element-wise quantisation ---------------------------------------------------------------
+
+struct RandomParams {
+  uint64_t key = 0;         // MakeRandomKey(seed, step); used by kStochastic
+  uint64_t index_base = 0;  // the stream counter of in[0]
+};
+
+// out[i] = round(in[i] * 2^-s) * 2^s on grid g, s = shifts[group of i] (s = 0 when shifts is
+// null). Modes: kNearestEven, kStochastic, kTowardZero.
+CudaResult LaunchQuantizeFloatGrid(const float* in, float* out, size_t n, const FloatGrid& g,
+                                   const int32_t* shifts, GroupLayout groups, RoundMode mode,
+                                   RandomParams rng, StatsTarget stats, void* stream);
+
+// out[i] = RoundToLinearGrid(in[i], grids[group of i]).
+CudaResult LaunchQuantizeLinearGrid(const float* in, float* out, size_t n, const LinearGrid* grids,
+                                    GroupLayout groups, RoundMode mode, RandomParams rng,
+                                    StatsTarget stats, void* stream);
+
+// Block formats with a power-of-two block size in [4, 128] (MX: 32) in one pass: each block's
+// shift = ShiftForMax(max |finite x| of the block, rule) is found by a warp shuffle reduction
+// and applied at once. The last block may be shorter.
+bool FusedBlockSupported(size_t block_size);
+CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n, const FloatGrid& g,
+                                          ShiftRule rule, size_t block_size, RoundMode mode,
+                                          RandomParams rng, StatsTarget stats, void* stream);
+
+// Hysteresis (kernels::HysteresisFloatGrid / HysteresisLinearGrid): q holds the previous
+// quantised values on entry, the new ones on return; flips are counted in stats.result->flips.
+CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
+                                     const int32_t* shifts, GroupLayout groups, StatsTarget stats,
+                                     void* stream);
+CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
+                                      GroupLayout groups, StatsTarget stats, void* stream);
+
+}  // namespace cpd::kernels::cuda

@@ -1,0 +1,390 @@
+// QuantizeCuda / QuantizeHysteresisCuda against the CPU path (cpd::Quantize,
+// cpd::QuantizeHysteresis): outputs bit for bit (NaN by NaN-ness), statistics counts exactly,
+// the double sums to a relative 1e-9. Every test skips when no CUDA device is present.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "cpd/quantize_cuda.h"
+
+namespace {
+
+using cpd::Format;
+using cpd::QuantizeOptions;
+using cpd::QuantStats;
+using cpd::Rounding;
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A device buffer of n floats (plus `pad` spare floats in front, for misaligned views).
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(&ptr_, (n + 4) * sizeof(float)), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  // A view starting `offset` floats in (0..3).
+  float* at(size_t offset = 0) const { return static_cast<float*>(ptr_) + offset; }
+  void Upload(const std::vector<float>& h, size_t offset = 0) const {
+    ASSERT_LE(h.size() + offset, n_ + 4);
+    if (h.empty()) return;
+    ASSERT_EQ(cudaMemcpy(at(offset), h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  std::vector<float> Download(size_t count, size_t offset = 0) const {
+    std::vector<float> h(count);
+    if (count == 0) return h;
+    EXPECT_EQ(cudaMemcpy(h.data(), at(offset), count * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return h;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t n_;
+};
+
+// Random inputs with everything the quantiser must handle: NaN (both signs, several payloads),
+// +-Inf, +-0, float32 subnormals, ties of small grids, values near FLT_MAX, and magnitudes that
+// vary per block of 32 (so shared shifts differ from block to block); plus runs of signed zeros
+// and of NaN, so that some groups are all zero or have no finite element.
+std::vector<float> MakeInput(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> block_exp(-40, 40);
+  std::vector<float> x(n);
+  int e = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (i % 32 == 0) e = block_exp(rng);
+    const float r = uni(rng);
+    const float sign = uni(rng) < 0.5f ? -1.0f : 1.0f;
+    float v;
+    if (r < 0.02f) {
+      v = FromBits((uni(rng) < 0.5f ? 0x7f800001u : 0xffc00000u) | (rng() & 0x3fffffu));
+    } else if (r < 0.03f) {
+      v = sign * INFINITY;
+    } else if (r < 0.06f) {
+      v = sign * 0.0f;
+    } else if (r < 0.09f) {
+      v = FromBits((rng() & 0x807fffffu));  // subnormal (or zero)
+    } else if (r < 0.15f) {
+      v = sign * (float(int(uni(rng) * 64.0f)) + 0.5f) * std::ldexp(1.0f, int(rng() % 12) - 8);
+    } else if (r < 0.17f) {
+      v = sign * FromBits(0x7e000000u | (rng() & 0x00ffffffu));  // up to ~FLT_MAX
+    } else {
+      v = normal(rng) * std::ldexp(1.0f, e);
+    }
+    x[i] = v;
+  }
+  // Runs that make some groups degenerate.
+  if (n >= 400) {
+    for (size_t i = 100; i < 164; ++i) x[i] = (i % 3 == 0) ? -0.0f : 0.0f;
+    for (size_t i = 200; i < 264; ++i) x[i] = FromBits(0x7fc00000u);
+    for (size_t i = 300; i < 332; ++i) x[i] = std::ldexp(1.0f, -140) * float(i % 4);
+  }
+  return x;
+}
+
+// Channels that divide n, so that :ch formats and log<b> get several groups.
+size_t ChannelsFor(size_t n) {
+  for (size_t c : {8, 7, 5, 3}) {
+    if (n % c == 0) return c;
+  }
+  return 1;
+}
+
+std::string Hex(float f) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%08x", Bits(f));
+  return buf;
+}
+
+void ExpectSameFloats(const std::vector<float>& want, const std::vector<float>& got,
+                      const std::vector<float>& in, const std::string& what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const bool same = (std::isnan(want[i]) && std::isnan(got[i])) || Bits(want[i]) == Bits(got[i]);
+    if (!same && ++bad <= 8) {
+      ADD_FAILURE() << what << ": element " << i << " (input " << Hex(in[i]) << " = " << in[i]
+                    << "): cpu " << Hex(want[i]) << " gpu " << Hex(got[i]);
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": mismatching elements";
+}
+
+void ExpectNear(double want, double got, const std::string& what) {
+  const double tol = 1e-9 * std::max(std::fabs(want), std::fabs(got));
+  EXPECT_LE(std::fabs(want - got), tol) << what << ": cpu " << want << " gpu " << got;
+}
+
+void ExpectSameStats(const QuantStats& want, const QuantStats& got, const std::string& what) {
+  EXPECT_EQ(want.count, got.count) << what;
+  EXPECT_EQ(Bits(want.max_abs), Bits(got.max_abs)) << what << ": max_abs";
+  EXPECT_EQ(want.saturated, got.saturated) << what << ": saturated";
+  EXPECT_EQ(want.flushed, got.flushed) << what << ": flushed";
+  EXPECT_EQ(want.nonfinite, got.nonfinite) << what << ": nonfinite";
+  ExpectNear(want.sq_error, got.sq_error, what + ": sq_error");
+  ExpectNear(want.sq_input, got.sq_input, what + ": sq_input");
+}
+
+const char* const kFormats[] = {
+    "e4m3",         "e5m2:inf",   "e2m1",    "bf16",         "fp16",
+    "e3m0",         "fp32:nosub", "fp32",    "fp134",        "fp143:ch",
+    "log4",         "int8",       "int4:ch", "uint4:minmax", "uint8:minmax:ch",
+    "mxfp8",        "mxfp6",      "mxfp4",   "bfp8:16",      "bfp6:24",
+    "fp152:room=2", "e4m3:inf",
+};
+
+const size_t kSizes[] = {0, 1, 1000, (size_t(1) << 20) + 3};
+
+using Param = std::tuple<const char*, Rounding>;
+
+class QuantizeCudaTest : public ::testing::TestWithParam<Param> {};
+
+// Out of place, in place, and through views 4 bytes off 16-byte alignment (the same offset for
+// input and output, and different offsets, which disables the vectorised path).
+TEST_P(QuantizeCudaTest, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const std::string spec = std::get<0>(GetParam());
+  const Rounding rounding = std::get<1>(GetParam());
+  auto format = Format::Parse(spec);
+  ASSERT_TRUE(format.ok()) << format.status().ToString();
+  for (size_t n : kSizes) {
+    const std::vector<float> in = MakeInput(n, 1234u + uint32_t(n));
+    QuantizeOptions opts;
+    opts.rounding = rounding;
+    opts.seed = 42;
+    opts.step = 7;
+    opts.index_offset = 1000003;
+    opts.channels = ChannelsFor(n);
+    std::vector<float> want(n);
+    QuantStats want_stats;
+    ASSERT_TRUE(cpd::Quantize(*format, in.data(), want.data(), n, opts, &want_stats).ok());
+
+    DeviceBuffer a(n), b(n);
+    struct Case {
+      const char* name;
+      size_t in_off, out_off;
+      bool in_place;
+    };
+    const Case cases[] = {{"out-of-place", 0, 0, false},
+                          {"in-place", 0, 0, true},
+                          {"misaligned in-place", 1, 1, true},
+                          {"misaligned out-of-place", 1, 2, false}};
+    for (const Case& c : cases) {
+      const std::string what =
+          spec + " " + cpd::RoundingName(rounding) + " n=" + std::to_string(n) + " " + c.name;
+      a.Upload(in, c.in_off);
+      float* d_in = a.at(c.in_off);
+      float* d_out = c.in_place ? d_in : b.at(c.out_off);
+      QuantStats got_stats;
+      const cpd::Status s = cpd::QuantizeCuda(*format, d_in, d_out, n, opts, &got_stats);
+      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+      const std::vector<float> got =
+          c.in_place ? a.Download(n, c.in_off) : b.Download(n, c.out_off);
+      ExpectSameFloats(want, got, in, what);
+      ExpectSameStats(want_stats, got_stats, what);
+    }
+    // Without statistics (a different kernel instantiation), asynchronous on a stream.
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    a.Upload(in);
+    ASSERT_TRUE(cpd::QuantizeCuda(*format, a.at(), b.at(), n, opts, nullptr, stream).ok());
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    ExpectSameFloats(want, b.Download(n), in, spec + " n=" + std::to_string(n) + " no stats");
+  }
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  std::string name =
+      std::string(std::get<0>(info.param)) + "_" + cpd::RoundingName(std::get<1>(info.param));
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
+
+// The "cuda" prefix makes every test name match `ctest -R cuda`.
+INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest,
+                         ::testing::Combine(::testing::ValuesIn(kFormats),
+                                            ::testing::Values(Rounding::kNearest,
+                                                              Rounding::kStochastic,
+                                                              Rounding::kZero)),
+                         ParamName);
+
+// Groups whose scale comes from degenerate data: all zeros of both signs (uint minmax takes the
+// zero the CPU picks as its offset, and a zero scale maps everything to it), no finite element,
+// a range that underflows the scale, and one large tensor (reduced by the CPU in 65536-element
+// chunks) of signed zeros.
+class QuantizeCudaDegenerateTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeCudaDegenerateTest, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const char* spec = GetParam();
+  const size_t n = 8 * 128;
+  std::vector<float> in(n);
+  std::mt19937 rng(7);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t ch = i / 128, k = i % 128;
+    // Channel 0: signed zeros; 1: mostly -0; 2: NaN only; 3: Inf only; 4: zeros and one
+    // subnormal (the uint scale underflows to 0); 5: NaN and -0; 6: a constant; 7: a ramp.
+    const float zero = (rng() & 1) ? -0.0f : 0.0f;
+    const float values[8] = {zero,
+                             k % 5 == 0 ? 0.0f : -0.0f,
+                             FromBits(0x7fc00000u),
+                             k % 2 ? INFINITY : -INFINITY,
+                             k == 17 ? FromBits(1) : (k % 3 ? -0.0f : 0.0f),
+                             k % 4 == 0 ? NAN : -0.0f,
+                             3.0f,
+                             float(int(k) - 64) * 0.25f};
+    in[i] = values[ch];
+  }
+  std::vector<float> big(300000);
+  for (size_t i = 0; i < big.size(); ++i) {
+    // Chunk 0: NaN only; chunk 1: +0 after some NaN; chunks 2..: zeros of both signs. The CPU
+    // keeps the earliest chunk's zero (+0) as the uint minmax offset.
+    big[i] = i < 70000    ? FromBits(0x7fc00000u)
+             : i < 131072 ? 0.0f
+                          : (((i * 2654435761u) >> 7) % 2 ? -0.0f : 0.0f);
+  }
+  auto format = Format::Parse(spec);
+  ASSERT_TRUE(format.ok());
+  for (const std::vector<float>* data : {&in, &big}) {
+    const size_t m = data->size();
+    QuantizeOptions opts;
+    opts.channels = m == n ? 8 : 1;
+    std::vector<float> want(m);
+    QuantStats want_stats;
+    ASSERT_TRUE(cpd::Quantize(*format, data->data(), want.data(), m, opts, &want_stats).ok());
+    DeviceBuffer d(m);
+    d.Upload(*data);
+    QuantStats got_stats;
+    ASSERT_TRUE(cpd::QuantizeCuda(*format, d.at(), d.at(), m, opts, &got_stats).ok());
+    const std::string what = std::string(spec) + " n=" + std::to_string(m);
+    // Signed zeros must match exactly here: compare bits, NaN aside.
+    ExpectSameFloats(want, d.Download(m), *data, what);
+    ExpectSameStats(want_stats, got_stats, what);
+  }
+}
+
+std::string SpecName(const ::testing::TestParamInfo<const char*>& info) {
+  std::string name = info.param;
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaDegenerateTest,
+                         ::testing::Values("uint4:minmax", "uint4:minmax:ch", "uint8:minmax",
+                                           "int8:ch", "fp134:ch", "log4", "bfp8:16", "bfp6:24",
+                                           "mxfp4"),
+                         SpecName);
+
+// Hysteresis: q starts from a quantisation of a perturbed copy of w, then both paths update it.
+class QuantizeHysteresisCudaTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const char* spec = GetParam();
+  auto format = Format::Parse(spec);
+  ASSERT_TRUE(format.ok());
+  for (size_t n : kSizes) {
+    const std::vector<float> w = MakeInput(n, 99u + uint32_t(n));
+    std::vector<float> w0 = w;
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> jitter(0.9f, 1.1f);
+    for (float& v : w0) v *= jitter(rng);
+    QuantizeOptions opts;
+    opts.channels = ChannelsFor(n);
+    std::vector<float> q(n);
+    ASSERT_TRUE(cpd::Quantize(*format, w0.data(), q.data(), n, opts).ok());
+
+    DeviceBuffer dw(n), dq(n);
+    dw.Upload(w);
+    dq.Upload(q);
+    std::vector<float> want = q;
+    QuantStats want_stats, got_stats;
+    uint64_t want_flips = 0, got_flips = 0;
+    ASSERT_TRUE(
+        cpd::QuantizeHysteresis(*format, w.data(), want.data(), n, opts, &want_stats, &want_flips)
+            .ok());
+    const cpd::Status s =
+        cpd::QuantizeHysteresisCuda(*format, dw.at(), dq.at(), n, opts, &got_stats, &got_flips);
+    const std::string what = std::string(spec) + " hysteresis n=" + std::to_string(n);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+    ExpectSameFloats(want, dq.Download(n), w, what);
+    ExpectSameStats(want_stats, got_stats, what);
+    EXPECT_EQ(want_flips, got_flips) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
+                         ::testing::Values("e4m3", "bf16", "fp134", "fp143:ch", "log4", "int8",
+                                           "int4:ch", "uint4:minmax", "mxfp8", "bfp8:16", "e2m1"),
+                         SpecName);
+
+class QuantizeCudaArgumentsTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(QuantizeCudaArgumentsTest, RejectsBadArguments) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  auto format = Format::Parse(GetParam());
+  ASSERT_TRUE(format.ok());
+  DeviceBuffer d(16);
+  QuantizeOptions opts;
+  EXPECT_EQ(cpd::QuantizeCuda(*format, nullptr, d.at(), 16, opts).code(),
+            cpd::Status::Code::kInvalidArgument);
+  opts.channels = 3;  // 16 elements do not split into 3 channels
+  EXPECT_EQ(cpd::QuantizeCuda(*format, d.at(), d.at(), 16, opts).code(),
+            cpd::Status::Code::kInvalidArgument);
+  opts.channels = 0;
+  EXPECT_EQ(cpd::QuantizeCuda(*format, d.at(), d.at(), 16, opts).code(),
+            cpd::Status::Code::kInvalidArgument);
+  // Ordinary host memory, unless the device can read pageable memory (HMM/ATS systems).
+  int device = 0, pageable = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device),
+            cudaSuccess);
+  std::vector<float> host(16, 1.0f);
+  opts.channels = 1;
+  const cpd::Status s = cpd::QuantizeCuda(*format, host.data(), host.data(), 16, opts);
+  if (pageable == 0) {
+    EXPECT_EQ(s.code(), cpd::Status::Code::kInvalidArgument) << s.ToString();
+  } else {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  }
+  // The device is still usable afterwards.
+  QuantStats stats;
+  EXPECT_TRUE(cpd::QuantizeCuda(*format, d.at(), d.at(), 16, opts, &stats).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaArgumentsTest, ::testing::Values("int8:ch", "fp143:ch"),
+                         SpecName);
+
+}  // namespace

@@ -42,7 +42,8 @@ struct QuantizeOptions {
 struct QuantStats {
   uint64_t count = 0;
   float max_abs = 0.0f;      // largest |x| over non-NaN inputs
-  uint64_t saturated = 0;    // clamped to +-max (or overflowed to Inf/NaN with :inf), Inf included
+  uint64_t saturated = 0;    // beyond the largest finite value (clamped, or Inf/NaN with :inf),
+                             // +-Inf inputs included
   uint64_t flushed = 0;      // nonzero finite inputs that became zero
   uint64_t nonfinite = 0;    // NaN or Inf inputs
   double sq_error = 0.0;     // sum of (q - x)^2 over finite inputs with finite outputs

@@ -69,7 +69,7 @@ struct LinearGrid {
 
 // Fused per-element statistics, accumulated by the loops (not by these functions).
 struct ElementFlags {
-  bool saturated;  // finite input that overflowed, or +-Inf input
+  bool saturated;  // +-Inf, or a finite input beyond the grid's largest finite value
   bool flushed;    // nonzero finite input that became zero
   bool nonfinite;  // NaN or Inf input
 };
@@ -204,7 +204,7 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   mag_code = is_nan ? g.nan_code : mag_code;
   const uint32_t out_sign = is_nan ? 0u : sign;
   if (flags != nullptr) {
-    flags->saturated = (overflow && !is_nan) || is_inf;
+    flags->saturated = is_inf || (!is_nan && a > g.max_bits);
     flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
     flags->nonfinite = is_nan || is_inf;
   }
@@ -305,6 +305,12 @@ CPD_HD int32_t ShiftForMax(float max_abs, const ShiftRule& r) {
 // Linear grids. Division, not multiplication by a reciprocal, so the quotient is correctly
 // rounded on both CPU and GPU; products and sums are never contracted into FMAs (the build
 // passes -ffp-contract=off, the CUDA code uses __fmul_rn/__fadd_rn).
+// floor(v) for |v| < 2^31, as a conversion (which vectorises) rather than floorf.
+CPD_HD float FloorSmall(float v) {
+  const float tr = float(int32_t(v));
+  return tr > v ? tr - 1.0f : tr;
+}
+
 // The value of level q; a constant tensor (scale 0) maps everything to its offset.
 CPD_HD float LinearValue(int32_t q, const LinearGrid& g) {
 #if defined(__CUDA_ARCH__)
@@ -320,31 +326,36 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
   const uint32_t a = FloatBits(x) & 0x7fffffffu;
   const bool is_nan = a > 0x7f800000u;
   const bool is_inf = a == 0x7f800000u;
-  float t = g.scale > 0.0f ? (x - g.offset) / g.scale : 0.0f;
-  float rq;
-  if (kMode == RoundMode::kNearestEven) {
-    rq = rintf(t);  // default rounding mode: ties to even
-  } else if (kMode == RoundMode::kStochastic) {
-    const float lo = floorf(t);
-    // Up with probability frac(t), at 24-bit resolution.
-    const float u = float(int32_t(rnd >> 8)) * 5.9604644775390625e-8f;  // 2^-24
-    rq = (t - lo) > u ? lo + 1.0f : lo;
-  } else if (kMode == RoundMode::kTowardZero) {
-    rq = truncf(t);
-  } else if (kMode == RoundMode::kDown) {
-    rq = floorf(t);
-  } else {
-    rq = ceilf(t);
-  }
   const float fmin = float(g.qmin), fmax = float(g.qmax);
-  const bool sat = is_inf || !(rq <= fmax && rq >= fmin) || is_nan;
+  float t = g.scale > 0.0f ? (x - g.offset) / g.scale : 0.0f;
+  // Clamp first (a no-op for the result, which is clamped anyway) so that t fits an int32 and
+  // floor/ceil/trunc become conversions, which vectorise; NaN passes through and is handled
+  // below.
+  t = t < fmin - 1.0f ? fmin - 1.0f : t;
+  t = t > fmax + 1.0f ? fmax + 1.0f : t;
+  t = is_nan ? 0.0f : t;  // unconditional int conversions below keep the loop branch-free
+  float rq;
+  if constexpr (kMode == RoundMode::kNearestEven) {
+    rq = rintf(t);  // default rounding mode: ties to even
+  } else if constexpr (kMode == RoundMode::kStochastic) {
+    // floor(t + u), u uniform in [0, 1) at 24-bit resolution: up with probability frac(t).
+    const float v = t + float(int32_t(rnd >> 8)) * 5.9604644775390625e-8f;  // 2^-24
+    rq = FloorSmall(v);
+  } else if constexpr (kMode == RoundMode::kTowardZero) {
+    rq = float(int32_t(t));
+  } else if constexpr (kMode == RoundMode::kDown) {
+    rq = FloorSmall(t);
+  } else {
+    rq = -FloorSmall(-t);
+  }
   rq = rq < fmin ? fmin : rq;
   rq = rq > fmax ? fmax : rq;
-  if (is_nan) rq = fmax;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
+  rq = is_nan ? fmax : rq;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
   const int32_t q = int32_t(rq);
   const float value = LinearValue(q, g);
   if (flags != nullptr) {
-    flags->saturated = sat && !is_nan;
+    flags->saturated =
+        is_inf || (!is_nan && (x > LinearValue(g.qmax, g) || x < LinearValue(g.qmin, g)));
     flags->flushed = a != 0 && !is_nan && !is_inf && value == 0.0f;
     flags->nonfinite = is_nan || is_inf;
   }

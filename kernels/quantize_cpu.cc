@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 // Each hot loop is compiled for baseline x86-64, AVX2 and AVX-512; the loader picks the best
 // one for the machine (GCC function multi-versioning). Loops are written branch-free so that
@@ -51,68 +52,82 @@ struct SpanAcc {
 struct Rounded {
   float value;
   uint32_t code;
-  ElementFlags flags;
 };
 
-// The one element loop: round(x, i) -> Rounded. Writes out/codes as asked and accumulates
-// statistics when kStats. RoundFn returns by value: an address-taken local inside an
-// `omp simd` body would become a per-lane array and stop vectorisation.
-template <bool kOut, bool kCodes, bool kStats, typename RoundFn>
+// The element loop: round(x, i) -> Rounded, writing out/codes as asked.
+template <bool kOut, bool kCodes, typename RoundFn>
 CPD_INLINE void ElementLoop(const float* in, float* out, uint32_t* codes, size_t n,
-                            const RoundFn& round, ElementStats* stats) {
-  if constexpr (!kStats) {
-    for (size_t i = 0; i < n; ++i) {
-      const Rounded r = round(in[i], i);
-      if (kOut) out[i] = r.value;
-      if (kCodes) codes[i] = r.code;
-    }
-  } else {
-    uint32_t mx = 0;
-    uint64_t sat = 0, fl = 0, nf = 0;
-    double se = 0.0, si = 0.0;
-#pragma omp simd reduction(max : mx) reduction(+ : sat, fl, nf, se, si)
-    for (size_t i = 0; i < n; ++i) {
-      const float x = in[i];
-      const Rounded r = round(x, i);
-      if (kOut) out[i] = r.value;
-      if (kCodes) codes[i] = r.code;
-      const uint32_t a = FloatBits(x) & 0x7fffffffu;
-      mx = std::max(mx, a & (0u - uint32_t(a <= 0x7f800000u)));  // NaN excluded, Inf kept
-      sat += r.flags.saturated;
-      fl += r.flags.flushed;
-      nf += r.flags.nonfinite;
-      const bool finite = a < 0x7f800000u && (FloatBits(r.value) & 0x7fffffffu) < 0x7f800000u;
-      const double xd = finite ? double(x) : 0.0;
-      const double d = finite ? double(r.value) - xd : 0.0;
-      se += d * d;
-      si += xd * xd;
-    }
-    SpanAcc acc;
-    acc.max_bits = mx;
-    acc.saturated = sat;
-    acc.flushed = fl;
-    acc.nonfinite = nf;
-    acc.sq_error = se;
-    acc.sq_input = si;
-    acc.MergeInto(stats);
+                            size_t index_base, const RoundFn& round) {
+  for (size_t i = 0; i < n; ++i) {
+    const Rounded r = round(in[i], index_base + i);
+    if (kOut) out[i] = r.value;
+    if (kCodes) codes[i] = r.code;
   }
 }
 
-// Picks the ElementLoop instantiation for the outputs asked for.
+// Statistics of a quantised span from (input, output) pairs, in a separate pass over data
+// still in L1: this loop is pure arithmetic, so `omp simd` vectorises its reductions (the
+// rounding loop cannot carry them: GCC lowers its address-taken locals to per-lane arrays).
+// lo/hi: the smallest and largest finite values of the grid in force (saturation bounds).
+CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, float lo, float hi,
+                                SpanAcc* acc) {
+  uint32_t mx = acc->max_bits;
+  uint64_t sat = 0, fl = 0, nf = 0;
+  double se = 0.0, si = 0.0;
+#pragma omp simd reduction(max : mx) reduction(+ : sat, fl, nf, se, si)
+  for (size_t i = 0; i < n; ++i) {
+    const float x = in[i], z = out[i];
+    const uint32_t a = FloatBits(x) & 0x7fffffffu;
+    const bool x_finite = a < 0x7f800000u;
+    mx = std::max(mx, a & (0u - uint32_t(a <= 0x7f800000u)));  // NaN excluded, Inf kept
+    nf += !x_finite;
+    sat += a == 0x7f800000u || (x_finite && (x > hi || x < lo));
+    fl += x_finite && a != 0 && z == 0.0f;
+    const bool finite = x_finite && (FloatBits(z) & 0x7fffffffu) < 0x7f800000u;
+    const double xd = finite ? double(x) : 0.0;
+    const double d = finite ? double(z) - xd : 0.0;
+    se += d * d;
+    si += xd * xd;
+  }
+  acc->max_bits = mx;
+  acc->saturated += sat;
+  acc->flushed += fl;
+  acc->nonfinite += nf;
+  acc->sq_error += se;
+  acc->sq_input += si;
+}
+
+// Picks the ElementLoop instantiation for the outputs asked for; with statistics, works in
+// L1-sized pieces (through a scratch buffer when the caller wants no floats).
 template <typename RoundFn>
 CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, size_t n,
-                                const RoundFn& round, ElementStats* stats) {
-  const int key = (out != nullptr) | (codes != nullptr) << 1 | (stats != nullptr) << 2;
-  switch (key) {
-    case 1: ElementLoop<true, false, false>(in, out, codes, n, round, stats); break;
-    case 2: ElementLoop<false, true, false>(in, out, codes, n, round, stats); break;
-    case 3: ElementLoop<true, true, false>(in, out, codes, n, round, stats); break;
-    case 4: ElementLoop<false, false, true>(in, out, codes, n, round, stats); break;
-    case 5: ElementLoop<true, false, true>(in, out, codes, n, round, stats); break;
-    case 6: ElementLoop<false, true, true>(in, out, codes, n, round, stats); break;
-    case 7: ElementLoop<true, true, true>(in, out, codes, n, round, stats); break;
-    default: break;
+                                float lo, float hi, const RoundFn& round, ElementStats* stats) {
+  if (stats == nullptr) {
+    if (out != nullptr && codes != nullptr) {
+      ElementLoop<true, true>(in, out, codes, n, 0, round);
+    } else if (out != nullptr) {
+      ElementLoop<true, false>(in, out, codes, n, 0, round);
+    } else if (codes != nullptr) {
+      ElementLoop<false, true>(in, out, codes, n, 0, round);
+    }
+    return;
   }
+  // Each piece is rounded into scratch first: `out` may alias `in`, and the statistics need
+  // both. The copy out of L1 is cheap next to the rounding.
+  constexpr size_t kPiece = 1024;
+  float scratch[kPiece];
+  SpanAcc acc;
+  for (size_t s = 0; s < n; s += kPiece) {
+    const size_t len = std::min(kPiece, n - s);
+    if (codes != nullptr) {
+      ElementLoop<true, true>(in + s, scratch, codes + s, len, s, round);
+    } else {
+      ElementLoop<true, false>(in + s, scratch, nullptr, len, s, round);
+    }
+    AccumulateStats(in + s, scratch, len, lo, hi, &acc);
+    if (out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
+  }
+  acc.MergeInto(stats);
 }
 
 template <RoundMode kMode>
@@ -125,10 +140,11 @@ CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, 
   auto round = [&g, down, up, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
     Rounded r;
-    r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code, &r.flags)) * up;
+    r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
     return r;
   };
-  DispatchOutputs(in, out, codes, n, round, stats);
+  const float hi = BitsFloat(g.max_bits) * up;
+  DispatchOutputs(in, out, codes, n, -hi, hi, round, stats);
 }
 
 template <RoundMode kMode>
@@ -141,11 +157,11 @@ CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes,
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
     int32_t q;
     Rounded r;
-    r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q, &r.flags);
+    r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q, nullptr);
     r.code = uint32_t(q - g.qmin);
     return r;
   };
-  DispatchOutputs(in, out, codes, n, round, stats);
+  DispatchOutputs(in, out, codes, n, LinearValue(g.qmin, g), LinearValue(g.qmax, g), round, stats);
 }
 
 CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {

@@ -13,7 +13,7 @@ namespace cpd::kernels {
 // Sums over one span; Merge() is associative but the caller merges in a fixed order.
 struct ElementStats {
   float max_abs = 0.0f;      // over non-NaN inputs (Inf included)
-  uint64_t saturated = 0;    // overflowed finite inputs + Inf inputs
+  uint64_t saturated = 0;    // inputs beyond the grid's largest finite value, Inf included
   uint64_t flushed = 0;      // nonzero finite inputs that became zero
   uint64_t nonfinite = 0;    // NaN or Inf inputs
   double sq_error = 0.0;     // sum (out - in)^2 over finite inputs with finite outputs

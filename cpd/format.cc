@@ -24,8 +24,9 @@ Status BadSpec(std::string_view spec, const std::string& why) {
 }
 
 // Parses a decimal integer that is the whole of `s`.
+// Leading zeros are refused so that "e04m3" cannot name a different format than "e4m3".
 bool ParseInt(std::string_view s, int* out) {
-  if (s.empty()) return false;
+  if (s.empty() || (s.size() > 1 && s[0] == '0')) return false;
   const char* end = s.data() + s.size();
   auto [p, ec] = std::from_chars(s.data(), end, *out);
   return ec == std::errc() && p == end;

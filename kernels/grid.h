@@ -198,8 +198,14 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   const bool is_nan = a > 0x7f800000u;
   res = flush ? 0u : res;
   mag_code = flush ? 0u : mag_code;
-  res = overflow ? g.overflow_bits : res;  // a NaN or Inf input also lands here
-  mag_code = overflow ? g.overflow_code : mag_code;
+  // IEEE directed rounding: a finite value rounded toward zero never overflows to Inf.
+  bool toward_zero_here = false;
+  if constexpr (kMode == RoundMode::kTowardZero) toward_zero_here = true;
+  if constexpr (kMode == RoundMode::kDown) toward_zero_here = sign == 0;
+  if constexpr (kMode == RoundMode::kUp) toward_zero_here = sign != 0;
+  const bool to_max = toward_zero_here && a < 0x7f800000u;
+  res = overflow ? (to_max ? g.max_bits : g.overflow_bits) : res;  // NaN and Inf land here too
+  mag_code = overflow ? (to_max ? g.max_code : g.overflow_code) : mag_code;
   res = is_nan ? g.nan_bits : res;
   mag_code = is_nan ? g.nan_code : mag_code;
   const uint32_t out_sign = is_nan ? 0u : sign;
@@ -264,9 +270,10 @@ inline FloatGrid MakeFloatGrid(int32_t ebits, int32_t mbits, int32_t bias, NonFi
       g.overflow_bits = 0x7f800000u;
       g.overflow_code = inf_code;
     }
-    // Without a mantissa bit there is no NaN code: NaN becomes +Inf, still non-finite.
-    g.nan_bits = mbits > 0 ? 0x7fc00000u : 0x7f800000u;
-    g.nan_code = mbits > 0 ? all_ones : inf_code;
+    // Without a mantissa bit there is no NaN code: NaN becomes what overflow becomes (+Inf with
+    // :inf, +max when saturating), so that quantising twice changes nothing.
+    g.nan_bits = mbits > 0 ? 0x7fc00000u : g.overflow_bits;
+    g.nan_code = mbits > 0 ? all_ones : g.overflow_code;
   } else if (style == NonFiniteStyle::kNanOnly) {
     if (overflow_to_nonfinite) {
       g.overflow_bits = 0x7fc00000u;

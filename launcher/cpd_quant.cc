@@ -43,6 +43,10 @@ int RunInfo(const std::string& spec, bool list) {
   auto f = cpd::Format::Parse(spec);
   if (!f.ok()) Fail(f.status().message());
   const cpd::FormatInfo info = f->Info();
+  if (list && info.bits > 8) {  // checked first: an error leaves stdout empty
+    Fail("--list prints formats of <= 8 bits; '" + f->spec() + "' has " +
+         std::to_string(info.bits));
+  }
   std::printf("format          %s\n", f->spec().c_str());
   std::printf("bits            %d\n", info.bits);
   std::printf("max finite      %s\n", Describe(info.max_finite).c_str());
@@ -55,8 +59,6 @@ int RunInfo(const std::string& spec, bool list) {
   }
   if (!info.scale_note.empty()) std::printf("scale           %s\n", info.scale_note.c_str());
   if (list) {
-    if (info.bits > 8) Fail("--list prints formats of <= 8 bits; '" + f->spec() + "' has " +
-                            std::to_string(info.bits));
     auto values = f->Values();
     if (!values.ok()) Fail(values.status().message());
     std::printf("values:\n");

@@ -334,13 +334,16 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
   const bool is_nan = a > 0x7f800000u;
   const bool is_inf = a == 0x7f800000u;
   const float fmin = float(g.qmin), fmax = float(g.qmax);
-  float t = g.scale > 0.0f ? (x - g.offset) / g.scale : 0.0f;
-  // Clamp first (a no-op for the result, which is clamped anyway) so that t fits an int32 and
-  // floor/ceil/trunc become conversions, which vectorise; NaN passes through and is handled
-  // below.
+  // Branch-free for the vectoriser: a NaN input is swapped for the offset up front (and replaced
+  // by +max below), the division is unconditional (by 1 for a constant tensor), and t is
+  // clamped (a no-op for the result, which is clamped anyway) so that it fits an int32 and
+  // floor/ceil/trunc become conversions.
+  const float xs = is_nan ? g.offset : x;
+  const float divisor = g.scale > 0.0f ? g.scale : 1.0f;
+  float t = (xs - g.offset) / divisor;
+  t = g.scale > 0.0f ? t : 0.0f;
   t = t < fmin - 1.0f ? fmin - 1.0f : t;
   t = t > fmax + 1.0f ? fmax + 1.0f : t;
-  t = is_nan ? 0.0f : t;  // unconditional int conversions below keep the loop branch-free
   float rq;
   if constexpr (kMode == RoundMode::kNearestEven) {
     rq = rintf(t);  // default rounding mode: ties to even
@@ -355,10 +358,11 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
   } else {
     rq = -FloorSmall(-t);
   }
-  rq = rq < fmin ? fmin : rq;
-  rq = rq > fmax ? fmax : rq;
-  rq = is_nan ? fmax : rq;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
-  const int32_t q = int32_t(rq);
+  // rq is finite and within [qmin - 2, qmax + 2]: clamp as integers (vectorises cleanly).
+  int32_t q = int32_t(rq);
+  q = q < g.qmin ? g.qmin : q;
+  q = q > g.qmax ? g.qmax : q;
+  q = is_nan ? g.qmax : q;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
   const float value = LinearValue(q, g);
   if (flags != nullptr) {
     flags->saturated =

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpd/quantize_internal.h"
 #include "kernels/quantize_cpu.h"
 
 namespace cpd {
@@ -16,20 +17,12 @@ using kernels::ElementStats;
 using kernels::FloatGrid;
 using kernels::LinearGrid;
 using kernels::LoopParams;
-using kernels::RoundMode;
+using internal::GroupLength;
+using internal::ValidateSpan;
 
 // Elements per work item: a multiple of 8 (so packed chunks start on a byte) and of 32 (MX
 // blocks). Work items, not threads, fix the order in which statistics are merged.
 constexpr size_t kChunk = size_t(1) << 16;
-
-RoundMode ToMode(Rounding r) {
-  switch (r) {
-    case Rounding::kNearest: return RoundMode::kNearestEven;
-    case Rounding::kStochastic: return RoundMode::kStochastic;
-    case Rounding::kZero: return RoundMode::kTowardZero;
-  }
-  return RoundMode::kNearestEven;
-}
 
 int ThreadCount(const QuantizeOptions& opts, size_t work_items) {
   const int t = opts.threads > 0 ? opts.threads : omp_get_max_threads();
@@ -44,48 +37,11 @@ struct Groups {
   size_t count() const { return std::max(shifts.size(), linear.size()); }
 };
 
-Status Validate(const Format& format, size_t n, const QuantizeOptions& opts) {
-  if (opts.channels == 0) return Status::InvalidArgument("channels must be >= 1");
-  if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
-    return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
-                                   std::to_string(n) + " elements do not split into " +
-                                   std::to_string(opts.channels) + " equal channels");
-  }
-  return Status::Ok();
-}
-
-size_t GroupLength(const Format& format, size_t n, size_t channels) {
-  switch (format.scope()) {
-    case ScaleScope::kNone:
-    case ScaleScope::kTensor:
-      return n;
-    case ScaleScope::kChannel:
-      return n / channels;
-    case ScaleScope::kBlock:
-      return format.block_size();
-  }
-  return n;
-}
-
 LinearGrid LinearGridFor(const Format& format, float lo, float hi, float max_abs) {
-  LinearGrid g{};
   if (format.family() == FormatFamily::kIntSymmetric) {
-    const int qmax = (1 << (format.bits() - 1)) - 1;
-    g.scale = max_abs / float(qmax);
-    g.offset = 0.0f;
-    g.qmin = -qmax;
-    g.qmax = qmax;
-  } else {
-    const int qmax = (1 << format.bits()) - 1;
-    if (!(lo <= hi)) lo = hi = 0.0f;  // no finite element
-    float scale = (hi - lo) / float(qmax);
-    if (!std::isfinite(scale)) scale = float((double(hi) - double(lo)) / qmax);
-    g.scale = scale;
-    g.offset = lo;
-    g.qmin = 0;
-    g.qmax = qmax;
+    return kernels::SymmetricIntGrid(max_abs, (1 << (format.bits() - 1)) - 1);
   }
-  return g;
+  return kernels::MinMaxGrid(lo, hi, (1 << format.bits()) - 1);
 }
 
 // Chooses the scale of every group from the data.
@@ -253,7 +209,7 @@ void FillStats(const ElementStats& e, size_t n, QuantStats* stats) {
 // The shared driver of Quantize and Encode: chunks in parallel, statistics merged in order.
 Status Run(const Format& format, const float* in, float* out, uint8_t* packed, size_t n,
            const QuantizeOptions& opts, QuantStats* stats) {
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   // Blocks that never straddle a chunk are scaled inside the chunk loop, in one pass.
   const bool fused_blocks =
       format.scope() == ScaleScope::kBlock && kChunk % format.block_size() == 0;
@@ -265,7 +221,7 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
     groups = ComputeGroups(format, in, n, opts);
   }
   LoopParams base;
-  base.mode = ToMode(opts.rounding);
+  base.mode = internal::RoundModeFor(opts.rounding);
   base.rng_key = kernels::MakeRandomKey(opts.seed, opts.step);
   base.index_base = opts.index_offset;
 
@@ -338,7 +294,7 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
   if (n > 0 && (w == nullptr || q == nullptr)) {
     return Status::InvalidArgument("QuantizeHysteresis: null buffer");
   }
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   const Groups groups = ComputeGroups(format, w, n, opts);
   const size_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<ElementStats> chunk_stats(chunks);
@@ -381,7 +337,7 @@ Status Encode(const Format& format, const float* in, size_t n, const QuantizeOpt
   if (out == nullptr || (n > 0 && in == nullptr)) {
     return Status::InvalidArgument("Encode: null buffer");
   }
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   out->count = n;
   out->channels = opts.channels;
   out->bytes.assign(PackedSize(format, n, opts.channels), 0);
@@ -393,7 +349,7 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
   QuantizeOptions opts;
   opts.channels = packed.channels;
   opts.threads = threads;
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   const size_t expected = PackedSize(format, n, packed.channels);
   if (packed.bytes.size() != expected) {
     return Status::Corruption("packed tensor of " + std::to_string(n) + " '" + format.spec() +

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "cpd/quantize_internal.h"
 #include "kernels/cuda/quantize.h"
 
 namespace cpd {
@@ -51,29 +52,6 @@ Status LaunchStatus(const CudaResult& r) {
     const CudaResult cpd_launch_result_ = (expr);                          \
     if (!cpd_launch_result_.ok()) return LaunchStatus(cpd_launch_result_); \
   } while (0)
-
-RoundMode ToMode(Rounding r) {
-  switch (r) {
-    case Rounding::kNearest:
-      return RoundMode::kNearestEven;
-    case Rounding::kStochastic:
-      return RoundMode::kStochastic;
-    case Rounding::kZero:
-      return RoundMode::kTowardZero;
-  }
-  return RoundMode::kNearestEven;
-}
-
-// The argument checks of cpd/quantize.cc (Validate), with the same messages.
-Status Validate(const Format& format, size_t n, const QuantizeOptions& opts) {
-  if (opts.channels == 0) return Status::InvalidArgument("channels must be >= 1");
-  if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
-    return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
-                                   std::to_string(n) + " elements do not split into " +
-                                   std::to_string(opts.channels) + " equal channels");
-  }
-  return Status::Ok();
-}
 
 // The buffer must be memory the current device can read and write.
 Status CheckDeviceBuffer(const void* p, const char* what) {
@@ -190,9 +168,7 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool hysteresis) 
       break;
   }
   if (plan.path == Path::kFused) return plan;
-  size_t len = n;  // cpd/quantize.cc GroupLength
-  if (format.scope() == ScaleScope::kChannel) len = n / channels;
-  if (format.scope() == ScaleScope::kBlock) len = format.block_size();
+  const size_t len = internal::GroupLength(format, n, channels);
   plan.num_groups = format.num_groups(n, channels);
   plan.reduce = GroupLayout{len, plan.num_groups};
   plan.apply = plan.num_groups == 1 ? GroupLayout{0, 1} : GroupLayout{len, plan.num_groups};
@@ -315,7 +291,7 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
           kernels::cuda::LaunchHysteresisLinearGrid(in, out, n, grids, plan.apply, st, stream));
     }
   } else {
-    const RoundMode mode = ToMode(opts.rounding);
+    const RoundMode mode = internal::RoundModeFor(opts.rounding);
     RandomParams rng;
     rng.key = kernels::MakeRandomKey(opts.seed, opts.step);
     rng.index_base = opts.index_offset;
@@ -379,7 +355,7 @@ Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_
   if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
     return Status::InvalidArgument("QuantizeCuda: null buffer");
   }
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
   if (n == 0) {
     if (stats != nullptr) *stats = QuantStats{};
     return Status::Ok();
@@ -395,7 +371,7 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
   if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
     return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
   }
-  CPD_RETURN_IF_ERROR(Validate(format, n, opts));
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
   if (n == 0) {
     if (stats != nullptr) *stats = QuantStats{};
     if (flips != nullptr) *flips = 0;

@@ -85,6 +85,8 @@ CPD_HD float BitsFloat(uint32_t u) {
   return f;
 }
 
+CPD_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7fffffffu) < 0x7f800000u; }
+
 // 2^e as a float32 for -149 <= e <= 127 (subnormal powers included).
 CPD_HD float Pow2(int32_t e) {
   return e >= -126 ? BitsFloat(uint32_t(e + 127) << 23) : BitsFloat(1u << (e + 149));
@@ -316,6 +318,22 @@ CPD_HD int32_t ShiftForMax(float max_abs, const ShiftRule& r) {
 CPD_HD float FloorSmall(float v) {
   const float tr = float(int32_t(v));
   return tr > v ? tr - 1.0f : tr;
+}
+
+// The grids of the integer formats, chosen from a group's data (both CPU and GPU use these).
+// int<b>: q in [-qmax, qmax], scale = max|x| / qmax (a correctly rounded division).
+CPD_HD LinearGrid SymmetricIntGrid(float max_abs, int32_t qmax) {
+  return LinearGrid{max_abs / float(qmax), 0.0f, -qmax, qmax};
+}
+
+// uint<b>:minmax (CPT): q in [0, qmax], scale = (hi - lo) / qmax, offset lo. A group with no
+// finite element (lo > hi) becomes the constant 0; a range too wide for float32 arithmetic
+// is divided in double.
+CPD_HD LinearGrid MinMaxGrid(float lo, float hi, int32_t qmax) {
+  if (!(lo <= hi)) lo = hi = 0.0f;
+  float scale = (hi - lo) / float(qmax);
+  if (!IsFinite(scale)) scale = float((double(hi) - double(lo)) / double(qmax));
+  return LinearGrid{scale, lo, 0, qmax};
 }
 
 // The value of level q; a constant tensor (scale 0) maps everything to its offset.

@@ -269,6 +269,20 @@ __device__ __forceinline__ float4 ApplyFour(const Op& op, float4 x, float4 p, ui
 // ---------------------------------------------------------------------------------------------
 // Kernels
 
+// Work item w of the reductions: segment w % segs_per_group (at most kReduceSegment elements)
+// of group w / segs_per_group.
+struct Segment {
+  uint64_t group, begin, end;
+};
+__device__ __forceinline__ Segment SegmentOf(uint64_t w, uint64_t n, uint64_t group_len,
+                                             uint64_t segs_per_group) {
+  const uint64_t g = w / segs_per_group, seg = w % segs_per_group;
+  const uint64_t group_begin = g * group_len;
+  const uint64_t group_end = group_begin + group_len < n ? group_begin + group_len : n;
+  const uint64_t begin = group_begin + seg * kReduceSegment;
+  return {g, begin, begin + kReduceSegment < group_end ? begin + kReduceSegment : group_end};
+}
+
 // Max of |finite x| per group. One warp per work item (a segment of at most kReduceSegment
 // elements of one group), grid-stride over work items; one atomicMax per work item.
 __global__ void __launch_bounds__(kThreads)
@@ -278,11 +292,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
   for (uint64_t w = warp; w < items; w += warps) {
-    const uint64_t g = w / segs_per_group, seg = w % segs_per_group;
-    const uint64_t group_begin = g * group_len;
-    const uint64_t group_end = group_begin + group_len < n ? group_begin + group_len : n;
-    const uint64_t begin = group_begin + seg * kReduceSegment;
-    const uint64_t end = begin + kReduceSegment < group_end ? begin + kReduceSegment : group_end;
+    const Segment sg = SegmentOf(w, n, group_len, segs_per_group);
+    const uint64_t g = sg.group, begin = sg.begin, end = sg.end;
     uint32_t m0 = 0, m1 = 0;
     uint64_t i = begin + lane;
     for (; i + 32 < end; i += 64) {  // two independent loads in flight
@@ -315,17 +326,14 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
   for (uint64_t w = warp; w < items; w += warps) {
-    const uint64_t g = w / segs_per_group, seg = w % segs_per_group;
-    const uint64_t group_begin = g * group_len;
-    const uint64_t group_end = group_begin + group_len < n ? group_begin + group_len : n;
-    const uint64_t begin = group_begin + seg * kReduceSegment;
-    const uint64_t end = begin + kReduceSegment < group_end ? begin + kReduceSegment : group_end;
+    const Segment sg = SegmentOf(w, n, group_len, segs_per_group);
+    const uint64_t g = sg.group, begin = sg.begin, end = sg.end;
     unsigned long long lo = ~0ull;
     uint32_t hi = 0;
     // kernels::MinMaxFinite orders -0 below +0 within a span; the CPU combines chunks with
     // std::min, which keeps the earlier chunk on a tie. So among zeros, the earliest chunk
     // wins, and within it -0 wins.
-    const uint64_t chunk = chunked ? (begin - group_begin) >> 16 : 0;
+    const uint64_t chunk = chunked ? (begin - g * group_len) >> 16 : 0;
     const unsigned long long zero_rank = (chunk < 0x7fffffffu ? chunk : 0x7fffffffu) << 1;
     for (uint64_t i = begin + lane; i < end; i += 32) {
       uint32_t u = FloatBits(in[i]);
@@ -360,20 +368,15 @@ __global__ void shifts_from_max_abs_kernel(const uint32_t* max_bits, uint64_t nu
   if (g < num) shifts[g] = ShiftForMax(BitsFloat(max_bits[g]), rule);
 }
 
-// cpd/quantize.cc LinearGridFor, int<b>: scale = max / qmax (correctly rounded division).
+// int<b>: SymmetricIntGrid (grid.h), as cpd/quantize.cc.
 __global__ void int_grids_from_max_abs_kernel(const uint32_t* max_bits, uint64_t num, int qmax,
                                               LinearGrid* grids) {
   const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= num) return;
-  LinearGrid lg;
-  lg.scale = __fdiv_rn(BitsFloat(max_bits[g]), float(qmax));
-  lg.offset = 0.0f;
-  lg.qmin = -qmax;
-  lg.qmax = qmax;
-  grids[g] = lg;
+  grids[g] = SymmetricIntGrid(BitsFloat(max_bits[g]), qmax);
 }
 
-// cpd/quantize.cc LinearGridFor, uint<b>:minmax, fallbacks included.
+// uint<b>:minmax: MinMaxGrid (grid.h), as cpd/quantize.cc.
 __global__ void uint_grids_from_min_max_kernel(const unsigned long long* lo_keys,
                                                const uint32_t* hi_ord, uint64_t num, int qmax,
                                                LinearGrid* grids) {
@@ -386,12 +389,7 @@ __global__ void uint_grids_from_min_max_kernel(const unsigned long long* lo_keys
     if (lo == 0.0f) lo = (key & 1u) != 0 ? 0.0f : -0.0f;  // the zero the CPU picks
     hi = BitsFloat(UnorderedBits(hi_ord[g]));
   }
-  if (!(lo <= hi)) lo = hi = 0.0f;
-  float scale = __fdiv_rn(__fsub_rn(hi, lo), float(qmax));
-  if (!isfinite(scale)) {
-    scale = __double2float_rn(__ddiv_rn(__dsub_rn(double(hi), double(lo)), double(qmax)));
-  }
-  grids[g] = LinearGrid{scale, lo, 0, qmax};
+  grids[g] = MinMaxGrid(lo, hi, qmax);
 }
 
 // The element-wise pass. [0, head) and [head + 4 * nvec, n) are done element by element;

@@ -1,0 +1,47 @@
+// Pieces shared by the CPU (quantize.cc) and CUDA (quantize_cuda.cc) drivers. Not public API.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "kernels/grid.h"
+
+namespace cpd::internal {
+
+inline kernels::RoundMode RoundModeFor(Rounding r) {
+  switch (r) {
+    case Rounding::kNearest: return kernels::RoundMode::kNearestEven;
+    case Rounding::kStochastic: return kernels::RoundMode::kStochastic;
+    case Rounding::kZero: return kernels::RoundMode::kTowardZero;
+  }
+  return kernels::RoundMode::kNearestEven;
+}
+
+// The argument checks every quantiser applies before any work.
+inline Status ValidateSpan(const Format& format, size_t n, const QuantizeOptions& opts) {
+  if (opts.channels == 0) return Status::InvalidArgument("channels must be >= 1");
+  if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
+    return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
+                                   std::to_string(n) + " elements do not split into " +
+                                   std::to_string(opts.channels) + " equal channels");
+  }
+  return Status::Ok();
+}
+
+// Elements per scale group (the last block may be shorter).
+inline size_t GroupLength(const Format& format, size_t n, size_t channels) {
+  switch (format.scope()) {
+    case ScaleScope::kNone:
+    case ScaleScope::kTensor:
+      return n;
+    case ScaleScope::kChannel:
+      return n / channels;
+    case ScaleScope::kBlock:
+      return format.block_size();
+  }
+  return n;
+}
+
+}  // namespace cpd::internal

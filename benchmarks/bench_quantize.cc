@@ -5,6 +5,9 @@
 // GB/s counts bytes read + written (8 bytes per element out of place; memcpy likewise). The
 // ratio column divides by memcpy measured with the same thread count in this run. Medians of
 // --reps runs after one warm-up.
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,9 +15,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <omp.h>
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
@@ -101,9 +101,8 @@ int main(int argc, char** argv) {
 
   for (const std::string& ts : SplitList(threads_list)) {
     const int threads = std::stoi(ts);
-    const double t_copy = MedianSeconds(reps, [&] {
-      ParallelMemcpy(out_ptr, in.data(), n, threads);
-    });
+    const double t_copy =
+        MedianSeconds(reps, [&] { ParallelMemcpy(out_ptr, in.data(), n, threads); });
     const double copy_gbs = bytes / t_copy / 1e9;
     std::printf("%-16s %-11s %-9s %7d %10.3f %9.2f %8.3f\n", "memcpy", "-", "copy", threads,
                 t_copy * 1e3, copy_gbs, 1.0);
@@ -136,11 +135,11 @@ int main(int argc, char** argv) {
         }
       });
       // Encode writes bits/32 of what it reads; count the bytes it really moves.
-      const double moved = m == "encode" ? n * sizeof(float) + double(cpd::PackedCodeBytes(*f, n))
-                                         : bytes;
+      const double moved =
+          m == "encode" ? n * sizeof(float) + double(cpd::PackedCodeBytes(*f, n)) : bytes;
       const double gbs = moved / t / 1e9;
-      std::printf("%-16s %-11s %-9s %7d %10.3f %9.2f %8.3f\n", spec.c_str(),
-                  cpd::RoundingName(r), mode, threads, t * 1e3, gbs, gbs / copy_gbs);
+      std::printf("%-16s %-11s %-9s %7d %10.3f %9.2f %8.3f\n", spec.c_str(), cpd::RoundingName(r),
+                  mode, threads, t * 1e3, gbs, gbs / copy_gbs);
       std::fflush(stdout);
     };
     for (const auto& spec : SplitList(formats_list)) row(spec, cpd::Rounding::kNearest, "quantize");

@@ -117,8 +117,7 @@ Result<Format> Format::Parse(std::string_view spec) {
       bool found = false;
       for (auto o : ok) found = found || s == o;
       if (!found) {
-        return BadSpec(spec, "modifier ':" + s + "' does not apply to '" + std::string(name) +
-                                 "'");
+        return BadSpec(spec, "modifier ':" + s + "' does not apply to '" + std::string(name) + "'");
       }
     }
     return Status::Ok();
@@ -126,8 +125,8 @@ Result<Format> Format::Parse(std::string_view spec) {
   auto float_grid = [&](int ebits, int mbits, int bias, NonFiniteStyle style) -> Status {
     CPD_RETURN_IF_ERROR(allow({"sat", "inf", "nosub", "ieee"}));
     if (mod.inf && style == NonFiniteStyle::kAllFinite) {
-      return BadSpec(spec, "'" + std::string(name) +
-                               "' has no Inf or NaN code, so ':inf' cannot apply");
+      return BadSpec(spec,
+                     "'" + std::string(name) + "' has no Inf or NaN code, so ':inf' cannot apply");
     }
     f.family_ = FormatFamily::kFloat;
     f.bits_ = 1 + ebits + mbits;
@@ -329,9 +328,8 @@ FormatInfo Format::Info() const {
       info.min_normal = 1;
       info.distinct_finite = 2 * uint64_t(qmax) + 1;
       info.scale_note = "integer levels shown; value = q * scale, scale = max|x| / " +
-                        std::to_string(qmax) + (scope_ == ScaleScope::kChannel
-                                                    ? " per channel"
-                                                    : " per tensor");
+                        std::to_string(qmax) +
+                        (scope_ == ScaleScope::kChannel ? " per channel" : " per tensor");
       break;
     }
     case FormatFamily::kUintMinMax: {
@@ -340,9 +338,8 @@ FormatInfo Format::Info() const {
       info.min_normal = 1;
       info.distinct_finite = uint64_t(qmax) + 1;
       info.scale_note = "integer levels shown; value = min + q * scale, scale = (max - min) / " +
-                        std::to_string(qmax) + (scope_ == ScaleScope::kChannel
-                                                    ? " per channel"
-                                                    : " per tensor");
+                        std::to_string(qmax) +
+                        (scope_ == ScaleScope::kChannel ? " per channel" : " per tensor");
       break;
     }
   }

@@ -35,7 +35,7 @@ enum class ScaleScope {
 // What `cpd-quant info` prints. For scaled formats the values are at unit scale (shift 0 or
 // scale 1) and `scale_note` says how they scale.
 struct FormatInfo {
-  int bits = 0;                  // bits per element code
+  int bits = 0;  // bits per element code
   double max_finite = 0;
   double min_normal = 0;         // smallest positive normal (0 if none)
   double min_subnormal = 0;      // smallest positive subnormal (0 if none)

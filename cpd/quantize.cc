@@ -13,12 +13,12 @@ namespace cpd {
 
 namespace {
 
+using internal::GroupLength;
+using internal::ValidateSpan;
 using kernels::ElementStats;
 using kernels::FloatGrid;
 using kernels::LinearGrid;
 using kernels::LoopParams;
-using internal::GroupLength;
-using internal::ValidateSpan;
 
 // Elements per work item: a multiple of 8 (so packed chunks start on a byte) and of 32 (MX
 // blocks). Work items, not threads, fix the order in which statistics are merged.
@@ -240,9 +240,8 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
         LoopParams p = base;
         p.index_base = base.index_base + s;
         kernels::QuantizeFloatGridBlocks(in + s, out != nullptr ? out + s : nullptr, c, e - s,
-                                         format.block_size(), format.grid(),
-                                         format.shift_rule(), p, st,
-                                         groups.shifts.data() + s / format.block_size());
+                                         format.block_size(), format.grid(), format.shift_rule(), p,
+                                         st, groups.shifts.data() + s / format.block_size());
       } else {
         QuantizeChunk(format, groups, in, out, c, s, e, base, st);
       }
@@ -270,9 +269,12 @@ Result<Rounding> ParseRounding(std::string_view name) {
 
 const char* RoundingName(Rounding r) {
   switch (r) {
-    case Rounding::kNearest: return "nearest";
-    case Rounding::kStochastic: return "stochastic";
-    case Rounding::kZero: return "zero";
+    case Rounding::kNearest:
+      return "nearest";
+    case Rounding::kStochastic:
+      return "stochastic";
+    case Rounding::kZero:
+      return "zero";
   }
   return "?";
 }
@@ -306,7 +308,8 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
     ForEachGroupPart(groups, s, e, [&](size_t gi, size_t b, size_t f) {
       if (format.is_float_grid()) {
         const int shift = groups.shifts.empty() ? 0 : groups.shifts[gi];
-        chunk_flips[c] += kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(), shift, st);
+        chunk_flips[c] +=
+            kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(), shift, st);
       } else {
         chunk_flips[c] += kernels::HysteresisLinearGrid(w + b, q + b, f - b, groups.linear[gi], st);
       }
@@ -329,7 +332,8 @@ size_t PackedCodeBytes(const Format& format, size_t n) {
 }
 
 size_t PackedSize(const Format& format, size_t n, size_t channels) {
-  return PackedCodeBytes(format, n) + format.num_groups(n, channels) * format.meta_bytes_per_group();
+  return PackedCodeBytes(format, n) +
+         format.num_groups(n, channels) * format.meta_bytes_per_group();
 }
 
 Status Encode(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
@@ -357,8 +361,8 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
                               std::to_string(packed.bytes.size()));
   }
   if (n > 0 && out == nullptr) return Status::InvalidArgument("Decode: null buffer");
-  const Groups groups = ReadMeta(format, n, packed.channels,
-                                 packed.bytes.data() + PackedCodeBytes(format, n));
+  const Groups groups =
+      ReadMeta(format, n, packed.channels, packed.bytes.data() + PackedCodeBytes(format, n));
   const size_t chunks = (n + kChunk - 1) / kChunk;
   const int bits = format.bits();
 #pragma omp parallel num_threads(ThreadCount(opts, chunks))
@@ -430,7 +434,8 @@ void UnpackCodes(const uint8_t* src, size_t n, int bits, uint32_t* codes) {
     return;
   }
   if (bits == 16) {
-    for (size_t i = 0; i < n; ++i) codes[i] = uint32_t(src[2 * i]) | (uint32_t(src[2 * i + 1]) << 8);
+    for (size_t i = 0; i < n; ++i)
+      codes[i] = uint32_t(src[2 * i]) | (uint32_t(src[2 * i + 1]) << 8);
     return;
   }
   uint64_t acc = 0;

@@ -41,13 +41,13 @@ struct QuantizeOptions {
 // Statistics of one quantisation, all over the input elements.
 struct QuantStats {
   uint64_t count = 0;
-  float max_abs = 0.0f;      // largest |x| over non-NaN inputs
-  uint64_t saturated = 0;    // beyond the largest finite value (clamped, or Inf/NaN with :inf),
-                             // +-Inf inputs included
-  uint64_t flushed = 0;      // nonzero finite inputs that became zero
-  uint64_t nonfinite = 0;    // NaN or Inf inputs
-  double sq_error = 0.0;     // sum of (q - x)^2 over finite inputs with finite outputs
-  double sq_input = 0.0;     // sum of x^2 over the same elements
+  float max_abs = 0.0f;    // largest |x| over non-NaN inputs
+  uint64_t saturated = 0;  // beyond the largest finite value (clamped, or Inf/NaN with :inf),
+                           // +-Inf inputs included
+  uint64_t flushed = 0;    // nonzero finite inputs that became zero
+  uint64_t nonfinite = 0;  // NaN or Inf inputs
+  double sq_error = 0.0;   // sum of (q - x)^2 over finite inputs with finite outputs
+  double sq_input = 0.0;   // sum of x^2 over the same elements
   double relative_error() const;  // sqrt(sq_error / sq_input), 0 for an all-zero input
 };
 

@@ -12,9 +12,12 @@ namespace cpd::internal {
 
 inline kernels::RoundMode RoundModeFor(Rounding r) {
   switch (r) {
-    case Rounding::kNearest: return kernels::RoundMode::kNearestEven;
-    case Rounding::kStochastic: return kernels::RoundMode::kStochastic;
-    case Rounding::kZero: return kernels::RoundMode::kTowardZero;
+    case Rounding::kNearest:
+      return kernels::RoundMode::kNearestEven;
+    case Rounding::kStochastic:
+      return kernels::RoundMode::kStochastic;
+    case Rounding::kZero:
+      return kernels::RoundMode::kTowardZero;
   }
   return kernels::RoundMode::kNearestEven;
 }

@@ -10,12 +10,22 @@ namespace cpd {
 
 class Status {
  public:
-  enum class Code { kOk = 0, kInvalidArgument, kOutOfRange, kNotFound, kIoError, kCorruption,
-                    kUnavailable, kInternal };
+  enum class Code {
+    kOk = 0,
+    kInvalidArgument,
+    kOutOfRange,
+    kNotFound,
+    kIoError,
+    kCorruption,
+    kUnavailable,
+    kInternal
+  };
 
   Status() = default;
   static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string msg) { return Status(Code::kInvalidArgument, std::move(msg)); }
+  static Status InvalidArgument(std::string msg) {
+    return Status(Code::kInvalidArgument, std::move(msg));
+  }
   static Status OutOfRange(std::string msg) { return Status(Code::kOutOfRange, std::move(msg)); }
   static Status NotFound(std::string msg) { return Status(Code::kNotFound, std::move(msg)); }
   static Status IoError(std::string msg) { return Status(Code::kIoError, std::move(msg)); }
@@ -38,7 +48,7 @@ class Status {
 template <typename T>
 class Result {
  public:
-  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {}  // NOLINT: must not be ok()
   bool ok() const { return std::holds_alternative<T>(v_); }
   const Status& status() const {
@@ -55,9 +65,9 @@ class Result {
   std::variant<T, Status> v_;
 };
 
-#define CPD_RETURN_IF_ERROR(expr)          \
-  do {                                     \
-    ::cpd::Status _cpd_status = (expr);    \
+#define CPD_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::cpd::Status _cpd_status = (expr);        \
     if (!_cpd_status.ok()) return _cpd_status; \
   } while (0)
 

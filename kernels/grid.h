@@ -257,9 +257,15 @@ inline FloatGrid MakeFloatGrid(int32_t ebits, int32_t mbits, int32_t bias, NonFi
   const uint32_t all_ones = (1u << (ebits + mbits)) - 1u;
   const uint32_t mant_ones = (1u << mbits) - 1u;
   switch (style) {
-    case NonFiniteStyle::kAllFinite: g.max_code = all_ones; break;
-    case NonFiniteStyle::kIeee: g.max_code = (((1u << ebits) - 2u) << mbits) | mant_ones; break;
-    case NonFiniteStyle::kNanOnly: g.max_code = all_ones - 1u; break;
+    case NonFiniteStyle::kAllFinite:
+      g.max_code = all_ones;
+      break;
+    case NonFiniteStyle::kIeee:
+      g.max_code = (((1u << ebits) - 2u) << mbits) | mant_ones;
+      break;
+    case NonFiniteStyle::kNanOnly:
+      g.max_code = all_ones - 1u;
+      break;
   }
   g.max_bits = FloatBits(DecodeFloatGrid(g.max_code, g));
   g.overflow_bits = g.max_bits;

@@ -100,8 +100,8 @@ CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, flo
 // Picks the ElementLoop instantiation for the outputs asked for; with statistics, works in
 // L1-sized pieces (through a scratch buffer when the caller wants no floats).
 template <typename RoundFn>
-CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, size_t n,
-                                float lo, float hi, const RoundFn& round, ElementStats* stats) {
+CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, size_t n, float lo,
+                                float hi, const RoundFn& round, ElementStats* stats) {
   if (stats == nullptr) {
     if (out != nullptr && codes != nullptr) {
       ElementLoop<true, true>(in, out, codes, n, 0, round);
@@ -257,9 +257,9 @@ CPD_INLINE size_t FixedBlocksMode(const float* in, float* out, uint32_t* codes, 
 }  // namespace
 
 CPD_CLONES
-void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n,
-                             size_t block, const FloatGrid& g, const ShiftRule& rule,
-                             const LoopParams& p, ElementStats* stats, int32_t* shifts) {
+void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n, size_t block,
+                             const FloatGrid& g, const ShiftRule& rule, const LoopParams& p,
+                             ElementStats* stats, int32_t* shifts) {
   size_t done = 0;
   if (stats == nullptr && (out != nullptr || codes != nullptr)) {
     if (block == 32) done = FixedBlocksMode<32>(in, out, codes, n, g, rule, p, shifts);
@@ -291,8 +291,8 @@ void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_
 }
 
 CPD_CLONES
-void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n,
-                        const LinearGrid& g, const LoopParams& p, ElementStats* stats) {
+void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n, const LinearGrid& g,
+                        const LoopParams& p, ElementStats* stats) {
   switch (p.mode) {
     case RoundMode::kNearestEven:
       LinearGridDispatch<RoundMode::kNearestEven>(in, out, codes, n, g, p, stats);

@@ -12,12 +12,12 @@ namespace cpd::kernels {
 
 // Sums over one span; Merge() is associative but the caller merges in a fixed order.
 struct ElementStats {
-  float max_abs = 0.0f;      // over non-NaN inputs (Inf included)
-  uint64_t saturated = 0;    // inputs beyond the grid's largest finite value, Inf included
-  uint64_t flushed = 0;      // nonzero finite inputs that became zero
-  uint64_t nonfinite = 0;    // NaN or Inf inputs
-  double sq_error = 0.0;     // sum (out - in)^2 over finite inputs with finite outputs
-  double sq_input = 0.0;     // sum in^2 over the same elements
+  float max_abs = 0.0f;    // over non-NaN inputs (Inf included)
+  uint64_t saturated = 0;  // inputs beyond the grid's largest finite value, Inf included
+  uint64_t flushed = 0;    // nonzero finite inputs that became zero
+  uint64_t nonfinite = 0;  // NaN or Inf inputs
+  double sq_error = 0.0;   // sum (out - in)^2 over finite inputs with finite outputs
+  double sq_input = 0.0;   // sum in^2 over the same elements
   void Merge(const ElementStats& o);
 };
 
@@ -35,13 +35,13 @@ void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, c
 // Blocked shared-exponent formats (MX, bfp) in one pass: for each block of `block` elements
 // (the last may be shorter), shifts[b] = ShiftForMax(max|block|, rule), then the block is
 // quantised as QuantizeFloatGrid does with that shift.
-void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n,
-                             size_t block, const FloatGrid& g, const ShiftRule& rule,
-                             const LoopParams& p, ElementStats* stats, int32_t* shifts);
+void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_t n, size_t block,
+                             const FloatGrid& g, const ShiftRule& rule, const LoopParams& p,
+                             ElementStats* stats, int32_t* shifts);
 
 // Same as QuantizeFloatGrid for a linear grid; codes[i] = q - qmin.
-void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n,
-                        const LinearGrid& g, const LoopParams& p, ElementStats* stats);
+void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n, const LinearGrid& g,
+                        const LoopParams& p, ElementStats* stats);
 
 // Hysteresis (Lee et al., ICLR 2022): q[i] = ceil_grid(w[i]) if w[i] < q[i] else floor_grid(w[i]),
 // with q holding the previous quantised weights on entry and the new ones on return.

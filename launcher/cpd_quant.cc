@@ -50,7 +50,8 @@ int RunInfo(const std::string& spec, bool list) {
   std::printf("format          %s\n", f->spec().c_str());
   std::printf("bits            %d\n", info.bits);
   std::printf("max finite      %s\n", Describe(info.max_finite).c_str());
-  std::printf("min normal      %s\n", info.min_normal > 0 ? Describe(info.min_normal).c_str() : "none");
+  std::printf("min normal      %s\n",
+              info.min_normal > 0 ? Describe(info.min_normal).c_str() : "none");
   std::printf("min subnormal   %s\n",
               info.min_subnormal > 0 ? Describe(info.min_subnormal).c_str() : "none");
   std::printf("distinct finite %llu\n", static_cast<unsigned long long>(info.distinct_finite));
@@ -76,8 +77,8 @@ std::vector<unsigned char> ReadAll(FILE* in) {
   return data;
 }
 
-int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t seed,
-                uint64_t step, size_t channels, int threads, bool stats) {
+int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t seed, uint64_t step,
+                size_t channels, int threads, bool stats) {
   auto f = cpd::Format::Parse(spec);
   if (!f.ok()) Fail(f.status().message());
   auto r = cpd::ParseRounding(rounding);
@@ -112,8 +113,7 @@ int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t s
                  f->spec().c_str(), cpd::RoundingName(*r), n, double(st.max_abs),
                  static_cast<unsigned long long>(st.saturated), 100.0 * st.saturated / denom,
                  static_cast<unsigned long long>(st.flushed), 100.0 * st.flushed / denom,
-                 static_cast<unsigned long long>(st.nonfinite), st.relative_error(),
-                 st.sq_error);
+                 static_cast<unsigned long long>(st.nonfinite), st.relative_error(), st.sq_error);
   }
   return 0;
 }
@@ -142,15 +142,18 @@ int main(int argc, char** argv) {
   quant->add_option("--format", spec, "Format spec")->required();
   quant->add_option("--rounding", rounding, "nearest (ties to even) | stochastic | zero")
       ->capture_default_str();
-  quant->add_option("--seed", seed, "Seed of the stochastic-rounding stream")->capture_default_str();
+  quant->add_option("--seed", seed, "Seed of the stochastic-rounding stream")
+      ->capture_default_str();
   quant->add_option("--step", step, "Step number mixed into the stochastic stream")
       ->capture_default_str();
-  quant->add_option("--channels", channels,
-                    "View the input as this many equal rows (for :ch formats and log<b>)")
+  quant
+      ->add_option("--channels", channels,
+                   "View the input as this many equal rows (for :ch formats and log<b>)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   quant->add_option("--threads", threads, "Worker threads (0 = all cores)")->capture_default_str();
-  quant->add_flag("--stats", stats, "Print statistics (max|x|, saturated, flushed, error) to stderr");
+  quant->add_flag("--stats", stats,
+                  "Print statistics (max|x|, saturated, flushed, error) to stderr");
 
   try {
     app.parse(argc, argv);

@@ -4,6 +4,7 @@
 // the layer's output) and G (weight gradient).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,9 @@ class Layer {
   virtual void SetQuantHooks(QuantHooks* hooks) { hooks_ = hooks; }
   // All layers in this subtree, pre-order (itself first). Composites override.
   virtual std::vector<Layer*> Flatten() { return {this}; }
+  // The training step about to run: layers that draw random numbers (Dropout) derive them from
+  // (seed, step, element index) so that a resumed run repeats them exactly. Composites forward.
+  virtual void SetStep(uint64_t /*step*/) {}
 
  protected:
   QuantHooks* hooks_ = nullptr;

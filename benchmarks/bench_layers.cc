@@ -1,0 +1,162 @@
+// bench_layers: CPU training-step time of the cpd-train models (runtime/layers.h).
+//
+//   bench_layers [--models lenet5,resnet20] [--batch 128] [--threads 2] [--steps 20]
+//                [--profile]
+//
+// One fixed random batch per model; each step is forward (train mode) + softmax cross-entropy
+// + backward, and "step" adds ZeroGrad and an SGD update (momentum 0.9, weight decay 5e-4: the
+// step of benchmarks/torch_step.py, PyTorch's reference). Medians over --steps after two
+// warm-up steps. --profile adds a per-layer table (top-level children; median ms forward and
+// backward).
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/cpu_ops.h"
+#include "runtime/layers.h"
+#include "runtime/models.h"
+#include "runtime/optimizer.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using cpd::runtime::Tensor;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+std::vector<std::string> SplitList(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t pos = s.find(',', start);
+    const std::string item = s.substr(start, pos == std::string::npos ? pos : pos - start);
+    if (!item.empty()) out.push_back(item);
+    if (pos == std::string::npos) break;
+    start = pos + 1;
+  }
+  return out;
+}
+
+struct Timing {
+  double fwd = 0, bwd = 0, fwd_bwd = 0, step = 0;
+};
+
+int Run(const std::string& arch, int batch, int steps, bool profile, Timing* t) {
+  const bool mnist = arch == "lenet5" || arch == "mlp";
+  const int ch = mnist ? 1 : 3, size = mnist ? 28 : 32;
+  auto built = cpd::runtime::BuildModel(arch, ch, size, 10, 1);
+  if (!built.ok()) {
+    std::fprintf(stderr, "bench_layers: %s\n", built.status().ToString().c_str());
+    return 1;
+  }
+  auto& model = *built.value();
+  Tensor x({batch, ch, size, size});
+  std::mt19937_64 gen(7);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < x.numel(); ++i) x.data()[i] = normal(gen);
+  std::vector<int32_t> y(static_cast<size_t>(batch));
+  for (auto& l : y) l = int32_t(gen() % 10);
+
+  cpd::runtime::OptimizerOptions oo;
+  oo.momentum = 0.9;
+  oo.weight_decay = 5e-4;
+  cpd::runtime::Optimizer opt(model.Params(), oo);
+  cpd::runtime::SoftmaxCrossEntropy ce;
+  Tensor dlogits;
+
+  std::vector<double> fwd, bwd, fb, full;
+  std::map<std::string, std::vector<double>> layer_f, layer_b;
+  for (int s = 0; s < steps + 2; ++s) {
+    const auto t0 = Clock::now();
+    opt.ZeroGrad();
+    const auto t1 = Clock::now();
+    Tensor logits = model.Forward(x, true);
+    ce.Forward(logits, y, &dlogits);
+    const auto t2 = Clock::now();
+    model.Backward(dlogits);
+    const auto t3 = Clock::now();
+    opt.Step(0.01);
+    const auto t4 = Clock::now();
+    if (s >= 2) {
+      fwd.push_back(Ms(t1, t2));
+      bwd.push_back(Ms(t2, t3));
+      fb.push_back(Ms(t1, t3));
+      full.push_back(Ms(t0, t4));
+    }
+    if (profile && s >= 2) {
+      // Per child, outside the timed step above.
+      std::vector<Tensor> inputs;
+      Tensor h = x;
+      for (size_t i = 0; i < model.size(); ++i) {
+        inputs.push_back(h);
+        const auto a = Clock::now();
+        h = model.child(i)->Forward(h, true);
+        layer_f[model.child(i)->name()].push_back(Ms(a, Clock::now()));
+      }
+      ce.Forward(h, y, &dlogits);
+      Tensor g = dlogits;
+      for (size_t i = model.size(); i-- > 0;) {
+        const auto a = Clock::now();
+        g = model.child(i)->Backward(g);
+        layer_b[model.child(i)->name()].push_back(Ms(a, Clock::now()));
+      }
+    }
+  }
+  t->fwd = Median(fwd);
+  t->bwd = Median(bwd);
+  t->fwd_bwd = Median(fb);
+  t->step = Median(full);
+  if (profile) {
+    std::printf("  %-12s %10s %10s\n", "layer", "fwd ms", "bwd ms");
+    for (size_t i = 0; i < model.size(); ++i) {
+      const std::string& n = model.child(i)->name();
+      std::printf("  %-12s %10.3f %10.3f\n", n.c_str(), Median(layer_f[n]), Median(layer_b[n]));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"CPU training-step time of the cpd-train models"};
+  std::string models = "lenet5,resnet20";
+  int batch = 128, threads = 2, steps = 20;
+  bool profile = false;
+  app.add_option("--models", models, "comma-separated architectures");
+  app.add_option("--batch", batch, "batch size")->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads, "OpenMP threads")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "timed steps (median)")->check(CLI::PositiveNumber);
+  app.add_flag("--profile", profile, "per-layer forward/backward table");
+  CLI11_PARSE(app, argc, argv);
+#ifndef NDEBUG
+  std::printf(
+      "WARNING: built without NDEBUG (not an optimised build); timings are not "
+      "representative\n");
+#endif
+  omp_set_num_threads(threads);
+  std::printf("%-10s %6s %8s %10s %10s %10s %10s\n", "model", "batch", "threads", "fwd ms",
+              "bwd ms", "fwd+bwd ms", "step ms");
+  for (const std::string& arch : SplitList(models)) {
+    Timing t;
+    if (Run(arch, batch, steps, profile, &t) != 0) return 1;
+    std::printf("%-10s %6d %8d %10.2f %10.2f %10.2f %10.2f\n", arch.c_str(), batch, threads, t.fwd,
+                t.bwd, t.fwd_bwd, t.step);
+    std::fflush(stdout);
+  }
+  return 0;
+}

@@ -1,0 +1,717 @@
+#include "runtime/cpu_ops.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/grid.h"
+
+// Hot loops are compiled for baseline x86-64, AVX2 and AVX-512 and picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CPD_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
+#else
+#define CPD_CLONES
+#endif
+
+namespace cpd::runtime::cpu {
+
+namespace {
+
+// Below this many elements an elementwise pass costs less than waking the thread team (a few
+// microseconds on an idle machine; up to a scheduler time slice on a loaded one, where a team
+// member may be descheduled).
+constexpr size_t kParallelElements = size_t(1) << 17;
+// Below this many multiply-adds a GEMM or convolution is not worth splitting across threads.
+constexpr double kParallelMacs = double(1 << 22);
+
+// Threads for a parallel region started here: 1 when already inside one (nested regions would
+// oversubscribe the cores).
+int TeamSize() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
+
+// Threads for a convolution over n images: small ones run on the calling thread, where waking
+// the team would cost more than it saves (and, on a loaded machine, a descheduled team member
+// stalls the whole region).
+int ConvTeam(const ConvShape& s) {
+  const double macs = double(s.n) * double(s.oc) * double(s.ohw()) * double(s.ckk());
+  if (macs < kParallelMacs) return 1;
+  return int(std::min<int64_t>(TeamSize(), std::max<int64_t>(s.n, 1)));
+}
+
+// Grows `t` to hold at least `n` floats; keeps the storage when it is already large enough.
+float* Reserve(Tensor* t, size_t n) {
+  if (t->numel() < n || t->device() != Device::kCpu) *t = Tensor({int64_t(n)});
+  return t->data();
+}
+
+float SumF(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+
+// [rows, cols] -> [cols, rows]. Small matrices only (weights), so no blocking.
+void TransposeAdd(int64_t rows, int64_t cols, const float* src, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] += src[r * cols + c];
+  }
+}
+
+}  // namespace
+
+void UseSingleThreadedBlas() {
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+}
+
+// ---- GEMM -------------------------------------------------------------------------------------
+
+void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    // BLAS leaves C untouched only for beta = 1; make the empty sum explicit.
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
+    }
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, blasint(m), blasint(n), blasint(k), alpha, a,
+              blasint(lda), b, blasint(ldb), beta, c, blasint(ldc));
+}
+
+void ParallelSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                   const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                   int64_t ldc) {
+  const int team = TeamSize();
+  const double macs = double(m) * double(n) * double(k);
+  if (team <= 1 || macs < kParallelMacs || m < 2 * 16) {
+    UseSingleThreadedBlas();
+    Sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  UseSingleThreadedBlas();
+  // Row blocks in multiples of 16 (the micro-kernel height), as even as that allows.
+  const int64_t blocks = std::min<int64_t>(team, m / 16);
+  const int64_t per = ((m + blocks - 1) / blocks + 15) / 16 * 16;
+#pragma omp parallel for num_threads(int(blocks)) schedule(static, 1)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t r0 = blk * per;
+    const int64_t rows = std::min(per, m - r0);
+    if (rows <= 0) continue;
+    // Rows r0.. of op(A): rows of A, or columns of A when it is transposed.
+    const float* a_blk = trans_a ? a + r0 : a + r0 * lda;
+    Sgemm(trans_a, trans_b, rows, n, k, alpha, a_blk, lda, b, ldb, beta, c + r0 * ldc, ldc);
+  }
+}
+
+// ---- Convolution ------------------------------------------------------------------------------
+
+bool ConvShape::ComputeOutput() {
+  if (k < 1 || stride < 1 || pad < 0 || h + 2 * pad < k || w + 2 * pad < k) return false;
+  oh = (h + 2 * pad - k) / stride + 1;
+  ow = (w + 2 * pad - k) / stride + 1;
+  return true;
+}
+
+namespace {
+
+// Output columns ox whose input column ox * stride - pad + kj lies inside [0, w): [lo, hi).
+inline void ValidRange(int64_t out, int64_t in, int64_t stride, int64_t offset, int64_t* lo,
+                       int64_t* hi) {
+  // ix = ox * stride + offset; need 0 <= ix < in. (No divisions for stride 1: this runs per
+  // kernel tap and tile.)
+  int64_t l, h;
+  if (stride == 1) {
+    l = offset >= 0 ? 0 : -offset;
+    h = in - offset;
+  } else {
+    l = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
+    h = in - offset <= 0 ? 0 : (in - 1 - offset) / stride + 1;
+  }
+  l = std::min(l, out);
+  h = std::clamp(h, l, out);
+  *lo = l;
+  *hi = h;
+}
+
+}  // namespace
+
+// The column matrix is built and consumed in tiles of whole output rows (ConvTileRows) rather
+// than per image: a tile stays in L2 between im2col and the GEMM, which on the 2-core reference
+// machine (L2 writes at ~40 GB/s) made the first ResNet-20 stage ~10% faster than one
+// image-sized column matrix.
+//
+// Stride 1 with "same" padding (ow == w), the common case of ResNets, is special-cased: each
+// row of a tile is then a slice of the input plane shifted by a constant flat offset, so it is
+// one long copy, after which the few entries that wrapped around a row edge are fixed up.
+namespace {
+
+inline bool SamePadStride1(const ConvShape& s) { return s.stride == 1 && s.ow == s.w; }
+
+// Output rows per tile: about 256 output positions (measured best of 32..1024 for ResNet-20).
+int64_t ConvTileRows(const ConvShape& s) {
+  return std::clamp<int64_t>(256 / std::max<int64_t>(s.ow, 1), 1, std::max<int64_t>(s.oh, 1));
+}
+
+// Output rows [oy0, oy0 + rows) of the tile whose input row iy = oy * stride - pad + ki is
+// inside the image: [r_lo, r_hi) relative to oy0.
+inline void ValidRows(const ConvShape& s, int64_t oy0, int64_t rows, int64_t ki, int64_t* r_lo,
+                      int64_t* r_hi) {
+  int64_t lo, hi;
+  ValidRange(s.oh, s.h, s.stride, ki - s.pad, &lo, &hi);
+  *r_lo = std::clamp(lo - oy0, int64_t(0), rows);
+  *r_hi = std::clamp(hi - oy0, *r_lo, rows);
+}
+
+}  // namespace
+
+CPD_CLONES void Im2ColRows(const ConvShape& s, const float* x, int64_t oy0, int64_t rows,
+                           float* col) {
+  const int64_t k = s.k, st = s.stride, ow = s.ow, w = s.w, p = rows * ow;
+  const bool same = SamePadStride1(s);
+  for (int64_t ch = 0; ch < s.c; ++ch) {
+    const float* plane = x + ch * s.h * w;
+    for (int64_t ki = 0; ki < k; ++ki) {
+      int64_t r_lo, r_hi;
+      ValidRows(s, oy0, rows, ki, &r_lo, &r_hi);
+      for (int64_t kj = 0; kj < k; ++kj) {
+        float* row = col + ((ch * k + ki) * k + kj) * p;
+        int64_t xlo, xhi;
+        ValidRange(ow, w, st, kj - s.pad, &xlo, &xhi);
+        if (r_hi <= r_lo || xhi <= xlo) {
+          for (int64_t i = 0; i < p; ++i) row[i] = 0.f;
+          continue;
+        }
+        for (int64_t i = 0; i < r_lo * ow; ++i) row[i] = 0.f;
+        for (int64_t i = r_hi * ow; i < p; ++i) row[i] = 0.f;
+        if (same) {
+          // row[q] = plane[(oy0 * w + q) + off] for q in [first, last): in-range reads only.
+          const float* in = plane + oy0 * w + (ki - s.pad) * w + (kj - s.pad);
+          const int64_t first = r_lo * w + xlo, last = (r_hi - 1) * w + xhi;
+#pragma omp simd
+          for (int64_t q = first; q < last; ++q) row[q] = in[q];
+          for (int64_t r = r_lo; r < r_hi; ++r) {
+            for (int64_t ox = 0; ox < xlo; ++ox) row[r * w + ox] = 0.f;
+            for (int64_t ox = xhi; ox < w; ++ox) row[r * w + ox] = 0.f;
+          }
+          continue;
+        }
+        for (int64_t r = r_lo; r < r_hi; ++r) {
+          float* out = row + r * ow;
+          const float* in = plane + ((oy0 + r) * st - s.pad + ki) * w + (kj - s.pad);
+          for (int64_t ox = 0; ox < xlo; ++ox) out[ox] = 0.f;
+          if (st == 1) {
+#pragma omp simd
+            for (int64_t ox = xlo; ox < xhi; ++ox) out[ox] = in[ox];
+          } else {
+            for (int64_t ox = xlo; ox < xhi; ++ox) out[ox] = in[ox * st];
+          }
+          for (int64_t ox = xhi; ox < ow; ++ox) out[ox] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+CPD_CLONES void Col2ImRows(const ConvShape& s, float* col, int64_t oy0, int64_t rows, float* dx) {
+  const int64_t k = s.k, st = s.stride, ow = s.ow, w = s.w, p = rows * ow;
+  const bool same = SamePadStride1(s);
+  for (int64_t ch = 0; ch < s.c; ++ch) {
+    float* plane = dx + ch * s.h * w;
+    for (int64_t ki = 0; ki < k; ++ki) {
+      int64_t r_lo, r_hi;
+      ValidRows(s, oy0, rows, ki, &r_lo, &r_hi);
+      for (int64_t kj = 0; kj < k; ++kj) {
+        float* row = col + ((ch * k + ki) * k + kj) * p;
+        int64_t xlo, xhi;
+        ValidRange(ow, w, st, kj - s.pad, &xlo, &xhi);
+        if (r_hi <= r_lo || xhi <= xlo) continue;
+        if (same) {
+          // The mirror of Im2ColRows' flat copy: zero the wrapped entries of the (scratch)
+          // column row, then one long add.
+          for (int64_t r = r_lo; r < r_hi; ++r) {
+            for (int64_t ox = 0; ox < xlo; ++ox) row[r * w + ox] = 0.f;
+            for (int64_t ox = xhi; ox < w; ++ox) row[r * w + ox] = 0.f;
+          }
+          float* out = plane + oy0 * w + (ki - s.pad) * w + (kj - s.pad);
+          const int64_t first = r_lo * w + xlo, last = (r_hi - 1) * w + xhi;
+#pragma omp simd
+          for (int64_t q = first; q < last; ++q) out[q] += row[q];
+          continue;
+        }
+        for (int64_t r = r_lo; r < r_hi; ++r) {
+          const float* in = row + r * ow;
+          float* out = plane + ((oy0 + r) * st - s.pad + ki) * w + (kj - s.pad);
+          if (st == 1) {
+#pragma omp simd
+            for (int64_t ox = xlo; ox < xhi; ++ox) out[ox] += in[ox];
+          } else {
+            for (int64_t ox = xlo; ox < xhi; ++ox) out[ox * st] += in[ox];
+          }
+        }
+      }
+    }
+  }
+}
+
+void Im2Col(const ConvShape& s, const float* x, float* col) { Im2ColRows(s, x, 0, s.oh, col); }
+
+void Col2Im(const ConvShape& s, float* col, float* dx) {
+  std::memset(dx, 0, size_t(s.c * s.h * s.w) * sizeof(float));
+  Col2ImRows(s, col, 0, s.oh, dx);
+}
+
+void Conv2dForward(const ConvShape& s, const float* x, const float* w, const float* bias, float* y,
+                   ConvWorkspace* ws) {
+  const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w;
+  const int64_t tile_rows = ConvTileRows(s), tile = ckk * tile_rows * s.ow;
+  const int team = ConvTeam(s);
+  float* cols = s.pointwise() ? nullptr : Reserve(&ws->col, size_t(team * tile));
+  UseSingleThreadedBlas();
+  // Images in parallel (no synchronisation between them); within an image, row tiles.
+#pragma omp parallel num_threads(team)
+  {
+    float* col = cols == nullptr ? nullptr : cols + omp_get_thread_num() * tile;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < s.n; ++i) {
+      const float* xi = x + i * in_size;
+      float* yi = y + i * s.oc * ohw;
+      if (col == nullptr) {
+        Sgemm(false, false, s.oc, ohw, ckk, 1.f, w, ckk, xi, ohw, 0.f, yi, ohw);
+      } else {
+        for (int64_t oy0 = 0; oy0 < s.oh; oy0 += tile_rows) {
+          const int64_t rows = std::min(tile_rows, s.oh - oy0), p = rows * s.ow;
+          Im2ColRows(s, xi, oy0, rows, col);
+          Sgemm(false, false, s.oc, p, ckk, 1.f, w, ckk, col, p, 0.f, yi + oy0 * s.ow, ohw);
+        }
+      }
+      if (bias != nullptr) {
+        for (int64_t o = 0; o < s.oc; ++o) {
+          const float bo = bias[o];
+          float* row = yi + o * ohw;
+#pragma omp simd
+          for (int64_t q = 0; q < ohw; ++q) row[q] += bo;
+        }
+      }
+    }
+  }
+}
+
+void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
+                    float* dw, float* db, ConvWorkspace* ws) {
+  const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w, oc = s.oc;
+  const int64_t tile_rows = ConvTileRows(s), tile = ckk * tile_rows * s.ow;
+  const int team = ConvTeam(s);
+  // Per thread: dW^T [ckk, oc] then db [oc]. dW^T = col dy^T runs faster in OpenBLAS than
+  // dW = dy col^T for these shapes (few output channels, long reduction).
+  const int64_t part = ckk * oc + oc;
+  float* parts = Reserve(&ws->partial, size_t(team * part));
+  std::memset(parts, 0, size_t(team * part) * sizeof(float));
+  // Per thread: a column tile of x and one of the gradient (unless pointwise).
+  const int64_t col_per = s.pointwise() ? 0 : 2 * tile;
+  float* cols = col_per == 0 ? nullptr : Reserve(&ws->col, size_t(team * col_per));
+  UseSingleThreadedBlas();
+#pragma omp parallel num_threads(team)
+  {
+    const int tid = omp_get_thread_num();
+    float* dwt = parts + tid * part;
+    float* dbt = dwt + ckk * oc;
+    float* col = cols == nullptr ? nullptr : cols + tid * col_per;
+    float* dcol = col == nullptr ? nullptr : col + tile;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < s.n; ++i) {
+      const float* xi = x + i * in_size;
+      const float* dyi = dy + i * oc * ohw;
+      float* dxi = dx == nullptr ? nullptr : dx + i * in_size;
+      for (int64_t o = 0; o < oc; ++o) dbt[o] += SumF(dyi + o * ohw, ohw);
+      if (col == nullptr) {
+        Sgemm(false, true, ckk, oc, ohw, 1.f, xi, ohw, dyi, ohw, 1.f, dwt, oc);
+        if (dxi != nullptr) Sgemm(true, false, s.c, ohw, oc, 1.f, w, s.c, dyi, ohw, 0.f, dxi, ohw);
+        continue;
+      }
+      if (dxi != nullptr) std::memset(dxi, 0, size_t(in_size) * sizeof(float));
+      for (int64_t oy0 = 0; oy0 < s.oh; oy0 += tile_rows) {
+        const int64_t rows = std::min(tile_rows, s.oh - oy0), p = rows * s.ow;
+        const float* dyt = dyi + oy0 * s.ow;
+        Im2ColRows(s, xi, oy0, rows, col);
+        Sgemm(false, true, ckk, oc, p, 1.f, col, p, dyt, ohw, 1.f, dwt, oc);
+        if (dxi != nullptr) {
+          Sgemm(true, false, ckk, p, oc, 1.f, w, ckk, dyt, ohw, 0.f, dcol, p);
+          Col2ImRows(s, dcol, oy0, rows, dxi);
+        }
+      }
+    }
+  }
+  std::memset(dw, 0, size_t(oc * ckk) * sizeof(float));
+  for (int t = 0; t < team; ++t) TransposeAdd(ckk, oc, parts + t * part, dw);
+  if (db != nullptr) {
+    for (int64_t o = 0; o < oc; ++o) {
+      float sum = 0.f;
+      for (int t = 0; t < team; ++t) sum += parts[t * part + ckk * oc + o];
+      db[o] = sum;
+    }
+  }
+}
+
+// ---- Fully connected --------------------------------------------------------------------------
+
+void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
+                   const float* bias, float* y) {
+  ParallelSgemm(false, true, n, out, in, 1.f, x, in, w, in, 0.f, y, out);
+  if (bias == nullptr) return;
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = y + i * out;
+#pragma omp simd
+    for (int64_t o = 0; o < out; ++o) row[o] += bias[o];
+  }
+}
+
+void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
+                    const float* dy, float* dx, float* dw, float* db) {
+  ParallelSgemm(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);
+  if (db != nullptr) {
+    std::fill(db, db + out, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = dy + i * out;
+#pragma omp simd
+      for (int64_t o = 0; o < out; ++o) db[o] += row[o];
+    }
+  }
+  if (dx != nullptr) ParallelSgemm(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in);
+}
+
+// ---- Batch normalisation ----------------------------------------------------------------------
+
+namespace {
+
+// Shifted sums of one channel segment: sum(x - k) and sum((x - k)^2).
+CPD_CLONES void ShiftedSums(const float* x, int64_t n, float k, float* s1, float* s2) {
+  float a = 0.f, b = 0.f;
+#pragma omp simd reduction(+ : a, b)
+  for (int64_t i = 0; i < n; ++i) {
+    const float d = x[i] - k;
+    a += d;
+    b += d * d;
+  }
+  *s1 = a;
+  *s2 = b;
+}
+
+// y = (x - m) * scale + b (not x * scale + (b - m * scale), which cancels when |m| >> std).
+CPD_CLONES void ScaleShift(const float* x, int64_t n, float m, float scale, float b, bool relu,
+                           float* y) {
+  if (relu) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = (x[i] - m) * scale + b;
+      y[i] = v < 0.f ? 0.f : v;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = (x[i] - m) * scale + b;
+  }
+}
+
+}  // namespace
+
+void BatchNormTrainForward(int64_t n, int64_t c, int64_t hw, const float* x, const float* gamma,
+                           const float* beta, float eps, bool relu, float* y, float* mean,
+                           float* var, float* invstd) {
+  const double count = double(n) * double(hw);
+  const bool parallel = size_t(n * c * hw) >= kParallelElements && c > 1;
+  // One channel per iteration: its n * hw values (at most a few hundred KiB in the models
+  // here) stay in L2 between the statistics and the normalisation pass. The statistics take
+  // one pass, as sums of x - k and (x - k)^2 with k = the channel's first value: shifting by a
+  // sample keeps E[(x-k)^2] - E[x-k]^2 from cancelling when |mean| >> std.
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t ch = 0; ch < c; ++ch) {
+    const float k = x[ch * hw];
+    double s1 = 0, s2 = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      float a, b;
+      ShiftedSums(x + (i * c + ch) * hw, hw, k, &a, &b);
+      s1 += a;
+      s2 += b;
+    }
+    const double d = s1 / count;
+    const double v = std::max(s2 / count - d * d, 0.0);
+    const float m = float(double(k) + d);
+    const float is = float(1.0 / std::sqrt(v + double(eps)));
+    mean[ch] = m;
+    var[ch] = float(v);
+    invstd[ch] = is;
+    const float scale = gamma[ch] * is;
+    for (int64_t i = 0; i < n; ++i) {
+      ScaleShift(x + (i * c + ch) * hw, hw, m, scale, beta[ch], relu, y + (i * c + ch) * hw);
+    }
+  }
+}
+
+void BatchNormEvalForward(int64_t n, int64_t c, int64_t hw, const float* x, const float* gamma,
+                          const float* beta, const float* mean, const float* var, float eps,
+                          bool relu, float* y) {
+  const bool parallel = size_t(n * c * hw) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t ch = 0; ch < c; ++ch) {
+      const float scale = gamma[ch] * float(1.0 / std::sqrt(double(var[ch]) + double(eps)));
+      ScaleShift(x + (i * c + ch) * hw, hw, mean[ch], scale, beta[ch], relu, y + (i * c + ch) * hw);
+    }
+  }
+}
+
+namespace {
+
+// sum(g) and sum(g * (x - m)) of one segment, g = dy (masked by y > 0 when y is non-null).
+CPD_CLONES void BackwardSums(const float* x, const float* dy, const float* y, int64_t n, float m,
+                             float* s1, float* s2) {
+  float a = 0.f, b = 0.f;
+  if (y != nullptr) {
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t i = 0; i < n; ++i) {
+      const float g0 = dy[i];
+      const float g = y[i] > 0.f ? g0 : 0.f;
+      a += g;
+      b += g * (x[i] - m);
+    }
+  } else {
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t i = 0; i < n; ++i) {
+      a += dy[i];
+      b += dy[i] * (x[i] - m);
+    }
+  }
+  *s1 = a;
+  *s2 = b;
+}
+
+CPD_CLONES void BackwardApply(const float* x, const float* dy, const float* y, int64_t n, float m,
+                              float k1, float k2, float k3, float* dx) {
+  if (y != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float g0 = dy[i];
+      const float g = y[i] > 0.f ? g0 : 0.f;
+      dx[i] = k1 * g - k2 * (x[i] - m) - k3;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dx[i] = k1 * dy[i] - k2 * (x[i] - m) - k3;
+  }
+}
+
+}  // namespace
+
+void BatchNormBackward(int64_t n, int64_t c, int64_t hw, const float* x, const float* dy,
+                       const float* relu_y, const float* gamma, const float* mean,
+                       const float* invstd, float* dx, float* dgamma, float* dbeta) {
+  const double count = double(n) * double(hw);
+  const bool parallel = size_t(n * c * hw) >= kParallelElements && c > 1;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t ch = 0; ch < c; ++ch) {
+    const float m = mean[ch];
+    double sum_dy = 0, sum_dy_xc = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t off = (i * c + ch) * hw;
+      float a, b;
+      BackwardSums(x + off, dy + off, relu_y == nullptr ? nullptr : relu_y + off, hw, m, &a, &b);
+      sum_dy += a;
+      sum_dy_xc += b;
+    }
+    const double is = invstd[ch];
+    dbeta[ch] = float(sum_dy);
+    dgamma[ch] = float(sum_dy_xc * is);
+    // dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat)), with xhat = (x - m) * is:
+    // dx = k1 * dy - k2 * (x - m) - k3.
+    const double k1 = double(gamma[ch]) * is;
+    const float k2 = float(k1 * is * is * sum_dy_xc / count);
+    const float k3 = float(k1 * sum_dy / count);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t off = (i * c + ch) * hw;
+      BackwardApply(x + off, dy + off, relu_y == nullptr ? nullptr : relu_y + off, hw, m, float(k1),
+                    k2, k3, dx + off);
+    }
+  }
+}
+
+// ---- Pooling ----------------------------------------------------------------------------------
+
+void MaxPool2dForward(int64_t planes, int64_t h, int64_t w, int64_t k, int64_t stride, int64_t oh,
+                      int64_t ow, const float* x, float* y, int32_t* argmax) {
+  const bool parallel = size_t(planes * h * w) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float* xp = x + pl * h * w;
+    float* yp = y + pl * oh * ow;
+    int32_t* ap = argmax + pl * oh * ow;
+    for (int64_t oy = 0; oy < oh; ++oy) {
+      for (int64_t ox = 0; ox < ow; ++ox) {
+        int64_t best = oy * stride * w + ox * stride;
+        float bv = xp[best];
+        for (int64_t ki = 0; ki < k; ++ki) {
+          for (int64_t kj = 0; kj < k; ++kj) {
+            const int64_t idx = (oy * stride + ki) * w + ox * stride + kj;
+            // NaN wins (and stays), as in PyTorch: a NaN input must not vanish silently.
+            if (xp[idx] > bv || (std::isnan(xp[idx]) && !std::isnan(bv))) {
+              bv = xp[idx];
+              best = idx;
+            }
+          }
+        }
+        yp[oy * ow + ox] = bv;
+        ap[oy * ow + ox] = int32_t(best);
+      }
+    }
+  }
+}
+
+void MaxPool2dBackward(int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
+                       const float* dy, const int32_t* argmax, float* dx) {
+  const bool parallel = size_t(planes * h * w) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    float* dp = dx + pl * h * w;
+    std::memset(dp, 0, size_t(h * w) * sizeof(float));
+    const float* gp = dy + pl * oh * ow;
+    const int32_t* ap = argmax + pl * oh * ow;
+    for (int64_t j = 0; j < oh * ow; ++j) dp[ap[j]] += gp[j];
+  }
+}
+
+void AvgPool2dForward(int64_t planes, int64_t h, int64_t w, int64_t k, int64_t stride, int64_t oh,
+                      int64_t ow, const float* x, float* y) {
+  const float inv = 1.f / float(k * k);
+  const bool parallel = size_t(planes * h * w) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float* xp = x + pl * h * w;
+    float* yp = y + pl * oh * ow;
+    for (int64_t oy = 0; oy < oh; ++oy) {
+      for (int64_t ox = 0; ox < ow; ++ox) {
+        float s = 0.f;
+        for (int64_t ki = 0; ki < k; ++ki) {
+          const float* row = xp + (oy * stride + ki) * w + ox * stride;
+          for (int64_t kj = 0; kj < k; ++kj) s += row[kj];
+        }
+        yp[oy * ow + ox] = s * inv;
+      }
+    }
+  }
+}
+
+void AvgPool2dBackward(int64_t planes, int64_t h, int64_t w, int64_t k, int64_t stride, int64_t oh,
+                       int64_t ow, const float* dy, float* dx) {
+  const float inv = 1.f / float(k * k);
+  const bool parallel = size_t(planes * h * w) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    float* dp = dx + pl * h * w;
+    std::memset(dp, 0, size_t(h * w) * sizeof(float));
+    const float* gp = dy + pl * oh * ow;
+    for (int64_t oy = 0; oy < oh; ++oy) {
+      for (int64_t ox = 0; ox < ow; ++ox) {
+        const float g = gp[oy * ow + ox] * inv;
+        for (int64_t ki = 0; ki < k; ++ki) {
+          float* row = dp + (oy * stride + ki) * w + ox * stride;
+          for (int64_t kj = 0; kj < k; ++kj) row[kj] += g;
+        }
+      }
+    }
+  }
+}
+
+void GlobalAvgPoolForward(int64_t planes, int64_t hw, const float* x, float* y) {
+  const bool parallel = size_t(planes * hw) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    y[pl] = float(double(SumF(x + pl * hw, hw)) / double(hw));
+  }
+}
+
+void GlobalAvgPoolBackward(int64_t planes, int64_t hw, const float* dy, float* dx) {
+  const float inv = 1.f / float(hw);
+  const bool parallel = size_t(planes * hw) >= kParallelElements;
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float g = dy[pl] * inv;
+    float* dp = dx + pl * hw;
+#pragma omp simd
+    for (int64_t p = 0; p < hw; ++p) dp[p] = g;
+  }
+}
+
+// ---- Elementwise ------------------------------------------------------------------------------
+
+void Relu(size_t n, const float* x, float* y) {
+  // `x < 0 ? 0 : x` keeps NaN (std::max(x, 0.f) would too, but not max(0.f, x)).
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) y[i] = x[i] < 0.f ? 0.f : x[i];
+}
+
+void ReluBackward(size_t n, const float* y, const float* dy, float* dx) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) {
+    // Both loads unconditional, so that the select vectorises (a conditional load does not).
+    const float g = dy[i];
+    dx[i] = y[i] > 0.f ? g : 0.f;
+  }
+}
+
+void AddRelu(size_t n, const float* a, const float* b, float* y) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) {
+    const float s = a[i] + b[i];
+    y[i] = s < 0.f ? 0.f : s;
+  }
+}
+
+void Add(size_t n, const float* a, const float* b, float* y) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) y[i] = a[i] + b[i];
+}
+
+void AddInPlace(size_t n, const float* x, float* y) {
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void DropoutApply(size_t n, uint64_t key, uint32_t threshold, float scale, const float* x,
+                  float* y) {
+#pragma omp parallel for schedule(static) if (n >= kParallelElements) num_threads(TeamSize())
+  for (size_t i = 0; i < n; ++i) {
+    const float v = x[i] * scale;
+    y[i] = kernels::RandomBits(key, uint64_t(i)) >= threshold ? v : 0.f;
+  }
+}
+
+// ---- Loss -------------------------------------------------------------------------------------
+
+double SoftmaxCrossEntropy(int64_t n, int64_t k, const float* logits, const int32_t* labels,
+                           float* dlogits) {
+  double total = 0;
+  const double inv_n = 1.0 / double(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = logits + i * k;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < k; ++j) mx = std::max(mx, row[j]);
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += std::exp(double(row[j]) - double(mx));
+    const double log_sum = std::log(sum);
+    total += log_sum - (double(row[labels[i]]) - double(mx));
+    if (dlogits != nullptr) {
+      float* d = dlogits + i * k;
+      for (int64_t j = 0; j < k; ++j) {
+        const double p = std::exp(double(row[j]) - double(mx) - log_sum);
+        d[j] = float((p - (j == labels[i] ? 1.0 : 0.0)) * inv_n);
+      }
+    }
+  }
+  return total * inv_n;
+}
+
+}  // namespace cpd::runtime::cpu

@@ -1,0 +1,853 @@
+#include "runtime/layers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <stdexcept>
+
+#include "kernels/grid.h"
+
+namespace cpd::runtime {
+
+namespace {
+
+std::string ShapeStr(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string Where(const Layer& layer) { return layer.name() + " (" + layer.kind() + ")"; }
+
+void RequireCpu(const Layer& layer, const Tensor& t, const char* what) {
+  if (t.device() != Device::kCpu) {
+    throw std::invalid_argument(Where(layer) + ": " + what + " is a " + DeviceName(t.device()) +
+                                " tensor; the CPU layers need Device::kCpu tensors");
+  }
+}
+
+[[noreturn]] void Misfit(const Layer& layer, const std::vector<int64_t>& in,
+                         const std::string& expected) {
+  throw std::invalid_argument(Where(layer) + ": input of shape " + ShapeStr(in) +
+                              " does not fit; expected " + expected);
+}
+
+void RequireReady(const Layer& layer, bool ready) {
+  if (!ready) {
+    throw std::logic_error(Where(layer) +
+                           ": Backward needs a preceding Forward(train = true) (none since the "
+                           "last evaluation forward)");
+  }
+}
+
+void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_t>& expected) {
+  RequireCpu(layer, dy, "the output gradient");
+  if (dy.shape() != expected) {
+    throw std::invalid_argument(Where(layer) + ": output gradient of shape " + dy.ShapeString() +
+                                " does not match the forward output " + ShapeStr(expected));
+  }
+}
+
+// A hook may rewrite a tensor's values, not its shape or device.
+void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>& shape,
+                 const char* site) {
+  if (t.shape() != shape || t.device() != Device::kCpu) {
+    throw std::logic_error(Where(layer) + ": the " + site +
+                           " quantisation hook changed the tensor's shape or device");
+  }
+}
+
+Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay) {
+  Param p;
+  p.name = name;
+  p.value = Tensor(shape);
+  p.grad = Tensor(std::move(shape));
+  p.weight_decay = weight_decay;
+  return p;
+}
+
+std::string FormatFloat(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+// Leaf layers' records: one row.
+std::vector<int64_t> TraceLeaf(ShapedLayer* layer, const std::vector<int64_t>& in,
+                               std::vector<LayerShapeRecord>* out) {
+  LayerShapeRecord r;
+  r.layer = layer;
+  r.input = in;
+  r.output = layer->OutputShape(in);
+  r.macs = layer->ForwardMacs(in);
+  out->push_back(r);
+  return r.output;
+}
+
+}  // namespace
+
+void FillUniform(Tensor* t, float bound, std::mt19937_64* gen) {
+  float* d = t->data();
+  for (size_t i = 0; i < t->numel(); ++i) {
+    const double u = double((*gen)() >> 40) * 0x1p-24;  // [0, 1) on a 2^-24 grid
+    d[i] = float((2.0 * u - 1.0) * double(bound));
+  }
+}
+
+uint64_t LayerSeed(uint64_t seed, const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  return kernels::SplitMix64(seed ^ kernels::SplitMix64(h));
+}
+
+std::vector<int64_t> ShapedLayer::TraceShapes(const std::vector<int64_t>& in,
+                                              std::vector<LayerShapeRecord>* out) {
+  return TraceLeaf(this, in, out);
+}
+
+// ---- Linear -------------------------------------------------------------------------------------
+
+Linear::Linear(std::string name, int64_t in, int64_t out, bool bias, uint64_t seed)
+    : ShapedLayer(std::move(name)), in_(in), out_(out), has_bias_(bias) {
+  if (in < 1 || out < 1) {
+    throw std::invalid_argument(this->name() + " (Linear): in and out must be >= 1, got " +
+                                std::to_string(in) + " and " + std::to_string(out));
+  }
+  weight_ = MakeParam(this->name() + ".weight", {out, in}, true);
+  std::mt19937_64 gen(seed);
+  const float bound = float(1.0 / std::sqrt(double(in)));
+  FillUniform(&weight_.value, bound, &gen);
+  if (has_bias_) {
+    bias_ = MakeParam(this->name() + ".bias", {out}, false);
+    FillUniform(&bias_.value, bound, &gen);
+  }
+}
+
+std::string Linear::Describe() const {
+  return "Linear(" + std::to_string(in_) + " -> " + std::to_string(out_) +
+         (has_bias_ ? ", bias)" : ", no bias)");
+}
+
+std::vector<int64_t> Linear::OutputShape(const std::vector<int64_t>& in) const {
+  if (in.size() != 2 || in[1] != in_) Misfit(*this, in, "[N, " + std::to_string(in_) + "]");
+  return {in[0], out_};
+}
+
+double Linear::ForwardMacs(const std::vector<int64_t>& in) const {
+  return double(OutputShape(in)[0]) * double(in_) * double(out_);
+}
+
+std::vector<Param*> Linear::Params() {
+  if (has_bias_) return {&weight_, &bias_};
+  return {&weight_};
+}
+
+Tensor Linear::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  const std::vector<int64_t> out_shape = OutputShape(x.shape());
+  Tensor xin = x, w = weight_.value;
+  if (hooks_ != nullptr) {
+    x_q_.Resize(x.shape());
+    x_q_.CopyFrom(x);
+    hooks_->QuantizeActivation(*this, &x_q_);
+    CheckHooked(*this, x_q_, x.shape(), "activation");
+    w_q_.Resize(weight_.value.shape());
+    hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
+    CheckHooked(*this, w_q_, weight_.value.shape(), "weight");
+    xin = x_q_;
+    w = w_q_;
+  }
+  y_.Resize(out_shape);
+  cpu::LinearForward(x.dim(0), in_, out_, xin.data(), w.data(),
+                     has_bias_ ? bias_.value.data() : nullptr, y_.data());
+  ready_ = train;
+  x_saved_ = train ? xin : Tensor();
+  w_saved_ = train ? w : Tensor();
+  return y_;
+}
+
+Tensor Linear::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  const int64_t n = x_saved_.dim(0);
+  RequireShape(*this, dy, {n, out_});
+  Tensor g = dy;
+  if (hooks_ != nullptr) {
+    dy_q_.Resize(dy.shape());
+    dy_q_.CopyFrom(dy);
+    hooks_->QuantizeError(*this, &dy_q_);
+    CheckHooked(*this, dy_q_, dy.shape(), "error");
+    g = dy_q_;
+  }
+  dw_.Resize({out_, in_});
+  if (has_bias_) db_.Resize({out_});
+  dx_.Resize({n, in_});
+  cpu::LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(),
+                      dw_.data(), has_bias_ ? db_.data() : nullptr);
+  if (hooks_ != nullptr) {
+    hooks_->QuantizeWeightGrad(*this, &dw_);
+    CheckHooked(*this, dw_, {out_, in_}, "weight-gradient");
+  }
+  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
+  if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  return dx_;
+}
+
+// ---- Conv2d -------------------------------------------------------------------------------------
+
+Conv2d::Conv2d(std::string name, int64_t in_channels, int64_t out_channels, int64_t kernel,
+               int64_t stride, int64_t padding, bool bias, uint64_t seed)
+    : ShapedLayer(std::move(name)),
+      in_(in_channels),
+      out_(out_channels),
+      k_(kernel),
+      stride_(stride),
+      pad_(padding),
+      has_bias_(bias) {
+  if (in_ < 1 || out_ < 1 || k_ < 1 || stride_ < 1 || pad_ < 0) {
+    throw std::invalid_argument(
+        this->name() +
+        " (Conv2d): needs channels >= 1, kernel >= 1, stride >= 1, padding >= 0;"
+        " got in " +
+        std::to_string(in_) + ", out " + std::to_string(out_) + ", kernel " + std::to_string(k_) +
+        ", stride " + std::to_string(stride_) + ", padding " + std::to_string(pad_));
+  }
+  weight_ = MakeParam(this->name() + ".weight", {out_, in_, k_, k_}, true);
+  std::mt19937_64 gen(seed);
+  const float bound = float(1.0 / std::sqrt(double(in_ * k_ * k_)));
+  FillUniform(&weight_.value, bound, &gen);
+  if (has_bias_) {
+    bias_ = MakeParam(this->name() + ".bias", {out_}, false);
+    FillUniform(&bias_.value, bound, &gen);
+  }
+}
+
+std::string Conv2d::Describe() const {
+  return "Conv2d(" + std::to_string(in_) + " -> " + std::to_string(out_) + ", kernel " +
+         std::to_string(k_) + ", stride " + std::to_string(stride_) + ", padding " +
+         std::to_string(pad_) + (has_bias_ ? ", bias)" : ", no bias)");
+}
+
+cpu::ConvShape Conv2d::ShapeFor(const std::vector<int64_t>& in) const {
+  const std::string expected = "[N, " + std::to_string(in_) + ", H, W] with H, W + 2 * " +
+                               std::to_string(pad_) + " >= " + std::to_string(k_);
+  if (in.size() != 4 || in[1] != in_) Misfit(*this, in, expected);
+  cpu::ConvShape s;
+  s.n = in[0];
+  s.c = in[1];
+  s.h = in[2];
+  s.w = in[3];
+  s.oc = out_;
+  s.k = k_;
+  s.stride = stride_;
+  s.pad = pad_;
+  if (!s.ComputeOutput()) Misfit(*this, in, expected);
+  return s;
+}
+
+std::vector<int64_t> Conv2d::OutputShape(const std::vector<int64_t>& in) const {
+  const cpu::ConvShape s = ShapeFor(in);
+  return {s.n, s.oc, s.oh, s.ow};
+}
+
+double Conv2d::ForwardMacs(const std::vector<int64_t>& in) const {
+  const cpu::ConvShape s = ShapeFor(in);
+  return double(s.n) * double(s.oc) * double(s.ohw()) * double(s.ckk());
+}
+
+std::vector<Param*> Conv2d::Params() {
+  if (has_bias_) return {&weight_, &bias_};
+  return {&weight_};
+}
+
+Tensor Conv2d::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  const cpu::ConvShape s = ShapeFor(x.shape());
+  Tensor xin = x, w = weight_.value;
+  if (hooks_ != nullptr) {
+    x_q_.Resize(x.shape());
+    x_q_.CopyFrom(x);
+    hooks_->QuantizeActivation(*this, &x_q_);
+    CheckHooked(*this, x_q_, x.shape(), "activation");
+    w_q_.Resize(weight_.value.shape());
+    hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
+    CheckHooked(*this, w_q_, weight_.value.shape(), "weight");
+    xin = x_q_;
+    w = w_q_;
+  }
+  y_.Resize({s.n, s.oc, s.oh, s.ow});
+  cpu::Conv2dForward(s, xin.data(), w.data(), has_bias_ ? bias_.value.data() : nullptr, y_.data(),
+                     &ws_);
+  ready_ = train;
+  saved_shape_ = s;
+  x_saved_ = train ? xin : Tensor();
+  w_saved_ = train ? w : Tensor();
+  return y_;
+}
+
+Tensor Conv2d::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  const cpu::ConvShape& s = saved_shape_;
+  RequireShape(*this, dy, {s.n, s.oc, s.oh, s.ow});
+  Tensor g = dy;
+  if (hooks_ != nullptr) {
+    dy_q_.Resize(dy.shape());
+    dy_q_.CopyFrom(dy);
+    hooks_->QuantizeError(*this, &dy_q_);
+    CheckHooked(*this, dy_q_, dy.shape(), "error");
+    g = dy_q_;
+  }
+  dw_.Resize(weight_.value.shape());
+  if (has_bias_) db_.Resize({out_});
+  dx_.Resize({s.n, s.c, s.h, s.w});
+  cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(),
+                      has_bias_ ? db_.data() : nullptr, &ws_);
+  if (hooks_ != nullptr) {
+    hooks_->QuantizeWeightGrad(*this, &dw_);
+    CheckHooked(*this, dw_, weight_.value.shape(), "weight-gradient");
+  }
+  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
+  if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  return dx_;
+}
+
+// ---- BatchNorm ----------------------------------------------------------------------------------
+
+BatchNorm::BatchNorm(std::string name, int64_t channels, float eps, float momentum)
+    : ShapedLayer(std::move(name)), c_(channels), eps_(eps), momentum_(momentum) {
+  if (c_ < 1 || !(eps_ > 0) || !(momentum_ >= 0 && momentum_ <= 1)) {
+    throw std::invalid_argument(this->name() +
+                                " (BatchNorm): needs channels >= 1, eps > 0 and momentum in "
+                                "[0, 1]; got " +
+                                std::to_string(c_) + ", " + FormatFloat(eps_) + ", " +
+                                FormatFloat(momentum_));
+  }
+  gamma_ = MakeParam(this->name() + ".gamma", {c_}, false);
+  gamma_.value.Fill(1.f);
+  beta_ = MakeParam(this->name() + ".beta", {c_}, false);
+  running_mean_ = Tensor({c_});
+  running_var_ = Tensor({c_});
+  running_var_.Fill(1.f);
+}
+
+std::string BatchNorm::Describe() const {
+  return "BatchNorm(" + std::to_string(c_) + ", eps " + FormatFloat(eps_) + ", momentum " +
+         FormatFloat(momentum_) + (fused_relu_ ? ") + ReLU" : ")");
+}
+
+std::vector<int64_t> BatchNorm::OutputShape(const std::vector<int64_t>& in) const {
+  if ((in.size() != 2 && in.size() != 4) || in[1] != c_) {
+    Misfit(*this, in, "[N, " + std::to_string(c_) + "] or [N, " + std::to_string(c_) + ", H, W]");
+  }
+  return in;
+}
+
+std::vector<Param*> BatchNorm::Params() { return {&gamma_, &beta_}; }
+
+std::vector<std::pair<std::string, Tensor*>> BatchNorm::Buffers() {
+  return {{name() + ".running_mean", &running_mean_}, {name() + ".running_var", &running_var_}};
+}
+
+Tensor BatchNorm::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  OutputShape(x.shape());
+  const int64_t n = x.dim(0);
+  const int64_t hw = x.ndim() == 4 ? x.dim(2) * x.dim(3) : 1;
+  y_.Resize(x.shape());
+  if (!train) {
+    cpu::BatchNormEvalForward(n, c_, hw, x.data(), gamma_.value.data(), beta_.value.data(),
+                              running_mean_.data(), running_var_.data(), eps_, fused_relu_,
+                              y_.data());
+    ready_ = false;
+    x_saved_ = Tensor();
+    return y_;
+  }
+  const int64_t count = n * hw;
+  if (count < 2) {
+    throw std::invalid_argument(Where(*this) +
+                                ": training needs more than one value per channel, got input " +
+                                x.ShapeString());
+  }
+  mean_.Resize({c_});
+  var_.Resize({c_});
+  invstd_.Resize({c_});
+  cpu::BatchNormTrainForward(n, c_, hw, x.data(), gamma_.value.data(), beta_.value.data(), eps_,
+                             fused_relu_, y_.data(), mean_.data(), var_.data(), invstd_.data());
+  // torch.nn.BatchNorm: running = (1 - momentum) running + momentum batch, the variance
+  // unbiased (count / (count - 1)).
+  const double unbias = double(count) / double(count - 1);
+  float* rm = running_mean_.data();
+  float* rv = running_var_.data();
+  for (int64_t ch = 0; ch < c_; ++ch) {
+    rm[ch] = (1.f - momentum_) * rm[ch] + momentum_ * mean_.data()[ch];
+    rv[ch] = (1.f - momentum_) * rv[ch] + momentum_ * float(double(var_.data()[ch]) * unbias);
+  }
+  ready_ = true;
+  x_saved_ = x;
+  return y_;
+}
+
+Tensor BatchNorm::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, x_saved_.shape());
+  const int64_t n = x_saved_.dim(0);
+  const int64_t hw = x_saved_.ndim() == 4 ? x_saved_.dim(2) * x_saved_.dim(3) : 1;
+  dx_.Resize(x_saved_.shape());
+  dgamma_.Resize({c_});
+  dbeta_.Resize({c_});
+  cpu::BatchNormBackward(n, c_, hw, x_saved_.data(), dy.data(), fused_relu_ ? y_.data() : nullptr,
+                         gamma_.value.data(), mean_.data(), invstd_.data(), dx_.data(),
+                         dgamma_.data(), dbeta_.data());
+  cpu::AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data());
+  cpu::AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data());
+  return dx_;
+}
+
+// ---- ReLU ---------------------------------------------------------------------------------------
+
+std::vector<int64_t> ReLU::OutputShape(const std::vector<int64_t>& in) const { return in; }
+
+Tensor ReLU::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  y_.Resize(x.shape());
+  cpu::Relu(x.numel(), x.data(), y_.data());
+  ready_ = train;
+  return y_;
+}
+
+Tensor ReLU::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, y_.shape());
+  dx_.Resize(dy.shape());
+  cpu::ReluBackward(dy.numel(), y_.data(), dy.data(), dx_.data());
+  return dx_;
+}
+
+// ---- Pooling ------------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<int64_t> PoolOutput(const Layer& layer, const std::vector<int64_t>& in, int64_t k,
+                                int64_t stride) {
+  if (in.size() != 4 || in[2] < k || in[3] < k) {
+    Misfit(layer, in, "[N, C, H, W] with H, W >= " + std::to_string(k));
+  }
+  return {in[0], in[1], (in[2] - k) / stride + 1, (in[3] - k) / stride + 1};
+}
+
+void CheckPool(const std::string& name, const char* kind, int64_t k, int64_t stride) {
+  if (k < 1 || stride < 1) {
+    throw std::invalid_argument(name + " (" + kind + "): kernel and stride must be >= 1, got " +
+                                std::to_string(k) + " and " + std::to_string(stride));
+  }
+}
+
+}  // namespace
+
+MaxPool2d::MaxPool2d(std::string name, int64_t kernel, int64_t stride)
+    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
+  CheckPool(this->name(), "MaxPool2d", k_, stride_);
+}
+
+std::string MaxPool2d::Describe() const {
+  return "MaxPool2d(kernel " + std::to_string(k_) + ", stride " + std::to_string(stride_) + ")";
+}
+
+std::vector<int64_t> MaxPool2d::OutputShape(const std::vector<int64_t>& in) const {
+  return PoolOutput(*this, in, k_, stride_);
+}
+
+Tensor MaxPool2d::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  const std::vector<int64_t> out = OutputShape(x.shape());
+  y_.Resize(out);
+  argmax_.resize(y_.numel());
+  cpu::MaxPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3], x.data(),
+                        y_.data(), argmax_.data());
+  in_shape_ = x.shape();
+  ready_ = train;
+  return y_;
+}
+
+Tensor MaxPool2d::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, y_.shape());
+  dx_.Resize(in_shape_);
+  cpu::MaxPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], dy.dim(2), dy.dim(3),
+                         dy.data(), argmax_.data(), dx_.data());
+  return dx_;
+}
+
+AvgPool2d::AvgPool2d(std::string name, int64_t kernel, int64_t stride)
+    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
+  CheckPool(this->name(), "AvgPool2d", k_, stride_);
+}
+
+std::string AvgPool2d::Describe() const {
+  return "AvgPool2d(kernel " + std::to_string(k_) + ", stride " + std::to_string(stride_) + ")";
+}
+
+std::vector<int64_t> AvgPool2d::OutputShape(const std::vector<int64_t>& in) const {
+  return PoolOutput(*this, in, k_, stride_);
+}
+
+Tensor AvgPool2d::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  const std::vector<int64_t> out = OutputShape(x.shape());
+  y_.Resize(out);
+  cpu::AvgPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3], x.data(),
+                        y_.data());
+  in_shape_ = x.shape();
+  ready_ = train;
+  return y_;
+}
+
+Tensor AvgPool2d::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, y_.shape());
+  dx_.Resize(in_shape_);
+  cpu::AvgPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_, stride_, dy.dim(2),
+                         dy.dim(3), dy.data(), dx_.data());
+  return dx_;
+}
+
+std::vector<int64_t> GlobalAvgPool::OutputShape(const std::vector<int64_t>& in) const {
+  if (in.size() != 4 || in[2] < 1 || in[3] < 1) Misfit(*this, in, "[N, C, H, W]");
+  return {in[0], in[1]};
+}
+
+Tensor GlobalAvgPool::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  y_.Resize(OutputShape(x.shape()));
+  cpu::GlobalAvgPoolForward(x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), y_.data());
+  in_shape_ = x.shape();
+  ready_ = train;
+  return y_;
+}
+
+Tensor GlobalAvgPool::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, y_.shape());
+  dx_.Resize(in_shape_);
+  cpu::GlobalAvgPoolBackward(dy.numel(), in_shape_[2] * in_shape_[3], dy.data(), dx_.data());
+  return dx_;
+}
+
+// ---- Flatten ------------------------------------------------------------------------------------
+
+std::vector<int64_t> Flatten::OutputShape(const std::vector<int64_t>& in) const {
+  if (in.empty()) Misfit(*this, in, "[N, ...]");
+  int64_t rest = 1;
+  for (size_t i = 1; i < in.size(); ++i) rest *= in[i];
+  return {in[0], rest};
+}
+
+Tensor Flatten::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  in_shape_ = x.shape();
+  ready_ = train;
+  return x.Reshaped(OutputShape(x.shape()));
+}
+
+Tensor Flatten::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, OutputShape(in_shape_));
+  return dy.Reshaped(in_shape_);
+}
+
+// ---- Dropout ------------------------------------------------------------------------------------
+
+Dropout::Dropout(std::string name, double p, uint64_t seed)
+    : ShapedLayer(std::move(name)), p_(p), seed_(seed) {
+  if (!(p >= 0.0 && p < 1.0)) {
+    throw std::invalid_argument(this->name() + " (Dropout): p must be in [0, 1), got " +
+                                FormatFloat(p));
+  }
+  threshold_ = uint32_t(std::min(std::llround(p * 0x1p32), 0xffffffffll));
+  scale_ = float(1.0 / (1.0 - p));
+}
+
+std::string Dropout::Describe() const { return "Dropout(p " + FormatFloat(p_) + ")"; }
+
+Tensor Dropout::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  ready_ = train;
+  identity_ = !train || threshold_ == 0;
+  if (identity_) return x;
+  key_ = kernels::MakeRandomKey(seed_, step_);
+  y_.Resize(x.shape());
+  cpu::DropoutApply(x.numel(), key_, threshold_, scale_, x.data(), y_.data());
+  return y_;
+}
+
+Tensor Dropout::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  if (identity_) return dy;
+  RequireShape(*this, dy, y_.shape());
+  dx_.Resize(dy.shape());
+  cpu::DropoutApply(dy.numel(), key_, threshold_, scale_, dy.data(), dx_.data());
+  return dx_;
+}
+
+// ---- Sequential ---------------------------------------------------------------------------------
+
+Layer* Sequential::Add(std::unique_ptr<Layer> layer) {
+  if (layer == nullptr) throw std::invalid_argument(Where(*this) + ": Add(nullptr)");
+  layer->SetQuantHooks(hooks_);
+  children_.push_back(std::move(layer));
+  return children_.back().get();
+}
+
+std::string Sequential::Describe() const {
+  return "Sequential(" + std::to_string(children_.size()) + " layers)";
+}
+
+Tensor Sequential::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  Tensor h = x;
+  for (auto& c : children_) h = c->Forward(h, train);
+  return h;
+}
+
+Tensor Sequential::Backward(const Tensor& dy) {
+  RequireCpu(*this, dy, "the output gradient");
+  Tensor g = dy;
+  for (auto it = children_.rbegin(); it != children_.rend(); ++it) g = (*it)->Backward(g);
+  return g;
+}
+
+std::vector<Param*> Sequential::Params() {
+  std::vector<Param*> out;
+  for (auto& c : children_) {
+    for (Param* p : c->Params()) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor*>> Sequential::Buffers() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (auto& c : children_) {
+    for (auto& b : c->Buffers()) out.push_back(b);
+  }
+  return out;
+}
+
+void Sequential::SetQuantHooks(QuantHooks* hooks) {
+  hooks_ = hooks;
+  for (auto& c : children_) c->SetQuantHooks(hooks);
+}
+
+std::vector<Layer*> Sequential::Flatten() {
+  std::vector<Layer*> out = {this};
+  for (auto& c : children_) {
+    for (Layer* l : c->Flatten()) out.push_back(l);
+  }
+  return out;
+}
+
+void Sequential::SetStep(uint64_t step) {
+  for (auto& c : children_) c->SetStep(step);
+}
+
+namespace {
+
+ShapedLayer* AsShaped(const Layer& parent, Layer* child) {
+  auto* s = dynamic_cast<ShapedLayer*>(child);
+  if (s == nullptr) {
+    throw std::invalid_argument(Where(parent) + ": child " + Where(*child) +
+                                " cannot infer shapes (not a ShapedLayer)");
+  }
+  return s;
+}
+
+}  // namespace
+
+std::vector<int64_t> Sequential::OutputShape(const std::vector<int64_t>& in) const {
+  std::vector<int64_t> shape = in;
+  for (const auto& c : children_) shape = AsShaped(*this, c.get())->OutputShape(shape);
+  return shape;
+}
+
+std::vector<int64_t> Sequential::TraceShapes(const std::vector<int64_t>& in,
+                                             std::vector<LayerShapeRecord>* out) {
+  const size_t self = out->size();
+  out->push_back({this, in, {}, 0});
+  std::vector<int64_t> shape = in;
+  for (auto& c : children_) shape = AsShaped(*this, c.get())->TraceShapes(shape, out);
+  double macs = 0;
+  for (size_t i = self + 1; i < out->size(); ++i) {
+    if ((*out)[i].layer->Quantizable()) macs += (*out)[i].macs;
+  }
+  (*out)[self].output = shape;
+  (*out)[self].macs = macs;
+  return shape;
+}
+
+// ---- BasicBlock ---------------------------------------------------------------------------------
+
+BasicBlock::BasicBlock(std::string name, int64_t in_channels, int64_t out_channels, int64_t stride,
+                       uint64_t seed)
+    : ShapedLayer(std::move(name)), in_(in_channels), out_(out_channels), stride_(stride) {
+  const std::string& n = this->name();
+  conv1_ = std::make_unique<Conv2d>(n + ".conv1", in_, out_, 3, stride_, 1, false,
+                                    LayerSeed(seed, n + ".conv1"));
+  bn1_ = std::make_unique<BatchNorm>(n + ".bn1", out_);
+  bn1_->set_fused_relu(true);
+  conv2_ = std::make_unique<Conv2d>(n + ".conv2", out_, out_, 3, 1, 1, false,
+                                    LayerSeed(seed, n + ".conv2"));
+  bn2_ = std::make_unique<BatchNorm>(n + ".bn2", out_);
+  if (stride_ != 1 || in_ != out_) {
+    sc_conv_ = std::make_unique<Conv2d>(n + ".shortcut.conv", in_, out_, 1, stride_, 0, false,
+                                        LayerSeed(seed, n + ".shortcut.conv"));
+    sc_bn_ = std::make_unique<BatchNorm>(n + ".shortcut.bn", out_);
+  }
+}
+
+std::string BasicBlock::Describe() const {
+  return "BasicBlock(" + std::to_string(in_) + " -> " + std::to_string(out_) + ", stride " +
+         std::to_string(stride_) + (sc_conv_ ? ", projection shortcut)" : ", identity shortcut)");
+}
+
+std::vector<ShapedLayer*> BasicBlock::Children() const {
+  std::vector<ShapedLayer*> c = {conv1_.get(), bn1_.get(), conv2_.get(), bn2_.get()};
+  if (sc_conv_) {
+    c.push_back(sc_conv_.get());
+    c.push_back(sc_bn_.get());
+  }
+  return c;
+}
+
+std::vector<Param*> BasicBlock::Params() {
+  std::vector<Param*> out;
+  for (ShapedLayer* c : Children()) {
+    for (Param* p : c->Params()) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor*>> BasicBlock::Buffers() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (ShapedLayer* c : Children()) {
+    for (auto& b : c->Buffers()) out.push_back(b);
+  }
+  return out;
+}
+
+void BasicBlock::SetQuantHooks(QuantHooks* hooks) {
+  hooks_ = hooks;
+  for (ShapedLayer* c : Children()) c->SetQuantHooks(hooks);
+}
+
+std::vector<Layer*> BasicBlock::Flatten() {
+  std::vector<Layer*> out = {this};
+  for (ShapedLayer* c : Children()) out.push_back(c);
+  return out;
+}
+
+std::vector<int64_t> BasicBlock::OutputShape(const std::vector<int64_t>& in) const {
+  if (in.size() != 4 || in[1] != in_) {
+    Misfit(*this, in, "[N, " + std::to_string(in_) + ", H, W]");
+  }
+  return conv1_->OutputShape(in);
+}
+
+std::vector<int64_t> BasicBlock::TraceShapes(const std::vector<int64_t>& in,
+                                             std::vector<LayerShapeRecord>* out) {
+  const std::vector<int64_t> shape = OutputShape(in);
+  const size_t self = out->size();
+  out->push_back({this, in, shape, 0});
+  std::vector<int64_t> h = conv1_->TraceShapes(in, out);
+  h = bn1_->TraceShapes(h, out);
+  h = conv2_->TraceShapes(h, out);
+  bn2_->TraceShapes(h, out);
+  if (sc_conv_) sc_bn_->TraceShapes(sc_conv_->TraceShapes(in, out), out);
+  for (size_t i = self + 1; i < out->size(); ++i) (*out)[self].macs += (*out)[i].macs;
+  return shape;
+}
+
+Tensor BasicBlock::Forward(const Tensor& x, bool train) {
+  RequireCpu(*this, x, "the input");
+  OutputShape(x.shape());
+  const Tensor h = bn1_->Forward(conv1_->Forward(x, train), train);  // ReLU fused in bn1
+  const Tensor b = bn2_->Forward(conv2_->Forward(h, train), train);
+  const Tensor s = sc_conv_ ? sc_bn_->Forward(sc_conv_->Forward(x, train), train) : x;
+  y_.Resize(b.shape());
+  cpu::AddRelu(b.numel(), b.data(), s.data(), y_.data());
+  ready_ = train;
+  return y_;
+}
+
+Tensor BasicBlock::Backward(const Tensor& dy) {
+  RequireReady(*this, ready_);
+  RequireShape(*this, dy, y_.shape());
+  g_.Resize(dy.shape());
+  cpu::ReluBackward(dy.numel(), y_.data(), dy.data(), g_.data());
+  const Tensor dh = conv2_->Backward(bn2_->Backward(g_));
+  const Tensor dx_main = conv1_->Backward(bn1_->Backward(dh));
+  const Tensor dx_short = sc_conv_ ? sc_conv_->Backward(sc_bn_->Backward(g_)) : g_;
+  dx_.Resize(dx_main.shape());
+  cpu::Add(dx_main.numel(), dx_main.data(), dx_short.data(), dx_.data());
+  return dx_;
+}
+
+// ---- SoftmaxCrossEntropy ------------------------------------------------------------------------
+
+namespace {
+
+void CheckLogits(const Tensor& logits, const std::vector<int32_t>& labels) {
+  if (logits.device() != Device::kCpu) {
+    throw std::invalid_argument(std::string("SoftmaxCrossEntropy: logits are a ") +
+                                DeviceName(logits.device()) +
+                                " tensor; the CPU loss needs Device::kCpu tensors");
+  }
+  if (logits.ndim() != 2 || logits.dim(0) < 1 || logits.dim(1) < 1) {
+    throw std::invalid_argument("SoftmaxCrossEntropy: logits must be [N >= 1, classes >= 1], got " +
+                                logits.ShapeString());
+  }
+  if (int64_t(labels.size()) != logits.dim(0)) {
+    throw std::invalid_argument("SoftmaxCrossEntropy: " + std::to_string(labels.size()) +
+                                " labels for logits " + logits.ShapeString());
+  }
+}
+
+}  // namespace
+
+float SoftmaxCrossEntropy::Forward(const Tensor& logits, const std::vector<int32_t>& labels,
+                                   Tensor* dlogits) {
+  CheckLogits(logits, labels);
+  const int64_t n = logits.dim(0), k = logits.dim(1);
+  for (size_t i = 0; i < labels.size(); ++i) {
+    if (labels[i] < 0 || labels[i] >= k) {
+      throw std::invalid_argument("SoftmaxCrossEntropy: label " + std::to_string(labels[i]) +
+                                  " at row " + std::to_string(i) + " is outside [0, " +
+                                  std::to_string(k) + ")");
+    }
+  }
+  float* d = nullptr;
+  if (dlogits != nullptr) {
+    if (dlogits->device() != Device::kCpu) *dlogits = Tensor();
+    dlogits->Resize(logits.shape());
+    d = dlogits->data();
+  }
+  return float(cpu::SoftmaxCrossEntropy(n, k, logits.data(), labels.data(), d));
+}
+
+int64_t SoftmaxCrossEntropy::CountCorrect(const Tensor& logits,
+                                          const std::vector<int32_t>& labels) {
+  CheckLogits(logits, labels);
+  const int64_t n = logits.dim(0), k = logits.dim(1);
+  int64_t correct = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = logits.data() + i * k;
+    int64_t best = 0;
+    for (int64_t j = 1; j < k; ++j) {
+      if (row[j] > row[best]) best = j;
+    }
+    correct += best == labels[size_t(i)];
+  }
+  return correct;
+}
+
+}  // namespace cpd::runtime

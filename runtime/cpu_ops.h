@@ -73,7 +73,8 @@ void Col2ImRows(const ConvShape& s, float* col, int64_t oy0, int64_t rows, float
 // Scratch memory reused across calls by the convolution kernels (grown on demand).
 struct ConvWorkspace {
   Tensor col;      // per thread: a column tile and its gradient
-  Tensor partial;  // per thread: dW^T [ckk, oc] and db [oc] partial sums
+  Tensor partial;  // per thread: weight and bias gradient partial sums
+  Tensor packed;   // weights re-laid out for the direct kernel
 };
 
 // y = conv(x, w) + bias (bias may be null).

@@ -18,6 +18,7 @@
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "tests/subprocess.h"
 #include "tests/test_util.h"
 
 #ifndef CPD_QUANT_PATH
@@ -27,59 +28,9 @@
 namespace cpd::test {
 namespace {
 
-struct RunResult {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Runs cpd-quant with `args`, feeding `input` on stdin; stdout and stderr go to files.
+// Runs cpd-quant with `args`, feeding `input` on stdin.
 RunResult RunCli(const std::vector<std::string>& args, const std::string& input = "") {
-  char dir_template[] = "/tmp/cpd_cli_test_XXXXXX";
-  const char* dir = mkdtemp(dir_template);
-  EXPECT_NE(dir, nullptr);
-  const std::string in_path = std::string(dir) + "/in", out_path = std::string(dir) + "/out",
-                    err_path = std::string(dir) + "/err";
-  {
-    std::ofstream f(in_path, std::ios::binary);
-    f.write(input.data(), std::streamsize(input.size()));
-  }
-  std::vector<std::string> argv_s = {CPD_QUANT_PATH};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int in = open(in_path.c_str(), O_RDONLY);
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    if (in < 0 || out < 0 || err < 0) _exit(126);
-    dup2(in, 0);
-    dup2(out, 1);
-    dup2(err, 2);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  RunResult r;
-  int status = 0;
-  EXPECT_EQ(waitpid(pid, &status, 0), pid);
-  EXPECT_TRUE(WIFEXITED(status)) << "cpd-quant did not exit normally";
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = ReadFile(out_path);
-  r.err = ReadFile(err_path);
-  std::remove(in_path.c_str());
-  std::remove(out_path.c_str());
-  std::remove(err_path.c_str());
-  rmdir(dir);
-  return r;
+  return RunProgram(CPD_QUANT_PATH, args, input);
 }
 
 std::string ToBytes(const std::vector<float>& x) {

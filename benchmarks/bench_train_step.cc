@@ -1,0 +1,137 @@
+// bench_train_step: one training step of a cpd-train model (forward + cross-entropy + backward
+// + SGD), on one fixed random batch, median over --steps after --warmup, for several precision
+// configurations. The side-by-side script bench_train_vs_torch.sh runs PyTorch's step in the
+// same run and prints the ratios.
+//
+//   bench_train_step --arch lenet5 --batch 128 --threads 2 [--steps 30] [--configs fp32,cpt8,...]
+//
+// Configurations: fp32; cpt8 (CPT at 8/8 bits: uint8:minmax W per channel and A, E uint8
+// stochastic); fp134e (FP134 errors); lee2022 (log4 W with hysteresis, FP134 A and E).
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <sstream>
+
+#include "runtime/layers.h"
+#include "runtime/models.h"
+#include "runtime/optimizer.h"
+#include "runtime/quant_sites.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace {
+
+using namespace cpd::runtime;
+
+cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
+  PrecisionConfig pc;
+  if (name == "fp32") return pc;
+  if (name == "cpt8") {
+    cpd::CyclicPrecision c;
+    c.min_bits = 8;
+    c.max_bits = 8;
+    c.periods = 1;
+    c.total_iters = 1000;
+    pc.cpt = c;
+    pc.grad_bits = 8;
+    pc.keep_fp32 = {"last"};
+    return pc;
+  }
+  if (name == "fp134e") {
+    pc.global[int(Site::kError)].spec = "fp134";
+    return pc;
+  }
+  if (name == "lee2022") {
+    pc.global[int(Site::kWeight)].spec = "log4";
+    pc.global[int(Site::kActivation)].spec = "fp134";
+    pc.global[int(Site::kError)].spec = "fp134";
+    pc.hysteresis = true;
+    pc.keep_fp32 = {"first", "last"};
+    return pc;
+  }
+  return cpd::Status::InvalidArgument("unknown config '" + name +
+                                      "' (accepted: fp32, cpt8, fp134e, lee2022)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_train_step: ms per training step of a cpd-train model"};
+  std::string arch = "lenet5", configs = "fp32,cpt8,fp134e,lee2022";
+  int batch = 128, threads = 2, steps = 30, warmup = 5;
+  app.add_option("--arch", arch)->capture_default_str();
+  app.add_option("--batch", batch)->capture_default_str();
+  app.add_option("--threads", threads)->capture_default_str();
+  app.add_option("--steps", steps)->capture_default_str();
+  app.add_option("--warmup", warmup)->capture_default_str();
+  app.add_option("--configs", configs)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
+  std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
+#endif
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+
+  const bool cifar = arch.rfind("resnet", 0) == 0;
+  const int ch = cifar ? 3 : 1, size = cifar ? 32 : 28;
+  Tensor x({batch, ch, size, size});
+  std::mt19937 rng(0);
+  std::normal_distribution<float> nd;
+  for (size_t i = 0; i < x.numel(); ++i) x.data()[i] = nd(rng);
+  std::vector<int32_t> y(static_cast<size_t>(batch));
+  for (auto& v : y) v = int32_t(rng() % 10);
+
+  std::stringstream ss(configs);
+  std::string name;
+  while (std::getline(ss, name, ',')) {
+    auto pc = ConfigFor(name);
+    if (!pc.ok()) {
+      std::fprintf(stderr, "bench_train_step: %s\n", pc.status().message().c_str());
+      return 2;
+    }
+    auto model = BuildModel(arch, ch, size, 10, 1);
+    if (!model.ok()) {
+      std::fprintf(stderr, "bench_train_step: %s\n", model.status().message().c_str());
+      return 2;
+    }
+    std::vector<Layer*> qlayers;
+    for (Layer* l : (*model)->Flatten()) {
+      if (l->Quantizable()) qlayers.push_back(l);
+    }
+    auto quant = SiteQuantizer::Create(*pc, qlayers);
+    if (!quant.ok()) {
+      std::fprintf(stderr, "bench_train_step: %s\n", quant.status().message().c_str());
+      return 2;
+    }
+    const bool hooked = name != "fp32";
+    for (Layer* l : qlayers) l->SetQuantHooks(hooked ? quant->get() : nullptr);
+    OptimizerOptions oo;
+    oo.momentum = 0.9;
+    oo.weight_decay = 5e-4;
+    oo.threads = threads;
+    Optimizer opt((*model)->Params(), oo);
+    SoftmaxCrossEntropy ce;
+    Tensor dlogits;
+    std::vector<double> times;
+    for (int i = 0; i < warmup + steps; ++i) {
+      (*quant)->SetStep(i);
+      const auto t0 = std::chrono::steady_clock::now();
+      opt.ZeroGrad();
+      Tensor logits = (*model)->Forward(x, true);
+      ce.Forward(logits, y, &dlogits);
+      (*model)->Backward(dlogits);
+      opt.Step(0.05);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e3);
+    }
+    std::sort(times.begin(), times.end());
+    std::printf("cpd %s %s %d %d %.3f\n", arch.c_str(), name.c_str(), batch, threads,
+                times[times.size() / 2]);
+    std::fflush(stdout);
+  }
+  return 0;
+}

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""PyTorch's training step for the models of cpd-train, timed the way bench_train_step times
+CPD's: forward + cross-entropy + backward + SGD (momentum 0.9, weight decay 5e-4) on one fixed
+random batch, median over --steps after --warmup. Prints one line: `torch <arch> <batch>
+<threads> <ms/step>`.
+
+    torch_step.py --arch lenet5|resnet20|mlp --batch 128 --threads 2 [--steps 30]
+
+Debian's python3-torch (PyTorch 1.13, CPU) is the reference.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LeNet5(nn.Module):
+    def __init__(self, in_ch=1, size=28, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_ch, 6, 5, padding=2 if size == 28 else 0)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(x, 1)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNetCifar(nn.Module):
+    def __init__(self, depth=20, in_ch=3, classes=10):
+        super().__init__()
+        n = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(in_ch, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        layers, cin = [], 16
+        for stage, cout in enumerate([16, 32, 64]):
+            for i in range(n):
+                stride = 2 if stage > 0 and i == 0 else 1
+                layers.append(BasicBlock(cin, cout, stride))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(64, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layers(x)
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        return self.fc(x)
+
+
+def build(arch):
+    if arch == "lenet5":
+        return LeNet5(), (1, 28, 28)
+    if arch == "mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256),
+                             nn.ReLU(), nn.Linear(256, 10)), (1, 28, 28)
+    if arch.startswith("resnet"):
+        return ResNetCifar(int(arch[6:])), (3, 32, 32)
+    raise SystemExit(f"torch_step.py: unknown --arch {arch}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="lenet5")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model, shape = build(a.arch)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    x = torch.randn(a.batch, *shape)
+    y = torch.randint(0, 10, (a.batch,))
+    times = []
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        if i >= a.warmup:
+            times.append((t1 - t0) * 1e3)
+    print(f"torch {a.arch} {a.batch} {a.threads} {statistics.median(times):.3f}")
+
+
+if __name__ == "__main__":
+    main()

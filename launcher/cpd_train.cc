@@ -1,0 +1,237 @@
+// cpd-train: quantised training of one model on one process (data-parallel ranks come with the
+// comm layer). Every flag can also be set in --config FILE.yaml under the same name without
+// the leading dashes; flags on the command line win.
+#include <yaml-cpp/yaml.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpd/config.h"
+#include "cpd/format.h"
+#include "runtime/trainer.h"
+
+namespace {
+
+constexpr int kUsageError = 2;
+
+[[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
+  std::fprintf(stderr, "cpd-train: %s\n", msg.c_str());
+  std::exit(code);
+}
+
+std::vector<std::string> SplitCommas(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+// Applies the keys of a YAML mapping to options not given on the command line.
+void ApplyConfig(CLI::App& app, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const std::exception& e) {
+    Fail("--config " + path + ": " + e.what());
+  }
+  if (!root.IsMap()) Fail("--config " + path + ": expected a mapping of option: value");
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    CLI::Option* opt = nullptr;
+    try {
+      opt = app.get_option("--" + key);
+    } catch (const CLI::OptionNotFound&) {
+      Fail("--config " + path + ": unknown key '" + key + "' (keys are the long flag names)");
+    }
+    if (key == "config") Fail("--config " + path + ": 'config' cannot be nested");
+    if (opt->count() > 0) continue;  // the command line wins
+    std::vector<std::string> values;
+    if (kv.second.IsSequence()) {
+      for (const auto& v : kv.second) values.push_back(v.as<std::string>());
+    } else if (kv.second.IsScalar()) {
+      values.push_back(kv.second.as<std::string>());
+    } else {
+      Fail("--config " + path + ": key '" + key + "' must be a scalar or a list");
+    }
+    try {
+      for (const auto& v : values) opt->add_result(v);
+      opt->run_callback();
+    } catch (const CLI::Error& e) {
+      Fail("--config " + path + ": key '" + key + "': " + e.what());
+    }
+  }
+}
+
+cpd::runtime::SiteFormat CheckSite(const std::string& flag, const std::string& spec,
+                                   const std::string& rounding) {
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) Fail(flag + ": " + f.status().message());
+  auto r = cpd::ParseRounding(rounding);
+  if (!r.ok()) Fail(flag + " rounding: " + r.status().message());
+  return {f->spec(), *r};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using cpd::runtime::TrainOptions;
+  TrainOptions o;
+  CLI::App app{
+      "cpd-train: train a model with every data flow held in a CPD number format.\n"
+      "Quantisation sites of each Linear/Conv2d layer: W weights, A input activations, "
+      "E errors (output gradients), G weight gradients.\n" +
+      std::string(cpd::FormatSpecHelp())};
+  app.set_version_flag("--version", std::string("cpd-train ") + CPD_VERSION);
+
+  std::string config_path, preset;
+  app.add_option("--config", config_path, "YAML file with the same keys as the flags");
+  app.add_option("--preset", preset,
+                 "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
+                 "lee2022: FP134 activations and errors, log4 weights with hysteresis, first and "
+                 "last layers fp32");
+
+  // Data and model.
+  app.add_option("--dataset", o.dataset, "fashion-mnist | mnist | cifar10 | cifar100 | synthetic")
+      ->capture_default_str();
+  app.add_option("--data-dir", o.data_dir,
+                 "Dataset directory (default for fashion-mnist: "
+                 "/usr/share/datasets/fashion-mnist)");
+  app.add_option("--arch", o.arch, "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...)")
+      ->capture_default_str();
+  app.add_option("--in-channels", o.in_channels, "Input channels (default: the dataset's)");
+  app.add_option("--image-size", o.image_size, "Input height/width (default: the dataset's)");
+  app.add_option("--classes", o.classes, "Output classes (default: the dataset's)");
+  bool augment = false, no_augment = false;
+  app.add_flag("--augment", augment, "Random crop (pad 4) + horizontal flip (default: CIFAR)");
+  app.add_flag("--no-augment", no_augment, "No augmentation");
+  app.add_flag("--print-model", o.print_model,
+               "Print the layers (names for --layer-format) and exit");
+
+  // Optimisation.
+  app.add_option("--epochs", o.epochs, "Training epochs")->capture_default_str();
+  app.add_option("--max-steps", o.max_steps, "Stop after this many steps in total (0: all)")
+      ->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "Batch size")->capture_default_str();
+  app.add_option("--optimizer", o.optimizer, "sgd | lars")->capture_default_str();
+  app.add_option("--lr", o.lr, "Base learning rate")->capture_default_str();
+  app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "L2 weight decay (not on biases/BatchNorm)")
+      ->capture_default_str();
+  app.add_flag("--nesterov", o.nesterov, "Nesterov momentum");
+  app.add_option("--lars-eta", o.lars_eta, "LARS trust coefficient")->capture_default_str();
+  app.add_option("--lr-schedule", o.lr_schedule, "constant | step | cosine (per step)")
+      ->capture_default_str();
+  app.add_option("--warmup-steps", o.warmup_steps, "Linear warm-up steps")->capture_default_str();
+  app.add_option("--lr-milestones", o.lr_milestones, "Epochs at which 'step' multiplies by gamma");
+  app.add_option("--lr-gamma", o.lr_gamma, "Factor of the 'step' schedule")->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed of initialisation, shuffling and rounding")
+      ->capture_default_str();
+  app.add_option("--threads", o.threads, "Threads (0: all cores)")->capture_default_str();
+
+  // Precision.
+  std::string wf = "fp32", af = "fp32", ef = "fp32", gf = "fp32";
+  std::string wr = "nearest", ar = "nearest", er = "nearest", gr = "nearest";
+  app.add_option("--w-format", wf, "Format of W (weights in forward)")->capture_default_str();
+  app.add_option("--a-format", af, "Format of A (input activations)")->capture_default_str();
+  app.add_option("--e-format", ef, "Format of E (errors)")->capture_default_str();
+  app.add_option("--g-format", gf, "Format of G (weight gradients)")->capture_default_str();
+  app.add_option("--w-rounding", wr, "nearest | stochastic | zero")->capture_default_str();
+  app.add_option("--a-rounding", ar, "nearest | stochastic | zero")->capture_default_str();
+  app.add_option("--e-rounding", er, "nearest | stochastic | zero")->capture_default_str();
+  app.add_option("--g-rounding", gr, "nearest | stochastic | zero")->capture_default_str();
+  std::vector<std::string> layer_formats;
+  app.add_option("--layer-format", layer_formats,
+                 "Per-layer override NAME.SITE=SPEC, e.g. conv1.W=fp32 (repeatable)");
+  std::string keep_fp32;
+  app.add_option("--keep-fp32", keep_fp32,
+                 "Comma-separated layers kept in fp32: first, last, or names (CPT preset: last)");
+  std::vector<int> cyclic_bits;
+  app.add_option("--cyclic-bits", cyclic_bits, "CPT: MIN MAX forward bits")->expected(2);
+  int cyclic_periods = 32;
+  app.add_option("--cyclic-periods", cyclic_periods, "CPT: cycles over the run")
+      ->capture_default_str();
+  app.add_option("--grad-bits", o.precision.grad_bits, "CPT: backward (E) bits")
+      ->capture_default_str();
+  app.add_flag("--hysteresis", o.precision.hysteresis,
+               "Hysteresis rounding of W (Lee et al.); counts weight flips");
+
+  // Output.
+  app.add_option("--stats-every", o.stats_every, "Per-layer statistics every N steps (0: off)")
+      ->capture_default_str();
+  app.add_option("--metrics-out", o.metrics_out, "Append JSON lines (steps, epochs) to FILE");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "Directory for checkpoints");
+  app.add_option("--checkpoint-every", o.checkpoint_every,
+                 "Checkpoint every N steps (0: at the end of each epoch)")
+      ->capture_default_str();
+  app.add_option("--resume", o.resume, "auto (newest in --checkpoint-dir) or a checkpoint file");
+  app.add_option("--device", o.device, "auto | cpu | cuda (auto: cuda when a GPU is present)")
+      ->capture_default_str();
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "No progress bar");
+  app.add_flag("--quiet", o.quiet, "Print nothing but errors");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    Fail(e.what());
+  }
+  if (!config_path.empty()) ApplyConfig(app, config_path);
+
+  auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
+  if (!preset.empty()) {
+    if (preset == "cpt") {
+      if (!given("--cyclic-bits")) cyclic_bits = {3, 8};
+      if (!given("--keep-fp32")) keep_fp32 = "last";
+    } else if (preset == "lee2022") {
+      if (!given("--w-format")) wf = "log4";
+      if (!given("--a-format")) af = "fp134";
+      if (!given("--e-format")) ef = "fp134";
+      if (!given("--keep-fp32")) keep_fp32 = "first,last";
+      o.precision.hysteresis = true;
+    } else {
+      Fail("--preset '" + preset + "' (accepted: cpt, lee2022)");
+    }
+  }
+  if (augment && no_augment) Fail("--augment and --no-augment exclude each other");
+  o.augment_set = augment || no_augment;
+  o.augment = augment;
+  o.progress = !no_progress;
+  if (o.device == "auto") o.device = "cpu";  // the CUDA engine path is not built yet
+
+  o.precision.global[0] = CheckSite("--w-format", wf, wr);
+  o.precision.global[1] = CheckSite("--a-format", af, ar);
+  o.precision.global[2] = CheckSite("--e-format", ef, er);
+  o.precision.global[3] = CheckSite("--g-format", gf, gr);
+  for (const auto& lf : layer_formats) {
+    const cpd::Status s = cpd::runtime::AddLayerOverride(lf, &o.precision);
+    if (!s.ok()) Fail(s.message());
+  }
+  o.precision.keep_fp32 = SplitCommas(keep_fp32);
+  if (!cyclic_bits.empty()) {
+    cpd::CyclicPrecision c;
+    c.min_bits = cyclic_bits[0];
+    c.max_bits = cyclic_bits[1];
+    c.periods = cyclic_periods;
+    c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
+    o.precision.cpt = c;
+  }
+
+  auto result = cpd::runtime::Train(o);
+  if (!result.ok()) {
+    const bool usage = result.status().code() == cpd::Status::Code::kInvalidArgument;
+    Fail(result.status().message(), usage ? kUsageError : 1);
+  }
+  return 0;
+}

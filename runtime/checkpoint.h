@@ -1,0 +1,44 @@
+// Checkpoint files: named float32 tensors plus a JSON metadata document, written atomically
+// (temporary file, fsync, rename, fsync of the directory) and protected by a CRC-32 over the
+// whole file, so that a crash never leaves a half-written checkpoint under the real name and a
+// damaged file is refused instead of half-loaded.
+//
+// Layout (little-endian):
+//   "CPDCKPT1"                      8 bytes magic
+//   u64 header_bytes                length of the JSON header that follows
+//   header (UTF-8 JSON)             {"meta": {...}, "tensors": [{"name", "shape", "offset"}...]}
+//   payload                         the tensors' float32 data, back to back, at their offsets
+//   u32 crc32                       zlib CRC-32 of every preceding byte
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "cpd/status.h"
+
+namespace cpd::runtime {
+
+struct Checkpoint {
+  std::string meta_json = "{}";  // free-form metadata (step, epoch, arch, options...)
+  // Tensors by name; the name order is preserved in the file.
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<int64_t>> shapes;
+  std::map<std::string, std::vector<float>> data;
+
+  void Put(const std::string& name, std::vector<int64_t> shape, const float* values, size_t n);
+  bool Has(const std::string& name) const { return data.count(name) > 0; }
+};
+
+// Writes `ckpt` to `path` atomically. The directory must exist.
+Status WriteCheckpoint(const std::string& path, const Checkpoint& ckpt);
+// Reads and verifies a checkpoint; any inconsistency is a Corruption status naming the file.
+Result<Checkpoint> ReadCheckpoint(const std::string& path);
+
+// Checkpoint files in `dir` are named ckpt-<step, 12 digits>.cpd. Returns the newest complete
+// one ("" if none).
+std::string LatestCheckpoint(const std::string& dir);
+std::string CheckpointPath(const std::string& dir, int64_t step);
+
+}  // namespace cpd::runtime

@@ -1,0 +1,224 @@
+#include "runtime/quant_sites.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "kernels/grid.h"
+
+namespace cpd::runtime {
+
+const char* SiteName(Site s) {
+  switch (s) {
+    case Site::kWeight:
+      return "W";
+    case Site::kActivation:
+      return "A";
+    case Site::kError:
+      return "E";
+    case Site::kWeightGrad:
+      return "G";
+  }
+  return "?";
+}
+
+Result<Site> ParseSite(const std::string& s) {
+  if (s == "W" || s == "w") return Site::kWeight;
+  if (s == "A" || s == "a") return Site::kActivation;
+  if (s == "E" || s == "e") return Site::kError;
+  if (s == "G" || s == "g") return Site::kWeightGrad;
+  return Status::InvalidArgument("bad quantisation site '" + s + "' (accepted: W, A, E, G)");
+}
+
+Status AddLayerOverride(const std::string& text, PrecisionConfig* config) {
+  const size_t eq = text.find('=');
+  const size_t dot = eq == std::string::npos ? std::string::npos : text.rfind('.', eq);
+  if (eq == std::string::npos || dot == std::string::npos || dot == 0 || eq + 1 >= text.size()) {
+    return Status::InvalidArgument("bad --layer-format '" + text +
+                                   "' (expected NAME.SITE=SPEC, e.g. conv1.W=e4m3)");
+  }
+  auto site = ParseSite(text.substr(dot + 1, eq - dot - 1));
+  if (!site.ok())
+    return Status::InvalidArgument("--layer-format '" + text + "': " + site.status().message());
+  const std::string spec = text.substr(eq + 1);
+  auto f = Format::Parse(spec);
+  if (!f.ok())
+    return Status::InvalidArgument("--layer-format '" + text + "': " + f.status().message());
+  config->overrides[text.substr(0, dot)][int(*site)] = f->spec();
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig config,
+                                                             const std::vector<Layer*>& layers) {
+  std::unique_ptr<SiteQuantizer> q(new SiteQuantizer());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerState st;
+    st.index = int(i);
+    q->layers_[layers[i]->name()] = st;
+  }
+  for (const std::string& k : config.keep_fp32) {
+    std::string name = k;
+    if (k == "first" || k == "last") {
+      if (layers.empty()) continue;
+      name = k == "first" ? layers.front()->name() : layers.back()->name();
+    }
+    auto it = q->layers_.find(name);
+    if (it == q->layers_.end()) {
+      return Status::InvalidArgument("--keep-fp32: no quantisable layer named '" + k +
+                                     "' (see --print-model)");
+    }
+    it->second.keep_fp32 = true;
+  }
+  for (const auto& [name, sites] : config.overrides) {
+    if (q->layers_.count(name) == 0) {
+      return Status::InvalidArgument("--layer-format: no quantisable layer named '" + name +
+                                     "' (see --print-model)");
+    }
+  }
+  for (const SiteFormat& sf : config.global) {
+    auto f = Format::Parse(sf.spec);
+    if (!f.ok()) return f.status();
+  }
+  q->config_ = std::move(config);
+  return q;
+}
+
+int SiteQuantizer::CurrentBits() const {
+  if (!config_.cpt) return 0;
+  return eval_ ? config_.cpt->max_bits : config_.cpt->BitsAt(step_);
+}
+
+std::string SiteQuantizer::SpecFor(const std::string& layer, Site site) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end() || it->second.keep_fp32) return "fp32";
+  std::string spec = config_.global[int(site)].spec;
+  if (config_.cpt) {
+    const int b = CurrentBits();
+    if (site == Site::kWeight) spec = "uint" + std::to_string(b) + ":minmax:ch";
+    if (site == Site::kActivation) spec = "uint" + std::to_string(b) + ":minmax";
+    if (site == Site::kError) spec = "uint" + std::to_string(config_.grad_bits) + ":minmax";
+  }
+  auto ov = config_.overrides.find(layer);
+  if (ov != config_.overrides.end()) {
+    auto s = ov->second.find(int(site));
+    if (s != ov->second.end()) spec = s->second;
+  }
+  return spec;
+}
+
+const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
+                                       Rounding* rounding) const {
+  const std::string spec = SpecFor(layer, site);
+  if (spec == "fp32") return nullptr;
+  *rounding = config_.global[int(site)].rounding;
+  if (config_.cpt && site == Site::kError &&
+      spec == "uint" + std::to_string(config_.grad_bits) + ":minmax") {
+    *rounding = Rounding::kStochastic;  // CPT's backward quantiser rounds stochastically
+  }
+  auto it = format_cache_.find(spec);
+  if (it == format_cache_.end()) {
+    auto f = Format::Parse(spec);
+    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
+    it = format_cache_.emplace(spec, *f).first;
+  }
+  return &it->second;
+}
+
+QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Rounding r,
+                                          size_t channels) const {
+  QuantizeOptions opts;
+  opts.rounding = r;
+  // Each (layer, site) draws from its own stochastic-rounding stream.
+  opts.seed = kernels::SplitMix64(config_.seed ^ (uint64_t(st.index) << 8 | uint64_t(site)));
+  opts.step = uint64_t(step_);
+  opts.channels = channels;
+  return opts;
+}
+
+void SiteQuantizer::Apply(const Layer& layer, Site site, Tensor* t, size_t channels) {
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer.name(), site, &r);
+  if (f == nullptr || t->empty()) return;
+  const LayerState& st = layers_.at(layer.name());
+  QuantStats stats;
+  const Status s = Quantize(*f, t->data(), t->data(), t->numel(), OptionsFor(st, site, r, channels),
+                            collect_ ? &stats : nullptr);
+  if (!s.ok()) throw std::runtime_error(layer.name() + "." + SiteName(site) + ": " + s.message());
+  if (collect_) records_.push_back({layer.name(), site, f->spec(), stats});
+}
+
+void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) {
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer.name(), Site::kWeight, &r);
+  if (f == nullptr) {
+    w_used->CopyFrom(w_master);
+    return;
+  }
+  LayerState& st = layers_.at(layer.name());
+  const size_t n = w_master.numel();
+  const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
+  const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
+  QuantStats stats;
+  QuantStats* sp = collect_ ? &stats : nullptr;
+  Status s;
+  if (config_.hysteresis && st.hyst_prev.size() == n && st.hyst_spec == f->spec()) {
+    std::memcpy(w_used->data(), st.hyst_prev.data(), n * sizeof(float));
+    uint64_t flips = 0;
+    s = QuantizeHysteresis(*f, w_master.data(), w_used->data(), n, opts, sp, &flips);
+    st.flips += flips;
+  } else {
+    s = Quantize(*f, w_master.data(), w_used->data(), n, opts, sp);
+  }
+  if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
+  if (config_.hysteresis) {
+    st.hyst_prev.assign(w_used->data(), w_used->data() + n);
+    st.hyst_spec = f->spec();
+  }
+  if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
+}
+
+void SiteQuantizer::QuantizeActivation(const Layer& layer, Tensor* x) {
+  Apply(layer, Site::kActivation, x, 1);
+}
+
+void SiteQuantizer::QuantizeError(const Layer& layer, Tensor* dy) {
+  Apply(layer, Site::kError, dy, 1);
+}
+
+void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {
+  Apply(layer, Site::kWeightGrad, dw, dw->ndim() > 0 ? size_t(dw->dim(0)) : 1);
+}
+
+std::vector<SiteRecord> SiteQuantizer::TakeRecords() {
+  std::vector<SiteRecord> out;
+  out.swap(records_);
+  return out;
+}
+
+std::map<std::string, uint64_t> SiteQuantizer::TakeFlips() {
+  std::map<std::string, uint64_t> out;
+  for (auto& [name, st] : layers_) {
+    out[name] = st.flips;
+    st.flips = 0;
+  }
+  return out;
+}
+
+std::map<std::string, const std::vector<float>*> SiteQuantizer::HysteresisState() const {
+  std::map<std::string, const std::vector<float>*> out;
+  for (const auto& [name, st] : layers_) {
+    if (!st.hyst_prev.empty()) out[name] = &st.hyst_prev;
+  }
+  return out;
+}
+
+void SiteQuantizer::RestoreHysteresisState(const std::string& layer, std::vector<float> q) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.hyst_prev = std::move(q);
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer, Site::kWeight, &r);
+  it->second.hyst_spec = f != nullptr ? f->spec() : "";
+}
+
+}  // namespace cpd::runtime

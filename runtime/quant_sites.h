@@ -1,0 +1,115 @@
+// The precision policy of a training run and the hooks that apply it at the four quantisation
+// sites of every quantisable layer (Lee et al., ICLR 2022): W weights as used in forward,
+// A input activations, E errors (gradient w.r.t. the output), G weight gradients.
+//
+// Resolution for layer L, site S, step t (later rules win):
+//   1. the global --w/a/e/g-format (default fp32);
+//   2. CPT (--cyclic-bits MIN MAX): W = uint<b_t>:minmax:ch and A = uint<b_t>:minmax, nearest;
+//      E = uint<grad_bits>:minmax with stochastic rounding (Fu et al., ICLR 2021);
+//   3. per-layer overrides NAME.SITE=SPEC;
+//   4. layers listed in keep_fp32 ("first", "last", or a layer name) stay fp32 at every site.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "cpd/schedule.h"
+#include "runtime/layer.h"
+
+namespace cpd::runtime {
+
+enum class Site { kWeight = 0, kActivation = 1, kError = 2, kWeightGrad = 3 };
+constexpr int kNumSites = 4;
+const char* SiteName(Site s);  // "W", "A", "E", "G"
+Result<Site> ParseSite(const std::string& s);
+
+struct SiteFormat {
+  std::string spec = "fp32";  // "fp32": the site is not quantised
+  Rounding rounding = Rounding::kNearest;
+};
+
+struct PrecisionConfig {
+  SiteFormat global[kNumSites];
+  std::map<std::string, std::map<int, std::string>> overrides;  // layer -> site -> spec
+  std::vector<std::string> keep_fp32;  // "first", "last" (quantisable layers) or layer names
+  std::optional<CyclicPrecision> cpt;
+  int grad_bits = 8;  // CPT's fixed backward precision
+  bool hysteresis = false;
+  uint64_t seed = 0;
+};
+
+// Parses "NAME.SITE=SPEC" (NAME may contain dots) into config->overrides, checking the spec.
+Status AddLayerOverride(const std::string& text, PrecisionConfig* config);
+
+// Statistics of one site of one layer at one step.
+struct SiteRecord {
+  std::string layer;
+  Site site;
+  std::string format;
+  QuantStats stats;
+};
+
+class SiteQuantizer : public QuantHooks {
+ public:
+  // `layers`: every quantisable layer of the model, in model order (the first and last of them
+  // are "first" and "last"). Fails on unknown layer names in overrides or keep_fp32, or on bad
+  // specs.
+  static Result<std::unique_ptr<SiteQuantizer>> Create(PrecisionConfig config,
+                                                       const std::vector<Layer*>& layers);
+
+  // The step about to run (selects CPT bits; part of the stochastic-rounding stream).
+  void SetStep(int64_t step) { step_ = step; }
+  // While on, every site records its statistics (TakeRecords() hands them over).
+  void SetCollectStats(bool on) { collect_ = on; }
+  std::vector<SiteRecord> TakeRecords();
+  // Weight flips under hysteresis per layer since the last call.
+  std::map<std::string, uint64_t> TakeFlips();
+
+  // The format spec in force for a layer and site at the current step ("fp32" if none).
+  std::string SpecFor(const std::string& layer, Site site) const;
+  // CPT forward bits at the current step (0 without CPT); MAX bits in evaluation mode.
+  int CurrentBits() const;
+  // Evaluation: CPT evaluates at its highest precision, as the model is deployed.
+  void SetEval(bool eval) { eval_ = eval; }
+  const PrecisionConfig& config() const { return config_; }
+
+  // Hysteresis state (previous quantised weights) for checkpoints.
+  std::map<std::string, const std::vector<float>*> HysteresisState() const;
+  void RestoreHysteresisState(const std::string& layer, std::vector<float> q);
+
+  // QuantHooks.
+  void QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) override;
+  void QuantizeActivation(const Layer& layer, Tensor* x) override;
+  void QuantizeError(const Layer& layer, Tensor* dy) override;
+  void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override;
+
+ private:
+  struct LayerState {
+    int index = 0;
+    bool keep_fp32 = false;
+    std::vector<float> hyst_prev;  // previous quantised weights (hysteresis)
+    std::string hyst_spec;         // the format hyst_prev was quantised to
+    uint64_t flips = 0;
+  };
+
+  SiteQuantizer() = default;
+  const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
+  void Apply(const Layer& layer, Site site, Tensor* t, size_t channels);
+  QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
+
+  PrecisionConfig config_;
+  std::map<std::string, LayerState> layers_;
+  mutable std::map<std::string, Format> format_cache_;
+  int64_t step_ = 0;
+  bool collect_ = false;
+  bool eval_ = false;
+  std::vector<SiteRecord> records_;
+};
+
+}  // namespace cpd::runtime

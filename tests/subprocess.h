@@ -1,0 +1,73 @@
+// Runs a built program as a subprocess for the command-line tests.
+#pragma once
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace cpd::test {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Runs `binary` with `args`, feeding `input` on stdin; stdout and stderr go to files.
+inline RunResult RunProgram(const std::string& binary, const std::vector<std::string>& args,
+                            const std::string& input = "") {
+  char dir_template[] = "/tmp/cpd_cli_test_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  EXPECT_NE(dir, nullptr);
+  const std::string in_path = std::string(dir) + "/in", out_path = std::string(dir) + "/out",
+                    err_path = std::string(dir) + "/err";
+  {
+    std::ofstream f(in_path, std::ios::binary);
+    f.write(input.data(), std::streamsize(input.size()));
+  }
+  std::vector<std::string> argv_s = {binary};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int in = open(in_path.c_str(), O_RDONLY);
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (in < 0 || out < 0 || err < 0) _exit(126);
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  RunResult r;
+  int status = 0;
+  EXPECT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status)) << binary << " did not exit normally";
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.out = ReadFile(out_path);
+  r.err = ReadFile(err_path);
+  std::remove(in_path.c_str());
+  std::remove(out_path.c_str());
+  std::remove(err_path.c_str());
+  rmdir(dir);
+  return r;
+}
+
+}  // namespace cpd::test

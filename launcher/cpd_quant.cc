@@ -16,14 +16,14 @@
 #include "cpd/config.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "launcher/cli.h"
 
 namespace {
 
-constexpr int kUsageError = 2;
+using cpd::launcher::kUsageError;
 
-[[noreturn]] void Fail(const std::string& msg) {
-  std::fprintf(stderr, "cpd-quant: %s\n", msg.c_str());
-  std::exit(kUsageError);
+[[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
+  cpd::launcher::FailWith("cpd-quant", msg, code);
 }
 
 // "0.015625 (2^-6)" for powers of two, plain %.9g otherwise.
@@ -155,16 +155,8 @@ int main(int argc, char** argv) {
   quant->add_flag("--stats", stats,
                   "Print statistics (max|x|, saturated, flushed, error) to stderr");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    Fail(e.what());
+  if (const int code = cpd::launcher::ParseArgs(app, argc, argv, "cpd-quant"); code >= 0) {
+    return code;
   }
   if (info->parsed()) return RunInfo(info_spec, list);
   return RunQuantize(spec, rounding, seed, step, channels, threads, stats);

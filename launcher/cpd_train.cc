@@ -11,15 +11,15 @@
 
 #include "cpd/config.h"
 #include "cpd/format.h"
+#include "launcher/cli.h"
 #include "runtime/trainer.h"
 
 namespace {
 
-constexpr int kUsageError = 2;
+using cpd::launcher::kUsageError;
 
 [[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
-  std::fprintf(stderr, "cpd-train: %s\n", msg.c_str());
-  std::exit(code);
+  cpd::launcher::FailWith("cpd-train", msg, code);
 }
 
 std::vector<std::string> SplitCommas(const std::string& s) {
@@ -176,16 +176,8 @@ int main(int argc, char** argv) {
   app.add_flag("--no-progress", no_progress, "No progress bar");
   app.add_flag("--quiet", o.quiet, "Print nothing but errors");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    Fail(e.what());
+  if (const int code = cpd::launcher::ParseArgs(app, argc, argv, "cpd-train"); code >= 0) {
+    return code;
   }
   if (!config_path.empty()) ApplyConfig(app, config_path);
 

@@ -1,13 +1,15 @@
 // bench_layers: CPU training-step time of the cpd-train models (runtime/layers.h).
 //
 //   bench_layers [--models lenet5,resnet20] [--batch 128] [--threads 2] [--steps 20]
-//                [--profile]
+//                [--profile] [--baseline]
 //
 // One fixed random batch per model; each step is forward (train mode) + softmax cross-entropy
 // + backward, and "step" adds ZeroGrad and an SGD update (momentum 0.9, weight decay 5e-4: the
 // step of benchmarks/torch_step.py, PyTorch's reference). Medians over --steps after two
 // warm-up steps. --profile adds a per-layer table (top-level children; median ms forward and
-// backward).
+// backward). --baseline adds, for each model, a row with the direct AVX-512 convolution kernels
+// switched off (im2col + OpenBLAS everywhere) and the speed-up of the default over it, measured
+// in the same run.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -136,12 +138,13 @@ int main(int argc, char** argv) {
   CLI::App app{"CPU training-step time of the cpd-train models"};
   std::string models = "lenet5,resnet20";
   int batch = 128, threads = 2, steps = 20;
-  bool profile = false;
+  bool profile = false, baseline = false;
   app.add_option("--models", models, "comma-separated architectures");
   app.add_option("--batch", batch, "batch size")->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "OpenMP threads")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps (median)")->check(CLI::PositiveNumber);
   app.add_flag("--profile", profile, "per-layer forward/backward table");
+  app.add_flag("--baseline", baseline, "also time the im2col-only convolution path");
   CLI11_PARSE(app, argc, argv);
 #ifndef NDEBUG
   std::printf(
@@ -149,13 +152,22 @@ int main(int argc, char** argv) {
       "representative\n");
 #endif
   omp_set_num_threads(threads);
-  std::printf("%-10s %6s %8s %10s %10s %10s %10s\n", "model", "batch", "threads", "fwd ms",
-              "bwd ms", "fwd+bwd ms", "step ms");
+  std::printf("%-16s %6s %8s %10s %10s %10s %10s %8s\n", "model", "batch", "threads", "fwd ms",
+              "bwd ms", "fwd+bwd ms", "step ms", "speedup");
   for (const std::string& arch : SplitList(models)) {
     Timing t;
     if (Run(arch, batch, steps, profile, &t) != 0) return 1;
-    std::printf("%-10s %6d %8d %10.2f %10.2f %10.2f %10.2f\n", arch.c_str(), batch, threads, t.fwd,
+    std::printf("%-16s %6d %8d %10.2f %10.2f %10.2f %10.2f\n", arch.c_str(), batch, threads, t.fwd,
                 t.bwd, t.fwd_bwd, t.step);
+    std::fflush(stdout);
+    if (!baseline) continue;
+    cpd::runtime::cpu::SetDirectConvAllowed(false);
+    Timing b;
+    const int rc = Run(arch, batch, steps, false, &b);
+    cpd::runtime::cpu::SetDirectConvAllowed(true);
+    if (rc != 0) return 1;
+    std::printf("%-16s %6d %8d %10.2f %10.2f %10.2f %10.2f %7.2fx\n", (arch + " im2col").c_str(),
+                batch, threads, b.fwd, b.bwd, b.fwd_bwd, b.step, b.step / t.step);
     std::fflush(stdout);
   }
   return 0;

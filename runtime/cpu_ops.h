@@ -77,7 +77,8 @@ struct ConvWorkspace {
   Tensor packed;   // weights re-laid out for the direct kernel
 };
 
-// y = conv(x, w) + bias (bias may be null).
+// y = conv(x, w) + bias (bias may be null). Images in parallel; per image either the direct
+// AVX-512 kernel (see Conv2dUsesDirectKernel) or im2col in row tiles + OpenBLAS GEMMs.
 void Conv2dForward(const ConvShape& s, const float* x, const float* w, const float* bias, float* y,
                    ConvWorkspace* ws);
 
@@ -85,6 +86,14 @@ void Conv2dForward(const ConvShape& s, const float* x, const float* w, const flo
 // gradients, not accumulated) and dx [n, c, h, w] (computed with `w`).
 void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
                     float* dw, float* db, ConvWorkspace* ws);
+
+// Whether Conv2dForward/Backward take the direct AVX-512 path for this shape (3x3, stride 1,
+// padding 1, width 8 or a multiple of 16, channel counts divisible by the register tile, a CPU
+// with AVX-512F and FMA) instead of im2col + GEMM. For tests and benchmarks.
+bool Conv2dUsesDirectKernel(const ConvShape& s);
+// Allows (default) or forbids the direct path process-wide, so that tests and benchmarks can
+// run the im2col path on any machine. Thread-safe; takes effect at the next call.
+void SetDirectConvAllowed(bool allowed);
 
 // ---- Fully connected ------------------------------------------------------------------------
 // y [n, out] = x [n, in] w^T + bias (bias may be null); w is [out, in].

@@ -98,8 +98,9 @@ class Linear : public ShapedLayer {
 };
 
 // 2-D convolution, NCHW: x [N, in, H, W], W [out, in, k, k], b [out], square kernel, equal
-// stride and zero padding in both dimensions. Forward is im2col + GEMM per image, images in
-// parallel. Quantisable, with the hook sites of Linear.
+// stride and zero padding in both dimensions. Images run in parallel; each through a direct
+// AVX-512 kernel (3x3, stride 1, padding 1 on suitable widths and CPUs) or im2col + OpenBLAS
+// GEMMs (see cpu::Conv2dForward). Quantisable, with the hook sites of Linear.
 class Conv2d : public ShapedLayer {
  public:
   Conv2d(std::string name, int64_t in_channels, int64_t out_channels, int64_t kernel,

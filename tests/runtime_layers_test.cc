@@ -13,6 +13,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/grid.h"
@@ -421,10 +422,16 @@ struct ConvCase {
   bool bias;
 };
 
-class ConvTest : public ::testing::TestWithParam<ConvCase> {};
+// Each case runs on both convolution paths where the direct kernel applies.
+class ConvTest : public ::testing::TestWithParam<std::tuple<ConvCase, bool>> {
+ protected:
+  void SetUp() override { cpu::SetDirectConvAllowed(std::get<1>(GetParam())); }
+  void TearDown() override { cpu::SetDirectConvAllowed(true); }
+  static ConvCase Case() { return std::get<0>(GetParam()); }
+};
 
 TEST_P(ConvTest, ForwardMatchesDirectConvolution) {
-  const ConvCase p = GetParam();
+  const ConvCase p = Case();
   Conv2d conv("conv", p.c, p.oc, p.k, p.stride, p.pad, p.bias, 5);
   const Tensor x = Random({p.n, p.c, p.h, p.w}, 7);
   const Tensor y = conv.Forward(x, false);
@@ -439,45 +446,123 @@ TEST_P(ConvTest, ForwardMatchesDirectConvolution) {
 }
 
 TEST_P(ConvTest, Gradients) {
-  const ConvCase p = GetParam();
+  const ConvCase p = Case();
   Conv2d conv("conv", p.c, p.oc, p.k, p.stride, p.pad, p.bias, 5);
   CheckGradients(conv, Random({p.n, p.c, p.h, p.w}, 8), {.eps = 1e-2, .max_elements = 48});
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Geometries, ConvTest,
-    ::testing::Values(ConvCase{2, 3, 8, 8, 4, 3, 1, 1, true},     // same padding (flat path)
-                      ConvCase{3, 2, 9, 7, 3, 3, 2, 1, false},    // stride 2, odd sizes
-                      ConvCase{2, 4, 6, 6, 5, 1, 1, 0, true},     // pointwise: no im2col
-                      ConvCase{2, 4, 7, 7, 3, 1, 2, 0, false},    // projection shortcut
-                      ConvCase{2, 1, 12, 12, 3, 5, 1, 2, true},   // LeNet conv1 (28 -> 28)
-                      ConvCase{2, 3, 14, 14, 4, 5, 1, 0, true},   // LeNet conv2 (valid)
-                      ConvCase{2, 2, 20, 22, 3, 3, 1, 1, false},  // several row tiles
-                      ConvCase{1, 2, 5, 5, 2, 3, 3, 2, true},     // stride 3, pad 2
-                      ConvCase{5, 2, 4, 4, 2, 3, 1, 0, true}));   // batch > threads
+    ::testing::Combine(
+        ::testing::Values(ConvCase{2, 3, 8, 8, 4, 3, 1, 1, true},     // same padding (flat path)
+                          ConvCase{3, 2, 9, 7, 3, 3, 2, 1, false},    // stride 2, odd sizes
+                          ConvCase{2, 4, 6, 6, 5, 1, 1, 0, true},     // pointwise: no im2col
+                          ConvCase{2, 4, 7, 7, 3, 1, 2, 0, false},    // projection shortcut
+                          ConvCase{2, 1, 12, 12, 3, 5, 1, 2, true},   // LeNet conv1 (28 -> 28)
+                          ConvCase{2, 3, 14, 14, 4, 5, 1, 0, true},   // LeNet conv2 (valid)
+                          ConvCase{2, 2, 20, 22, 3, 3, 1, 1, false},  // several row tiles
+                          ConvCase{1, 2, 5, 5, 2, 3, 3, 2, true},     // stride 3, pad 2
+                          ConvCase{5, 2, 4, 4, 2, 3, 1, 0, true},     // batch > threads
+                          // Direct AVX-512 kernels (3x3, stride 1, pad 1, width % 16 == 0) with
+                          // each register tile: 4 rows x 4 channels, 2 x 8, 1 x 16.
+                          ConvCase{2, 4, 4, 16, 8, 3, 1, 1, true},
+                          ConvCase{3, 8, 6, 32, 16, 3, 1, 1, false},
+                          ConvCase{2, 16, 5, 16, 16, 3, 1, 1, true},
+                          // 8-pixel-wide images: two rows per vector, each register tile.
+                          ConvCase{2, 8, 8, 8, 12, 3, 1, 1, true},
+                          ConvCase{3, 8, 4, 8, 8, 3, 1, 1, false},
+                          ConvCase{2, 16, 6, 8, 16, 3, 1, 1, true},
+                          // More 8 x 8 images than one weight-gradient group (16).
+                          ConvCase{20, 4, 8, 8, 4, 3, 1, 1, false}),
+        ::testing::Bool()));  // direct kernel allowed
+
+TEST(Conv2d, BothPathsAgreeOnResNetShapes) {
+  // The direct kernel against im2col + GEMM at ResNet-20 sizes (batch 4), forward and backward.
+  struct S {
+    int64_t c, oc, hw;
+  };
+  for (const S& sh : {S{16, 16, 32}, S{32, 32, 16}, S{64, 64, 8}}) {
+    SCOPED_TRACE(sh.c);
+    Conv2d conv("conv", sh.c, sh.oc, 3, 1, 1, false, 5);
+    const Tensor x = Random({4, sh.c, sh.hw, sh.hw}, 1), dy = Random({4, sh.oc, sh.hw, sh.hw}, 2);
+    std::vector<Tensor> out[2];
+    for (int direct = 0; direct < 2; ++direct) {
+      cpu::SetDirectConvAllowed(direct == 1);
+      out[direct].push_back(conv.Forward(x, true).Clone());
+      conv.weight().grad.Zero();
+      out[direct].push_back(conv.Backward(dy).Clone());
+      out[direct].push_back(conv.weight().grad.Clone());
+    }
+    cpu::SetDirectConvAllowed(true);
+    for (int k = 0; k < 3; ++k) {
+      const Tensor& a = out[0][size_t(k)];
+      const Tensor& b = out[1][size_t(k)];
+      double scale = 0;
+      for (size_t j = 0; j < a.numel(); ++j) scale = std::max(scale, double(std::abs(a.data()[j])));
+      for (size_t j = 0; j < a.numel(); ++j) {
+        ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * scale) << "output " << k << " at " << j;
+      }
+    }
+  }
+}
+
+TEST(Conv2d, DirectKernelCoversTheResNetShapes) {
+  // Which path a shape takes (the direct kernel only exists on AVX-512 CPUs).
+  cpu::ConvShape s;
+  s.n = 128;
+  s.c = 16;
+  s.h = s.w = 32;
+  s.oc = 16;
+  s.k = 3;
+  s.pad = 1;
+  ASSERT_TRUE(s.ComputeOutput());
+#if defined(__x86_64__) && defined(__GNUC__)
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+  const bool avx512 = false;
+#endif
+  EXPECT_EQ(cpu::Conv2dUsesDirectKernel(s), avx512);
+  s.c = s.oc = 64;
+  s.h = s.w = 8;  // ResNet stage 3: two rows per vector
+  ASSERT_TRUE(s.ComputeOutput());
+  EXPECT_EQ(cpu::Conv2dUsesDirectKernel(s), avx512);
+  s.h = s.w = 12;  // neither 8 nor a multiple of 16
+  ASSERT_TRUE(s.ComputeOutput());
+  EXPECT_FALSE(cpu::Conv2dUsesDirectKernel(s));
+  s.h = s.w = 32;
+  s.stride = 2;
+  ASSERT_TRUE(s.ComputeOutput());
+  EXPECT_FALSE(cpu::Conv2dUsesDirectKernel(s));
+  if (!avx512) GTEST_SKIP() << "no AVX-512: the im2col path runs everywhere";
+}
 
 TEST(Conv2d, ResultsDoNotDependOnThreadCount) {
-  // Large enough (> 1M multiply-adds) for the threaded path.
-  Conv2d conv("conv", 8, 16, 3, 1, 1, true, 3);
-  const Tensor x = Random({8, 8, 16, 16}, 1), dy = Random({8, 16, 16, 16}, 2);
-  const int saved = omp_get_max_threads();
-  std::vector<Tensor> out;
-  for (int t : {1, 2, 3}) {
-    omp_set_num_threads(t);
-    const Tensor y = conv.Forward(x, true).Clone();
-    conv.weight().grad.Zero();
-    const Tensor dx = conv.Backward(dy).Clone();
-    out.push_back(y);
-    out.push_back(dx);
-    out.push_back(conv.weight().grad.Clone());
-  }
-  omp_set_num_threads(saved);
-  for (size_t i = 3; i < out.size(); ++i) {
-    const Tensor& a = out[i % 3];
-    const Tensor& b = out[i];
-    for (size_t j = 0; j < a.numel(); ++j) {
-      // Forward and dx per image are independent of the split; dW sums in another order.
-      ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * (1 + std::abs(a.data()[j])));
+  // Large enough (> 4M multiply-adds) for the threaded path: 8 -> 3 channels takes im2col,
+  // 16 -> 16 on 32 x 32 the direct kernel (where available).
+  for (int64_t oc : {3, 16}) {
+    SCOPED_TRACE(oc);
+    Conv2d conv("conv", 8 * (oc / 3 > 1 ? 2 : 1), oc, 3, 1, 1, true, 3);
+    const int64_t c = conv.in_channels();
+    const Tensor x = Random({16, c, 32, 32}, 1), dy = Random({16, oc, 32, 32}, 2);
+    const int saved = omp_get_max_threads();
+    std::vector<Tensor> out;
+    for (int t : {1, 2, 3}) {
+      omp_set_num_threads(t);
+      const Tensor y = conv.Forward(x, true).Clone();
+      conv.weight().grad.Zero();
+      const Tensor dx = conv.Backward(dy).Clone();
+      out.push_back(y);
+      out.push_back(dx);
+      out.push_back(conv.weight().grad.Clone());
+    }
+    omp_set_num_threads(saved);
+    for (size_t i = 3; i < out.size(); ++i) {
+      const Tensor& a = out[i % 3];
+      const Tensor& b = out[i];
+      for (size_t j = 0; j < a.numel(); ++j) {
+        // Forward and dx per image are independent of the split; dW sums in another order.
+        ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * (1 + std::abs(a.data()[j])));
+      }
     }
   }
 }

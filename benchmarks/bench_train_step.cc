@@ -107,8 +107,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_train_step: %s\n", quant.status().message().c_str());
       return 2;
     }
-    const bool hooked = name != "fp32";
-    for (Layer* l : qlayers) l->SetQuantHooks(hooked ? quant->get() : nullptr);
+    for (Layer* l : qlayers) {
+      l->SetQuantHooks((*quant)->Quantizes(l->name()) ? quant->get() : nullptr);
+    }
     OptimizerOptions oo;
     oo.momentum = 0.9;
     oo.weight_decay = 5e-4;

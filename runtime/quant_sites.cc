@@ -83,6 +83,16 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
   return q;
 }
 
+bool SiteQuantizer::Quantizes(const std::string& layer) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end() || it->second.keep_fp32) return false;
+  if (config_.cpt || config_.overrides.count(layer) > 0) return true;
+  for (const SiteFormat& sf : config_.global) {
+    if (sf.spec != "fp32") return true;
+  }
+  return false;
+}
+
 int SiteQuantizer::CurrentBits() const {
   if (!config_.cpt) return 0;
   return eval_ ? config_.cpt->max_bits : config_.cpt->BitsAt(step_);

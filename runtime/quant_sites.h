@@ -73,6 +73,9 @@ class SiteQuantizer : public QuantHooks {
 
   // The format spec in force for a layer and site at the current step ("fp32" if none).
   std::string SpecFor(const std::string& layer, Site site) const;
+  // Whether any site of `layer` can be quantised at some step (layers that never are need no
+  // hooks, which saves the layer a copy of its input and incoming gradient).
+  bool Quantizes(const std::string& layer) const;
   // CPT forward bits at the current step (0 without CPT); MAX bits in evaluation mode.
   int CurrentBits() const;
   // Evaluation: CPT evaluates at its highest precision, as the model is deployed.

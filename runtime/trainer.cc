@@ -302,7 +302,9 @@ Result<TrainResult> Train(const TrainOptions& o) {
   auto quant = SiteQuantizer::Create(pc, run.quant_layers);
   if (!quant.ok()) return quant.status();
   run.quant = std::move(quant.value());
-  for (Layer* l : run.quant_layers) l->SetQuantHooks(run.quant.get());
+  for (Layer* l : run.quant_layers) {
+    l->SetQuantHooks(run.quant->Quantizes(l->name()) ? run.quant.get() : nullptr);
+  }
 
   OptimizerOptions oo;
   oo.momentum = o.momentum;

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "runtime/cpu_ops.h"
 #include "runtime/layers.h"
 #include "runtime/models.h"
@@ -28,29 +29,14 @@
 
 namespace {
 
+using cpd::bench::Median;
+using cpd::bench::SplitList;
+
 using Clock = std::chrono::steady_clock;
 using cpd::runtime::Tensor;
 
 double Ms(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-std::vector<std::string> SplitList(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t pos = s.find(',', start);
-    const std::string item = s.substr(start, pos == std::string::npos ? pos : pos - start);
-    if (!item.empty()) out.push_back(item);
-    if (pos == std::string::npos) break;
-    start = pos + 1;
-  }
-  return out;
 }
 
 struct Timing {

@@ -16,10 +16,13 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 
 namespace {
+
+using cpd::bench::SplitList;
 
 template <typename Fn>
 double MedianSeconds(int reps, Fn&& fn) {
@@ -43,19 +46,6 @@ void ParallelMemcpy(float* dst, const float* src, size_t n, int threads) {
     const size_t s = n * t / nt, e = n * (t + 1) / nt;
     std::memcpy(dst + s, src + s, (e - s) * sizeof(float));
   }
-}
-
-std::vector<std::string> SplitList(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t pos = s.find(',', start);
-    const std::string item = s.substr(start, pos == std::string::npos ? pos : pos - start);
-    if (!item.empty()) out.push_back(item);
-    if (pos == std::string::npos) break;
-    start = pos + 1;
-  }
-  return out;
 }
 
 }  // namespace

@@ -427,37 +427,29 @@ Tensor ReLU::Backward(const Tensor& dy) {
 
 // ---- Pooling ------------------------------------------------------------------------------------
 
-namespace {
-
-std::vector<int64_t> PoolOutput(const Layer& layer, const std::vector<int64_t>& in, int64_t k,
-                                int64_t stride) {
-  if (in.size() != 4 || in[2] < k || in[3] < k) {
-    Misfit(layer, in, "[N, C, H, W] with H, W >= " + std::to_string(k));
-  }
-  return {in[0], in[1], (in[2] - k) / stride + 1, (in[3] - k) / stride + 1};
-}
-
-void CheckPool(const std::string& name, const char* kind, int64_t k, int64_t stride) {
-  if (k < 1 || stride < 1) {
-    throw std::invalid_argument(name + " (" + kind + "): kernel and stride must be >= 1, got " +
-                                std::to_string(k) + " and " + std::to_string(stride));
+Pool2d::Pool2d(std::string name, const char* kind, int64_t kernel, int64_t stride)
+    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
+  if (k_ < 1 || stride_ < 1) {
+    throw std::invalid_argument(this->name() + " (" + kind +
+                                "): kernel and stride must be >= 1, got " + std::to_string(k_) +
+                                " and " + std::to_string(stride_));
   }
 }
 
-}  // namespace
+std::string Pool2d::Describe() const {
+  return std::string(kind()) + "(kernel " + std::to_string(k_) + ", stride " +
+         std::to_string(stride_) + ")";
+}
+
+std::vector<int64_t> Pool2d::OutputShape(const std::vector<int64_t>& in) const {
+  if (in.size() != 4 || in[2] < k_ || in[3] < k_) {
+    Misfit(*this, in, "[N, C, H, W] with H, W >= " + std::to_string(k_));
+  }
+  return {in[0], in[1], (in[2] - k_) / stride_ + 1, (in[3] - k_) / stride_ + 1};
+}
 
 MaxPool2d::MaxPool2d(std::string name, int64_t kernel, int64_t stride)
-    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
-  CheckPool(this->name(), "MaxPool2d", k_, stride_);
-}
-
-std::string MaxPool2d::Describe() const {
-  return "MaxPool2d(kernel " + std::to_string(k_) + ", stride " + std::to_string(stride_) + ")";
-}
-
-std::vector<int64_t> MaxPool2d::OutputShape(const std::vector<int64_t>& in) const {
-  return PoolOutput(*this, in, k_, stride_);
-}
+    : Pool2d(std::move(name), "MaxPool2d", kernel, stride) {}
 
 Tensor MaxPool2d::Forward(const Tensor& x, bool train) {
   RequireCpu(*this, x, "the input");
@@ -481,17 +473,7 @@ Tensor MaxPool2d::Backward(const Tensor& dy) {
 }
 
 AvgPool2d::AvgPool2d(std::string name, int64_t kernel, int64_t stride)
-    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
-  CheckPool(this->name(), "AvgPool2d", k_, stride_);
-}
-
-std::string AvgPool2d::Describe() const {
-  return "AvgPool2d(kernel " + std::to_string(k_) + ", stride " + std::to_string(stride_) + ")";
-}
-
-std::vector<int64_t> AvgPool2d::OutputShape(const std::vector<int64_t>& in) const {
-  return PoolOutput(*this, in, k_, stride_);
-}
+    : Pool2d(std::move(name), "AvgPool2d", kernel, stride) {}
 
 Tensor AvgPool2d::Forward(const Tensor& x, bool train) {
   RequireCpu(*this, x, "the input");

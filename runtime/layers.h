@@ -193,40 +193,41 @@ class ReLU : public ShapedLayer {
   Tensor y_, dx_;
 };
 
-// Max pooling over k x k windows with the given stride (default k), no padding, NCHW; output
-// size (H - k) / stride + 1. The gradient goes to the first maximum of each window.
-class MaxPool2d : public ShapedLayer {
+// What max and average pooling share: k x k windows with the given stride (default k), no
+// padding, NCHW; output size (H - k) / stride + 1.
+class Pool2d : public ShapedLayer {
  public:
-  MaxPool2d(std::string name, int64_t kernel, int64_t stride = 0);  // stride 0: = kernel
-  const char* kind() const override { return "MaxPool2d"; }
   std::string Describe() const override;
-  Tensor Forward(const Tensor& x, bool train) override;
-  Tensor Backward(const Tensor& dy) override;
   std::vector<int64_t> OutputShape(const std::vector<int64_t>& in) const override;
 
- private:
+ protected:
+  Pool2d(std::string name, const char* kind, int64_t kernel, int64_t stride);  // stride 0: = k
+
   int64_t k_, stride_;
   bool ready_ = false;
   std::vector<int64_t> in_shape_;
-  std::vector<int32_t> argmax_;
   Tensor y_, dx_;
 };
 
-// Average pooling over k x k windows (stride default k, no padding), NCHW.
-class AvgPool2d : public ShapedLayer {
+// Max pooling. The gradient goes to the first maximum of each window.
+class MaxPool2d : public Pool2d {
+ public:
+  MaxPool2d(std::string name, int64_t kernel, int64_t stride = 0);  // stride 0: = kernel
+  const char* kind() const override { return "MaxPool2d"; }
+  Tensor Forward(const Tensor& x, bool train) override;
+  Tensor Backward(const Tensor& dy) override;
+
+ private:
+  std::vector<int32_t> argmax_;
+};
+
+// Average pooling.
+class AvgPool2d : public Pool2d {
  public:
   AvgPool2d(std::string name, int64_t kernel, int64_t stride = 0);  // stride 0: = kernel
   const char* kind() const override { return "AvgPool2d"; }
-  std::string Describe() const override;
   Tensor Forward(const Tensor& x, bool train) override;
   Tensor Backward(const Tensor& dy) override;
-  std::vector<int64_t> OutputShape(const std::vector<int64_t>& in) const override;
-
- private:
-  int64_t k_, stride_;
-  bool ready_ = false;
-  std::vector<int64_t> in_shape_;
-  Tensor y_, dx_;
 };
 
 // Mean over the spatial positions: [N, C, H, W] -> [N, C].

@@ -8,7 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh >/dev/null
 BIN=${BUILD_DIR:-build}/bin
-if [ $# -eq 0 ]; then
-  set -- --preset cpt --epochs 10
-fi
-exec "$BIN/cpd-train" --arch lenet5 --dataset fashion-mnist "$@"
+# Embedded defaults, each dropped when the same flag is given.
+defaults=()
+[[ " $* " == *" --preset "* || " $* " == *" --cyclic-bits "* ]] || defaults+=(--preset cpt)
+[[ " $* " == *" --epochs "* ]] || defaults+=(--epochs 10)
+[[ " $* " == *" --arch "* ]] || defaults+=(--arch lenet5)
+[[ " $* " == *" --dataset "* ]] || defaults+=(--dataset fashion-mnist)
+exec "$BIN/cpd-train" "${defaults[@]}" "$@"

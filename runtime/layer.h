@@ -23,18 +23,20 @@ struct Param {
 
 class Layer;
 
-// Called by quantisable layers (Linear, Conv2d) at the four sites. Each call may rewrite its
-// tensor in place. The trainer installs one per layer; null means fp32 everywhere.
+// Called by quantisable layers (Linear, Conv2d) at the four sites. A and E are quantised out of
+// place (into the layer's workspace, in one pass); W fills a workspace from the master; G is
+// rewritten in place. The trainer installs one per layer; null means fp32 everywhere.
 class QuantHooks {
  public:
   virtual ~QuantHooks() = default;
   // W: fill `w_used` (already shaped like the master) from the fp32 master weight; forward and
   // the input gradient use w_used.
   virtual void QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) = 0;
-  // A: the layer's input, before forward uses it (and before it is kept for backward).
-  virtual void QuantizeActivation(const Layer& layer, Tensor* x) = 0;
-  // E: the incoming gradient dy, before backward uses it.
-  virtual void QuantizeError(const Layer& layer, Tensor* dy) = 0;
+  // A: fill `x_used` (already shaped like x) from the layer's input x; forward uses x_used
+  // and keeps it for backward. x itself is never modified.
+  virtual void QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) = 0;
+  // E: fill `dy_used` (shaped like dy) from the incoming gradient dy; backward uses dy_used.
+  virtual void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) = 0;
   // G: the weight gradient computed by this backward call, before it is added to Param::grad.
   virtual void QuantizeWeightGrad(const Layer& layer, Tensor* dw) = 0;
 };

@@ -151,8 +151,7 @@ Tensor Linear::Forward(const Tensor& x, bool train) {
   Tensor xin = x, w = weight_.value;
   if (hooks_ != nullptr) {
     x_q_.Resize(x.shape());
-    x_q_.CopyFrom(x);
-    hooks_->QuantizeActivation(*this, &x_q_);
+    hooks_->QuantizeActivation(*this, x, &x_q_);
     CheckHooked(*this, x_q_, x.shape(), "activation");
     w_q_.Resize(weight_.value.shape());
     hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
@@ -176,8 +175,7 @@ Tensor Linear::Backward(const Tensor& dy) {
   Tensor g = dy;
   if (hooks_ != nullptr) {
     dy_q_.Resize(dy.shape());
-    dy_q_.CopyFrom(dy);
-    hooks_->QuantizeError(*this, &dy_q_);
+    hooks_->QuantizeError(*this, dy, &dy_q_);
     CheckHooked(*this, dy_q_, dy.shape(), "error");
     g = dy_q_;
   }
@@ -268,8 +266,7 @@ Tensor Conv2d::Forward(const Tensor& x, bool train) {
   Tensor xin = x, w = weight_.value;
   if (hooks_ != nullptr) {
     x_q_.Resize(x.shape());
-    x_q_.CopyFrom(x);
-    hooks_->QuantizeActivation(*this, &x_q_);
+    hooks_->QuantizeActivation(*this, x, &x_q_);
     CheckHooked(*this, x_q_, x.shape(), "activation");
     w_q_.Resize(weight_.value.shape());
     hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
@@ -294,8 +291,7 @@ Tensor Conv2d::Backward(const Tensor& dy) {
   Tensor g = dy;
   if (hooks_ != nullptr) {
     dy_q_.Resize(dy.shape());
-    dy_q_.CopyFrom(dy);
-    hooks_->QuantizeError(*this, &dy_q_);
+    hooks_->QuantizeError(*this, dy, &dy_q_);
     CheckHooked(*this, dy_q_, dy.shape(), "error");
     g = dy_q_;
   }

@@ -66,8 +66,8 @@ class ShapedLayer : public Layer {
 };
 
 // y = x W^T + b for x [N, in], W [out, in], b [out]. Quantisable: with hooks installed, the
-// forward uses A = QuantizeActivation(copy of x) and W = QuantizeWeight(master), the backward
-// E = QuantizeError(copy of dy) for every gradient, W for dx, and G = QuantizeWeightGrad(dW)
+// forward uses A = QuantizeActivation(x into a workspace) and W = QuantizeWeight(master), the
+// backward E = QuantizeError(dy into a workspace), W for dx, and G = QuantizeWeightGrad(dW)
 // before dW is added to weight.grad (the bias gradient is not quantised).
 class Linear : public ShapedLayer {
  public:

@@ -145,14 +145,19 @@ QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Round
   return opts;
 }
 
-void SiteQuantizer::Apply(const Layer& layer, Site site, Tensor* t, size_t channels) {
+void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out,
+                          size_t channels) {
   Rounding r = Rounding::kNearest;
   const Format* f = FormatFor(layer.name(), site, &r);
-  if (f == nullptr || t->empty()) return;
+  if (f == nullptr) {
+    if (out->data() != in.data()) out->CopyFrom(in);
+    return;
+  }
+  if (in.empty()) return;
   const LayerState& st = layers_.at(layer.name());
   QuantStats stats;
-  const Status s = Quantize(*f, t->data(), t->data(), t->numel(), OptionsFor(st, site, r, channels),
-                            collect_ ? &stats : nullptr);
+  const Status s = Quantize(*f, in.data(), out->data(), in.numel(),
+                            OptionsFor(st, site, r, channels), collect_ ? &stats : nullptr);
   if (!s.ok()) throw std::runtime_error(layer.name() + "." + SiteName(site) + ": " + s.message());
   if (collect_) records_.push_back({layer.name(), site, f->spec(), stats});
 }
@@ -187,16 +192,16 @@ void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, T
   if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
 }
 
-void SiteQuantizer::QuantizeActivation(const Layer& layer, Tensor* x) {
-  Apply(layer, Site::kActivation, x, 1);
+void SiteQuantizer::QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) {
+  Apply(layer, Site::kActivation, x, x_used, 1);
 }
 
-void SiteQuantizer::QuantizeError(const Layer& layer, Tensor* dy) {
-  Apply(layer, Site::kError, dy, 1);
+void SiteQuantizer::QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) {
+  Apply(layer, Site::kError, dy, dy_used, 1);
 }
 
 void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {
-  Apply(layer, Site::kWeightGrad, dw, dw->ndim() > 0 ? size_t(dw->dim(0)) : 1);
+  Apply(layer, Site::kWeightGrad, *dw, dw, dw->ndim() > 0 ? size_t(dw->dim(0)) : 1);
 }
 
 std::vector<SiteRecord> SiteQuantizer::TakeRecords() {

@@ -88,8 +88,8 @@ class SiteQuantizer : public QuantHooks {
 
   // QuantHooks.
   void QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) override;
-  void QuantizeActivation(const Layer& layer, Tensor* x) override;
-  void QuantizeError(const Layer& layer, Tensor* dy) override;
+  void QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) override;
+  void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) override;
   void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override;
 
  private:
@@ -103,7 +103,8 @@ class SiteQuantizer : public QuantHooks {
 
   SiteQuantizer() = default;
   const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
-  void Apply(const Layer& layer, Site site, Tensor* t, size_t channels);
+  // Quantises `in` into `out` (which may be `in` itself) at one site.
+  void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
   QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
 
   PrecisionConfig config_;

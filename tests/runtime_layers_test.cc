@@ -611,13 +611,19 @@ class GridHooks : public QuantHooks {
     EXPECT_NE(used->data(), master.data());
     for (size_t i = 0; i < master.numel(); ++i) used->data()[i] = Round(master.data()[i], kW);
   }
-  void QuantizeActivation(const Layer& layer, Tensor* x) override {
-    calls.push_back({layer.name(), 'A', x->shape(), x->data()});
-    RoundAll(x, kA);
+  void QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* used) override {
+    calls.push_back({layer.name(), 'A', used->shape(), used->data()});
+    EXPECT_EQ(used->shape(), x.shape());
+    EXPECT_NE(used->data(), x.data());
+    used->CopyFrom(x);
+    RoundAll(used, kA);
   }
-  void QuantizeError(const Layer& layer, Tensor* dy) override {
-    calls.push_back({layer.name(), 'E', dy->shape(), dy->data()});
-    RoundAll(dy, kE);
+  void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* used) override {
+    calls.push_back({layer.name(), 'E', used->shape(), used->data()});
+    EXPECT_EQ(used->shape(), dy.shape());
+    EXPECT_NE(used->data(), dy.data());
+    used->CopyFrom(dy);
+    RoundAll(used, kE);
   }
   void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override {
     calls.push_back({layer.name(), 'G', dw->shape(), dw->data()});

@@ -1,0 +1,51 @@
+#include "comm/communicator.h"
+
+#include <algorithm>
+#include <string>
+
+namespace cpd::comm {
+namespace {
+
+Status CheckBuffers(const void* in, const void* out, std::size_t count, const char* what) {
+  if (count > 0 && (in == nullptr || out == nullptr)) {
+    return Status::InvalidArgument(std::string(what) + ": null buffer with count " +
+                                   std::to_string(count));
+  }
+  return Status::Ok();
+}
+
+Status Copy(const float* in, float* out, std::size_t count, const char* what) {
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, count, what));
+  if (count > 0 && in != out) std::copy_n(in, count, out);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status SelfCommunicator::AllReduce(float* data, std::size_t count, ReduceOp) {
+  return CheckBuffers(data, data, count, "AllReduce");
+}
+Status SelfCommunicator::AllReduce(std::int32_t* data, std::size_t count, ReduceOp) {
+  return CheckBuffers(data, data, count, "AllReduce");
+}
+Status SelfCommunicator::AllReduce(std::uint64_t* data, std::size_t count, ReduceOp) {
+  return CheckBuffers(data, data, count, "AllReduce");
+}
+Status SelfCommunicator::ReduceScatter(const float* in, float* out, std::size_t count) {
+  return Copy(in, out, count, "ReduceScatter");
+}
+Status SelfCommunicator::AllGather(const float* in, float* out, std::size_t count) {
+  return Copy(in, out, count, "AllGather");
+}
+Status SelfCommunicator::AllToAll(const float* in, float* out, std::size_t block_count) {
+  return Copy(in, out, block_count, "AllToAll");
+}
+Status SelfCommunicator::Broadcast(float* data, std::size_t count, int root) {
+  if (root != 0) {
+    return Status::InvalidArgument("Broadcast: root " + std::to_string(root) +
+                                   " out of range; world size is 1, so root must be 0");
+  }
+  return CheckBuffers(data, data, count, "Broadcast");
+}
+
+}  // namespace cpd::comm

@@ -1,0 +1,78 @@
+// The communicator interface: collectives on contiguous CPU buffers, one implementation per
+// backend (world size 1, MPI; NCCL later), chosen at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "cpd/status.h"
+
+namespace cpd::comm {
+
+enum class ReduceOp { kSum, kMax };
+
+// Contract, for every implementation:
+// - Collectives are blocking and must be called by every rank of the communicator in the same
+//   order with the same counts (and the same root / op); the library cannot detect a mismatch.
+// - `count` is a number of elements, not bytes. A count of 0 is valid and does nothing useful
+//   (but still synchronises where the backend does). Buffers may be null when their size is 0.
+// - Buffers are host (CPU) memory, contiguous, and must not overlap unless a method says so.
+// - Every method returns a Status; after a failure the communicator's state is unspecified and
+//   the caller should stop using it.
+// Thread-safety: a Communicator is NOT thread-safe. Call it from one thread at a time (the
+// MPI backend is initialised with MPI_THREAD_FUNNELED when it initialises MPI itself).
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // This process's rank in [0, size()) and the number of ranks (>= 1).
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // In place: on return every rank's `data[0, count)` holds op over all ranks' inputs.
+  // Float sums are reduced in a backend-defined order; they are exact when the inputs are
+  // (e.g. small integers).
+  virtual Status AllReduce(float* data, std::size_t count, ReduceOp op) = 0;
+  virtual Status AllReduce(std::int32_t* data, std::size_t count, ReduceOp op) = 0;
+  virtual Status AllReduce(std::uint64_t* data, std::size_t count, ReduceOp op) = 0;
+
+  // Sum-reduce `in[0, count)` over all ranks, then give rank r block r:
+  // out[0, count/size()) = sum over ranks of in[r*count/size(), (r+1)*count/size()).
+  // REQUIRED: count % size() == 0 (else InvalidArgument); `out` holds count/size() elements.
+  virtual Status ReduceScatter(const float* in, float* out, std::size_t count) = 0;
+
+  // Every rank contributes `in[0, count)`; on return out[r*count, (r+1)*count) holds rank r's
+  // input on every rank. `out` holds count*size() elements.
+  virtual Status AllGather(const float* in, float* out, std::size_t count) = 0;
+
+  // Equal blocks of `block_count` elements: rank r sends in[d*block_count, (d+1)*block_count)
+  // to rank d, which stores it at out[r*block_count, (r+1)*block_count). Both buffers hold
+  // block_count*size() elements.
+  virtual Status AllToAll(const float* in, float* out, std::size_t block_count) = 0;
+
+  // In place: on return every rank's data[0, count) equals `root`'s. REQUIRED: 0 <= root < size().
+  virtual Status Broadcast(float* data, std::size_t count, int root) = 0;
+
+  // Returns once every rank has entered Barrier.
+  virtual Status Barrier() = 0;
+};
+
+// World size 1: reductions and broadcasts are no-ops, gathers and scatters are copies. Useful for
+// single-process training and as a reference.
+class SelfCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+
+  Status AllReduce(float* data, std::size_t count, ReduceOp op) override;
+  Status AllReduce(std::int32_t* data, std::size_t count, ReduceOp op) override;
+  Status AllReduce(std::uint64_t* data, std::size_t count, ReduceOp op) override;
+  Status ReduceScatter(const float* in, float* out, std::size_t count) override;
+  Status AllGather(const float* in, float* out, std::size_t count) override;
+  Status AllToAll(const float* in, float* out, std::size_t block_count) override;
+  Status Broadcast(float* data, std::size_t count, int root) override;
+  Status Barrier() override { return Status::Ok(); }
+};
+
+}  // namespace cpd::comm

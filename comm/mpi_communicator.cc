@@ -1,0 +1,150 @@
+#include "comm/mpi_communicator.h"
+
+#include <climits>
+#include <string>
+
+namespace cpd::comm {
+namespace {
+
+Status MpiError(const char* expr, int code, int rank, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  return Status::Internal(std::string(file) + ":" + std::to_string(line) + ": " + expr +
+                          " failed on rank " + std::to_string(rank) + ": " +
+                          (len > 0 ? std::string(text, len) : "error " + std::to_string(code)));
+}
+
+// Every MPI call goes through this: a failure becomes a Status naming the call and the rank.
+#define CPD_MPI_CHECK(rank, call)                                       \
+  do {                                                                  \
+    const int _cpd_mpi_err = (call);                                    \
+    if (_cpd_mpi_err != MPI_SUCCESS) {                                  \
+      return MpiError(#call, _cpd_mpi_err, (rank), __FILE__, __LINE__); \
+    }                                                                   \
+  } while (0)
+
+Status CheckCount(std::size_t count, const char* what) {
+  if (count > static_cast<std::size_t>(INT_MAX)) {
+    return Status::InvalidArgument(std::string(what) + ": count " + std::to_string(count) +
+                                   " exceeds MPI's limit of " + std::to_string(INT_MAX) +
+                                   " elements per call; split the buffer");
+  }
+  return Status::Ok();
+}
+
+Status CheckBuffers(const void* a, const void* b, std::size_t count, const char* what) {
+  if (count > 0 && (a == nullptr || b == nullptr)) {
+    return Status::InvalidArgument(std::string(what) + ": null buffer with count " +
+                                   std::to_string(count));
+  }
+  return Status::Ok();
+}
+
+MPI_Op ToMpi(ReduceOp op) { return op == ReduceOp::kMax ? MPI_MAX : MPI_SUM; }
+
+}  // namespace
+
+Result<std::unique_ptr<MpiCommunicator>> MpiCommunicator::Create() {
+  int finalized = 0;
+  CPD_MPI_CHECK(-1, MPI_Finalized(&finalized));
+  if (finalized) {
+    return Status::Unavailable("MpiCommunicator::Create: MPI has already been finalised");
+  }
+  int initialized = 0;
+  CPD_MPI_CHECK(-1, MPI_Initialized(&initialized));
+  bool owns_mpi = false;
+  if (!initialized) {
+    int provided = 0;
+    CPD_MPI_CHECK(-1, MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
+    owns_mpi = true;
+  }
+  MPI_Comm comm = MPI_COMM_NULL;
+  // Until the duplicate exists, errors on MPI_COMM_WORLD would abort; make them return too.
+  CPD_MPI_CHECK(-1, MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+  CPD_MPI_CHECK(-1, MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+  CPD_MPI_CHECK(-1, MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+  int rank = 0;
+  int size = 0;
+  CPD_MPI_CHECK(-1, MPI_Comm_rank(comm, &rank));
+  CPD_MPI_CHECK(rank, MPI_Comm_size(comm, &size));
+  return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(comm, rank, size, owns_mpi));
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  // Destructors cannot report; failures here are ignored on purpose.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (owns_mpi_) MPI_Finalize();
+}
+
+Status MpiCommunicator::AllReduceImpl(void* data, std::size_t count, MPI_Datatype type,
+                                      ReduceOp op) {
+  CPD_RETURN_IF_ERROR(CheckCount(count, "AllReduce"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "AllReduce"));
+  CPD_MPI_CHECK(rank_,
+                MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), type, ToMpi(op), comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::AllReduce(float* data, std::size_t count, ReduceOp op) {
+  return AllReduceImpl(data, count, MPI_FLOAT, op);
+}
+Status MpiCommunicator::AllReduce(std::int32_t* data, std::size_t count, ReduceOp op) {
+  return AllReduceImpl(data, count, MPI_INT32_T, op);
+}
+Status MpiCommunicator::AllReduce(std::uint64_t* data, std::size_t count, ReduceOp op) {
+  return AllReduceImpl(data, count, MPI_UINT64_T, op);
+}
+
+Status MpiCommunicator::ReduceScatter(const float* in, float* out, std::size_t count) {
+  if (count % static_cast<std::size_t>(size_) != 0) {
+    return Status::InvalidArgument("ReduceScatter: count " + std::to_string(count) +
+                                   " is not divisible by the world size " + std::to_string(size_) +
+                                   "; pad the buffer");
+  }
+  const std::size_t block = count / static_cast<std::size_t>(size_);
+  CPD_RETURN_IF_ERROR(CheckCount(block, "ReduceScatter"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block, "ReduceScatter"));
+  CPD_MPI_CHECK(
+      rank_, MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::AllGather(const float* in, float* out, std::size_t count) {
+  CPD_RETURN_IF_ERROR(CheckCount(count, "AllGather"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, count, "AllGather"));
+  const int n = static_cast<int>(count);
+  CPD_MPI_CHECK(rank_, MPI_Allgather(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::AllToAll(const float* in, float* out, std::size_t block_count) {
+  CPD_RETURN_IF_ERROR(CheckCount(block_count, "AllToAll"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block_count, "AllToAll"));
+  const int n = static_cast<int>(block_count);
+  CPD_MPI_CHECK(rank_, MPI_Alltoall(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::Broadcast(float* data, std::size_t count, int root) {
+  if (root < 0 || root >= size_) {
+    return Status::InvalidArgument("Broadcast: root " + std::to_string(root) +
+                                   " out of range; must be in [0, " + std::to_string(size_) + ")");
+  }
+  CPD_RETURN_IF_ERROR(CheckCount(count, "Broadcast"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "Broadcast"));
+  CPD_MPI_CHECK(rank_, MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::Barrier() {
+  CPD_MPI_CHECK(rank_, MPI_Barrier(comm_));
+  return Status::Ok();
+}
+
+#undef CPD_MPI_CHECK
+
+}  // namespace cpd::comm

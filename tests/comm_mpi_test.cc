@@ -1,0 +1,287 @@
+// Collectives under mpirun (world sizes 1-4): inputs whose reduced results are exact, so every
+// element is compared bit for bit and the wrong ones are counted (after gloo's allreduce_test and
+// nccl-tests' verifiable inputs). Run as `mpirun -np N comm_mpi_test`; only rank 0 prints.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
+
+namespace cpd::comm {
+namespace {
+
+MpiCommunicator* g_comm = nullptr;
+
+const std::vector<std::size_t> kCounts = {0, 1, 7, 1023, std::size_t{1} << 20};
+
+// Small integers: exact in float32 and after summing over a few ranks.
+float Pattern(std::size_t i) { return static_cast<float>(i % 4096); }
+
+TEST(MpiCommunicatorTest, RankAndSize) {
+  ASSERT_NE(g_comm, nullptr);
+  EXPECT_GE(g_comm->size(), 1);
+  EXPECT_GE(g_comm->rank(), 0);
+  EXPECT_LT(g_comm->rank(), g_comm->size());
+  // Every rank sees the same size and a distinct rank: sum of ranks is n(n-1)/2.
+  std::int32_t v[2] = {g_comm->rank(), 1};
+  ASSERT_TRUE(g_comm->AllReduce(v, 2, ReduceOp::kSum).ok());
+  const int n = g_comm->size();
+  EXPECT_EQ(v[0], n * (n - 1) / 2);
+  EXPECT_EQ(v[1], n);
+}
+
+TEST(MpiCommunicatorTest, AllReduceSumFloat) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  for (std::size_t count : kCounts) {
+    std::vector<float> data(count);
+    for (std::size_t i = 0; i < count; ++i) data[i] = Pattern(i) + static_cast<float>(r);
+    Status s = g_comm->AllReduce(data.data(), count, ReduceOp::kSum);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      const float expected =
+          static_cast<float>(n) * Pattern(i) + static_cast<float>(n * (n - 1) / 2);
+      wrong += data[i] != expected;
+    }
+    EXPECT_EQ(wrong, 0u) << "count " << count;
+  }
+}
+
+TEST(MpiCommunicatorTest, AllReduceMaxFloat) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  auto value = [](std::size_t i, int rank) {
+    return static_cast<float>((i * 7 + static_cast<std::size_t>(rank) * 13) % 101) - 50.0f;
+  };
+  for (std::size_t count : kCounts) {
+    std::vector<float> data(count);
+    for (std::size_t i = 0; i < count; ++i) data[i] = value(i, r);
+    ASSERT_TRUE(g_comm->AllReduce(data.data(), count, ReduceOp::kMax).ok());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      float expected = value(i, 0);
+      for (int q = 1; q < n; ++q) expected = std::max(expected, value(i, q));
+      wrong += data[i] != expected;
+    }
+    EXPECT_EQ(wrong, 0u) << "count " << count;
+  }
+}
+
+TEST(MpiCommunicatorTest, AllReduceIntegers) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{9}}) {
+    std::vector<std::int32_t> a(count);
+    std::vector<std::uint64_t> b(count);
+    std::vector<std::int32_t> m(count);
+    for (std::size_t i = 0; i < count; ++i) {
+      a[i] = static_cast<std::int32_t>(i) - r;
+      b[i] = (std::uint64_t{1} << 40) + static_cast<std::uint64_t>(i) * 3 + r;
+      m[i] = r == n - 1 ? static_cast<std::int32_t>(i) + 100 : -static_cast<std::int32_t>(i);
+    }
+    ASSERT_TRUE(g_comm->AllReduce(a.data(), count, ReduceOp::kSum).ok());
+    ASSERT_TRUE(g_comm->AllReduce(b.data(), count, ReduceOp::kSum).ok());
+    ASSERT_TRUE(g_comm->AllReduce(m.data(), count, ReduceOp::kMax).ok());
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      wrong += a[i] != n * static_cast<std::int32_t>(i) - n * (n - 1) / 2;
+      wrong += b[i] != static_cast<std::uint64_t>(n) * ((std::uint64_t{1} << 40) + i * 3) +
+                           static_cast<std::uint64_t>(n * (n - 1) / 2);
+      wrong += m[i] != static_cast<std::int32_t>(i) + 100;
+    }
+    EXPECT_EQ(wrong, 0u) << "count " << count;
+  }
+}
+
+TEST(MpiCommunicatorTest, ReduceScatterBlocks) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{1} << 18}) {
+    const std::size_t count = block * static_cast<std::size_t>(n);
+    std::vector<float> in(count);
+    for (std::size_t j = 0; j < count; ++j) in[j] = Pattern(j) + static_cast<float>(r);
+    std::vector<float> out(block, -1.0f);
+    Status s = g_comm->ReduceScatter(in.data(), out.data(), count);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    std::size_t wrong = 0;
+    for (std::size_t k = 0; k < block; ++k) {
+      const std::size_t j = static_cast<std::size_t>(r) * block + k;
+      const float expected =
+          static_cast<float>(n) * Pattern(j) + static_cast<float>(n * (n - 1) / 2);
+      wrong += out[k] != expected;
+    }
+    EXPECT_EQ(wrong, 0u) << "block " << block;
+  }
+}
+
+TEST(MpiCommunicatorTest, ReduceScatterRejectsIndivisibleCount) {
+  const int n = g_comm->size();
+  if (n == 1) GTEST_SKIP() << "every count is divisible by 1";
+  std::vector<float> in(static_cast<std::size_t>(n) + 1, 1.0f);
+  std::vector<float> out(2);
+  Status s = g_comm->ReduceScatter(in.data(), out.data(), in.size());
+  EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << s.ToString();
+}
+
+TEST(MpiCommunicatorTest, AllGatherPlacesBlocksByRank) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  for (std::size_t count : kCounts) {
+    std::vector<float> in(count);
+    for (std::size_t k = 0; k < count; ++k) in[k] = static_cast<float>(r * 4096) + Pattern(k);
+    std::vector<float> out(count * static_cast<std::size_t>(n), -1.0f);
+    ASSERT_TRUE(g_comm->AllGather(in.data(), out.data(), count).ok());
+    std::size_t wrong = 0;
+    for (int s = 0; s < n; ++s) {
+      for (std::size_t k = 0; k < count; ++k) {
+        wrong += out[static_cast<std::size_t>(s) * count + k] !=
+                 static_cast<float>(s * 4096) + Pattern(k);
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "count " << count;
+  }
+}
+
+TEST(MpiCommunicatorTest, AllToAllRoutesBlocks) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  // Element k of the block from rank src to rank dst.
+  auto value = [n](int src, int dst, std::size_t k) {
+    return static_cast<float>((src * n + dst) * 4096) + Pattern(k);
+  };
+  for (std::size_t block : kCounts) {
+    const std::size_t total = block * static_cast<std::size_t>(n);
+    std::vector<float> in(total);
+    for (int d = 0; d < n; ++d) {
+      for (std::size_t k = 0; k < block; ++k)
+        in[static_cast<std::size_t>(d) * block + k] = value(r, d, k);
+    }
+    std::vector<float> out(total, -1.0f);
+    ASSERT_TRUE(g_comm->AllToAll(in.data(), out.data(), block).ok());
+    std::size_t wrong = 0;
+    for (int s = 0; s < n; ++s) {
+      for (std::size_t k = 0; k < block; ++k) {
+        wrong += out[static_cast<std::size_t>(s) * block + k] != value(s, r, k);
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "block " << block;
+  }
+}
+
+TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
+  const int n = g_comm->size();
+  const int r = g_comm->rank();
+  // The last root is non-zero whenever n > 1.
+  for (int root = 0; root < n; ++root) {
+    for (std::size_t count : kCounts) {
+      std::vector<float> data(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        data[i] = r == root ? Pattern(i) + 0.5f + static_cast<float>(root) : -1.0f;
+      }
+      ASSERT_TRUE(g_comm->Broadcast(data.data(), count, root).ok());
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < count; ++i) {
+        wrong += data[i] != Pattern(i) + 0.5f + static_cast<float>(root);
+      }
+      EXPECT_EQ(wrong, 0u) << "root " << root << " count " << count;
+    }
+  }
+}
+
+TEST(MpiCommunicatorTest, InvalidArgumentsAreRejectedBeforeMpi) {
+  float x = 0.0f;
+  EXPECT_EQ(g_comm->Broadcast(&x, 1, g_comm->size()).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(g_comm->Broadcast(&x, 1, -1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(g_comm->AllReduce(static_cast<float*>(nullptr), 4, ReduceOp::kSum).code(),
+            Status::Code::kInvalidArgument);
+  // Null buffers are fine with a count of 0.
+  EXPECT_TRUE(g_comm->AllReduce(static_cast<float*>(nullptr), 0, ReduceOp::kSum).ok());
+  EXPECT_TRUE(g_comm->Barrier().ok());
+}
+
+TEST(MpiCommunicatorTest, CreateAgainSharesTheInitialisedMpi) {
+  // MPI is already initialised: a second communicator must not finalise it.
+  auto second = MpiCommunicator::Create();
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  std::unique_ptr<MpiCommunicator> c = std::move(second).value();
+  EXPECT_EQ(c->size(), g_comm->size());
+  EXPECT_EQ(c->rank(), g_comm->rank());
+  float v = 1.0f;
+  ASSERT_TRUE(c->AllReduce(&v, 1, ReduceOp::kSum).ok());
+  EXPECT_EQ(v, static_cast<float>(c->size()));
+  c.reset();
+  EXPECT_TRUE(g_comm->Barrier().ok());
+}
+
+TEST(SelfCommunicatorTest, WorldOfOne) {
+  SelfCommunicator self;
+  EXPECT_EQ(self.rank(), 0);
+  EXPECT_EQ(self.size(), 1);
+  for (std::size_t count : kCounts) {
+    std::vector<float> a(count);
+    for (std::size_t i = 0; i < count; ++i) a[i] = Pattern(i) - 7.0f;
+    const std::vector<float> orig = a;
+    ASSERT_TRUE(self.AllReduce(a.data(), count, ReduceOp::kSum).ok());
+    ASSERT_TRUE(self.AllReduce(a.data(), count, ReduceOp::kMax).ok());
+    ASSERT_TRUE(self.Broadcast(a.data(), count, 0).ok());
+    EXPECT_EQ(a, orig);
+    std::vector<float> out(count, -1.0f);
+    ASSERT_TRUE(self.ReduceScatter(a.data(), out.data(), count).ok());
+    EXPECT_EQ(out, orig);
+    std::fill(out.begin(), out.end(), -1.0f);
+    ASSERT_TRUE(self.AllGather(a.data(), out.data(), count).ok());
+    EXPECT_EQ(out, orig);
+    std::fill(out.begin(), out.end(), -1.0f);
+    ASSERT_TRUE(self.AllToAll(a.data(), out.data(), count).ok());
+    EXPECT_EQ(out, orig);
+  }
+  std::int32_t i32[2] = {3, -4};
+  std::uint64_t u64[1] = {std::uint64_t{1} << 50};
+  ASSERT_TRUE(self.AllReduce(i32, 2, ReduceOp::kSum).ok());
+  ASSERT_TRUE(self.AllReduce(u64, 1, ReduceOp::kMax).ok());
+  EXPECT_EQ(i32[0], 3);
+  EXPECT_EQ(i32[1], -4);
+  EXPECT_EQ(u64[0], std::uint64_t{1} << 50);
+  float x = 1.0f;
+  EXPECT_EQ(self.Broadcast(&x, 1, 1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(self.AllGather(nullptr, &x, 1).code(), Status::Code::kInvalidArgument);
+  EXPECT_TRUE(self.AllGather(nullptr, nullptr, 0).ok());
+  EXPECT_TRUE(self.Barrier().ok());
+}
+
+}  // namespace
+}  // namespace cpd::comm
+
+int main(int argc, char** argv) {
+  auto created = cpd::comm::MpiCommunicator::Create();
+  if (!created.ok()) {
+    std::fprintf(stderr, "comm_mpi_test: %s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
+  cpd::comm::g_comm = comm.get();
+  ::testing::InitGoogleTest(&argc, argv);
+  if (comm->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  // Every rank returns the same result: failed if any rank failed.
+  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  const cpd::Status s = comm->AllReduce(&failed, 1, cpd::comm::ReduceOp::kMax);
+  if (!s.ok()) {
+    std::fprintf(stderr, "comm_mpi_test: %s\n", s.ToString().c_str());
+    failed = 1;
+  }
+  if (failed != 0 && comm->rank() == 0)
+    std::fprintf(stderr, "comm_mpi_test: FAILED on some rank\n");
+  cpd::comm::g_comm = nullptr;
+  comm.reset();  // Finalises MPI.
+  return failed;
+}

@@ -60,6 +60,37 @@ void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>
   }
 }
 
+// The quantisation sites shared by Linear and Conv2d. Without hooks each returns its input.
+// A and W: the input and weight forward uses (x_q and w_q are the layer's workspaces).
+std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, const Tensor& x,
+                                       const Tensor& w_master, Tensor* x_q, Tensor* w_q) {
+  if (hooks == nullptr) return {x, w_master};
+  x_q->Resize(x.shape());
+  hooks->QuantizeActivation(layer, x, x_q);
+  CheckHooked(layer, *x_q, x.shape(), "activation");
+  w_q->Resize(w_master.shape());
+  hooks->QuantizeWeight(layer, w_master, w_q);
+  CheckHooked(layer, *w_q, w_master.shape(), "weight");
+  return {*x_q, *w_q};
+}
+
+// E: the error backward uses.
+Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor* dy_q) {
+  if (hooks == nullptr) return dy;
+  dy_q->Resize(dy.shape());
+  hooks->QuantizeError(layer, dy, dy_q);
+  CheckHooked(layer, *dy_q, dy.shape(), "error");
+  return *dy_q;
+}
+
+// G: the freshly computed weight gradient, in place.
+void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw) {
+  if (hooks == nullptr) return;
+  const std::vector<int64_t> shape = dw->shape();
+  hooks->QuantizeWeightGrad(layer, dw);
+  CheckHooked(layer, *dw, shape, "weight-gradient");
+}
+
 Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay) {
   Param p;
   p.name = name;
@@ -148,17 +179,7 @@ std::vector<Param*> Linear::Params() {
 Tensor Linear::Forward(const Tensor& x, bool train) {
   RequireCpu(*this, x, "the input");
   const std::vector<int64_t> out_shape = OutputShape(x.shape());
-  Tensor xin = x, w = weight_.value;
-  if (hooks_ != nullptr) {
-    x_q_.Resize(x.shape());
-    hooks_->QuantizeActivation(*this, x, &x_q_);
-    CheckHooked(*this, x_q_, x.shape(), "activation");
-    w_q_.Resize(weight_.value.shape());
-    hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
-    CheckHooked(*this, w_q_, weight_.value.shape(), "weight");
-    xin = x_q_;
-    w = w_q_;
-  }
+  const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
   y_.Resize(out_shape);
   cpu::LinearForward(x.dim(0), in_, out_, xin.data(), w.data(),
                      has_bias_ ? bias_.value.data() : nullptr, y_.data());
@@ -172,22 +193,13 @@ Tensor Linear::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
   const int64_t n = x_saved_.dim(0);
   RequireShape(*this, dy, {n, out_});
-  Tensor g = dy;
-  if (hooks_ != nullptr) {
-    dy_q_.Resize(dy.shape());
-    hooks_->QuantizeError(*this, dy, &dy_q_);
-    CheckHooked(*this, dy_q_, dy.shape(), "error");
-    g = dy_q_;
-  }
+  const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
   dw_.Resize({out_, in_});
   if (has_bias_) db_.Resize({out_});
   dx_.Resize({n, in_});
   cpu::LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(),
                       dw_.data(), has_bias_ ? db_.data() : nullptr);
-  if (hooks_ != nullptr) {
-    hooks_->QuantizeWeightGrad(*this, &dw_);
-    CheckHooked(*this, dw_, {out_, in_}, "weight-gradient");
-  }
+  WeightGradSite(*this, hooks_, &dw_);
   cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
   if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
   return dx_;
@@ -263,17 +275,7 @@ std::vector<Param*> Conv2d::Params() {
 Tensor Conv2d::Forward(const Tensor& x, bool train) {
   RequireCpu(*this, x, "the input");
   const cpu::ConvShape s = ShapeFor(x.shape());
-  Tensor xin = x, w = weight_.value;
-  if (hooks_ != nullptr) {
-    x_q_.Resize(x.shape());
-    hooks_->QuantizeActivation(*this, x, &x_q_);
-    CheckHooked(*this, x_q_, x.shape(), "activation");
-    w_q_.Resize(weight_.value.shape());
-    hooks_->QuantizeWeight(*this, weight_.value, &w_q_);
-    CheckHooked(*this, w_q_, weight_.value.shape(), "weight");
-    xin = x_q_;
-    w = w_q_;
-  }
+  const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
   y_.Resize({s.n, s.oc, s.oh, s.ow});
   cpu::Conv2dForward(s, xin.data(), w.data(), has_bias_ ? bias_.value.data() : nullptr, y_.data(),
                      &ws_);
@@ -288,22 +290,13 @@ Tensor Conv2d::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
   const cpu::ConvShape& s = saved_shape_;
   RequireShape(*this, dy, {s.n, s.oc, s.oh, s.ow});
-  Tensor g = dy;
-  if (hooks_ != nullptr) {
-    dy_q_.Resize(dy.shape());
-    hooks_->QuantizeError(*this, dy, &dy_q_);
-    CheckHooked(*this, dy_q_, dy.shape(), "error");
-    g = dy_q_;
-  }
+  const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
   dw_.Resize(weight_.value.shape());
   if (has_bias_) db_.Resize({out_});
   dx_.Resize({s.n, s.c, s.h, s.w});
   cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(),
                       has_bias_ ? db_.data() : nullptr, &ws_);
-  if (hooks_ != nullptr) {
-    hooks_->QuantizeWeightGrad(*this, &dw_);
-    CheckHooked(*this, dw_, weight_.value.shape(), "weight-gradient");
-  }
+  WeightGradSite(*this, hooks_, &dw_);
   cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
   if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
   return dx_;

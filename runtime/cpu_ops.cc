@@ -925,9 +925,113 @@ void BatchNormBackward(int64_t n, int64_t c, int64_t hw, const float* x, const f
 
 // ---- Pooling ----------------------------------------------------------------------------------
 
+// The common 2x2 / stride-2 window without branches, so that the compiler vectorises across
+// output columns. Same semantics as the general loop: the first maximum in (row, column) order
+// wins, and a NaN wins over any number and stays.
+CPD_CLONES void MaxPool2x2Forward(int64_t planes, int64_t h, int64_t w, int64_t oh, int64_t ow,
+                                  const float* x, float* y, int32_t* argmax, bool parallel) {
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float* xp = x + pl * h * w;
+    for (int64_t oy = 0; oy < oh; ++oy) {
+      const float* r0 = xp + 2 * oy * w;
+      const float* r1 = r0 + w;
+      float* yr = y + (pl * oh + oy) * ow;
+      int32_t* ar = argmax + (pl * oh + oy) * ow;
+      const int32_t row0 = int32_t(2 * oy * w), row1 = int32_t((2 * oy + 1) * w);
+#pragma omp simd
+      for (int64_t ox = 0; ox < ow; ++ox) {
+        const float a = r0[2 * ox], b = r0[2 * ox + 1], c = r1[2 * ox], d = r1[2 * ox + 1];
+        float bv = a;
+        int32_t bi = row0 + int32_t(2 * ox);
+        bool up = (b > bv) | ((b != b) & (bv == bv));
+        bv = up ? b : bv;
+        bi = up ? row0 + int32_t(2 * ox + 1) : bi;
+        up = (c > bv) | ((c != c) & (bv == bv));
+        bv = up ? c : bv;
+        bi = up ? row1 + int32_t(2 * ox) : bi;
+        up = (d > bv) | ((d != d) & (bv == bv));
+        bv = up ? d : bv;
+        bi = up ? row1 + int32_t(2 * ox + 1) : bi;
+        yr[ox] = bv;
+        ar[ox] = bi;
+      }
+    }
+  }
+}
+
+#if CPD_DIRECT_CONV
+// The 2x2 / stride-2 window with AVX-512: 16 output columns per step, each input row pair
+// de-interleaved into even and odd columns; the same compare chain as MaxPool2x2Forward, so
+// the results (argmax included) are identical. Tails use masked loads and stores.
+CPD_AVX512 void MaxPool2x2ForwardAvx512(int64_t planes, int64_t h, int64_t w, int64_t oh,
+                                        int64_t ow, const float* x, float* y, int32_t* argmax,
+                                        bool parallel) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+#pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    const float* xp = x + pl * h * w;
+    for (int64_t oy = 0; oy < oh; ++oy) {
+      const float* r0 = xp + 2 * oy * w;
+      const float* r1 = r0 + w;
+      float* yr = y + (pl * oh + oy) * ow;
+      int32_t* ar = argmax + (pl * oh + oy) * ow;
+      const __m512i row0 = _mm512_set1_epi32(int32_t(2 * oy * w));
+      const __m512i row1 = _mm512_set1_epi32(int32_t((2 * oy + 1) * w));
+      for (int64_t ox = 0; ox < ow; ox += 16) {
+        const int64_t n = std::min<int64_t>(16, ow - ox);  // output columns in this step
+        const __mmask16 out_mask = __mmask16((1u << n) - 1u);
+        const int64_t in_n = 2 * n;  // input floats per row
+        const __mmask16 lo_mask = __mmask16(in_n >= 16 ? 0xFFFFu : (1u << in_n) - 1u);
+        const __mmask16 hi_mask = __mmask16(in_n >= 32  ? 0xFFFFu
+                                            : in_n > 16 ? (1u << (in_n - 16)) - 1u
+                                                        : 0u);
+        const float* p0 = r0 + 2 * ox;
+        const float* p1 = r1 + 2 * ox;
+        const __m512 l0 = _mm512_maskz_loadu_ps(lo_mask, p0),
+                     h0 = _mm512_maskz_loadu_ps(hi_mask, p0 + 16);
+        const __m512 l1 = _mm512_maskz_loadu_ps(lo_mask, p1),
+                     h1 = _mm512_maskz_loadu_ps(hi_mask, p1 + 16);
+        const __m512 a = _mm512_permutex2var_ps(l0, even, h0),
+                     b = _mm512_permutex2var_ps(l0, odd, h0);
+        const __m512 c = _mm512_permutex2var_ps(l1, even, h1),
+                     d = _mm512_permutex2var_ps(l1, odd, h1);
+        const __m512i col = _mm512_add_epi32(_mm512_set1_epi32(int32_t(2 * ox)), even);
+        __m512 bv = a;
+        __m512i bi = _mm512_add_epi32(row0, col);
+        auto step = [&](__m512 v, __m512i idx) CPD_AVX512_LAMBDA {
+          const __mmask16 up =
+              _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ) |
+              (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(bv, bv, _CMP_ORD_Q));
+          bv = _mm512_mask_blend_ps(up, bv, v);
+          bi = _mm512_mask_blend_epi32(up, bi, idx);
+        };
+        const __m512i one = _mm512_set1_epi32(1);
+        step(b, _mm512_add_epi32(_mm512_add_epi32(row0, col), one));
+        step(c, _mm512_add_epi32(row1, col));
+        step(d, _mm512_add_epi32(_mm512_add_epi32(row1, col), one));
+        _mm512_mask_storeu_ps(yr + ox, out_mask, bv);
+        _mm512_mask_storeu_epi32(ar + ox, out_mask, bi);
+      }
+    }
+  }
+}
+#endif
+
 void MaxPool2dForward(int64_t planes, int64_t h, int64_t w, int64_t k, int64_t stride, int64_t oh,
                       int64_t ow, const float* x, float* y, int32_t* argmax) {
   const bool parallel = size_t(planes * h * w) >= kParallelElements;
+  if (k == 2 && stride == 2) {
+#if CPD_DIRECT_CONV
+    if (HasAvx512()) {
+      MaxPool2x2ForwardAvx512(planes, h, w, oh, ow, x, y, argmax, parallel);
+      return;
+    }
+#endif
+    MaxPool2x2Forward(planes, h, w, oh, ow, x, y, argmax, parallel);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (parallel) num_threads(TeamSize())
   for (int64_t pl = 0; pl < planes; ++pl) {
     const float* xp = x + pl * h * w;

@@ -926,6 +926,48 @@ TEST(ReLU, ForwardAndGradients) {
   EXPECT_TRUE(std::isnan(relu.Forward(nan, false).data()[0])) << "NaN must propagate";
 }
 
+// The 2x2 / stride-2 fast paths (vectorised, with masked tails) against a plain reference:
+// widths around the 16-column vector, odd input sizes (the last row/column dropped), ties
+// (first maximum in row-major order wins) and NaNs (a NaN wins and stays).
+TEST(Pooling, MaxPool2x2FastPathMatchesReference) {
+  std::mt19937 rng(7);
+  for (int64_t h : {2, 3, 9, 28}) {
+    for (int64_t w : {2, 3, 5, 16, 28, 31, 32, 33, 64, 70}) {
+      const int64_t planes = 3, oh = h / 2, ow = w / 2;
+      std::vector<float> x(size_t(planes * h * w));
+      // Few distinct values, so that ties are common; some NaNs.
+      for (float& v : x) v = float(int(rng() % 5) - 2);
+      for (size_t i = 0; i < x.size(); i += 37) x[i] = std::nanf("");
+      std::vector<float> y(size_t(planes * oh * ow), -99.f);
+      std::vector<int32_t> arg(y.size(), -1);
+      cpu::MaxPool2dForward(planes, h, w, 2, 2, oh, ow, x.data(), y.data(), arg.data());
+      for (int64_t p = 0; p < planes; ++p) {
+        for (int64_t oy = 0; oy < oh; ++oy) {
+          for (int64_t ox = 0; ox < ow; ++ox) {
+            int32_t best = int32_t((2 * oy) * w + 2 * ox);
+            const float* xp = x.data() + p * h * w;
+            for (int64_t ki = 0; ki < 2; ++ki) {
+              for (int64_t kj = 0; kj < 2; ++kj) {
+                const int32_t idx = int32_t((2 * oy + ki) * w + 2 * ox + kj);
+                if (xp[idx] > xp[best] || (std::isnan(xp[idx]) && !std::isnan(xp[best]))) {
+                  best = idx;
+                }
+              }
+            }
+            const size_t o = size_t((p * oh + oy) * ow + ox);
+            ASSERT_EQ(arg[o], best) << "h " << h << " w " << w << " at " << oy << "," << ox;
+            if (std::isnan(xp[best])) {
+              ASSERT_TRUE(std::isnan(y[o]));
+            } else {
+              ASSERT_EQ(y[o], xp[best]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Pooling, MaxPoolForwardAndGradients) {
   MaxPool2d pool("pool", 2);
   const Tensor x = Distinct({2, 3, 6, 7}, 1);  // odd width: the last column is dropped

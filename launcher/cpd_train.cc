@@ -1,18 +1,25 @@
-// cpd-train: quantised training of one model on one process (data-parallel ranks come with the
-// comm layer). Every flag can also be set in --config FILE.yaml under the same name without
-// the leading dashes; flags on the command line win.
+// cpd-train: quantised training of one model, on one process or data-parallel under mpirun /
+// srun (one rank per process, MPI found from the launcher's environment). Every flag can also be
+// set in --config FILE.yaml under the same name without the leading dashes; flags on the command
+// line win.
 #include <yaml-cpp/yaml.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "cpd/config.h"
 #include "cpd/format.h"
 #include "launcher/cli.h"
 #include "runtime/trainer.h"
+#if CPD_WITH_MPI
+#include "comm/mpi_communicator.h"
+#endif
 
 namespace {
 
@@ -77,6 +84,14 @@ cpd::runtime::SiteFormat CheckSite(const std::string& flag, const std::string& s
   return {f->spec(), *r};
 }
 
+// Whether a parallel launcher (Open MPI's mpirun, Slurm's srun with PMIx or PMI-2) started us.
+bool LaunchedByMpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,7 +132,11 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", o.epochs, "Training epochs")->capture_default_str();
   app.add_option("--max-steps", o.max_steps, "Stop after this many steps in total (0: all)")
       ->capture_default_str();
-  app.add_option("--batch-size", o.batch_size, "Batch size")->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "Batch size per worker (see --global-batch)")
+      ->capture_default_str();
+  app.add_option("--global-batch", o.global_batch,
+                 "Global batch, split evenly over ranks x --emulate-ranks workers (default: "
+                 "--batch-size per worker)");
   app.add_option("--optimizer", o.optimizer, "sgd | lars")->capture_default_str();
   app.add_option("--lr", o.lr, "Base learning rate")->capture_default_str();
   app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
@@ -160,6 +179,34 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--hysteresis", o.precision.hysteresis,
                "Hysteresis rounding of W (Lee et al.); counts weight flips");
+
+  // Data parallelism and the gradient all-reduce.
+  std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
+  app.add_option("--comm", comm_kind,
+                 "auto (mpi when started by mpirun/srun, else one process) | self | mpi")
+      ->capture_default_str();
+  app.add_option("--emulate-ranks", o.emulate_ranks,
+                 "Logical workers per process, summed with the same quantised semantics as ranks")
+      ->capture_default_str();
+  app.add_option("--allreduce", algo,
+                 "Gradient all-reduce: fp32 (the backend's) | emulate (CPD: every addition "
+                 "rounded to --allreduce-format) | packed (low-bit codes on the wire)")
+      ->capture_default_str();
+  app.add_option("--allreduce-format", ar_format, "Gradient format of emulate/packed")
+      ->capture_default_str();
+  app.add_option("--allreduce-rounding", ar_rounding, "nearest | stochastic | zero")
+      ->capture_default_str();
+  app.add_flag("--aps", o.allreduce.aps,
+               "Auto-precision scaling: per-layer power-of-two shift from the global max");
+  app.add_flag("--kahan", o.allreduce.kahan, "emulate: Kahan-compensated sum");
+  app.add_option("--bucket-mb", o.allreduce.bucket_mb, "Gradient bucket size in MiB")
+      ->capture_default_str();
+  app.add_option("--measure-error", o.measure_error_every,
+                 "Every N steps, the all-reduce error against exact fp32 (0: never)")
+      ->capture_default_str();
+  app.add_option("--debug-nan-step", o.debug_nan_step,
+                 "Testing aid: rank 0 puts a NaN into its gradient at this step (-1: never)")
+      ->capture_default_str();
 
   // Output.
   app.add_option("--stats-every", o.stats_every, "Per-layer statistics every N steps (0: off)")
@@ -220,10 +267,51 @@ int main(int argc, char** argv) {
     o.precision.cpt = c;
   }
 
-  auto result = cpd::runtime::Train(o);
+  {
+    auto a = cpd::comm::ParseAllReduceAlgo(algo);
+    if (!a.ok()) Fail("--allreduce: " + a.status().message());
+    o.allreduce.algo = *a;
+    auto f = cpd::Format::Parse(ar_format);
+    if (!f.ok()) Fail("--allreduce-format: " + f.status().message());
+    o.allreduce.format = f->spec();
+    auto r = cpd::ParseRounding(ar_rounding);
+    if (!r.ok()) Fail("--allreduce-rounding: " + r.status().message());
+    o.allreduce.rounding = *r;
+  }
+
+  std::unique_ptr<cpd::comm::Communicator> comm;
+  if (comm_kind == "mpi" || (comm_kind == "auto" && LaunchedByMpi())) {
+#if CPD_WITH_MPI
+    auto c = cpd::comm::MpiCommunicator::Create();
+    if (!c.ok()) Fail("--comm mpi: " + c.status().message(), 1);
+    comm = std::move(c.value());
+#else
+    if (comm_kind == "mpi") Fail("--comm mpi: this build has no MPI (CPD_WITH_MPI=OFF)");
+#endif
+  } else if (comm_kind != "auto" && comm_kind != "self") {
+    Fail("--comm '" + comm_kind + "' (accepted: auto, self, mpi)");
+  }
+  if (comm == nullptr) comm = std::make_unique<cpd::comm::SelfCommunicator>();
+
+  auto result = cpd::runtime::Train(o, comm.get());
   if (!result.ok()) {
-    const bool usage = result.status().code() == cpd::Status::Code::kInvalidArgument;
-    Fail(result.status().message(), usage ? kUsageError : 1);
+    const cpd::Status& s = result.status();
+    const bool usage = s.code() == cpd::Status::Code::kInvalidArgument;
+    if (comm->size() == 1) Fail(s.message(), usage ? kUsageError : 1);
+    // Option errors are found alike by every rank: rank 0 reports them and all exit. Any other
+    // failure may be one rank's alone, and its peers would wait forever: abort the job.
+    if (usage) {
+      if (comm->rank() == 0) std::fprintf(stderr, "cpd-train: %s\n", s.message().c_str());
+      comm.reset();
+      return kUsageError;
+    }
+    std::fprintf(stderr, "cpd-train: rank %d: %s\n", comm->rank(), s.message().c_str());
+#if CPD_WITH_MPI
+    if (auto* mpi = dynamic_cast<cpd::comm::MpiCommunicator*>(comm.get())) {
+      MPI_Abort(mpi->mpi_comm(), 1);
+    }
+#endif
+    return 1;
   }
   return 0;
 }

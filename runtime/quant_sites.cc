@@ -138,8 +138,11 @@ QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Round
                                           size_t channels) const {
   QuantizeOptions opts;
   opts.rounding = r;
-  // Each (layer, site) draws from its own stochastic-rounding stream.
-  opts.seed = kernels::SplitMix64(config_.seed ^ (uint64_t(st.index) << 8 | uint64_t(site)));
+  // Each (worker, layer, site) draws from its own stochastic-rounding stream.
+  const uint64_t base = worker_ == 0
+                            ? config_.seed
+                            : kernels::SplitMix64(config_.seed + 0x9E3779B97F4A7C15ull * worker_);
+  opts.seed = kernels::SplitMix64(base ^ (uint64_t(st.index) << 8 | uint64_t(site)));
   opts.step = uint64_t(step_);
   opts.channels = channels;
   return opts;

@@ -65,6 +65,10 @@ class SiteQuantizer : public QuantHooks {
 
   // The step about to run (selects CPT bits; part of the stochastic-rounding stream).
   void SetStep(int64_t step) { step_ = step; }
+  // The logical data-parallel worker whose micro-batch runs next (0 for single-process runs):
+  // each worker draws its own stochastic-rounding stream, as separate ranks would. Worker 0
+  // keeps the single-process stream, so a one-worker run is unchanged.
+  void SetWorker(uint64_t worker) { worker_ = worker; }
   // While on, every site records its statistics (TakeRecords() hands them over).
   void SetCollectStats(bool on) { collect_ = on; }
   std::vector<SiteRecord> TakeRecords();
@@ -111,6 +115,7 @@ class SiteQuantizer : public QuantHooks {
   std::map<std::string, LayerState> layers_;
   mutable std::map<std::string, Format> format_cache_;
   int64_t step_ = 0;
+  uint64_t worker_ = 0;
   bool collect_ = false;
   bool eval_ = false;
   std::vector<SiteRecord> records_;

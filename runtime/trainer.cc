@@ -4,10 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -37,6 +39,12 @@ Status Validate(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
   if (o.batch_size < 1) return bad("--batch-size must be >= 1");
+  if (o.global_batch < 0) return bad("--global-batch must be >= 1 (or 0: batch-size x workers)");
+  if (o.emulate_ranks < 1 || o.emulate_ranks > 4096) {
+    return bad("--emulate-ranks must be in 1..4096, got " + std::to_string(o.emulate_ranks));
+  }
+  if (o.measure_error_every < 0) return bad("--measure-error must be >= 0");
+  CPD_RETURN_IF_ERROR(o.allreduce.Validate());
   if (o.lr <= 0 || !std::isfinite(o.lr)) return bad("--lr must be a positive number");
   if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
   if (o.weight_decay < 0) return bad("--weight-decay must be >= 0");
@@ -105,8 +113,56 @@ class Progress {
   bool dirty_ = false;
 };
 
+// Sums `local` over the ranks in rank order (an all-gather, then the same additions on every
+// rank), so that every rank gets bit-identical results, whatever the MPI reduction order.
+Result<std::vector<float>> SumInRankOrder(comm::Communicator* comm,
+                                          const std::vector<float>& local) {
+  if (comm->size() == 1) return local;
+  std::vector<float> all(local.size() * size_t(comm->size()));
+  CPD_RETURN_IF_ERROR(comm->AllGather(local.data(), all.data(), local.size()));
+  std::vector<float> sum(local.size(), 0.0f);
+  for (int r = 0; r < comm->size(); ++r) {
+    for (size_t i = 0; i < local.size(); ++i) sum[i] += all[size_t(r) * local.size() + i];
+  }
+  return sum;
+}
+
+// FNV-1a over the bytes of every parameter value.
+uint64_t HashParams(const std::vector<Param*>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const Param* p : params) {
+    const auto* b = reinterpret_cast<const unsigned char*>(p->value.data());
+    for (size_t i = 0; i < p->value.numel() * sizeof(float); ++i) {
+      h = (h ^ b[i]) * 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+// Groups the params into the all-reducer's layers: consecutive params whose names share the
+// prefix before the last '.' ("conv1.weight", "conv1.bias") form one layer (one APS shift).
+comm::GradientLayout LayoutOf(const std::vector<Param*>& params) {
+  comm::GradientLayout layout;
+  layout.offsets.push_back(0);
+  size_t offset = 0;
+  for (const Param* p : params) {
+    const size_t dot = p->name.rfind('.');
+    const std::string layer = dot == std::string::npos ? p->name : p->name.substr(0, dot);
+    if (layout.layer_names.empty() || layout.layer_names.back() != layer) {
+      if (!layout.layer_names.empty()) layout.offsets.push_back(offset);
+      layout.layer_names.push_back(layer);
+    }
+    offset += p->grad.numel();
+  }
+  if (!layout.layer_names.empty()) layout.offsets.push_back(offset);
+  return layout;
+}
+
 struct Run {
   const TrainOptions& o;
+  comm::Communicator* comm = nullptr;
+  int world = 1, rank = 0, local_workers = 1, workers = 1;
+  int64_t worker_batch = 0, global_batch = 0;
   Dataset train, test;
   std::unique_ptr<Sequential> model;
   std::vector<Layer*> quant_layers;
@@ -138,7 +194,7 @@ struct Run {
     meta["iterator"] = {{"epoch", it.epoch}, {"next_batch", it.next_batch}};
     meta["arch"] = o.arch;
     meta["dataset"] = o.dataset;
-    meta["batch_size"] = o.batch_size;
+    meta["global_batch"] = global_batch;
     meta["seed"] = o.seed;
     ck.meta_json = meta.dump();
     for (Param* p : model->Params()) {
@@ -159,6 +215,19 @@ struct Run {
     return Status::Ok();
   }
 
+  // Rank 0 writes; every rank learns whether it worked, so that none goes on alone.
+  Status SaveCheckpointOnce(int epoch) {
+    Status s = Status::Ok();
+    if (rank == 0) s = SaveCheckpoint(epoch);
+    last_saved_step = step;
+    if (world == 1) return s;
+    int32_t failed = s.ok() ? 0 : 1;
+    CPD_RETURN_IF_ERROR(comm->AllReduce(&failed, 1, comm::ReduceOp::kMax));
+    if (!s.ok()) return s;
+    if (failed) return Status::IoError("writing the checkpoint failed on rank 0");
+    return Status::Ok();
+  }
+
   // Restores everything a step depends on; returns the epoch to continue in.
   Result<int> LoadCheckpoint(const std::string& path) {
     auto ck = ReadCheckpoint(path);
@@ -167,12 +236,15 @@ struct Run {
     if (meta.is_discarded() || meta.value("version", 0) != kCheckpointVersion) {
       return Status::Corruption("checkpoint " + path + ": unsupported version");
     }
+    // Version-1 checkpoints of single-process runs stored the batch as "batch_size".
+    const int64_t saved_global = meta.value("global_batch", meta.value("batch_size", int64_t(0)));
     if (meta.value("arch", "") != o.arch || meta.value("dataset", "") != o.dataset ||
-        meta.value("batch_size", 0) != o.batch_size) {
+        saved_global != global_batch) {
       return Status::InvalidArgument(
           "checkpoint " + path + " was written by a run with --arch " + meta.value("arch", "?") +
-          " --dataset " + meta.value("dataset", "?") + " --batch-size " +
-          std::to_string(meta.value("batch_size", 0)) + "; this run differs");
+          " --dataset " + meta.value("dataset", "?") + " and global batch " +
+          std::to_string(saved_global) + "; this run has --arch " + o.arch + " --dataset " +
+          o.dataset + " and global batch " + std::to_string(global_batch));
     }
     auto take = [&](const std::string& key, Tensor* t) -> Status {
       if (!ck->Has(key)) return Status::Corruption("checkpoint " + path + ": missing " + key);
@@ -206,10 +278,11 @@ struct Run {
     return meta.value("epoch", 0);
   }
 
-  // Test-set accuracy and loss in evaluation mode.
-  std::pair<double, double> Evaluate() {
+  // Test-set accuracy and loss in evaluation mode, the test set sharded over the ranks.
+  Result<std::pair<double, double>> Evaluate() {
     quant->SetEval(true);
     BatchIterator it(test, 500, /*shuffle=*/false, /*augment=*/false, o.seed, false);
+    CPD_RETURN_IF_ERROR(it.SetShard(rank, world));
     it.StartEpoch(0);
     Tensor x;
     std::vector<int32_t> y;
@@ -218,14 +291,18 @@ struct Run {
     double loss_sum = 0;
     int64_t correct = 0, seen = 0;
     while (it.Next(&x, &y)) {
+      if (y.empty()) continue;  // this rank's share of the last batch
       Tensor logits = model->Forward(x, /*train=*/false);
       loss_sum += double(ce.Forward(logits, y, &dlogits)) * double(y.size());
       correct += SoftmaxCrossEntropy::CountCorrect(logits, y);
       seen += int64_t(y.size());
     }
     quant->SetEval(false);
-    return {seen > 0 ? double(correct) / double(seen) : 0.0,
-            seen > 0 ? loss_sum / double(seen) : 0.0};
+    auto sums = SumInRankOrder(comm, {float(loss_sum), float(correct), float(seen)});
+    if (!sums.ok()) return sums.status();
+    const double n = (*sums)[2];
+    return std::make_pair(n > 0 ? double((*sums)[1]) / n : 0.0,
+                          n > 0 ? double((*sums)[0]) / n : 0.0);
   }
 };
 
@@ -245,19 +322,94 @@ json StatsJson(const std::vector<SiteRecord>& records) {
   return layers;
 }
 
+// Reduces per-layer site statistics over the ranks (sums of counts and squares, max of max|x|),
+// so that what is logged describes the whole global batch of worker 0 on every rank.
+Status ReduceRecords(comm::Communicator* comm, std::vector<SiteRecord>* records) {
+  if (comm->size() == 1 || records->empty()) return Status::Ok();
+  std::vector<uint64_t> counts;
+  std::vector<float> sums, maxes;
+  for (const SiteRecord& r : *records) {
+    counts.insert(counts.end(),
+                  {r.stats.count, r.stats.saturated, r.stats.flushed, r.stats.nonfinite});
+    sums.insert(sums.end(), {float(r.stats.sq_error), float(r.stats.sq_input)});
+    maxes.push_back(r.stats.max_abs);
+  }
+  CPD_RETURN_IF_ERROR(comm->AllReduce(counts.data(), counts.size(), comm::ReduceOp::kSum));
+  CPD_RETURN_IF_ERROR(comm->AllReduce(maxes.data(), maxes.size(), comm::ReduceOp::kMax));
+  auto total = SumInRankOrder(comm, sums);
+  if (!total.ok()) return total.status();
+  for (size_t i = 0; i < records->size(); ++i) {
+    QuantStats& st = (*records)[i].stats;
+    st.count = counts[4 * i];
+    st.saturated = counts[4 * i + 1];
+    st.flushed = counts[4 * i + 2];
+    st.nonfinite = counts[4 * i + 3];
+    st.sq_error = (*total)[2 * i];
+    st.sq_input = (*total)[2 * i + 1];
+    st.max_abs = maxes[i];
+  }
+  return Status::Ok();
+}
+
+json CommStatsJson(const std::vector<comm::LayerCommStats>& stats) {
+  json layers = json::array();
+  for (const auto& s : stats) {
+    json j = {{"layer", s.layer},
+              {"shift", s.shift},
+              {"max_abs", s.max_abs},
+              {"flushed", s.flushed},
+              {"saturated", s.saturated}};
+    if (s.rel_error >= 0) j["rel_error"] = s.rel_error;
+    layers.push_back(j);
+  }
+  return layers;
+}
+
+// Rows [begin, end) of a batch tensor, as a new tensor.
+Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
+  std::vector<int64_t> shape = x.shape();
+  shape[0] = end - begin;
+  Tensor out(shape);
+  const size_t row = x.numel() / size_t(x.dim(0));
+  std::copy(x.data() + size_t(begin) * row, x.data() + size_t(end) * row, out.data());
+  return out;
+}
+
 }  // namespace
 
-Result<TrainResult> Train(const TrainOptions& o) {
+Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   CPD_RETURN_IF_ERROR(Validate(o));
   if (o.device == "cuda") {
     return Status::Unavailable(
         "--device cuda: the engine's CUDA layers are not built yet; use --device cpu");
   }
+  comm::SelfCommunicator self;
+  if (comm == nullptr) comm = &self;
   const int threads = o.threads > 0 ? o.threads : omp_get_num_procs();
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
 
   Run run(o);
+  run.comm = comm;
+  run.world = comm->size();
+  run.rank = comm->rank();
+  run.local_workers = o.emulate_ranks;
+  run.workers = run.world * run.local_workers;
+  if (o.global_batch > 0) {
+    if (o.global_batch % run.workers != 0) {
+      return Status::InvalidArgument("--global-batch " + std::to_string(o.global_batch) +
+                                     " does not split evenly over " + std::to_string(run.workers) +
+                                     " workers (" + std::to_string(run.world) + " ranks x " +
+                                     std::to_string(run.local_workers) + " emulated)");
+    }
+    run.worker_batch = o.global_batch / run.workers;
+  } else {
+    run.worker_batch = o.batch_size;
+  }
+  run.global_batch = run.worker_batch * run.workers;
+  const bool lead = run.rank == 0;
+  const bool quiet = o.quiet || !lead;
+
   auto data = LoadDatasetPair(o.dataset, o.data_dir, o.seed);
   if (!data.ok()) return data.status();
   run.train = std::move(data->first);
@@ -283,14 +435,24 @@ Result<TrainResult> Train(const TrainOptions& o) {
     if (l->Quantizable()) run.quant_layers.push_back(l);
   }
   if (o.print_model) {
-    std::printf("%s", DescribeModel(*run.model).c_str());
+    if (lead) std::printf("%s", DescribeModel(*run.model).c_str());
     return TrainResult{};
   }
 
+  // One iterator per rank over the shared permutation: a step takes a global batch, this rank
+  // gets its K workers' slices in one piece. Several workers drop the last partial batch, so
+  // that every worker's gradient is a mean over the same number of samples.
   const bool augment = o.augment_set ? o.augment : o.dataset.rfind("cifar", 0) == 0;
-  run.iter = std::make_unique<BatchIterator>(run.train, o.batch_size, /*shuffle=*/true, augment,
-                                             o.seed, /*drop_last=*/false);
+  run.iter = std::make_unique<BatchIterator>(run.train, run.worker_batch * run.local_workers,
+                                             /*shuffle=*/true, augment, o.seed,
+                                             /*drop_last=*/run.workers > 1);
+  CPD_RETURN_IF_ERROR(run.iter->SetShard(run.rank, run.world));
   run.batches_per_epoch = run.iter->batches_per_epoch();
+  if (run.batches_per_epoch < 1) {
+    return Status::InvalidArgument("global batch " + std::to_string(run.global_batch) +
+                                   " exceeds the " + std::to_string(run.train.count) +
+                                   " training samples");
+  }
   const int64_t total_steps = run.batches_per_epoch * o.epochs;
 
   PrecisionConfig pc = o.precision;
@@ -314,7 +476,20 @@ Result<TrainResult> Train(const TrainOptions& o) {
   oo.lars_eta = o.lars_eta;
   oo.threads = threads;
   CPD_RETURN_IF_ERROR(oo.Validate());
-  run.optimizer = std::make_unique<Optimizer>(run.model->Params(), oo);
+  const std::vector<Param*> params = run.model->Params();
+  run.optimizer = std::make_unique<Optimizer>(params, oo);
+
+  // The gradient all-reducer over the flat gradients of the K local workers.
+  comm::GradientAllReduceOptions ar = o.allreduce;
+  ar.seed = kernels::SplitMix64(o.seed ^ 0xA11u);
+  ar.threads = threads;
+  const comm::GradientLayout layout = LayoutOf(params);
+  auto reducer = comm::GradientAllReducer::Create(comm, ar, layout, run.local_workers);
+  if (!reducer.ok()) return reducer.status();
+  std::vector<std::vector<float>> flat(size_t(run.local_workers),
+                                       std::vector<float>(layout.total()));
+  std::vector<float*> flat_ptrs;
+  for (auto& f : flat) flat_ptrs.push_back(f.data());
 
   std::vector<int64_t> milestones;
   for (int64_t e : o.lr_milestones) milestones.push_back(e * run.batches_per_epoch);
@@ -324,9 +499,14 @@ Result<TrainResult> Train(const TrainOptions& o) {
   run.lr = *lr;
 
   if (!o.metrics_out.empty()) {
-    run.metrics.open(o.metrics_out, std::ios::out | std::ios::app);
-    if (!run.metrics) {
-      return Status::IoError("--metrics-out: cannot open " + o.metrics_out + " for writing");
+    std::string path = o.metrics_out;
+    const size_t at = path.find("{rank}");
+    if (at != std::string::npos) path.replace(at, 6, std::to_string(run.rank));
+    if (at != std::string::npos || lead) {
+      run.metrics.open(path, std::ios::out | std::ios::app);
+      if (!run.metrics) {
+        return Status::IoError("--metrics-out: cannot open " + path + " for writing");
+      }
     }
   }
 
@@ -340,26 +520,50 @@ Result<TrainResult> Train(const TrainOptions& o) {
     // A checkpoint taken after the last batch of an epoch continues with the next epoch.
     const IteratorState it = run.iter->state();
     if (it.epoch == start_epoch && it.next_batch >= run.batches_per_epoch) ++start_epoch;
-    if (!o.quiet) {
+    if (!quiet) {
       std::printf("resumed from %s at step %lld (epoch %d)\n", resume_path.c_str(),
                   static_cast<long long>(run.step), start_epoch + 1);
     }
   } else {
     run.iter->StartEpoch(0);
   }
+  // Identical replicas from the start: rank 0's parameters and buffers everywhere.
+  if (run.world > 1) {
+    for (Param* p : params) {
+      CPD_RETURN_IF_ERROR(comm->Broadcast(p->value.data(), p->value.numel(), 0));
+    }
+    for (auto& [name, t] : run.model->Buffers()) {
+      CPD_RETURN_IF_ERROR(comm->Broadcast(t->data(), t->numel(), 0));
+    }
+  }
+  const std::vector<std::pair<std::string, Tensor*>> buffers = run.model->Buffers();
+  size_t buffer_floats = 0;
+  for (const auto& b : buffers) buffer_floats += b.second->numel();
+  const bool sync_buffers = run.workers > 1 && buffer_floats > 0;
 
   const bool tty = isatty(STDOUT_FILENO) != 0;
-  Progress progress(o.progress && !o.quiet, tty);
-  if (!o.quiet) {
+  Progress progress(o.progress && !quiet, tty);
+  if (!quiet) {
+    std::string par;
+    if (run.workers > 1) {
+      par = ", " + std::to_string(run.world) + " rank(s) x " + std::to_string(run.local_workers) +
+            " worker(s), all-reduce " + comm::AllReduceAlgoName(ar.algo);
+      if (ar.algo != comm::AllReduceAlgo::kFp32) {
+        par += " " + ar.format + (ar.aps ? " +APS" : "") + (ar.kahan ? " +Kahan" : "");
+      }
+    }
     std::printf(
-        "cpd-train: %s on %s (%lld train / %lld test), %d threads, batch %d, %d epochs "
-        "x %lld steps\n",
+        "cpd-train: %s on %s (%lld train / %lld test), %d threads, batch %lld (%lld per "
+        "worker)%s, %d epochs x %lld steps\n",
         o.arch.c_str(), o.dataset.c_str(), static_cast<long long>(run.train.count),
-        static_cast<long long>(run.test.count), threads, o.batch_size, o.epochs,
+        static_cast<long long>(run.test.count), threads, static_cast<long long>(run.global_batch),
+        static_cast<long long>(run.worker_batch), par.c_str(), o.epochs,
         static_cast<long long>(run.batches_per_epoch));
   }
 
   TrainResult result;
+  result.world_size = run.world;
+  result.workers = run.workers;
   if (pc.cpt) {
     // CPT's cost model over the whole schedule, against static training at MAX bits.
     std::vector<int> schedule;
@@ -370,6 +574,7 @@ Result<TrainResult> Train(const TrainOptions& o) {
   SoftmaxCrossEntropy ce;
   Tensor x, dlogits;
   std::vector<int32_t> y;
+  std::vector<float> buffers_before(buffer_floats), buffers_after;
   const auto t_start = Clock::now();
   int64_t steps_this_run = 0;
   bool stop = false;
@@ -380,46 +585,146 @@ Result<TrainResult> Train(const TrainOptions& o) {
     int64_t correct = 0, seen = 0, epoch_steps = 0;
     while (run.iter->Next(&x, &y)) {
       run.quant->SetStep(run.step);
-      run.model->SetStep(uint64_t(run.step));
       const bool collect = o.stats_every > 0 && run.step % o.stats_every == 0;
-      run.quant->SetCollectStats(collect);
 
-      run.optimizer->ZeroGrad();
-      Tensor logits = run.model->Forward(x, /*train=*/true);
-      const float loss = ce.Forward(logits, y, &dlogits);
-      run.model->Backward(dlogits);
+      // Forward and backward of each local worker on its micro-batch.
+      if (sync_buffers) {
+        size_t off = 0;
+        for (const auto& b : buffers) {
+          std::copy(b.second->data(), b.second->data() + b.second->numel(),
+                    buffers_before.data() + off);
+          off += b.second->numel();
+        }
+        buffers_after.assign(buffer_floats * size_t(run.local_workers), 0.0f);
+      }
+      const int64_t n = int64_t(y.size());
+      float step_loss_sum = 0;
+      int64_t step_correct = 0;
+      for (int k = 0; k < run.local_workers; ++k) {
+        const uint64_t worker = uint64_t(run.rank) * uint64_t(run.local_workers) + uint64_t(k);
+        const int64_t begin = n * k / run.local_workers, end = n * (k + 1) / run.local_workers;
+        Tensor xk = run.local_workers == 1 ? x : SliceRows(x, begin, end);
+        const std::vector<int32_t> yk(y.begin() + begin, y.begin() + end);
+        run.quant->SetWorker(worker);
+        // Dropout masks: a stream per (step, worker); worker 0 of a 1-worker run keeps `step`.
+        run.model->SetStep(uint64_t(run.step) * uint64_t(run.workers) + worker);
+        run.quant->SetCollectStats(collect && k == 0);
+        if (sync_buffers && k > 0) {
+          size_t off = 0;
+          for (const auto& b : buffers) {
+            std::copy(buffers_before.data() + off, buffers_before.data() + off + b.second->numel(),
+                      b.second->data());
+            off += b.second->numel();
+          }
+        }
+        run.optimizer->ZeroGrad();
+        Tensor logits = run.model->Forward(xk, /*train=*/true);
+        const float loss = ce.Forward(logits, yk, &dlogits);
+        run.model->Backward(dlogits);
+        step_loss_sum += loss * float(yk.size());
+        step_correct += SoftmaxCrossEntropy::CountCorrect(logits, yk);
+        size_t off = 0;
+        for (Param* p : params) {
+          std::copy(p->grad.data(), p->grad.data() + p->grad.numel(), flat[size_t(k)].data() + off);
+          off += p->grad.numel();
+        }
+        if (run.step == o.debug_nan_step && worker == 0 && !flat[0].empty()) {
+          flat[0][0] = std::numeric_limits<float>::quiet_NaN();
+        }
+        if (sync_buffers) {
+          size_t boff = buffer_floats * size_t(k);
+          for (const auto& b : buffers) {
+            std::copy(b.second->data(), b.second->data() + b.second->numel(),
+                      buffers_after.data() + boff);
+            boff += b.second->numel();
+          }
+        }
+      }
+      run.quant->SetWorker(0);
+
+      // Sum the W gradients, average, and step (or skip the step everywhere on NaN/Inf).
+      const bool measure = o.measure_error_every > 0 && run.step % o.measure_error_every == 0;
+      CPD_RETURN_IF_ERROR((*reducer)->Reduce(flat_ptrs.data(), flat[0].data(), run.step, measure));
       const double lr_now = run.lr.At(run.step);
-      run.optimizer->Step(lr_now);
+      const bool skipped = (*reducer)->last_nonfinite();
+      if (skipped) {
+        ++result.skipped_steps;
+        if (!quiet) {
+          progress.EndLine();
+          std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks\n",
+                      static_cast<long long>(run.step));
+        }
+        run.Log({{"type", "skip"}, {"step", run.step}, {"reason", "nonfinite gradient"}});
+      } else {
+        const float inv_workers = 1.0f / float(run.workers);
+        size_t off = 0;
+        for (Param* p : params) {
+          float* g = p->grad.data();
+          const float* src = flat[0].data() + off;
+          for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * inv_workers;
+          off += p->grad.numel();
+        }
+        run.optimizer->Step(lr_now);
+      }
+      if (sync_buffers) {
+        // BatchNorm running statistics: the mean over the W workers' updates, identical everywhere.
+        std::vector<float> local(buffer_floats, 0.0f);
+        for (int k = 0; k < run.local_workers; ++k) {
+          for (size_t i = 0; i < buffer_floats; ++i) {
+            local[i] += buffers_after[size_t(k) * buffer_floats + i];
+          }
+        }
+        auto total = SumInRankOrder(comm, local);
+        if (!total.ok()) return total.status();
+        size_t off = 0;
+        for (const auto& b : buffers) {
+          float* d = b.second->data();
+          for (size_t i = 0; i < b.second->numel(); ++i) {
+            d[i] = (*total)[off + i] / float(run.workers);
+          }
+          off += b.second->numel();
+        }
+      }
+      // Loss and accuracy of the global batch, the same on every rank.
+      float loss = step_loss_sum / float(std::max<int64_t>(n, 1));
+      int64_t global_n = n, global_correct = step_correct;
+      if (run.world > 1) {
+        auto sums = SumInRankOrder(comm, {step_loss_sum, float(step_correct), float(n)});
+        if (!sums.ok()) return sums.status();
+        global_n = int64_t((*sums)[2]);
+        global_correct = int64_t((*sums)[1]);
+        loss = (*sums)[0] / float(std::max<int64_t>(global_n, 1));
+      }
 
-      loss_sum += double(loss) * double(y.size());
-      correct += SoftmaxCrossEntropy::CountCorrect(logits, y);
-      seen += int64_t(y.size());
+      loss_sum += double(loss) * double(global_n);
+      correct += global_correct;
+      seen += global_n;
       result.step_losses.push_back(loss);
       ++run.step;
       ++epoch_steps;
       ++steps_this_run;
 
-      if (collect) {
+      if (collect || measure) {
         run.quant->SetCollectStats(false);
-        json j = {{"type", "step"},
-                  {"step", run.step - 1},
-                  {"epoch", epoch + 1},
-                  {"loss", loss},
-                  {"lr", lr_now},
-                  {"bits", run.quant->CurrentBits()},
-                  {"layers", StatsJson(run.quant->TakeRecords())}};
+        std::vector<SiteRecord> records = run.quant->TakeRecords();
+        CPD_RETURN_IF_ERROR(ReduceRecords(comm, &records));
+        json j = {{"type", "step"},     {"step", run.step - 1},
+                  {"epoch", epoch + 1}, {"loss", loss},
+                  {"lr", lr_now},       {"bits", run.quant->CurrentBits()},
+                  {"skipped", skipped}, {"layers", StatsJson(records)}};
+        if (run.workers > 1 && !skipped) j["comm"] = CommStatsJson((*reducer)->last_stats());
         run.Log(j);
       }
       const double elapsed = Seconds(t_epoch, Clock::now());
       const double ips = elapsed > 0 ? double(seen) / elapsed : 0.0;
       const int64_t batch = run.iter->state().next_batch;
       const double eta =
-          ips > 0 ? double((run.batches_per_epoch - batch) * o.batch_size) / ips : 0.0;
+          ips > 0 ? double((run.batches_per_epoch - batch) * run.global_batch) / ips : 0.0;
       progress.Update(epoch + 1, o.epochs, batch, run.batches_per_epoch, loss, ips, eta,
                       run.quant->CurrentBits());
       if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
           run.step % o.checkpoint_every == 0) {
-        CPD_RETURN_IF_ERROR(run.SaveCheckpoint(epoch));
+        CPD_RETURN_IF_ERROR(run.SaveCheckpointOnce(epoch));
       }
       if (o.max_steps > 0 && run.step >= o.max_steps) {
         stop = true;
@@ -433,7 +738,9 @@ Result<TrainResult> Train(const TrainOptions& o) {
     double test_acc = 0, test_loss = 0;
     const bool epoch_complete = run.iter->state().next_batch >= run.batches_per_epoch;
     if (o.eval_each_epoch || epoch + 1 == o.epochs || stop) {
-      std::tie(test_acc, test_loss) = run.Evaluate();
+      auto ev = run.Evaluate();
+      if (!ev.ok()) return ev.status();
+      std::tie(test_acc, test_loss) = *ev;
     }
     const auto flips = run.quant->TakeFlips();
     uint64_t total_flips = 0;
@@ -442,7 +749,7 @@ Result<TrainResult> Train(const TrainOptions& o) {
       if (o.precision.hysteresis) flips_json[name] = f;
       total_flips += f;
     }
-    if (!o.quiet) {
+    if (!quiet) {
       std::string extra;
       if (pc.cpt) {
         char buf[96];
@@ -451,6 +758,7 @@ Result<TrainResult> Train(const TrainOptions& o) {
         extra += buf;
       }
       if (o.precision.hysteresis) extra += " flips " + std::to_string(total_flips);
+      if (result.skipped_steps > 0) extra += " skipped " + std::to_string(result.skipped_steps);
       std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
                   epoch + 1, o.epochs, train_loss, 100 * train_acc, 100 * test_acc,
                   epoch_s > 0 ? double(seen) / epoch_s : 0.0,
@@ -467,24 +775,40 @@ Result<TrainResult> Train(const TrainOptions& o) {
              {"bits", pc.cpt ? pc.cpt->max_bits : 0},
              {"images_per_s", epoch_s > 0 ? double(seen) / epoch_s : 0.0},
              {"relative_cost", result.relative_cost},
+             {"skipped_steps", result.skipped_steps},
              {"flips", flips_json}});
     result.final_loss = train_loss;
     result.train_accuracy = train_acc;
     result.test_accuracy = test_acc;
     if (epoch_complete) result.epochs_done = epoch + 1;
     if (!o.checkpoint_dir.empty() && o.checkpoint_every == 0 && epoch_complete) {
-      CPD_RETURN_IF_ERROR(run.SaveCheckpoint(epoch + 1));
+      CPD_RETURN_IF_ERROR(run.SaveCheckpointOnce(epoch + 1));
     }
   }
   // A final checkpoint when the run ends between checkpoint steps (e.g. at --max-steps).
   if (!o.checkpoint_dir.empty() && run.step != run.last_saved_step) {
     const IteratorState it = run.iter->state();
     CPD_RETURN_IF_ERROR(
-        run.SaveCheckpoint(int(it.epoch) + (it.next_batch >= run.batches_per_epoch)));
+        run.SaveCheckpointOnce(int(it.epoch) + (it.next_batch >= run.batches_per_epoch)));
   }
   result.steps = run.step;
   const double total_s = Seconds(t_start, Clock::now());
   result.ms_per_step = steps_this_run > 0 ? 1e3 * total_s / double(steps_this_run) : 0.0;
+  // Replicas must have stayed bit-identical: compare the parameter hashes of all ranks.
+  result.param_hash = HashParams(params);
+  if (run.world > 1) {
+    uint64_t hi = result.param_hash, lo = ~result.param_hash;
+    CPD_RETURN_IF_ERROR(comm->AllReduce(&hi, 1, comm::ReduceOp::kMax));
+    CPD_RETURN_IF_ERROR(comm->AllReduce(&lo, 1, comm::ReduceOp::kMax));
+    result.replicas_identical = hi == result.param_hash && lo == ~result.param_hash;
+    if (!result.replicas_identical) {
+      return Status::Internal("replicas diverged: the ranks' final parameters differ");
+    }
+  }
+  if (!quiet && run.workers > 1) {
+    std::printf("replicas bit-identical on %d rank(s); %lld step(s) skipped for NaN/Inf\n",
+                run.world, static_cast<long long>(result.skipped_steps));
+  }
   return result;
 }
 

@@ -1,5 +1,16 @@
-// The single-process trainer behind cpd-train: data, model, precision policy, optimiser,
-// schedules, statistics, metrics, checkpoints and bit-identical resume.
+// The trainer behind cpd-train: data, model, precision policy, optimiser, schedules,
+// statistics, metrics, checkpoints and bit-identical resume, on one process or data-parallel
+// over a Communicator (one rank per process, each running K logical workers).
+//
+// Data parallelism: there are W = world_size * emulate_ranks logical workers; worker
+// w = rank * K + k takes its slice of every global batch (global_batch / W samples), computes
+// its gradient, and the W gradients are summed by a GradientAllReducer (fp32, or CPD's emulated
+// low-precision sum, or packed low-bit codes, with or without APS) and averaged. Parameters are
+// broadcast from rank 0 at the start; BatchNorm running statistics are averaged over the W
+// workers every step; so all replicas stay bit-identical (checked at the end of the run). A
+// gradient with NaN/Inf on any rank skips the step on every rank. Rank 0 prints and writes
+// checkpoints; every rank reads them, so a run can resume at another world size with the same
+// global batch.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
+#include "comm/gradient_allreduce.h"
 #include "cpd/status.h"
 #include "runtime/quant_sites.h"
 
@@ -22,8 +35,10 @@ struct TrainOptions {
   bool augment_set = false;
   // Optimisation.
   int epochs = 10;
-  int64_t max_steps = 0;  // stop after this many steps in total (0: run all epochs)
-  int batch_size = 128;
+  int64_t max_steps = 0;          // stop after this many steps in total (0: run all epochs)
+  int batch_size = 128;           // per logical worker, unless global_batch is set
+  int global_batch = 0;           // > 0: split evenly over the W workers (must divide)
+  int emulate_ranks = 1;          // K logical workers in this process (CPD's --emulate_node)
   std::string optimizer = "sgd";  // sgd | lars
   double lr = 0.05, momentum = 0.9, weight_decay = 5e-4;
   bool nesterov = false;
@@ -36,9 +51,13 @@ struct TrainOptions {
   int threads = 0;  // 0: all cores
   // Precision.
   PrecisionConfig precision;
+  // Gradient all-reduce (see comm/gradient_allreduce.h).
+  comm::GradientAllReduceOptions allreduce;
+  int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
+  int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient
   // Output.
   int64_t stats_every = 100;  // per-layer statistics every N steps (0: never)
-  std::string metrics_out;    // JSONL
+  std::string metrics_out;    // JSONL; rank 0 only, unless the path contains "{rank}"
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // steps (0: only at the end of each epoch when a dir is set)
   std::string resume;            // "" | "auto" | a checkpoint path
@@ -59,10 +78,16 @@ struct TrainResult {
   double ms_per_step = 0;
   std::vector<double> step_losses;  // every step's training loss, in order
   double relative_cost = 0;         // CPT cost model vs static max bits (0 without CPT)
+  int world_size = 1;               // ranks
+  int workers = 1;                  // logical workers W
+  int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient
+  uint64_t param_hash = 0;          // of the final parameters (FNV-1a of their bytes)
+  bool replicas_identical = true;   // every rank ended with the same param_hash
 };
 
 // Validates options (clear messages naming the flag); then trains. Prints to stdout unless
-// quiet. Writes metrics/checkpoints when asked.
-Result<TrainResult> Train(const TrainOptions& opts);
+// quiet (rank 0 only). Writes metrics/checkpoints when asked. `comm` (null: world size 1) must be
+// the same kind of communicator on every rank, and every rank calls Train with the same options.
+Result<TrainResult> Train(const TrainOptions& opts, comm::Communicator* comm = nullptr);
 
 }  // namespace cpd::runtime

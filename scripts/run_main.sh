@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # The main job: set up, build, and train LeNet-5 on Fashion-MNIST (Debian's
-# dataset-fashion-mnist) with CPT cyclic precision (3-8 bit forward, 8-bit backward), printing
-# one line per epoch (loss, train/test accuracy, bits, images/s, relative training cost).
+# dataset-fashion-mnist) data-parallel on RANKS MPI ranks (default 2) with CPT cyclic precision
+# (3-8 bit forward, 8-bit backward) and gradients summed as packed 8-bit e4m3 codes with
+# auto-precision scaling; rank 0 prints one line per epoch (loss, train/test accuracy, bits,
+# images/s, relative training cost).
 #   scripts/run_main.sh [cpd-train flags...]     e.g. --preset lee2022, --epochs 3, --arch mlp
-# Multi-rank training (mpirun / srun) arrives with the comm layer.
+#   RANKS=4 scripts/run_main.sh                  more ranks (oversubscribed beyond the cores)
+#   RANKS=1 scripts/run_main.sh                  one process, no mpirun
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh >/dev/null
 BIN=${BUILD_DIR:-build}/bin
+RANKS=${RANKS:-2}
+[[ "$RANKS" =~ ^[1-9][0-9]*$ ]] || { echo "run_main.sh: RANKS must be a positive integer" >&2; exit 2; }
 # Embedded defaults, each dropped when the same flag is given.
+has() { local flag=$1; shift; [[ " $* " == *" $flag "* ]]; }
 defaults=()
-[[ " $* " == *" --preset "* || " $* " == *" --cyclic-bits "* ]] || defaults+=(--preset cpt)
-[[ " $* " == *" --epochs "* ]] || defaults+=(--epochs 10)
-[[ " $* " == *" --arch "* ]] || defaults+=(--arch lenet5)
-[[ " $* " == *" --dataset "* ]] || defaults+=(--dataset fashion-mnist)
-exec "$BIN/cpd-train" "${defaults[@]}" "$@"
+has --preset "$@" || has --cyclic-bits "$@" || defaults+=(--preset cpt)
+has --epochs "$@" || defaults+=(--epochs 10)
+has --arch "$@" || defaults+=(--arch lenet5)
+has --dataset "$@" || defaults+=(--dataset fashion-mnist)
+has --global-batch "$@" || has --batch-size "$@" || defaults+=(--global-batch 128)
+has --allreduce "$@" || defaults+=(--allreduce packed --allreduce-format e4m3 --aps)
+cores=$(nproc)
+has --threads "$@" || defaults+=(--threads $(( cores / RANKS > 0 ? cores / RANKS : 1 )))
+if [ "$RANKS" -eq 1 ]; then
+  exec "$BIN/cpd-train" "${defaults[@]}" "$@"
+fi
+mpi=(-np "$RANKS" --bind-to none)
+[ "$RANKS" -le "$cores" ] || mpi+=(--oversubscribe)
+[ "$(id -u)" -ne 0 ] || mpi+=(--allow-run-as-root)
+exec mpirun "${mpi[@]}" "$BIN/cpd-train" "${defaults[@]}" "$@"

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -264,6 +266,80 @@ TEST(TrainerOptions, BadValuesNameTheFlag) {
   r = Train(o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("conv9"), std::string::npos);
+}
+
+
+// ---- Data parallelism in one process (--emulate-ranks) -----------------------------------------
+
+// K logical workers with an fp32 all-reduce compute the mean of K micro-batch gradients: the same
+// step as one worker on the whole batch up to rounding (the MLP has no BatchNorm).
+TEST(TrainerEmulatedRanks, Fp32SumOfWorkersMatchesOneWorker) {
+  TrainOptions one = SmallRun();
+  one.max_steps = 30;
+  one.global_batch = 64;
+  TrainOptions four = one;
+  four.emulate_ranks = 4;
+  auto a = Train(one);
+  auto b = Train(four);
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_EQ(b->workers, 4);
+  ASSERT_EQ(a->step_losses.size(), b->step_losses.size());
+  for (size_t i = 0; i < a->step_losses.size(); ++i) {
+    EXPECT_NEAR(a->step_losses[i], b->step_losses[i], 2e-3 * std::max(1.0f, a->step_losses[i]))
+        << "step " << i;
+  }
+}
+
+// A NaN in one worker's gradient skips that step (the parameters stay finite and training goes
+// on); the step still counts, so schedules stay aligned.
+TEST(TrainerEmulatedRanks, NonFiniteGradientSkipsTheStep) {
+  TrainOptions o = SmallRun();
+  o.max_steps = 12;
+  o.emulate_ranks = 2;
+  o.global_batch = 64;
+  o.debug_nan_step = 5;
+  o.allreduce.algo = comm::AllReduceAlgo::kEmulate;
+  o.allreduce.format = "e4m3";
+  o.allreduce.aps = true;
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->skipped_steps, 1);
+  EXPECT_EQ(r->steps, 12);
+  for (float l : r->step_losses) EXPECT_TRUE(std::isfinite(l));
+}
+
+// CPD's study mode learns: 8 emulated workers summing e4m3 gradients with APS.
+TEST(TrainerEmulatedRanks, EmulatedE4m3WithApsLearns) {
+  TrainOptions o = SmallRun();
+  o.max_steps = 60;
+  o.emulate_ranks = 8;
+  o.global_batch = 128;
+  o.allreduce.algo = comm::AllReduceAlgo::kEmulate;
+  o.allreduce.format = "e4m3";
+  o.allreduce.aps = true;
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) {
+    first += r->step_losses[size_t(i)];
+    last += r->step_losses[size_t(50 + i)];
+  }
+  EXPECT_LT(last, 0.6 * first) << "first 10 steps " << first / 10 << ", last 10 " << last / 10;
+}
+
+TEST(TrainerEmulatedRanks, GlobalBatchMustSplitEvenly) {
+  TrainOptions o = SmallRun();
+  o.emulate_ranks = 3;
+  o.global_batch = 64;
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--global-batch 64"), std::string::npos)
+      << r.status().message();
+  o.emulate_ranks = 0;
+  r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--emulate-ranks"), std::string::npos);
 }
 
 }  // namespace

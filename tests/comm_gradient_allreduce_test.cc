@@ -65,13 +65,16 @@ GradientLayout MakeLayout(const std::vector<size_t>& sizes) {
 }
 
 // Worker w's gradient: per layer a different magnitude (2^(3l - 6)) times N(0, 1), so APS has
-// something to do; a few exact zeros. Any rank can regenerate any worker's input.
-std::vector<float> WorkerInput(const GradientLayout& layout, uint64_t seed, int worker) {
+// something to do; a few exact zeros. Any rank can regenerate any worker's input. With
+// spread > 0, worker w is scaled by a further 2^(spread * (w % 4)), so that float32 sums of the
+// contributions round and their order shows.
+std::vector<float> WorkerInput(const GradientLayout& layout, uint64_t seed, int worker,
+                               int spread = 0) {
   std::vector<float> x(layout.total());
   std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(worker));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (size_t l = 0; l < layout.layers(); ++l) {
-    const float scale = std::ldexp(1.0f, 3 * static_cast<int>(l) - 6);
+    const float scale = std::ldexp(1.0f, 3 * static_cast<int>(l) - 6 + spread * (worker % 4));
     for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
       x[i] = (i % 97 == 5) ? 0.0f : normal(rng) * scale;
     }
@@ -187,7 +190,7 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
 
 // Runs one case on this rank's K replicas and checks it against the reference.
 void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double bucket_mb,
-             uint64_t seed) {
+             uint64_t seed, int spread = 0) {
   SCOPED_TRACE(Name(c, k));
   const int p = g_comm->size();
   const int r = g_comm->rank();
@@ -207,7 +210,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   std::unique_ptr<GradientAllReducer> red = std::move(created).value();
 
   std::vector<std::vector<float>> x;
-  for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, seed, w));
+  for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, seed, w, spread));
   const int64_t step = 17;
   std::vector<int> shifts;
   const std::vector<float> expected = Reference(c, layout, red->buckets(), x, seed, step, &shifts);
@@ -341,6 +344,11 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
   }
   RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kStochastic}, 2, kSizes,
           kSmallBucketMb, 9);
+  // Contributions 2^9 apart: the float32 sum rounds, so only worker order gives these bits.
+  for (const char* f : {"bf16", "fp16", "int8"}) {
+    RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest}, 3, kSizes, kSmallBucketMb,
+            13, /*spread=*/9);
+  }
 }
 
 // packed against the exact (double) sum: each of the W contributions and the one re-quantised

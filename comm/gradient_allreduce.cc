@@ -120,6 +120,12 @@ class Reducer final : public GradientAllReducer {
   Status BucketCodes(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
   Status BucketSegments(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
   Status BucketFloats(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
+  // Codes of the piece's values x[0, pc.end - pc.begin) (times 2^s of each layer when `shifted`),
+  // rounded with `mode` and the stream of `stage`, packed to dst. stats (2 per layer, or null):
+  // flushed, saturated.
+  void EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, bool shifted,
+                   kernels::RoundMode mode, int64_t stage, int64_t step, uint8_t* dst,
+                   uint64_t* stats);
   void ApplyShiftInPlace(const BucketPlan& b, float* const* inputs);
   void Unshift(const BucketPlan& b, int chunk, float* output) const;
   // measure_error: the float32 reduce-scatter of this bucket's inputs (before they are used as
@@ -141,7 +147,7 @@ class Reducer final : public GradientAllReducer {
   int emax_ = 0;
   int threads_ = 1;
   int bits_ = 32;
-  std::vector<float> lut_;  // kCodes: value of every code
+  internal::CodeDecoder decoder_;  // kCodes
 
   std::vector<BucketPlan> plans_;
   std::vector<GradientBucket> public_buckets_;
@@ -150,10 +156,11 @@ class Reducer final : public GradientAllReducer {
   // Scratch, sized in Init() for the largest bucket.
   std::vector<uint8_t> send_, recv_, gsend_, grecv_;
   std::vector<float> acc_, tmp_, comp_, y_, u_, t_;  // a chunk each (kSegments / kFloats)
-  std::vector<uint32_t> th_codes_;                   // kPiece per thread
+  std::vector<uint16_t> th_codes_;                   // kPiece per thread
   std::vector<float> th_floats_;                     // 6 * kPiece per thread
   std::vector<uint32_t> th_max_;                     // layers per thread
-  std::vector<uint64_t> th_nonzero_, th_flushed_, th_saturated_;
+  std::vector<uint64_t> th_nonzero_;
+  std::vector<uint64_t> th_counts_;  // flushed, saturated per layer per thread
   PackedTensor pt_;
   std::vector<float> exact_send_, exact_;  // measure_error, allocated on first use
 
@@ -292,10 +299,7 @@ Status Reducer::Init() {
     emax_ = ApsEmax(format_);
     if (format_.family() == FormatFamily::kFloat && bits_ <= 16) {
       transport_ = Transport::kCodes;
-      lut_.resize(size_t(1) << bits_);
-      for (size_t c = 0; c < lut_.size(); ++c) {
-        lut_[c] = kernels::DecodeFloatGrid(uint32_t(c), format_.grid());
-      }
+      decoder_ = internal::MakeCodeDecoder(format_.grid());
     } else {
       transport_ = opts_.algo == AllReduceAlgo::kPacked ? Transport::kSegments : Transport::kFloats;
     }
@@ -312,8 +316,7 @@ Status Reducer::Init() {
   const size_t t = size_t(threads_);
   th_max_.assign(t * layers, 0);
   th_nonzero_.assign(t * layers, 0);
-  th_flushed_.assign(t * layers, 0);
-  th_saturated_.assign(t * layers, 0);
+  th_counts_.assign(t * 2 * layers, 0);
   shifts_.assign(layers, 0);
   max_.assign(layers, 0.0f);
   counts_.assign(3 * layers, 0);
@@ -414,8 +417,7 @@ Status Reducer::Reduce(float* const* inputs, float* output, int64_t step, bool m
   bytes_sent_ = 0;
   std::fill(counts_.begin(), counts_.end(), 0u);
   std::fill(err_.begin(), err_.end(), 0.0);
-  std::fill(th_flushed_.begin(), th_flushed_.end(), 0u);
-  std::fill(th_saturated_.begin(), th_saturated_.end(), 0u);
+  std::fill(th_counts_.begin(), th_counts_.end(), 0u);
   for (auto& s : stats_) {
     s.shift = 0;
     s.max_abs = 0;
@@ -493,9 +495,7 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
   const size_t layers = size_t(Layers());
   const size_t slot = b.slot_bytes, block = size_t(k_) * slot;
   const kernels::FloatGrid& g = format_.grid();
-  const uint32_t mag_mask = (1u << (g.ebits + g.mbits)) - 1u;
-  const float* lut = lut_.data();
-  const int bits = bits_;
+  const internal::CodeDecoder& dec = decoder_;
 
   // 1. Every local contribution, quantised after its layer's shift and packed per destination.
   const long pieces = long(b.pieces.size());
@@ -505,22 +505,9 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     const int k = int(it / pieces);
     const Piece& pc = b.pieces[size_t(it % pieces)];
     const size_t th = size_t(omp_get_thread_num());
-    uint32_t* codes = &th_codes_[th * kPiece];
-    const float* x = inputs[k];
-    const int64_t worker = int64_t(rank_) * k_ + k;
-    for (size_t si = pc.seg; si < b.segs.size() && b.segs[si].begin < pc.end; ++si) {
-      const Segment& s = b.segs[si];
-      const size_t lo = std::max(s.begin, pc.begin), hi = std::min(s.end, pc.end);
-      const int sh = shifts_[size_t(s.layer)];
-      kernels::QuantizeFloatGrid(x + lo, nullptr, codes + (lo - pc.begin), hi - lo, g, -sh,
-                                 Params(mode_, opts_.seed, worker, step, lo), nullptr);
-      internal::CountFlushedSaturated(x + lo, codes + (lo - pc.begin), hi - lo, kernels::Pow2(sh),
-                                      g.max_bits, mag_mask,
-                                      &th_flushed_[th * layers + size_t(s.layer)],
-                                      &th_saturated_[th * layers + size_t(s.layer)]);
-    }
-    PackCodes(codes, pc.end - pc.begin, bits,
-              send_.data() + size_t(pc.chunk) * block + size_t(k) * slot + pc.byte_off);
+    EncodePiece(inputs[k] + pc.begin, b, pc, /*shifted=*/true, mode_, int64_t(rank_) * k_ + k, step,
+                send_.data() + size_t(pc.chunk) * block + size_t(k) * slot + pc.byte_off,
+                &th_counts_[th * 2 * layers]);
   }
   CPD_RETURN_IF_ERROR(comm_->AllToAllBytes(send_.data(), recv_.data(), block));
   bytes_sent_ += uint64_t(p_ - 1) * block;
@@ -535,24 +522,22 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     const Piece& pc = b.pieces[size_t(pi)];
     const size_t n = pc.end - pc.begin;
     const size_t th = size_t(omp_get_thread_num());
-    uint32_t* codes = &th_codes_[th * kPiece];
     float* f = &th_floats_[th * 6 * kPiece];
     float *acc = f, *t = f + kPiece, *c = f + 2 * kPiece, *y = f + 3 * kPiece, *u = f + 4 * kPiece,
           *q = f + 5 * kPiece;
     auto src = [&](int w) {
       return recv_.data() + size_t(w / k_) * block + size_t(w % k_) * slot + pc.byte_off;
     };
-    internal::DecodeLut(src(0), n, bits, lut, acc);
+    internal::DecodeCodes(src(0), n, dec, acc);
     if (packed) {
       // Sum in float32, then one re-quantisation of the sum.
-      for (int w = 1; w < w_; ++w) internal::DecodeLutAdd(src(w), n, bits, lut, acc);
-      kernels::QuantizeFloatGrid(acc, nullptr, codes, n, g, 0,
-                                 Params(mode_, opts_.seed, 5 * int64_t(w_), step, pc.begin),
-                                 nullptr);
+      for (int w = 1; w < w_; ++w) internal::DecodeCodesAdd(src(w), n, dec, acc);
+      EncodePiece(acc, b, pc, /*shifted=*/false, mode_, 5 * int64_t(w_), step,
+                  gsend_.data() + pc.byte_off, nullptr);
     } else if (!opts_.kahan) {
       // acc = Q(acc + q_w): rounded to the format after every addition.
       for (int w = 1; w < w_; ++w) {
-        internal::DecodeLutAdd(src(w), n, bits, lut, acc);
+        internal::DecodeCodesAdd(src(w), n, dec, acc);
         kernels::QuantizeFloatGrid(
             acc, acc, nullptr, n, g, 0,
             Params(mode_, opts_.seed, w_ + 4 * int64_t(w - 1), step, pc.begin), nullptr);
@@ -562,7 +547,7 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
       std::fill(c, c + n, 0.0f);
       for (int w = 1; w < w_; ++w) {
         const int64_t st = w_ + 4 * int64_t(w - 1);
-        internal::DecodeLut(src(w), n, bits, lut, q);
+        internal::DecodeCodes(src(w), n, dec, q);
         for (size_t i = 0; i < n; ++i) y[i] = q[i] - c[i];
         kernels::QuantizeFloatGrid(y, y, nullptr, n, g, 0,
                                    Params(mode_, opts_.seed, st, step, pc.begin), nullptr);
@@ -580,10 +565,9 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     }
     if (!packed) {
       // acc is on the grid: rounding it again only yields its codes.
-      kernels::QuantizeFloatGrid(acc, nullptr, codes, n, g, 0,
-                                 Params(kernels::RoundMode::kNearestEven, 0, 0, 0, 0), nullptr);
+      EncodePiece(acc, b, pc, /*shifted=*/false, kernels::RoundMode::kNearestEven, 0, 0,
+                  gsend_.data() + pc.byte_off, nullptr);
     }
-    PackCodes(codes, n, bits, gsend_.data() + pc.byte_off);
   }
   CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(gsend_.data(), grecv_.data(), slot));
   bytes_sent_ += uint64_t(p_ - 1) * slot;
@@ -593,8 +577,20 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
 #pragma omp parallel for schedule(static) num_threads(threads_) if (threads_ > 1 && all > 1)
   for (long pi = 0; pi < all; ++pi) {
     const Piece& pc = b.pieces[size_t(pi)];
-    internal::DecodeLut(grecv_.data() + size_t(pc.chunk) * slot + pc.byte_off, pc.end - pc.begin,
-                        bits, lut, output + pc.begin);
+    const uint8_t* src = grecv_.data() + size_t(pc.chunk) * slot + pc.byte_off;
+    const size_t n = pc.end - pc.begin;
+    const Segment& first_seg = b.segs[pc.seg];
+    if (first_seg.end >= pc.end) {
+      // One layer: decode and undo its shift in one pass.
+      const int sh = shifts_[size_t(first_seg.layer)];
+      if (sh == 0) {
+        internal::DecodeCodes(src, n, dec, output + pc.begin);
+      } else {
+        internal::DecodeCodesScaled(src, n, dec, kernels::Pow2(-sh), output + pc.begin);
+      }
+      continue;
+    }
+    internal::DecodeCodes(src, n, dec, output + pc.begin);
     for (size_t si = pc.seg; si < b.segs.size() && b.segs[si].begin < pc.end; ++si) {
       const Segment& s = b.segs[si];
       const int sh = shifts_[size_t(s.layer)];
@@ -605,6 +601,38 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     }
   }
   return Status::Ok();
+}
+
+void Reducer::EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, bool shifted,
+                          kernels::RoundMode mode, int64_t stage, int64_t step, uint8_t* dst,
+                          uint64_t* stats) {
+  const kernels::FloatGrid& g = format_.grid();
+  const size_t n = pc.end - pc.begin;
+  const size_t th = size_t(omp_get_thread_num());
+  // 8-bit codes go straight to dst; other widths through an L1 buffer, packed at the end.
+  uint16_t* c16 = &th_codes_[th * kPiece];
+  uint8_t* c8 = bits_ == 8 ? dst : reinterpret_cast<uint8_t*>(c16);
+  auto encode = [&](size_t lo, size_t hi, int sh, uint64_t* st) {
+    const kernels::LoopParams p = Params(mode, opts_.seed, stage, step, lo);
+    if (bits_ <= 8) {
+      internal::EncodeCodes8(x + (lo - pc.begin), hi - lo, kernels::Pow2(sh), g, p,
+                             c8 + (lo - pc.begin), st);
+    } else {
+      internal::EncodeCodes16(x + (lo - pc.begin), hi - lo, kernels::Pow2(sh), g, p,
+                              c16 + (lo - pc.begin), st);
+    }
+  };
+  if (!shifted) {
+    encode(pc.begin, pc.end, 0, nullptr);
+  } else {
+    for (size_t si = pc.seg; si < b.segs.size() && b.segs[si].begin < pc.end; ++si) {
+      const Segment& s = b.segs[si];
+      encode(std::max(s.begin, pc.begin), std::min(s.end, pc.end), shifts_[size_t(s.layer)],
+             stats != nullptr ? stats + 2 * size_t(s.layer) : nullptr);
+    }
+  }
+  if (bits_ < 8) internal::PackSmallCodes(c8, n, bits_, dst);
+  if (bits_ > 8) internal::PackSmallCodes(c16, n, bits_, dst);
 }
 
 void Reducer::ApplyShiftInPlace(const BucketPlan& b, float* const* inputs) {
@@ -805,8 +833,8 @@ Status Reducer::FinishStats(bool measure) {
   if (opts_.algo != AllReduceAlgo::kFp32) {
     for (size_t th = 0; th < size_t(threads_); ++th) {
       for (size_t l = 0; l < layers; ++l) {
-        counts_[3 * l] += th_flushed_[th * layers + l];
-        counts_[3 * l + 1] += th_saturated_[th * layers + l];
+        counts_[3 * l] += th_counts_[th * 2 * layers + 2 * l];
+        counts_[3 * l + 1] += th_counts_[th * 2 * layers + 2 * l + 1];
       }
     }
     CPD_RETURN_IF_ERROR(comm_->AllReduce(counts_.data(), counts_.size(), ReduceOp::kSum));

@@ -6,6 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/grid.h"
+#include "kernels/quantize_cpu.h"
+
 namespace cpd::comm::internal {
 
 // Over x[0, n): the largest |x| as float32 bits (with the sign cleared, NaN > Inf > every finite
@@ -13,17 +16,44 @@ namespace cpd::comm::internal {
 // (NaN and Inf included). Both are merged into the outputs (max, +=).
 void ScanAbs(const float* x, std::size_t n, std::uint32_t* max_bits, std::uint64_t* nonzero);
 
-// Statistics of x[0, n) quantised to `codes` of a float grid after scaling by `scale`:
-// flushed += nonzero x whose code has magnitude 0; saturated += |x * scale| above the grid's
-// largest finite value (max_bits, float32 bits). mag_mask selects a code's magnitude bits.
-void CountFlushedSaturated(const float* x, const std::uint32_t* codes, std::size_t n, float scale,
-                           std::uint32_t max_bits, std::uint32_t mag_mask, std::uint64_t* flushed,
-                           std::uint64_t* saturated);
+// Rounds x[i] * scale (scale a power of two: the APS shift) onto grid g with p's rounding mode
+// (nearest, stochastic or toward zero; the random stream as kernels::QuantizeFloatGrid's) and
+// stores the codes, one per byte (EncodeCodes8, grids of <= 8 bits) or per uint16 (EncodeCodes16,
+// <= 16 bits): the same codes as kernels::QuantizeFloatGrid(x, ..., shift = -log2(scale)).
+// With stats non-null (two counters), also adds to stats[0] the nonzero x whose code has
+// magnitude 0 (flushed) and to stats[1] those with |x * scale| above the largest finite value
+// (saturated), as cpd::QuantStats counts them.
+void EncodeCodes8(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
+                  const kernels::LoopParams& p, std::uint8_t* codes, std::uint64_t* stats);
+void EncodeCodes16(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
+                   const kernels::LoopParams& p, std::uint16_t* codes, std::uint64_t* stats);
+// Packs n codes of `bits` bits (one per byte / uint16 as above) into dst, cpd::PackCodes' layout.
+void PackSmallCodes(const std::uint8_t* codes, std::size_t n, int bits, std::uint8_t* dst);
+void PackSmallCodes(const std::uint16_t* codes, std::size_t n, int bits, std::uint8_t* dst);
 
-// Packed codes of `bits` bits (1..16, cpd::PackCodes' bit order) at src, decoded through
-// lut[code] (2^bits entries):
-void DecodeLut(const std::uint8_t* src, std::size_t n, int bits, const float* lut, float* out);
-void DecodeLutAdd(const std::uint8_t* src, std::size_t n, int bits, const float* lut,
-                  float* acc);  // acc[i] += value
+// How to turn a code of a fixed float grid back into its value with integer arithmetic (no table
+// lookups: they do not vectorise, and gathers are slow). Equal to kernels::DecodeFloatGrid for
+// every code (tests/comm_reduce_kernels_test.cc checks all of them).
+struct CodeDecoder {
+  int bits = 8;             // code width, 1..16
+  std::uint32_t mbits = 3;  // mantissa bits
+  std::uint32_t mag_mask = 0;
+  std::uint32_t mant_mask = 0;
+  std::uint32_t sign_shift = 0;  // ebits + mbits
+  std::uint32_t exp_add = 0;     // (emin + 126) << 23: the float32 exponent of exponent code 0
+  std::uint32_t top_exp = 0;     // exponent code of Inf/NaN (IEEE style)
+  float quantum = 0;             // value of magnitude code 1 (the subnormal step)
+  bool ieee = false;             // the top exponent code is Inf/NaN
+  bool nan_only = false;         // only the all-ones magnitude is NaN (OCP E4M3)
+};
+CodeDecoder MakeCodeDecoder(const kernels::FloatGrid& g);
+
+// Packed codes of `bits` bits (cpd::PackCodes' bit order) at src:
+void DecodeCodes(const std::uint8_t* src, std::size_t n, const CodeDecoder& d, float* out);
+void DecodeCodesAdd(const std::uint8_t* src, std::size_t n, const CodeDecoder& d,
+                    float* acc);  // acc[i] += value
+// out[i] = value * scale (scale a power of two: the APS shift undone)
+void DecodeCodesScaled(const std::uint8_t* src, std::size_t n, const CodeDecoder& d, float scale,
+                       float* out);
 
 }  // namespace cpd::comm::internal

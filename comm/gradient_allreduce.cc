@@ -122,7 +122,8 @@ class Reducer final : public GradientAllReducer {
   Status BucketFloats(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
   // Codes of the piece's values x[0, pc.end - pc.begin) (times 2^s of each layer when `shifted`),
   // rounded with `mode` and the stream of `stage`, packed to dst. stats (2 per layer, or null):
-  // flushed, saturated.
+  // flushed, saturated. `shifted` is used for the contributions, which the scan found finite and
+  // the shift keeps finite (max * 2^s <= 2^emax); the sums may not be.
   void EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, bool shifted,
                    kernels::RoundMode mode, int64_t stage, int64_t step, uint8_t* dst,
                    uint64_t* stats);
@@ -616,10 +617,10 @@ void Reducer::EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, 
     const kernels::LoopParams p = Params(mode, opts_.seed, stage, step, lo);
     if (bits_ <= 8) {
       internal::EncodeCodes8(x + (lo - pc.begin), hi - lo, kernels::Pow2(sh), g, p,
-                             c8 + (lo - pc.begin), st);
+                             c8 + (lo - pc.begin), st, shifted);
     } else {
       internal::EncodeCodes16(x + (lo - pc.begin), hi - lo, kernels::Pow2(sh), g, p,
-                              c16 + (lo - pc.begin), st);
+                              c16 + (lo - pc.begin), st, shifted);
     }
   };
   if (!shifted) {

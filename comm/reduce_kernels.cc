@@ -92,11 +92,50 @@ void ScanAbs(const float* x, std::size_t n, std::uint32_t* max_bits, std::uint64
 
 namespace {
 
-template <kernels::RoundMode kMode, bool kStats, typename Code>
+// The nearest-even code of a finite y, as kernels::RoundToFloatGrid<kNearestEven> computes it,
+// without the Inf/NaN handling the general path carries: about half the operations. Codes order
+// like magnitudes, so overflow and flushing are comparisons of codes.
+struct NearestConsts {
+  std::uint32_t r0;           // float32 mantissa bits below the grid's
+  std::uint32_t half_m1;      // 2^(r0 - 1) - 1
+  std::uint32_t code_offset;  // (emin_field - 1) << mbits
+  std::uint32_t emin_bits;    // float32 bits of 2^emin: the normal region starts here
+  std::uint32_t flush_below;  // codes below this become 0 (first normal code without subnormals)
+  std::uint32_t sign_shift;
+};
+
+CPD_INLINE NearestConsts MakeNearestConsts(const kernels::FloatGrid& g) {
+  NearestConsts c;
+  const std::uint32_t emin_field = std::uint32_t(g.emin + 127);
+  c.r0 = std::uint32_t(23 - g.mbits);
+  c.half_m1 = (1u << (c.r0 - 1)) - 1u;
+  c.code_offset = (emin_field - 1) << g.mbits;
+  c.emin_bits = emin_field << 23;
+  c.flush_below = g.subnormals ? 0u : 1u << g.mbits;
+  c.sign_shift = std::uint32_t(g.ebits + g.mbits);
+  return c;
+}
+
+CPD_INLINE std::uint32_t NearestCodeFinite(float y, const kernels::FloatGrid& g,
+                                           const NearestConsts& c) {
+  const std::uint32_t u = Bits(y);
+  const std::uint32_t a = u & 0x7fffffffu;
+  const std::uint32_t mag_n = ((a + c.half_m1 + ((a >> c.r0) & 1u)) >> c.r0) - c.code_offset;
+  float t;
+  std::memcpy(&t, &a, 4);
+  const std::uint32_t mag_s = Bits(t + g.rne_magic) - Bits(g.rne_magic);
+  std::uint32_t mag = a >= c.emin_bits ? mag_n : mag_s;
+  mag = mag > g.max_code ? g.overflow_code : mag;
+  mag = mag < c.flush_below ? 0u : mag;
+  return mag | ((u >> 31) << c.sign_shift);
+}
+
+template <kernels::RoundMode kMode, bool kStats, bool kFinite, typename Code>
 CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
                            const kernels::FloatGrid& grid, const kernels::LoopParams& p,
                            Code* codes, std::uint64_t* stats) {
   const kernels::FloatGrid g = grid;
+  const NearestConsts nc = MakeNearestConsts(g);
   const std::uint32_t mag_mask = (1u << (g.ebits + g.mbits)) - 1u;
   // 32-bit lane counters vectorise better than 64-bit ones; flushed into `stats` every 2^16.
   constexpr std::size_t kBlock = std::size_t(1) << 16;
@@ -109,7 +148,11 @@ CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
                                     ? kernels::RandomBits(p.rng_key, p.index_base + i)
                                     : 0u;
       std::uint32_t code;
-      kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr);
+      if constexpr (kFinite && kMode == kernels::RoundMode::kNearestEven) {
+        code = NearestCodeFinite(y, g, nc);
+      } else {
+        kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr);
+      }
       codes[i] = Code(code);
       if (kStats) {
         fl += (Bits(x[i]) & 0x7fffffffu) != 0 && (code & mag_mask) == 0;
@@ -126,29 +169,37 @@ CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
 template <typename Code>
 CPD_INLINE void EncodeDispatch(const float* x, std::size_t n, float scale,
                                const kernels::FloatGrid& g, const kernels::LoopParams& p,
-                               Code* codes, std::uint64_t* stats) {
+                               Code* codes, std::uint64_t* stats, bool finite) {
   using kernels::RoundMode;
   const bool st = stats != nullptr;
+  if (finite && p.mode == RoundMode::kNearestEven && g.mbits < 23) {
+    if (st) {
+      EncodeLoop<RoundMode::kNearestEven, true, true>(x, n, scale, g, p, codes, stats);
+    } else {
+      EncodeLoop<RoundMode::kNearestEven, false, true>(x, n, scale, g, p, codes, stats);
+    }
+    return;
+  }
   switch (p.mode) {
     case RoundMode::kStochastic:
       if (st) {
-        EncodeLoop<RoundMode::kStochastic, true>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kStochastic, true, false>(x, n, scale, g, p, codes, stats);
       } else {
-        EncodeLoop<RoundMode::kStochastic, false>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kStochastic, false, false>(x, n, scale, g, p, codes, stats);
       }
       break;
     case RoundMode::kTowardZero:
       if (st) {
-        EncodeLoop<RoundMode::kTowardZero, true>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kTowardZero, true, false>(x, n, scale, g, p, codes, stats);
       } else {
-        EncodeLoop<RoundMode::kTowardZero, false>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kTowardZero, false, false>(x, n, scale, g, p, codes, stats);
       }
       break;
     default:
       if (st) {
-        EncodeLoop<RoundMode::kNearestEven, true>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kNearestEven, true, false>(x, n, scale, g, p, codes, stats);
       } else {
-        EncodeLoop<RoundMode::kNearestEven, false>(x, n, scale, g, p, codes, stats);
+        EncodeLoop<RoundMode::kNearestEven, false, false>(x, n, scale, g, p, codes, stats);
       }
       break;
   }
@@ -181,14 +232,16 @@ CPD_INLINE void PackSmall(const Code* codes, std::size_t n, int bits, std::uint8
 
 CPD_CLONES
 void EncodeCodes8(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
-                  const kernels::LoopParams& p, std::uint8_t* codes, std::uint64_t* stats) {
-  EncodeDispatch(x, n, scale, g, p, codes, stats);
+                  const kernels::LoopParams& p, std::uint8_t* codes, std::uint64_t* stats,
+                  bool finite) {
+  EncodeDispatch(x, n, scale, g, p, codes, stats, finite);
 }
 
 CPD_CLONES
 void EncodeCodes16(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
-                   const kernels::LoopParams& p, std::uint16_t* codes, std::uint64_t* stats) {
-  EncodeDispatch(x, n, scale, g, p, codes, stats);
+                   const kernels::LoopParams& p, std::uint16_t* codes, std::uint64_t* stats,
+                   bool finite) {
+  EncodeDispatch(x, n, scale, g, p, codes, stats, finite);
 }
 
 CPD_CLONES

@@ -22,11 +22,14 @@ void ScanAbs(const float* x, std::size_t n, std::uint32_t* max_bits, std::uint64
 // <= 16 bits): the same codes as kernels::QuantizeFloatGrid(x, ..., shift = -log2(scale)).
 // With stats non-null (two counters), also adds to stats[0] the nonzero x whose code has
 // magnitude 0 (flushed) and to stats[1] those with |x * scale| above the largest finite value
-// (saturated), as cpd::QuantStats counts them.
+// (saturated), as cpd::QuantStats counts them. finite = true promises that every x * scale is
+// finite, which lets nearest-even rounding skip the Inf/NaN handling (about twice as fast).
 void EncodeCodes8(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
-                  const kernels::LoopParams& p, std::uint8_t* codes, std::uint64_t* stats);
+                  const kernels::LoopParams& p, std::uint8_t* codes, std::uint64_t* stats,
+                  bool finite = false);
 void EncodeCodes16(const float* x, std::size_t n, float scale, const kernels::FloatGrid& g,
-                   const kernels::LoopParams& p, std::uint16_t* codes, std::uint64_t* stats);
+                   const kernels::LoopParams& p, std::uint16_t* codes, std::uint64_t* stats,
+                   bool finite = false);
 // Packs n codes of `bits` bits (one per byte / uint16 as above) into dst, cpd::PackCodes' layout.
 void PackSmallCodes(const std::uint8_t* codes, std::size_t n, int bits, std::uint8_t* dst);
 void PackSmallCodes(const std::uint16_t* codes, std::size_t n, int bits, std::uint8_t* dst);

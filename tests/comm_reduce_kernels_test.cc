@@ -92,8 +92,10 @@ TEST(ReduceKernelsTest, EncodeMatchesQuantizeFloatGridAndItsStatistics) {
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) {
     x[i] = i % 50 == 0 ? 0.0f : std::ldexp(normal(rng), int(i % 40) - 20);
+    if (i % 97 == 3) x[i] = std::ldexp(normal(rng), -135);  // float32 subnormal range (bf16)
   }
-  for (const char* spec : {"e4m3", "e5m2:inf", "e3m0", "e2m1", "e3m2", "fp16", "bf16", "e5m3"}) {
+  for (const char* spec : {"e4m3", "e5m2:inf", "e3m0", "e3m0:inf", "e2m1", "e3m2", "fp16", "bf16",
+                           "e5m3", "e4m3:nosub", "e4m3:inf", "e5m2:ieee:nosub", "e2m3"}) {
     const Format f = Format::Parse(spec).value();
     for (Rounding r : {Rounding::kNearest, Rounding::kStochastic, Rounding::kZero}) {
       for (int shift : {0, 5, -3}) {
@@ -143,12 +145,26 @@ TEST(ReduceKernelsTest, EncodeMatchesQuantizeFloatGridAndItsStatistics) {
           EXPECT_GT(stats[0], 0u);
           EXPECT_GT(stats[1], 0u);
         }
-        // Without statistics the codes are the same and nothing is counted.
-        std::vector<uint16_t> again(n);
-        EncodeCodes16(x.data(), n, kernels::Pow2(shift), f.grid(), p, again.data(), nullptr);
-        size_t differ = 0;
-        for (size_t i = 0; i < n; ++i) differ += again[i] != want[i];
-        EXPECT_EQ(differ, 0u);
+        // Without statistics, and on the path for finite inputs, the codes are the same.
+        for (bool finite : {false, true}) {
+          std::vector<uint16_t> again(n);
+          EncodeCodes16(x.data(), n, kernels::Pow2(shift), f.grid(), p, again.data(), nullptr,
+                        finite);
+          std::vector<uint8_t> again8(n);
+          if (f.bits() <= 8) {
+            uint64_t st8[2] = {0, 0};
+            EncodeCodes8(x.data(), n, kernels::Pow2(shift), f.grid(), p, again8.data(), st8,
+                         finite);
+            EXPECT_EQ(st8[0], st.flushed);
+            EXPECT_EQ(st8[1], st.saturated);
+          }
+          size_t differ = 0;
+          for (size_t i = 0; i < n; ++i) {
+            differ += again[i] != want[i];
+            differ += f.bits() <= 8 && again8[i] != want[i];
+          }
+          EXPECT_EQ(differ, 0u) << "finite " << finite;
+        }
       }
     }
   }

@@ -1,6 +1,7 @@
 #include "comm/reduce_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "cpd/quantize.h"
@@ -284,6 +285,50 @@ void DecodeCodesScaled(const std::uint8_t* src, std::size_t n, const CodeDecoder
                        float* out) {
   ForEachDecoded(src, n, d,
                  [out, scale](std::size_t i, float v) CPD_LAMBDA_INLINE { out[i] = v * scale; });
+}
+
+CPD_CLONES
+void DecodeBlockCodes(const std::uint8_t* src, std::size_t n, const CodeDecoder& d,
+                      const std::uint8_t* meta, std::size_t block, bool e8m0, float post, bool add,
+                      float* out) {
+  for (std::size_t b = 0, s = 0; s < n; ++b, s += block) {
+    const std::size_t len = std::min(block, n - s);
+    const int shift = e8m0 ? int(meta[b]) - 127 : int(std::int8_t(meta[b]));
+    const float f = kernels::Pow2(shift);
+    const std::uint8_t* codes = src + s * std::size_t(d.bits) / 8;
+    float* o = out + s;
+    if (add) {
+      ForEachDecoded(codes, len, d, [o, f, post](std::size_t i, float v) CPD_LAMBDA_INLINE {
+        o[i] += v * f * post;
+      });
+    } else {
+      ForEachDecoded(codes, len, d, [o, f, post](std::size_t i, float v) CPD_LAMBDA_INLINE {
+        o[i] = v * f * post;
+      });
+    }
+  }
+}
+
+CPD_CLONES
+void CountBlockStats(const float* x, const float* y, const std::uint32_t* codes, std::size_t n,
+                     std::size_t block, const std::int32_t* shifts, std::uint32_t max_bits,
+                     std::uint32_t mag_mask, std::uint64_t* stats) {
+  std::uint64_t fl = 0, sat = 0;
+  float max_f;
+  std::memcpy(&max_f, &max_bits, 4);
+  for (std::size_t b = 0, s = 0; s < n; ++b, s += block) {
+    const std::size_t e = std::min(n, s + block);
+    const float hi = max_f * kernels::Pow2(shifts[b]);
+    std::uint32_t f = 0, t = 0;
+    for (std::size_t i = s; i < e; ++i) {
+      f += (Bits(x[i]) & 0x7fffffffu) != 0 && (codes[i] & mag_mask) == 0;
+      t += std::fabs(y[i]) > hi;
+    }
+    fl += f;
+    sat += t;
+  }
+  stats[0] += fl;
+  stats[1] += sat;
 }
 
 }  // namespace cpd::comm::internal

@@ -59,4 +59,16 @@ void DecodeCodesAdd(const std::uint8_t* src, std::size_t n, const CodeDecoder& d
 void DecodeCodesScaled(const std::uint8_t* src, std::size_t n, const CodeDecoder& d, float scale,
                        float* out);
 
+// Codes of a blocked format (MX, bfp): each block of `block` codes (a multiple of 8 elements; the
+// last may be shorter) is scaled by 2^shift, shift from meta[b] (E8M0: meta - 127, else int8).
+// out[i] = (value * 2^shift) * post, or out[i] += that with add.
+void DecodeBlockCodes(const std::uint8_t* src, std::size_t n, const CodeDecoder& d,
+                      const std::uint8_t* meta, std::size_t block, bool e8m0, float post, bool add,
+                      float* out);
+// Statistics of a blocked quantisation of y (= x * 2^s) with per-block shifts: flushed += nonzero
+// x with code magnitude 0, saturated += |y| above max * 2^shift (cpd::QuantStats' definitions).
+void CountBlockStats(const float* x, const float* y, const std::uint32_t* codes, std::size_t n,
+                     std::size_t block, const std::int32_t* shifts, std::uint32_t max_bits,
+                     std::uint32_t mag_mask, std::uint64_t* stats);
+
 }  // namespace cpd::comm::internal

@@ -14,9 +14,18 @@ Status CheckBuffers(const void* in, const void* out, std::size_t count, const ch
   return Status::Ok();
 }
 
-Status Copy(const float* in, float* out, std::size_t count, const char* what) {
+template <typename T>
+Status Copy(const T* in, T* out, std::size_t count, const char* what) {
   CPD_RETURN_IF_ERROR(CheckBuffers(in, out, count, what));
   if (count > 0 && in != out) std::copy_n(in, count, out);
+  return Status::Ok();
+}
+
+Status CheckRoot(int root, const char* what) {
+  if (root != 0) {
+    return Status::InvalidArgument(std::string(what) + ": root " + std::to_string(root) +
+                                   " out of range; world size is 1, so root must be 0");
+  }
   return Status::Ok();
 }
 
@@ -41,11 +50,20 @@ Status SelfCommunicator::AllToAll(const float* in, float* out, std::size_t block
   return Copy(in, out, block_count, "AllToAll");
 }
 Status SelfCommunicator::Broadcast(float* data, std::size_t count, int root) {
-  if (root != 0) {
-    return Status::InvalidArgument("Broadcast: root " + std::to_string(root) +
-                                   " out of range; world size is 1, so root must be 0");
-  }
+  CPD_RETURN_IF_ERROR(CheckRoot(root, "Broadcast"));
   return CheckBuffers(data, data, count, "Broadcast");
+}
+Status SelfCommunicator::AllToAllBytes(const std::uint8_t* in, std::uint8_t* out,
+                                       std::size_t block_bytes) {
+  return Copy(in, out, block_bytes, "AllToAllBytes");
+}
+Status SelfCommunicator::AllGatherBytes(const std::uint8_t* in, std::uint8_t* out,
+                                        std::size_t block_bytes) {
+  return Copy(in, out, block_bytes, "AllGatherBytes");
+}
+Status SelfCommunicator::BroadcastBytes(std::uint8_t* data, std::size_t count, int root) {
+  CPD_RETURN_IF_ERROR(CheckRoot(root, "BroadcastBytes"));
+  return CheckBuffers(data, data, count, "BroadcastBytes");
 }
 
 }  // namespace cpd::comm

@@ -1,5 +1,5 @@
-// The communicator interface: collectives on contiguous CPU buffers, one implementation per
-// backend (world size 1, MPI; NCCL later), chosen at run time.
+// The communicator interface: collectives on contiguous buffers, one implementation per backend
+// (world size 1, MPI: host memory; NCCL: device memory), chosen at run time.
 #pragma once
 
 #include <cstddef>
@@ -12,12 +12,17 @@ namespace cpd::comm {
 
 enum class ReduceOp { kSum, kMax };
 
+// Where a communicator's buffers live. Host buffers for SelfCommunicator and MpiCommunicator;
+// device (GPU) buffers for NcclCommunicator.
+enum class MemorySpace { kHost, kDevice };
+
 // Contract, for every implementation:
 // - Collectives are blocking and must be called by every rank of the communicator in the same
 //   order with the same counts (and the same root / op); the library cannot detect a mismatch.
 // - `count` is a number of elements, not bytes. A count of 0 is valid and does nothing useful
 //   (but still synchronises where the backend does). Buffers may be null when their size is 0.
-// - Buffers are host (CPU) memory, contiguous, and must not overlap unless a method says so.
+// - Buffers are contiguous, in the memory space memory() names (host unless the implementation
+//   says otherwise), and must not overlap unless a method says so.
 // - Every method returns a Status; after a failure the communicator's state is unspecified and
 //   the caller should stop using it.
 // Thread-safety: a Communicator is NOT thread-safe. Call it from one thread at a time (the
@@ -29,6 +34,8 @@ class Communicator {
   // This process's rank in [0, size()) and the number of ranks (>= 1).
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Where the buffers passed to the collectives must live.
+  virtual MemorySpace memory() const { return MemorySpace::kHost; }
 
   // In place: on return every rank's `data[0, count)` holds op over all ranks' inputs.
   // Float sums are reduced in a backend-defined order; they are exact when the inputs are
@@ -54,6 +61,22 @@ class Communicator {
   // In place: on return every rank's data[0, count) equals `root`'s. REQUIRED: 0 <= root < size().
   virtual Status Broadcast(float* data, std::size_t count, int root) = 0;
 
+  // Byte collectives, for packed payloads (quantised codes with their scale metadata) and
+  // serialised messages. Counts are bytes. Blocks are equal on every rank: a caller with
+  // variable-length payloads pads them to the largest.
+  //
+  // Equal blocks of `block_bytes` bytes: rank r sends in[d*block_bytes, (d+1)*block_bytes) to
+  // rank d, which stores it at out[r*block_bytes, (r+1)*block_bytes). Both buffers hold
+  // block_bytes*size() bytes.
+  virtual Status AllToAllBytes(const std::uint8_t* in, std::uint8_t* out,
+                               std::size_t block_bytes) = 0;
+  // Every rank contributes in[0, block_bytes); on return out[r*block_bytes, (r+1)*block_bytes)
+  // holds rank r's bytes on every rank. `out` holds block_bytes*size() bytes.
+  virtual Status AllGatherBytes(const std::uint8_t* in, std::uint8_t* out,
+                                std::size_t block_bytes) = 0;
+  // In place: on return every rank's data[0, count) equals `root`'s. REQUIRED: 0 <= root < size().
+  virtual Status BroadcastBytes(std::uint8_t* data, std::size_t count, int root) = 0;
+
   // Returns once every rank has entered Barrier.
   virtual Status Barrier() = 0;
 };
@@ -72,6 +95,10 @@ class SelfCommunicator final : public Communicator {
   Status AllGather(const float* in, float* out, std::size_t count) override;
   Status AllToAll(const float* in, float* out, std::size_t block_count) override;
   Status Broadcast(float* data, std::size_t count, int root) override;
+  Status AllToAllBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block_bytes) override;
+  Status AllGatherBytes(const std::uint8_t* in, std::uint8_t* out,
+                        std::size_t block_bytes) override;
+  Status BroadcastBytes(std::uint8_t* data, std::size_t count, int root) override;
   Status Barrier() override { return Status::Ok(); }
 };
 

@@ -26,6 +26,35 @@
 //
 // Gradients are fused into buckets of at most bucket_mb (layers are kept whole where they fit;
 // each layer keeps its own shift).
+//
+// Details this implementation fixes (comm/gradient_allreduce.cc):
+// - bucket_mb counts MiB of float32 (2^20 bytes). A layer larger than a bucket is split into
+//   buckets at multiples of 64 elements from the layer's start.
+// - In a bucket, rank r owns chunk r, [chunk_bounds[r], chunk_bounds[r + 1]) (buckets()): the
+//   bucket split evenly, each boundary that falls inside a layer rounded down to a multiple of
+//   64 elements from that layer's start. A segment is a layer's part of one chunk.
+// - Scale groups of per-tensor-scaled formats (int<b>, uint<b>:minmax, fp134...) are segments,
+//   so their results depend on the world size; MX/bfp blocks count from the layer's start and
+//   fixed float grids are element-wise, so those results do not. A flat gradient has no
+//   channels: channel-scaled formats (:ch, log<b>) see each segment as one channel.
+// - emulate with a fixed float grid of <= 16 bits ships the quantised values as packed codes (they
+//   are exact); otherwise as float32. The result is the same bits either way.
+// - emax(format), used by APS: the exponent of the largest finite value of the element grid
+//   (e4m3 8, e5m2 15, e3m0 3, fp16 15, bf16 127; mxfp8 8, mxfp4 2); for int<b> and
+//   uint<b>:minmax the exponent of the largest level (int8: 6). Formats that choose a scale per
+//   group from the data (int, MX, bfp, fp134) give the same values with and without the shift,
+//   except near the ends of the float32 range, where the shift keeps the float32 sums finite.
+//   Shifts are clamped to [-126, 126], so 2^s and 2^-s are normal floats and scaling is exact
+//   unless a product lands below float32's normal range.
+// - Stochastic rounding: the rounding at `stage` uses QuantizeOptions{seed =
+//   RoundingSeed(opts.seed, stage), step, index_offset = the element's index in the flat
+//   buffer}. Stage w (0 <= w < W) quantises worker w's contribution; emulate's addition of worker
+//   w (1 <= w < W) rounds at stages W + 4(w - 1) + j (j = 0 for the plain sum; kahan: 0 y = q_w -
+//   c, 1 t = sum + y, 2 t - sum, 3 (t - sum) - y); packed re-quantises the sum at stage 5W.
+// - last_stats().rel_error compares with a float32 reduce-scatter of the same inputs.
+// - last_bytes_sent() counts what a bandwidth-optimal implementation of each payload collective
+//   sends from this rank: all-to-all (P-1) blocks, all-gather (P-1) blocks, all-reduce
+//   2(P-1)/P of the buffer. The per-step max/statistics collectives (O(layers)) are not counted.
 #pragma once
 
 #include <cstddef>
@@ -45,15 +74,18 @@ enum class AllReduceAlgo { kFp32, kEmulate, kPacked };
 Result<AllReduceAlgo> ParseAllReduceAlgo(const std::string& name);  // fp32 | emulate | packed
 const char* AllReduceAlgoName(AllReduceAlgo a);
 
+// Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
+// is accepted, for: a format that does not parse (emulate and packed only), bucket_mb <= 0 or not
+// finite, threads < 0, kahan with an algorithm other than emulate.
 struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
-  bool kahan = false;      // emulate only
-  double bucket_mb = 25;   // > 0
-  uint64_t seed = 0;       // stochastic rounding stream (mixed with step and worker)
-  int threads = 0;         // quantisation threads; 0 = all cores
+  bool kahan = false;     // emulate only
+  double bucket_mb = 25;  // > 0
+  uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)
+  int threads = 0;        // quantisation threads; 0 = all cores
   Status Validate() const;
 };
 
@@ -65,20 +97,41 @@ struct GradientLayout {
   size_t layers() const { return layer_names.size(); }
 };
 
+// One fusion bucket: the flat range [begin, end) and the chunk each rank owns in it.
+struct GradientBucket {
+  size_t begin = 0;
+  size_t end = 0;
+  std::vector<size_t> chunk_bounds;  // world_size + 1 entries, chunk_bounds[0] = begin
+};
+
+// APS (Han/Demmel/You): the shift for a layer whose largest |g| over all `workers` contributions
+// is max_abs: s = emax - ceil(log2(max_abs * workers)), clamped to [-126, 126]; 0 for an all-zero
+// layer (or a non-finite max).
+int ApsShift(float max_abs, int workers, int emax);
+// emax(format) as described above. REQUIRED: a format Validate() accepts.
+int ApsEmax(const Format& format);
+// The seed of the stochastic rounding stream of `stage` (see above).
+uint64_t RoundingSeed(uint64_t seed, int64_t stage);
+
 // Per layer, for the last Reduce() (identical on every rank).
 struct LayerCommStats {
   std::string layer;
-  int shift = 0;           // APS shift s_l (0 without APS)
-  float max_abs = 0;       // global max |g_l| over all W contributions, before the shift
-  double flushed = 0;      // fraction of nonzero contribution elements quantised to 0
-  double saturated = 0;    // fraction of contribution elements beyond the largest finite value
-  double rel_error = -1;   // ||q - exact|| / ||exact|| against an fp32 all-reduce; -1 if not
-                           // measured this step
+  int shift = 0;          // APS shift s_l (0 without APS)
+  float max_abs = 0;      // global max |g_l| over all W contributions, before the shift
+  double flushed = 0;     // fraction of nonzero contribution elements quantised to 0
+  double saturated = 0;   // fraction of contribution elements beyond the largest finite value
+  double rel_error = -1;  // ||q - exact|| / ||exact|| against an fp32 all-reduce; -1 if not
+                          // measured this step
 };
 
 class GradientAllReducer {
  public:
-  // `comm` must outlive the reducer. local_replicas = K >= 1.
+  // `comm` must outlive the reducer and hold host memory (SelfCommunicator, MpiCommunicator).
+  // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null or device-memory
+  // communicator, or a layout whose offsets are not layers() + 1 non-decreasing values from 0.
+  // Scratch memory is bounded by the largest bucket and allocated here (the measure_error
+  // reference buffers on first use), not per Reduce().
+  // Thread-safety: a reducer is not thread-safe; call it from one thread (its Communicator's).
   static Result<std::unique_ptr<GradientAllReducer>> Create(Communicator* comm,
                                                             const GradientAllReduceOptions& opts,
                                                             GradientLayout layout,
@@ -99,6 +152,8 @@ class GradientAllReducer {
   virtual const std::vector<LayerCommStats>& last_stats() const = 0;
   // Bytes this rank sent in the last Reduce() (payload only, for busbw).
   virtual uint64_t last_bytes_sent() const = 0;
+  // The fusion buckets, in order (fixed at Create).
+  virtual const std::vector<GradientBucket>& buckets() const = 0;
 };
 
 }  // namespace cpd::comm

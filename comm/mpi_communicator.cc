@@ -1,5 +1,6 @@
 #include "comm/mpi_communicator.h"
 
+#include <algorithm>
 #include <climits>
 #include <string>
 
@@ -24,19 +25,20 @@ Status MpiError(const char* expr, int code, int rank, const char* file, int line
     }                                                                   \
   } while (0)
 
-Status CheckCount(std::size_t count, const char* what) {
+Status CheckCount(std::size_t count, const char* what, int rank) {
   if (count > static_cast<std::size_t>(INT_MAX)) {
-    return Status::InvalidArgument(std::string(what) + ": count " + std::to_string(count) +
-                                   " exceeds MPI's limit of " + std::to_string(INT_MAX) +
+    return Status::InvalidArgument(std::string(what) + " on rank " + std::to_string(rank) +
+                                   ": count " + std::to_string(count) + " exceeds MPI's limit of " +
+                                   std::to_string(INT_MAX) +
                                    " elements per call; split the buffer");
   }
   return Status::Ok();
 }
 
-Status CheckBuffers(const void* a, const void* b, std::size_t count, const char* what) {
+Status CheckBuffers(const void* a, const void* b, std::size_t count, const char* what, int rank) {
   if (count > 0 && (a == nullptr || b == nullptr)) {
-    return Status::InvalidArgument(std::string(what) + ": null buffer with count " +
-                                   std::to_string(count));
+    return Status::InvalidArgument(std::string(what) + " on rank " + std::to_string(rank) +
+                                   ": null buffer with count " + std::to_string(count));
   }
   return Status::Ok();
 }
@@ -82,8 +84,8 @@ MpiCommunicator::~MpiCommunicator() {
 
 Status MpiCommunicator::AllReduceImpl(void* data, std::size_t count, MPI_Datatype type,
                                       ReduceOp op) {
-  CPD_RETURN_IF_ERROR(CheckCount(count, "AllReduce"));
-  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "AllReduce"));
+  CPD_RETURN_IF_ERROR(CheckCount(count, "AllReduce", rank_));
+  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "AllReduce", rank_));
   CPD_MPI_CHECK(rank_,
                 MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(count), type, ToMpi(op), comm_));
   return Status::Ok();
@@ -101,42 +103,81 @@ Status MpiCommunicator::AllReduce(std::uint64_t* data, std::size_t count, Reduce
 
 Status MpiCommunicator::ReduceScatter(const float* in, float* out, std::size_t count) {
   if (count % static_cast<std::size_t>(size_) != 0) {
-    return Status::InvalidArgument("ReduceScatter: count " + std::to_string(count) +
-                                   " is not divisible by the world size " + std::to_string(size_) +
-                                   "; pad the buffer");
+    return Status::InvalidArgument("ReduceScatter on rank " + std::to_string(rank_) + ": count " +
+                                   std::to_string(count) + " is not divisible by the world size " +
+                                   std::to_string(size_) + "; pad the buffer");
   }
   const std::size_t block = count / static_cast<std::size_t>(size_);
-  CPD_RETURN_IF_ERROR(CheckCount(block, "ReduceScatter"));
-  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block, "ReduceScatter"));
+  CPD_RETURN_IF_ERROR(CheckCount(block, "ReduceScatter", rank_));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block, "ReduceScatter", rank_));
   CPD_MPI_CHECK(
       rank_, MPI_Reduce_scatter_block(in, out, static_cast<int>(block), MPI_FLOAT, MPI_SUM, comm_));
   return Status::Ok();
 }
 
-Status MpiCommunicator::AllGather(const float* in, float* out, std::size_t count) {
-  CPD_RETURN_IF_ERROR(CheckCount(count, "AllGather"));
-  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, count, "AllGather"));
+Status MpiCommunicator::AllGatherImpl(const void* in, void* out, std::size_t count,
+                                      MPI_Datatype type, const char* what) {
+  CPD_RETURN_IF_ERROR(CheckCount(count, what, rank_));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, count, what, rank_));
   const int n = static_cast<int>(count);
-  CPD_MPI_CHECK(rank_, MPI_Allgather(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm_));
+  CPD_MPI_CHECK(rank_, MPI_Allgather(in, n, type, out, n, type, comm_));
   return Status::Ok();
+}
+
+Status MpiCommunicator::AllToAllImpl(const void* in, void* out, std::size_t block,
+                                     MPI_Datatype type, const char* what) {
+  CPD_RETURN_IF_ERROR(CheckCount(block, what, rank_));
+  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block, what, rank_));
+  const int n = static_cast<int>(block);
+  CPD_MPI_CHECK(rank_, MPI_Alltoall(in, n, type, out, n, type, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::CheckRoot(int root, const char* what) const {
+  if (root < 0 || root >= size_) {
+    return Status::InvalidArgument(std::string(what) + " on rank " + std::to_string(rank_) +
+                                   ": root " + std::to_string(root) +
+                                   " out of range; must be in [0, " + std::to_string(size_) + ")");
+  }
+  return Status::Ok();
+}
+
+Status MpiCommunicator::AllGather(const float* in, float* out, std::size_t count) {
+  return AllGatherImpl(in, out, count, MPI_FLOAT, "AllGather");
 }
 
 Status MpiCommunicator::AllToAll(const float* in, float* out, std::size_t block_count) {
-  CPD_RETURN_IF_ERROR(CheckCount(block_count, "AllToAll"));
-  CPD_RETURN_IF_ERROR(CheckBuffers(in, out, block_count, "AllToAll"));
-  const int n = static_cast<int>(block_count);
-  CPD_MPI_CHECK(rank_, MPI_Alltoall(in, n, MPI_FLOAT, out, n, MPI_FLOAT, comm_));
-  return Status::Ok();
+  return AllToAllImpl(in, out, block_count, MPI_FLOAT, "AllToAll");
+}
+
+Status MpiCommunicator::AllGatherBytes(const std::uint8_t* in, std::uint8_t* out,
+                                       std::size_t block_bytes) {
+  return AllGatherImpl(in, out, block_bytes, MPI_BYTE, "AllGatherBytes");
+}
+
+Status MpiCommunicator::AllToAllBytes(const std::uint8_t* in, std::uint8_t* out,
+                                      std::size_t block_bytes) {
+  return AllToAllImpl(in, out, block_bytes, MPI_BYTE, "AllToAllBytes");
 }
 
 Status MpiCommunicator::Broadcast(float* data, std::size_t count, int root) {
-  if (root < 0 || root >= size_) {
-    return Status::InvalidArgument("Broadcast: root " + std::to_string(root) +
-                                   " out of range; must be in [0, " + std::to_string(size_) + ")");
-  }
-  CPD_RETURN_IF_ERROR(CheckCount(count, "Broadcast"));
-  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "Broadcast"));
+  CPD_RETURN_IF_ERROR(CheckRoot(root, "Broadcast"));
+  CPD_RETURN_IF_ERROR(CheckCount(count, "Broadcast", rank_));
+  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "Broadcast", rank_));
   CPD_MPI_CHECK(rank_, MPI_Bcast(data, static_cast<int>(count), MPI_FLOAT, root, comm_));
+  return Status::Ok();
+}
+
+Status MpiCommunicator::BroadcastBytes(std::uint8_t* data, std::size_t count, int root) {
+  CPD_RETURN_IF_ERROR(CheckRoot(root, "BroadcastBytes"));
+  CPD_RETURN_IF_ERROR(CheckBuffers(data, data, count, "BroadcastBytes", rank_));
+  // Broadcast needs no layout on the receiving side, so a buffer beyond MPI's int count simply
+  // travels in pieces (every rank computes the same pieces from the same count).
+  constexpr std::size_t kPiece = static_cast<std::size_t>(INT_MAX);
+  for (std::size_t off = 0; off < count; off += kPiece) {
+    const int n = static_cast<int>(std::min(kPiece, count - off));
+    CPD_MPI_CHECK(rank_, MPI_Bcast(data + off, n, MPI_BYTE, root, comm_));
+  }
   return Status::Ok();
 }
 

@@ -24,7 +24,8 @@ namespace cpd::comm {
 // created it (MPI_THREAD_FUNNELED).
 //
 // Limits: MPI counts are int, so a per-rank element count (or block count) above INT_MAX is
-// rejected with InvalidArgument.
+// rejected with InvalidArgument before any buffer is touched; BroadcastBytes alone sends larger
+// buffers in pieces of at most INT_MAX bytes.
 class MpiCommunicator final : public Communicator {
  public:
   // Fails with Unavailable when MPI was already finalised, Internal when an MPI call fails.
@@ -44,6 +45,10 @@ class MpiCommunicator final : public Communicator {
   Status AllGather(const float* in, float* out, std::size_t count) override;
   Status AllToAll(const float* in, float* out, std::size_t block_count) override;
   Status Broadcast(float* data, std::size_t count, int root) override;
+  Status AllToAllBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block_bytes) override;
+  Status AllGatherBytes(const std::uint8_t* in, std::uint8_t* out,
+                        std::size_t block_bytes) override;
+  Status BroadcastBytes(std::uint8_t* data, std::size_t count, int root) override;
   Status Barrier() override;
 
   // The duplicated communicator, for code that needs to call MPI directly.
@@ -55,6 +60,12 @@ class MpiCommunicator final : public Communicator {
 
   // The one validating path for all-reduce: count range, null buffers, then MPI_Allreduce.
   Status AllReduceImpl(void* data, std::size_t count, MPI_Datatype type, ReduceOp op);
+  // Likewise for all-to-all, all-gather and broadcast of any element type.
+  Status AllToAllImpl(const void* in, void* out, std::size_t block, MPI_Datatype type,
+                      const char* what);
+  Status AllGatherImpl(const void* in, void* out, std::size_t count, MPI_Datatype type,
+                       const char* what);
+  Status CheckRoot(int root, const char* what) const;
 
   MPI_Comm comm_;
   int rank_;

@@ -1,0 +1,306 @@
+// cpd-allreduce-bench: the gradient all-reduce algorithms against plain MPI_Allreduce (float32)
+// on the same buffer in the same run, after nccl-tests. Run under mpirun:
+//
+//   mpirun -np 4 build/bin/cpd-allreduce-bench -b 1M -e 64M -f 4 --formats e4m3,e3m0
+//       --algos fp32,emulate,packed --aps on   (one line)
+//
+// Sizes are bytes of float32 gradient (8, 64K, 64M). For every size: MPI_Allreduce, then each
+// algorithm (fp32 once, emulate/packed per format). time: median over --iters of the slowest
+// rank, after --warmup untimed runs. algbw = size / time; busbw = bytes this rank actually sent
+// (GradientAllReducer::last_bytes_sent; MPI: the ring's 2(n-1)/n * size) / time; fp32-busbw =
+// 2(n-1)/n * size / time, the bus bandwidth an fp32 all-reduce would need for the same time;
+// x_mpi = time / MPI_Allreduce's time. relerr = ||out - sum|| / ||sum|| against a float64 sum of
+// the same N(0, scale^2) inputs. #wrong: fp32 rows re-run on small integers, whose sum is exact,
+// and count the elements that differ ("-" for quantised rows, whose error relerr reports).
+#include <mpi.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "comm/gradient_allreduce.h"
+#include "comm/mpi_communicator.h"
+
+namespace {
+
+using cpd::Status;
+using cpd::comm::AllReduceAlgo;
+using cpd::comm::GradientAllReduceOptions;
+using cpd::comm::GradientAllReducer;
+using cpd::comm::GradientLayout;
+
+// "8", "64K", "64M", "1G" (powers of 1024) -> bytes; 0 on a malformed value.
+size_t ParseSize(const std::string& s) {
+  if (s.empty()) return 0;
+  size_t mult = 1;
+  std::string digits = s;
+  const char last = char(std::toupper(static_cast<unsigned char>(s.back())));
+  if (last == 'K' || last == 'M' || last == 'G') {
+    mult = last == 'K' ? size_t(1) << 10 : last == 'M' ? size_t(1) << 20 : size_t(1) << 30;
+    digits = s.substr(0, s.size() - 1);
+  }
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) return 0;
+  return size_t(std::stoull(digits)) * mult;
+}
+
+std::string FormatSize(size_t bytes) {
+  char buf[32];
+  if (bytes >= (size_t(1) << 20) && bytes % (size_t(1) << 20) == 0) {
+    std::snprintf(buf, sizeof buf, "%zuM", bytes >> 20);
+  } else if (bytes >= 1024 && bytes % 1024 == 0) {
+    std::snprintf(buf, sizeof buf, "%zuK", bytes >> 10);
+  } else {
+    std::snprintf(buf, sizeof buf, "%zu", bytes);
+  }
+  return buf;
+}
+
+[[noreturn]] void Fail(const std::string& what) {
+  std::fprintf(stderr, "cpd-allreduce-bench: %s\n", what.c_str());
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
+
+void Check(const Status& s, const char* what) {
+  if (!s.ok()) Fail(std::string(what) + ": " + s.ToString());
+}
+
+// Median over iterations of the slowest rank's time, in seconds.
+template <typename Fn>
+double TimeIt(MPI_Comm comm, int warmup, int iters, Fn&& fn) {
+  for (int i = 0; i < warmup; ++i) fn(false);
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    MPI_Barrier(comm);
+    const double dt = fn(true);
+    double slowest = 0.0;
+    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
+    t.push_back(slowest);
+  }
+  return cpd::bench::Median(t);
+}
+
+int LocalRanks() {
+  MPI_Comm local;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
+  int n = 1;
+  MPI_Comm_size(local, &n);
+  MPI_Comm_free(&local);
+  return n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cpd-allreduce-bench: quantised gradient all-reduce vs MPI_Allreduce (fp32), "
+      "same buffers, same run. Run under mpirun."};
+  std::string minbytes = "1M", maxbytes = "64M", formats_list = "e4m3,e3m0",
+              algos_list = "fp32,emulate,packed", aps = "on";
+  double stepfactor = 2;
+  int iters = 10, warmup = 2, threads = 0;
+  double bucket_mb = 25;
+  double scale = 1.0;
+  app.add_option("-b,--minbytes", minbytes, "Smallest size, bytes of float32 (8, 64K, 64M)")
+      ->capture_default_str();
+  app.add_option("-e,--maxbytes", maxbytes, "Largest size")->capture_default_str();
+  app.add_option("-f,--stepfactor", stepfactor, "Size multiplier between rows")
+      ->capture_default_str();
+  app.add_option("--formats", formats_list, "Gradient formats for emulate/packed")
+      ->capture_default_str();
+  app.add_option("--algos", algos_list, "fp32, emulate, packed")->capture_default_str();
+  app.add_option("--aps", aps, "Auto-precision scaling: on or off")->capture_default_str();
+  app.add_option("--iters", iters, "Timed iterations (median reported)")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed iterations first")->capture_default_str();
+  app.add_option("--threads", threads,
+                 "Quantisation threads per rank; 0 = cores / ranks on this node")
+      ->capture_default_str();
+  app.add_option("--bucket-mb", bucket_mb, "Fusion bucket, MiB of float32")->capture_default_str();
+  app.add_option("--scale", scale,
+                 "Standard deviation of the N(0, s^2) inputs (e.g. 1e-5 to see e4m3 flush "
+                 "without APS)")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  const size_t min_b = ParseSize(minbytes), max_b = ParseSize(maxbytes);
+  if (min_b < 4 || max_b < min_b) {
+    std::fprintf(stderr,
+                 "cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
+                 "-b 8 -e 64M)\n",
+                 minbytes.c_str(), maxbytes.c_str());
+    return 2;
+  }
+  if (!(stepfactor > 1.0)) {
+    std::fprintf(stderr, "cpd-allreduce-bench: -f must be > 1, got %g\n", stepfactor);
+    return 2;
+  }
+  if (aps != "on" && aps != "off") {
+    std::fprintf(stderr, "cpd-allreduce-bench: --aps must be on or off, got '%s'\n", aps.c_str());
+    return 2;
+  }
+  if (iters < 1 || warmup < 0 || threads < 0 || !(scale > 0.0) || !std::isfinite(scale)) {
+    std::fprintf(stderr,
+                 "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
+                 "--scale > 0\n");
+    return 2;
+  }
+  std::vector<AllReduceAlgo> algos;
+  for (const std::string& a : cpd::bench::SplitList(algos_list)) {
+    auto parsed = cpd::comm::ParseAllReduceAlgo(a);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "cpd-allreduce-bench: --algos: %s\n",
+                   parsed.status().ToString().c_str());
+      return 2;
+    }
+    algos.push_back(parsed.value());
+  }
+  const std::vector<std::string> formats = cpd::bench::SplitList(formats_list);
+  for (const std::string& f : formats) {
+    auto parsed = cpd::Format::Parse(f);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "cpd-allreduce-bench: --formats: %s\n",
+                   parsed.status().ToString().c_str());
+      return 2;
+    }
+  }
+
+  auto created = cpd::comm::MpiCommunicator::Create();
+  if (!created.ok()) {
+    std::fprintf(stderr, "cpd-allreduce-bench: %s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
+  const int rank = comm->rank(), np = comm->size();
+  const MPI_Comm mc = comm->mpi_comm();
+  const int local = LocalRanks();
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads == 0) threads = std::max(1, cores / local);
+
+  if (rank == 0) {
+#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
+    std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
+#endif
+    std::string load = "?";
+    std::ifstream la("/proc/loadavg");
+    std::getline(la, load);
+    std::printf(
+        "# cpd-allreduce-bench: %d ranks (%d on this node, %d cores), %d quantisation "
+        "thread(s) per rank, APS %s, bucket %g MiB, median of %d after %d warm-up\n",
+        np, local, cores, threads, aps.c_str(), bucket_mb, iters, warmup);
+    std::printf("# load average at start: %s\n", load.c_str());
+    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "size", "count", "format",
+                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", "x_mpi", "relerr", "#wrong");
+    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "(B)", "(elems)", "", "", "",
+                "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
+  }
+
+  for (double size_d = double(min_b); size_d <= double(max_b) * 1.0000001; size_d *= stepfactor) {
+    const size_t count = std::max<size_t>(1, size_t(size_d) / sizeof(float));
+    const size_t bytes = count * sizeof(float);
+    // N(0, 1) inputs, different on every rank; a float64 reference sum of them.
+    std::vector<float> x(count), in(count), out(count);
+    std::mt19937_64 rng(1234567u + uint64_t(rank));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& v : x) v = normal(rng) * float(scale);
+    std::vector<double> ref(x.begin(), x.end());
+    MPI_Allreduce(MPI_IN_PLACE, ref.data(), int(count), MPI_DOUBLE, MPI_SUM, mc);
+    double ref2 = 0.0;
+    for (double v : ref) ref2 += v * v;
+    auto relerr = [&](const std::vector<float>& o) {
+      double e2 = 0.0;
+      for (size_t i = 0; i < count; ++i) e2 += (double(o[i]) - ref[i]) * (double(o[i]) - ref[i]);
+      return ref2 > 0.0 ? std::sqrt(e2 / ref2) : 0.0;
+    };
+    // Small integers: every fp32 sum is exact.
+    std::vector<float> xi(count);
+    auto int_value = [](size_t i, int r) { return float(int((i * 7 + size_t(r) * 3) % 17) - 8); };
+    for (size_t i = 0; i < count; ++i) xi[i] = int_value(i, rank);
+    auto count_wrong = [&](const std::vector<float>& o) {
+      size_t wrong = 0;
+      for (size_t i = 0; i < count; ++i) {
+        float e = 0.0f;
+        for (int r = 0; r < np; ++r) e += int_value(i, r);
+        wrong += o[i] != e;
+      }
+      unsigned long long w = wrong, total = 0;
+      MPI_Allreduce(&w, &total, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, mc);
+      return total;
+    };
+    const double ring = 2.0 * (np - 1) / np * double(bytes);
+
+    auto print = [&](const char* format, const char* algo, double t, double sent, double err,
+                     long long wrong, double t_mpi) {
+      if (rank != 0) return;
+      char wrong_s[24];
+      if (wrong < 0) {
+        std::snprintf(wrong_s, sizeof wrong_s, "-");
+      } else {
+        std::snprintf(wrong_s, sizeof wrong_s, "%lld", wrong);
+      }
+      std::printf("%10s %10zu %7s %8s %11.1f %8.2f %8.2f %10.2f %7.3f %9.2e %7s\n",
+                  FormatSize(bytes).c_str(), count, format, algo, t * 1e6, bytes / t / 1e9,
+                  sent / t / 1e9, ring / t / 1e9, t / t_mpi, err, wrong_s);
+      std::fflush(stdout);
+    };
+
+    // Baseline: MPI_Allreduce, float32, out of place on the same buffers.
+    const double t_mpi = TimeIt(mc, warmup, iters, [&](bool) {
+      const double t0 = MPI_Wtime();
+      MPI_Allreduce(x.data(), out.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
+      return MPI_Wtime() - t0;
+    });
+    const double err_mpi = relerr(out);
+    MPI_Allreduce(xi.data(), out.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
+    print("fp32", "mpi", t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi);
+
+    GradientLayout layout;
+    layout.layer_names = {"grad"};
+    layout.offsets = {0, count};
+    for (AllReduceAlgo algo : algos) {
+      const std::vector<std::string> fmts =
+          algo == AllReduceAlgo::kFp32 ? std::vector<std::string>{"fp32"} : formats;
+      for (const std::string& f : fmts) {
+        GradientAllReduceOptions opts;
+        opts.algo = algo;
+        opts.format = algo == AllReduceAlgo::kFp32 ? "e4m3" : f;
+        opts.aps = aps == "on";
+        opts.bucket_mb = bucket_mb;
+        opts.threads = threads;
+        auto red = GradientAllReducer::Create(comm.get(), opts, layout, 1);
+        Check(red.status(), "GradientAllReducer::Create");
+        GradientAllReducer& r = *red.value();
+        float* ptrs[1] = {in.data()};
+        // The inputs may serve as scratch: restore them (untimed) before every run.
+        const double t = TimeIt(mc, warmup, iters, [&](bool) {
+          std::memcpy(in.data(), x.data(), bytes);
+          MPI_Barrier(mc);
+          const double t0 = MPI_Wtime();
+          Check(r.Reduce(ptrs, out.data(), 0), "Reduce");
+          return MPI_Wtime() - t0;
+        });
+        const double sent = double(r.last_bytes_sent());
+        const double err = relerr(out);
+        long long wrong = -1;
+        if (algo == AllReduceAlgo::kFp32) {
+          std::memcpy(in.data(), xi.data(), bytes);
+          Check(r.Reduce(ptrs, out.data(), 0), "Reduce");
+          wrong = (long long)count_wrong(out);
+        }
+        print(algo == AllReduceAlgo::kFp32 ? "fp32" : f.c_str(), cpd::comm::AllReduceAlgoName(algo),
+              t, sent, err, wrong, t_mpi);
+      }
+    }
+  }
+  return 0;
+}

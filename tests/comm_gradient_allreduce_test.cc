@@ -1,0 +1,713 @@
+// GradientAllReducer under mpirun (world sizes 1-4) with K = 1-3 local replicas: every rank
+// regenerates every worker's gradients from a seed, so each rank computes the expected result
+// on its own, sequentially, with cpd::Quantize and the paper's formulas, and compares bit for bit
+// (emulate, packed) or exactly (fp32 on small integers). Run as `mpirun -np N
+// comm_gradient_allreduce_test`; only rank 0 prints.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/gradient_allreduce.h"
+#include "comm/mpi_communicator.h"
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+
+namespace cpd::comm {
+namespace {
+
+MpiCommunicator* g_comm = nullptr;
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// FNV-1a over the bytes of a float buffer.
+uint64_t Hash(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+  for (size_t i = 0; i < v.size() * sizeof(float); ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// True when every rank holds the same 64-bit value.
+bool SameOnAllRanks(uint64_t h) {
+  const int n = g_comm->size();
+  std::vector<uint64_t> all(static_cast<size_t>(n));
+  const Status s = g_comm->AllGatherBytes(reinterpret_cast<const uint8_t*>(&h),
+                                          reinterpret_cast<uint8_t*>(all.data()), sizeof(h));
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return std::all_of(all.begin(), all.end(), [h](uint64_t x) { return x == h; });
+}
+
+GradientLayout MakeLayout(const std::vector<size_t>& sizes) {
+  GradientLayout layout;
+  layout.offsets.push_back(0);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    layout.layer_names.push_back("layer" + std::to_string(i));
+    layout.offsets.push_back(layout.offsets.back() + sizes[i]);
+  }
+  return layout;
+}
+
+// Worker w's gradient: per layer a different magnitude (2^(3l - 6)) times N(0, 1), so APS has
+// something to do; a few exact zeros. Any rank can regenerate any worker's input. With
+// spread > 0, worker w is scaled by a further 2^(spread * (w % 4)), so that float32 sums of the
+// contributions round and their order shows.
+std::vector<float> WorkerInput(const GradientLayout& layout, uint64_t seed, int worker,
+                               int spread = 0) {
+  std::vector<float> x(layout.total());
+  std::mt19937_64 rng(seed * 1000003u + static_cast<uint64_t>(worker));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t l = 0; l < layout.layers(); ++l) {
+    const float scale = std::ldexp(1.0f, 3 * static_cast<int>(l) - 6 + spread * (worker % 4));
+    for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
+      x[i] = (i % 97 == 5) ? 0.0f : normal(rng) * scale;
+    }
+  }
+  return x;
+}
+
+// emax of the formats these tests use (the exponent of the largest finite value).
+int EmaxOf(const std::string& spec) {
+  if (spec == "e4m3") return 8;    // 448
+  if (spec == "e5m2") return 15;   // 57344
+  if (spec == "e3m0") return 3;    // 8
+  if (spec == "fp16") return 15;   // 65504
+  if (spec == "bf16") return 127;  // 3.39e38
+  if (spec == "int8") return 6;    // 127 levels
+  if (spec == "mxfp8") return 8;   // e4m3 elements
+  if (spec == "mxfp4") return 2;   // e2m1 elements, 6
+  ADD_FAILURE() << "no emax for " << spec;
+  return 0;
+}
+
+// APS (Han/Demmel/You), written out again: s = emax - ceil(log2(max * W)), clamped.
+int ExpectedShift(float max_abs, int workers, int emax) {
+  if (!(max_abs > 0.0f)) return 0;
+  const int e = static_cast<int>(std::ceil(std::log2(static_cast<double>(max_abs) * workers)));
+  return std::clamp(emax - e, -126, 126);
+}
+
+struct Case {
+  AllReduceAlgo algo;
+  std::string format;
+  bool aps;
+  bool kahan;
+  Rounding rounding;
+};
+
+std::string Name(const Case& c, int k) {
+  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + (c.aps ? "/aps" : "") +
+         (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) + "/K=" + std::to_string(k);
+}
+
+// The sequential reference: for each segment (a layer's part of one rank's chunk; the scale
+// group of per-tensor-scaled formats), each worker's contribution quantised after 2^s, summed in
+// worker order as the algorithm prescribes, shifted back by 2^-s.
+std::vector<float> Reference(const Case& c, const GradientLayout& layout,
+                             const std::vector<GradientBucket>& buckets,
+                             const std::vector<std::vector<float>>& x, uint64_t seed, int64_t step,
+                             std::vector<int>* shifts) {
+  const Format format = Format::Parse(c.format).value();
+  const int workers = static_cast<int>(x.size());
+  const size_t layers = layout.layers();
+  shifts->assign(layers, 0);
+  for (size_t l = 0; l < layers; ++l) {
+    float mx = 0.0f;
+    for (const auto& xw : x) {
+      for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i)
+        mx = std::max(mx, std::fabs(xw[i]));
+    }
+    if (c.aps) (*shifts)[l] = ExpectedShift(mx, workers, EmaxOf(c.format));
+  }
+  std::vector<float> out(layout.total(), 0.0f);
+  auto q = [&](const float* in, float* o, size_t n, int64_t stage, size_t index) {
+    QuantizeOptions qo;
+    qo.rounding = c.rounding;
+    qo.seed = RoundingSeed(seed, stage);
+    qo.step = static_cast<uint64_t>(step);
+    qo.index_offset = index;
+    ASSERT_TRUE(Quantize(format, in, o, n, qo).ok());
+  };
+  for (const auto& b : buckets) {
+    for (size_t d = 0; d + 1 < b.chunk_bounds.size(); ++d) {
+      const size_t c0 = b.chunk_bounds[d], c1 = b.chunk_bounds[d + 1];
+      for (size_t l = 0; l < layers; ++l) {
+        const size_t s0 = std::max(c0, layout.offsets[l]), s1 = std::min(c1, layout.offsets[l + 1]);
+        if (s1 <= s0) continue;
+        const size_t n = s1 - s0;
+        const int sh = (*shifts)[l];
+        std::vector<std::vector<float>> qw(static_cast<size_t>(workers), std::vector<float>(n));
+        std::vector<float> y(n);
+        for (int w = 0; w < workers; ++w) {
+          for (size_t i = 0; i < n; ++i) y[i] = std::ldexp(x[static_cast<size_t>(w)][s0 + i], sh);
+          q(y.data(), qw[static_cast<size_t>(w)].data(), n, w, s0);
+        }
+        std::vector<float> acc = qw[0], tmp(n), comp(n, 0.0f), yy(n), t(n), u(n);
+        for (int w = 1; w < workers; ++w) {
+          const std::vector<float>& v = qw[static_cast<size_t>(w)];
+          const int64_t st = workers + 4 * int64_t{w - 1};
+          if (c.algo == AllReduceAlgo::kPacked) {
+            for (size_t i = 0; i < n; ++i) acc[i] += v[i];
+          } else if (!c.kahan) {
+            for (size_t i = 0; i < n; ++i) tmp[i] = acc[i] + v[i];
+            q(tmp.data(), acc.data(), n, st, s0);
+          } else {
+            for (size_t i = 0; i < n; ++i) tmp[i] = v[i] - comp[i];
+            q(tmp.data(), yy.data(), n, st, s0);
+            for (size_t i = 0; i < n; ++i) tmp[i] = acc[i] + yy[i];
+            q(tmp.data(), t.data(), n, st + 1, s0);
+            for (size_t i = 0; i < n; ++i) tmp[i] = t[i] - acc[i];
+            q(tmp.data(), u.data(), n, st + 2, s0);
+            for (size_t i = 0; i < n; ++i) tmp[i] = u[i] - yy[i];
+            q(tmp.data(), comp.data(), n, st + 3, s0);
+            acc = t;
+          }
+        }
+        if (c.algo == AllReduceAlgo::kPacked)
+          q(acc.data(), acc.data(), n, 5 * int64_t{workers}, s0);
+        for (size_t i = 0; i < n; ++i) out[s0 + i] = std::ldexp(acc[i], -sh);
+      }
+    }
+  }
+  return out;
+}
+
+// Runs one case on this rank's K replicas and checks it against the reference.
+void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double bucket_mb,
+             uint64_t seed, int spread = 0) {
+  SCOPED_TRACE(Name(c, k));
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  const int workers = p * k;
+  const GradientLayout layout = MakeLayout(sizes);
+  GradientAllReduceOptions opts;
+  opts.algo = c.algo;
+  opts.format = c.format;
+  opts.aps = c.aps;
+  opts.kahan = c.kahan;
+  opts.rounding = c.rounding;
+  opts.bucket_mb = bucket_mb;
+  opts.seed = seed;
+  opts.threads = k == 2 ? 2 : 1;  // results must not depend on it
+  auto created = GradientAllReducer::Create(g_comm, opts, layout, k);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  std::unique_ptr<GradientAllReducer> red = std::move(created).value();
+
+  std::vector<std::vector<float>> x;
+  for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, seed, w, spread));
+  const int64_t step = 17;
+  std::vector<int> shifts;
+  const std::vector<float> expected = Reference(c, layout, red->buckets(), x, seed, step, &shifts);
+
+  // The reducer may use its inputs as scratch: give it copies. Replica 0 doubles as the output.
+  std::vector<std::vector<float>> local;
+  for (int j = 0; j < k; ++j) local.push_back(x[static_cast<size_t>(r * k + j)]);
+  std::vector<float*> ptrs;
+  for (auto& v : local) ptrs.push_back(v.data());
+  Status s = red->Reduce(ptrs.data(), ptrs[0], step, /*measure_error=*/true);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_FALSE(red->last_nonfinite());
+  const std::vector<float>& out = local[0];
+  size_t wrong = 0, first_wrong = out.size();
+  for (size_t i = 0; i < out.size(); ++i) {
+    const bool bad = Bits(out[i]) != Bits(expected[i]);
+    if (bad && first_wrong == out.size()) first_wrong = i;
+    wrong += bad;
+  }
+  EXPECT_EQ(wrong, 0u) << "of " << out.size() << "; first at " << first_wrong << ": got "
+                       << (first_wrong < out.size() ? out[first_wrong] : 0.0f) << " expected "
+                       << (first_wrong < out.size() ? expected[first_wrong] : 0.0f);
+  EXPECT_TRUE(SameOnAllRanks(Hash(out)));
+
+  ASSERT_EQ(red->last_stats().size(), layout.layers());
+  for (size_t l = 0; l < layout.layers(); ++l) {
+    const LayerCommStats& st = red->last_stats()[l];
+    EXPECT_EQ(st.layer, layout.layer_names[l]);
+    EXPECT_EQ(st.shift, shifts[l]) << "layer " << l;
+    EXPECT_GE(st.rel_error, 0.0) << "layer " << l;
+    EXPECT_GE(st.flushed, 0.0);
+    EXPECT_LE(st.flushed, 1.0);
+    EXPECT_GE(st.saturated, 0.0);
+    EXPECT_LE(st.saturated, 1.0);
+  }
+  if (p == 1) {
+    EXPECT_EQ(red->last_bytes_sent(), 0u);
+  } else if (layout.total() > 0) {
+    EXPECT_GT(red->last_bytes_sent(), 0u);
+  }
+}
+
+// Layer sizes: empty, 1, odd, one larger than a bucket (split), a few ordinary ones.
+const std::vector<size_t> kSizes = {0, 1, 7, 1001, 64, 3000, 129, 0, 513};
+// 1048 floats per bucket: kSizes spans several buckets and splits the 3000-element layer.
+constexpr double kSmallBucketMb = 1048.0 * 4.0 / (1 << 20);
+
+TEST(GradientAllReduceTest, Fp32IsExactOnSmallIntegers) {
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  for (int k : {1, 2, 3}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{5001}}) {
+      const GradientLayout layout = MakeLayout({n / 3, n - n / 3});
+      GradientAllReduceOptions opts;
+      opts.bucket_mb = kSmallBucketMb;
+      auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+      ASSERT_TRUE(red.ok()) << red.status().ToString();
+      auto value = [](size_t i, int w) {
+        return static_cast<float>(static_cast<int>((i * 7 + static_cast<size_t>(w) * 3) % 17) - 8);
+      };
+      std::vector<std::vector<float>> in(static_cast<size_t>(k), std::vector<float>(n));
+      std::vector<float*> ptrs;
+      for (int j = 0; j < k; ++j) {
+        for (size_t i = 0; i < n; ++i) in[static_cast<size_t>(j)][i] = value(i, r * k + j);
+        ptrs.push_back(in[static_cast<size_t>(j)].data());
+      }
+      std::vector<float> out(n, -1.0f);
+      Status s = red.value()->Reduce(ptrs.data(), out.data(), 3, /*measure_error=*/true);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      size_t wrong = 0;
+      for (size_t i = 0; i < n; ++i) {
+        float e = 0.0f;
+        for (int w = 0; w < p * k; ++w) e += value(i, w);
+        wrong += out[i] != e;
+      }
+      EXPECT_EQ(wrong, 0u) << "n " << n << " K " << k;
+      for (const auto& st : red.value()->last_stats()) EXPECT_EQ(st.rel_error, 0.0);
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, Fp32GivesIdenticalBitsOnEveryRank) {
+  // Non-integer inputs: a backend summing in a different order on different ranks would show.
+  const int r = g_comm->rank();
+  for (int k : {1, 3}) {
+    const GradientLayout layout = MakeLayout({100003, 17});
+    GradientAllReduceOptions opts;
+    opts.bucket_mb = 0.1;
+    auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+    ASSERT_TRUE(red.ok());
+    std::vector<std::vector<float>> in;
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) in.push_back(WorkerInput(layout, 5, r * k + j));
+    for (auto& v : in) ptrs.push_back(v.data());
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
+    EXPECT_TRUE(SameOnAllRanks(Hash(in[0])));
+  }
+}
+
+TEST(GradientAllReduceTest, EmulateMatchesSequentialReferenceBitForBit) {
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4"}) {
+    for (bool aps : {false, true}) {
+      for (bool kahan : {false, true}) {
+        for (int k : {1, 2, 3}) {
+          if (kahan && k == 2) continue;  // keeps the run short; K = 1 and 3 cover it
+          RunCase({AllReduceAlgo::kEmulate, f, aps, kahan, Rounding::kNearest}, k, kSizes,
+                  kSmallBucketMb, 11);
+        }
+      }
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, EmulateStochasticRoundingIsReproducible) {
+  for (const char* f : {"e4m3", "int8"}) {
+    for (bool kahan : {false, true}) {
+      RunCase({AllReduceAlgo::kEmulate, f, true, kahan, Rounding::kStochastic}, 2, kSizes,
+              kSmallBucketMb, 23);
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4"}) {
+    for (bool aps : {false, true}) {
+      for (int k : {1, 2, 3}) {
+        RunCase({AllReduceAlgo::kPacked, f, aps, false, Rounding::kNearest}, k, kSizes,
+                kSmallBucketMb, 7);
+      }
+    }
+  }
+  RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kStochastic}, 2, kSizes,
+          kSmallBucketMb, 9);
+  // Contributions 2^9 apart: the float32 sum rounds, so only worker order gives these bits.
+  for (const char* f : {"bf16", "fp16", "int8"}) {
+    RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest}, 3, kSizes, kSmallBucketMb,
+            13, /*spread=*/9);
+  }
+}
+
+// packed against the exact (double) sum: each of the W contributions and the one re-quantised
+// sum are off by at most half a step of the format (relative 2^-(M+1) for normal values, half
+// the smallest subnormal below), plus float32 rounding of the sum.
+TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  for (const char* f : {"e4m3", "e5m2", "fp16", "bf16"}) {
+    for (int k : {1, 3}) {
+      SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k));
+      const int workers = p * k;
+      const GradientLayout layout = MakeLayout({4097, 33, 1});
+      GradientAllReduceOptions opts;
+      opts.algo = AllReduceAlgo::kPacked;
+      opts.format = f;
+      opts.aps = true;
+      opts.bucket_mb = kSmallBucketMb;
+      auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+      ASSERT_TRUE(red.ok());
+      std::vector<std::vector<float>> x;
+      for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, 3, w));
+      std::vector<std::vector<float>> local;
+      std::vector<float*> ptrs;
+      for (int j = 0; j < k; ++j) local.push_back(x[static_cast<size_t>(r * k + j)]);
+      for (auto& v : local) ptrs.push_back(v.data());
+      std::vector<float> out(layout.total());
+      ASSERT_TRUE(red.value()->Reduce(ptrs.data(), out.data(), 0).ok());
+      const Format fmt = Format::Parse(f).value();
+      const double u = std::ldexp(1.0, -(fmt.grid().mbits + 1));
+      size_t wrong = 0;
+      for (size_t l = 0; l < layout.layers(); ++l) {
+        const int sh = red.value()->last_stats()[l].shift;
+        const double half_sub = std::ldexp(1.0, fmt.grid().emin - fmt.grid().mbits - 1 - sh);
+        for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
+          double exact = 0.0, abs_sum = 0.0;
+          for (const auto& xw : x) {
+            exact += xw[i];
+            abs_sum += std::fabs(xw[i]);
+          }
+          const double contrib = u * abs_sum + workers * half_sub;
+          const double bound = contrib + u * (std::fabs(exact) + contrib) + half_sub +
+                               4.0 * workers * std::ldexp(abs_sum, -24);
+          wrong += std::fabs(out[i] - exact) > bound;
+        }
+      }
+      EXPECT_EQ(wrong, 0u);
+      EXPECT_TRUE(SameOnAllRanks(Hash(out)));
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  const int k = 2;
+  const int workers = p * k;
+  // Per layer, the largest |g| sits on the last worker; the others hold smaller values.
+  const std::vector<float> maxima = {3.0f, 2.0f, 0.0f, 1e-30f, 1e-40f, 5e4f, 0.75f};
+  const GradientLayout layout = MakeLayout(std::vector<size_t>(maxima.size(), 9));
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "int8", "mxfp4"}) {
+    SCOPED_TRACE(f);
+    GradientAllReduceOptions opts;
+    opts.algo = AllReduceAlgo::kPacked;
+    opts.format = f;
+    opts.aps = true;
+    auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+    ASSERT_TRUE(red.ok()) << red.status().ToString();
+    std::vector<std::vector<float>> in(static_cast<size_t>(k), std::vector<float>(layout.total()));
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) {
+      const int w = r * k + j;
+      for (size_t l = 0; l < maxima.size(); ++l) {
+        for (size_t i = 0; i < 9; ++i) {
+          const float v = maxima[l] * (w == workers - 1 && i == 4 ? 1.0f : 0.25f);
+          in[static_cast<size_t>(j)][layout.offsets[l] + i] = (i % 2 ? -v : v);
+        }
+      }
+      ptrs.push_back(in[static_cast<size_t>(j)].data());
+    }
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
+    for (size_t l = 0; l < maxima.size(); ++l) {
+      const LayerCommStats& st = red.value()->last_stats()[l];
+      EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
+      EXPECT_EQ(st.shift, ExpectedShift(maxima[l], workers, EmaxOf(f))) << "layer " << l;
+      EXPECT_EQ(ApsShift(maxima[l], workers, EmaxOf(f)), st.shift);
+    }
+    EXPECT_EQ(ApsEmax(Format::Parse(f).value()), EmaxOf(f));
+  }
+  // Hand-computed values: e4m3 (emax 8), W = 1: max 3 -> ceil(log2 3) = 2 -> 6; a power of two
+  // needs no rounding up: max 2, W = 2 -> log2 4 = 2 -> 6; zero -> 0; clamped at +-126.
+  EXPECT_EQ(ApsShift(3.0f, 1, 8), 6);
+  EXPECT_EQ(ApsShift(2.0f, 2, 8), 6);
+  EXPECT_EQ(ApsShift(2.0f, 3, 8), 5);
+  EXPECT_EQ(ApsShift(0.0f, 4, 8), 0);
+  EXPECT_EQ(ApsShift(448.0f, 1, 8), -1);
+  EXPECT_EQ(ApsShift(1e-40f, 1, 8), 126);
+  EXPECT_EQ(ApsShift(3e38f, 64, 3), -126);
+  EXPECT_EQ(ApsShift(std::numeric_limits<float>::infinity(), 1, 8), 0);
+}
+
+// The failure APS exists for: e4m3 (normal range 2^-6..448, subnormals to 2^-9) without a shift
+// flushes a layer of tiny gradients to zero and saturates a layer of huge ones; with APS both
+// come through with e4m3's usual relative error.
+TEST(GradientAllReduceTest, ApsFixesUnderflowAndOverflowOfE4m3) {
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  const GradientLayout layout = MakeLayout({4000, 4000});
+  for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
+    for (bool aps : {false, true}) {
+      SCOPED_TRACE(std::string(AllReduceAlgoName(algo)) + (aps ? " aps" : " no aps"));
+      GradientAllReduceOptions opts;
+      opts.algo = algo;
+      opts.format = "e4m3";
+      opts.aps = aps;
+      auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+      ASSERT_TRUE(red.ok());
+      std::vector<float> x = WorkerInput(layout, 99, r);
+      for (size_t i = 0; i < 4000; ++i) x[i] *= 1e-5f;    // |g| ~ 1e-5 << 2^-9
+      for (size_t i = 4000; i < 8000; ++i) x[i] *= 4e3f;  // layer 1 was N(0, 1/64): now ~500
+      float* ptrs[1] = {x.data()};
+      ASSERT_TRUE(red.value()->Reduce(ptrs, x.data(), 0, /*measure_error=*/true).ok());
+      const auto& st = red.value()->last_stats();
+      if (!aps) {
+        EXPECT_GT(st[0].flushed, 0.99) << "tiny layer";
+        EXPECT_GT(st[0].rel_error, 0.99);
+        EXPECT_GT(st[1].saturated, 0.1) << "huge layer";
+        EXPECT_GT(st[1].rel_error, 0.2);
+      } else {
+        for (int l = 0; l < 2; ++l) {
+          EXPECT_LT(st[static_cast<size_t>(l)].flushed, 0.01) << "layer " << l;
+          EXPECT_EQ(st[static_cast<size_t>(l)].saturated, 0.0) << "layer " << l;
+          EXPECT_LT(st[static_cast<size_t>(l)].rel_error, 0.15) << "layer " << l;
+        }
+        EXPECT_GT(st[0].shift, 0);
+        EXPECT_LT(st[1].shift, 0);
+      }
+      (void)p;
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, NonFiniteOnOneRankIsFlaggedEverywhere) {
+  const int p = g_comm->size();
+  const int r = g_comm->rank();
+  const GradientLayout layout = MakeLayout({1000, 300});
+  for (AllReduceAlgo algo :
+       {AllReduceAlgo::kFp32, AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+      SCOPED_TRACE(AllReduceAlgoName(algo));
+      GradientAllReduceOptions opts;
+      opts.algo = algo;
+      opts.aps = true;
+      opts.bucket_mb = 0.001;
+      auto red = GradientAllReducer::Create(g_comm, opts, layout, 2);
+      ASSERT_TRUE(red.ok());
+      std::vector<float> a = WorkerInput(layout, 1, 2 * r), b = WorkerInput(layout, 1, 2 * r + 1);
+      if (r == p - 1) b[1100] = bad;  // the last rank's second replica, second layer
+      float* ptrs[2] = {a.data(), b.data()};
+      std::vector<float> out(layout.total(), 42.0f);
+      ASSERT_TRUE(red.value()->Reduce(ptrs, out.data(), 0).ok());
+      EXPECT_TRUE(red.value()->last_nonfinite());
+      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == 42.0f; }));
+      // The next step is clean again.
+      // (copied into the same buffers: ptrs still point at them)
+      const std::vector<float> a2 = WorkerInput(layout, 1, 2 * r),
+                               b2 = WorkerInput(layout, 1, 2 * r + 1);
+      std::copy(a2.begin(), a2.end(), a.begin());
+      std::copy(b2.begin(), b2.end(), b.begin());
+      ASSERT_TRUE(red.value()->Reduce(ptrs, out.data(), 1).ok());
+      EXPECT_FALSE(red.value()->last_nonfinite());
+      EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return std::isfinite(v); }));
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, BucketsCoverTheBufferAndKeepLayersWhole) {
+  const int p = g_comm->size();
+  const GradientLayout layout = MakeLayout(kSizes);
+  GradientAllReduceOptions opts;
+  opts.algo = AllReduceAlgo::kPacked;
+  opts.format = "mxfp4";
+  opts.bucket_mb = kSmallBucketMb;
+  auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+  ASSERT_TRUE(red.ok());
+  const auto& buckets = red.value()->buckets();
+  ASSERT_FALSE(buckets.empty());
+  size_t pos = 0;
+  for (const auto& b : buckets) {
+    EXPECT_EQ(b.begin, pos);
+    EXPECT_GT(b.end, b.begin);
+    EXPECT_LE(b.end - b.begin, 1048u);
+    ASSERT_EQ(b.chunk_bounds.size(), static_cast<size_t>(p) + 1);
+    EXPECT_EQ(b.chunk_bounds.front(), b.begin);
+    EXPECT_EQ(b.chunk_bounds.back(), b.end);
+    EXPECT_TRUE(std::is_sorted(b.chunk_bounds.begin(), b.chunk_bounds.end()));
+    pos = b.end;
+  }
+  EXPECT_EQ(pos, layout.total());
+  for (size_t l = 0; l < layout.layers(); ++l) {
+    const size_t lb = layout.offsets[l], le = layout.offsets[l + 1];
+    if (le - lb == 0 || le - lb > 1048) continue;
+    // A layer that fits a bucket lies in one bucket, and chunk boundaries inside it fall on
+    // multiples of 64 from its start.
+    int holders = 0;
+    for (const auto& b : buckets) {
+      if (b.begin < le && lb < b.end) {
+        ++holders;
+        for (size_t c : b.chunk_bounds) {
+          if (c > lb && c < le) {
+            EXPECT_EQ((c - lb) % 64, 0u) << "layer " << l;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(holders, 1) << "layer " << l;
+  }
+  // The 3000-element layer is split into buckets at multiples of 64 from its start.
+  for (const auto& b : buckets) {
+    if (b.begin > layout.offsets[5] && b.begin < layout.offsets[6]) {
+      EXPECT_EQ((b.begin - layout.offsets[5]) % 64, 0u);
+    }
+  }
+}
+
+TEST(GradientAllReduceTest, PackedSendsFewerBytesThanFp32) {
+  const int p = g_comm->size();
+  if (p == 1) GTEST_SKIP() << "nothing is sent at world size 1";
+  const GradientLayout layout = MakeLayout({1 << 16});
+  uint64_t bytes[3] = {};
+  const char* formats[3] = {"e4m3", "e4m3", "e3m0"};
+  const AllReduceAlgo algos[3] = {AllReduceAlgo::kFp32, AllReduceAlgo::kPacked,
+                                  AllReduceAlgo::kPacked};
+  for (int j = 0; j < 3; ++j) {
+    GradientAllReduceOptions opts;
+    opts.algo = algos[j];
+    opts.format = formats[j];
+    auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+    ASSERT_TRUE(red.ok());
+    std::vector<float> x = WorkerInput(layout, 2, g_comm->rank());
+    float* ptrs[1] = {x.data()};
+    ASSERT_TRUE(red.value()->Reduce(ptrs, x.data(), 0).ok());
+    bytes[j] = red.value()->last_bytes_sent();
+  }
+  // fp32: 2(P-1)/P * 4 bytes per element; 8-bit codes a quarter of it, 4-bit an eighth (plus
+  // slot padding to 64 bytes).
+  const double n = 1 << 16;
+  EXPECT_EQ(bytes[0], static_cast<uint64_t>(2.0 * (p - 1) / p * 4 * n));
+  EXPECT_LT(bytes[1], bytes[0] / 4 + 256u * p);
+  EXPECT_GE(bytes[1], bytes[0] / 4);
+  EXPECT_LT(bytes[2], bytes[0] / 8 + 256u * p);
+}
+
+TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
+  const GradientLayout layout = MakeLayout({10, 20});
+  auto expect_invalid = [&](const GradientAllReduceOptions& o, const GradientLayout& lay, int k,
+                            const std::string& needle) {
+    auto red = GradientAllReducer::Create(g_comm, o, lay, k);
+    ASSERT_FALSE(red.ok()) << needle;
+    EXPECT_EQ(red.status().code(), Status::Code::kInvalidArgument);
+    EXPECT_NE(red.status().message().find(needle), std::string::npos) << red.status().ToString();
+  };
+  auto algo = ParseAllReduceAlgo("ring");
+  ASSERT_FALSE(algo.ok());
+  EXPECT_NE(algo.status().message().find("fp32, emulate, packed"), std::string::npos);
+  EXPECT_EQ(ParseAllReduceAlgo("packed").value(), AllReduceAlgo::kPacked);
+
+  GradientAllReduceOptions o;
+  o.algo = AllReduceAlgo::kPacked;
+  o.format = "e9m3";
+  expect_invalid(o, layout, 1, "e9m3");
+  o.format = "e4m3";
+  o.bucket_mb = 0;
+  expect_invalid(o, layout, 1, "bucket_mb");
+  o.bucket_mb = -1;
+  expect_invalid(o, layout, 1, "bucket_mb");
+  o.bucket_mb = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid(o, layout, 1, "bucket_mb");
+  o.bucket_mb = 25;
+  o.kahan = true;
+  expect_invalid(o, layout, 1, "kahan");
+  o.kahan = false;
+  o.threads = -2;
+  expect_invalid(o, layout, 1, "threads");
+  o.threads = 0;
+  expect_invalid(o, layout, 0, "local_replicas");
+  GradientLayout bad = layout;
+  bad.offsets.pop_back();
+  expect_invalid(o, bad, 1, "offsets");
+  bad = layout;
+  bad.offsets[0] = 1;
+  expect_invalid(o, bad, 1, "offsets[0]");
+  bad = layout;
+  bad.offsets[1] = 40;
+  expect_invalid(o, bad, 1, "decrease");
+  // fp32 ignores the format.
+  GradientAllReduceOptions f;
+  f.format = "nonsense";
+  EXPECT_TRUE(GradientAllReducer::Create(g_comm, f, layout, 1).ok());
+  auto none = GradientAllReducer::Create(nullptr, GradientAllReduceOptions{}, layout, 1);
+  EXPECT_EQ(none.status().code(), Status::Code::kInvalidArgument);
+}
+
+TEST(GradientAllReduceTest, EmptyLayoutAndSelfCommunicator) {
+  // Collective on every rank: an empty buffer still runs the per-step collectives.
+  GradientAllReduceOptions o;
+  o.algo = AllReduceAlgo::kEmulate;
+  auto red = GradientAllReducer::Create(g_comm, o, MakeLayout({0, 0}), 1);
+  ASSERT_TRUE(red.ok());
+  ASSERT_TRUE(red.value()->Reduce(nullptr, nullptr, 0).ok());
+  EXPECT_FALSE(red.value()->last_nonfinite());
+  EXPECT_EQ(red.value()->last_stats().size(), 2u);
+  EXPECT_TRUE(red.value()->buckets().empty());
+
+  // World size 1 through SelfCommunicator: K = 3 workers, emulate e4m3 with APS.
+  SelfCommunicator self;
+  const GradientLayout layout = MakeLayout({33, 5});
+  o.aps = true;
+  o.format = "e4m3";
+  auto one = GradientAllReducer::Create(&self, o, layout, 3);
+  ASSERT_TRUE(one.ok());
+  std::vector<std::vector<float>> x;
+  for (int w = 0; w < 3; ++w) x.push_back(WorkerInput(layout, 4, w));
+  std::vector<int> shifts;
+  const std::vector<float> expected =
+      Reference({AllReduceAlgo::kEmulate, "e4m3", true, false, Rounding::kNearest}, layout,
+                one.value()->buckets(), x, 0, 5, &shifts);
+  std::vector<float*> ptrs = {x[0].data(), x[1].data(), x[2].data()};
+  std::vector<float> out(layout.total());
+  ASSERT_TRUE(one.value()->Reduce(ptrs.data(), out.data(), 5).ok());
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(Bits(out[i]), Bits(expected[i])) << i;
+}
+
+}  // namespace
+}  // namespace cpd::comm
+
+int main(int argc, char** argv) {
+  auto created = cpd::comm::MpiCommunicator::Create();
+  if (!created.ok()) {
+    std::fprintf(stderr, "comm_gradient_allreduce_test: %s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
+  cpd::comm::g_comm = comm.get();
+  ::testing::InitGoogleTest(&argc, argv);
+  if (comm->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  const cpd::Status s = comm->AllReduce(&failed, 1, cpd::comm::ReduceOp::kMax);
+  if (!s.ok()) {
+    std::fprintf(stderr, "comm_gradient_allreduce_test: %s\n", s.ToString().c_str());
+    failed = 1;
+  }
+  if (failed != 0 && comm->rank() == 0)
+    std::fprintf(stderr, "comm_gradient_allreduce_test: FAILED on some rank\n");
+  cpd::comm::g_comm = nullptr;
+  comm.reset();
+  return failed;
+}

@@ -39,11 +39,11 @@ TrainOptions SmallRun(const std::string& arch) {
 }
 
 // FNV-1a of the bit patterns of a loss curve.
-uint64_t HashLosses(const std::vector<float>& losses) {
+uint64_t HashLosses(const std::vector<double>& losses) {
   uint64_t h = 1469598103934665603ull;
-  for (float l : losses) {
-    uint32_t bits;
-    std::memcpy(&bits, &l, 4);
+  for (double l : losses) {
+    uint64_t bits;
+    std::memcpy(&bits, &l, 8);
     h = (h ^ bits) * 1099511628211ull;
   }
   return h;

@@ -286,7 +286,7 @@ TEST(TrainerEmulatedRanks, Fp32SumOfWorkersMatchesOneWorker) {
   EXPECT_EQ(b->workers, 4);
   ASSERT_EQ(a->step_losses.size(), b->step_losses.size());
   for (size_t i = 0; i < a->step_losses.size(); ++i) {
-    EXPECT_NEAR(a->step_losses[i], b->step_losses[i], 2e-3 * std::max(1.0f, a->step_losses[i]))
+    EXPECT_NEAR(a->step_losses[i], b->step_losses[i], 2e-3 * std::max(1.0, a->step_losses[i]))
         << "step " << i;
   }
 }
@@ -306,7 +306,7 @@ TEST(TrainerEmulatedRanks, NonFiniteGradientSkipsTheStep) {
   ASSERT_TRUE(r.ok()) << r.status().message();
   EXPECT_EQ(r->skipped_steps, 1);
   EXPECT_EQ(r->steps, 12);
-  for (float l : r->step_losses) EXPECT_TRUE(std::isfinite(l));
+  for (double l : r->step_losses) EXPECT_TRUE(std::isfinite(l));
 }
 
 // CPD's study mode learns: 8 emulated workers summing e4m3 gradients with APS.

@@ -5,17 +5,21 @@
 # and without auto-precision scaling (APS). 8 workers = --emulate-ranks 8 in one process; a
 # second block runs mpirun -np 4 x --emulate-ranks 2 (the same computation, so the same
 # accuracies bit for bit where the sum is defined element-wise).
-#   benchmarks/allreduce_accuracy.sh [--epochs N] [--quick]    (--quick: 1 epoch, a subset)
-# Prints a markdown table; per-run logs and metrics go to $OUT_DIR (default /tmp/cpd_ar_acc).
+#   benchmarks/allreduce_accuracy.sh [--epochs N] [--quick] [--report]
+#   (--quick: 1 epoch, a subset; --report: print the table of the runs already in $OUT_DIR)
+# Prints a markdown table; per-run logs and metrics go to $OUT_DIR (default /tmp/cpd_ar_acc),
+# one line per finished run to $OUT_DIR/results.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EPOCHS=10
 QUICK=0
+REPORT=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --epochs) EPOCHS=$2; shift 2 ;;
     --quick) QUICK=1; EPOCHS=1; shift ;;
-    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
+    --report) REPORT=1; shift ;;
+    -h|--help) sed -n 2,11p "$0"; exit 0 ;;
     *) echo "allreduce_accuracy.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -45,8 +49,10 @@ add "fp32" mpi4 "--allreduce fp32"
 add "packed e4m3 APS" mpi4 "--allreduce packed --allreduce-format e4m3 --aps"
 [ "$QUICK" -eq 1 ] || add "emulate e3m0 APS" mpi4 "--allreduce emulate --allreduce-format e3m0 --aps"
 
-results=()
+RESULTS="$OUT_DIR/results.txt"
+[ "$REPORT" -eq 1 ] || : >"$RESULTS"
 for r in "${runs[@]}"; do
+  [ "$REPORT" -eq 0 ] || break
   IFS='|' read -r name how flags <<<"$r"
   tag=$(echo "$how $name" | tr ' ' '_')
   metrics="$OUT_DIR/$tag.jsonl"
@@ -66,20 +72,20 @@ for r in "${runs[@]}"; do
 import json, sys
 last = [json.loads(l) for l in open(sys.argv[1]) if "\"epoch\"" in l and json.loads(l)["type"] == "epoch"][-1]
 print("%.2f %d" % (100 * last["test_accuracy"], last.get("skipped_steps", 0)))' "$metrics")
-  results+=("$name|$how|$acc|$skipped|$secs")
+  echo "$name|$how|$acc|$skipped|$secs" >>"$RESULTS"
   echo "done: $name ($how) test $acc% in ${secs}s" >&2
 done
 
-base=$(for r in "${results[@]}"; do IFS='|' read -r n h a s t <<<"$r"; [ "$n" = fp32 ] && [ "$h" = single ] && echo "$a"; done | head -1)
+[ -s "$RESULTS" ] || { echo "allreduce_accuracy.sh: no finished runs in $RESULTS" >&2; exit 1; }
+base=$(awk -F'|' '$1 == "fp32" && $2 == "single" { print $3; exit }' "$RESULTS")
 echo
-echo "LeNet-5 / Fashion-MNIST, $EPOCHS epoch(s), global batch 128 over 8 workers"
+echo "LeNet-5 / Fashion-MNIST, global batch 128 over 8 workers"
 echo
 echo "| all-reduce | workers | test acc (%) | vs fp32 | skipped steps | time (s) |"
 echo "|---|---|---:|---:|---:|---:|"
-for r in "${results[@]}"; do
-  IFS='|' read -r n h a s t <<<"$r"
+while IFS='|' read -r n h a s t; do
   where="1 process x 8 emulated"
   [ "$h" = mpi4 ] && where="mpirun -np 4 x 2 emulated"
   delta=$(python3 -c "print('%+.2f' % ($a - ${base:-$a}))")
   echo "| $n | $where | $a | $delta | $s | $t |"
-done
+done <"$RESULTS"

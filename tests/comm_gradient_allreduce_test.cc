@@ -344,6 +344,10 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
   }
   RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kStochastic}, 2, kSizes,
           kSmallBucketMb, 9);
+  // A bucket the size of a real model's (12 MiB), holding a 2.5 Mi-element layer between two
+  // small ones.
+  RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kNearest}, 2,
+          {5, (size_t(5) << 19) + 3, 77}, 12.0, 17);
   // Contributions 2^9 apart: the float32 sum rounds, so only worker order gives these bits.
   for (const char* f : {"bf16", "fp16", "int8"}) {
     RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest}, 3, kSizes, kSmallBucketMb,

@@ -11,7 +11,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev
-  dataset-fashion-mnist python3 python3-numpy
+  dataset-fashion-mnist python3 python3-numpy python3-matplotlib openssl
 )
 
 missing=()

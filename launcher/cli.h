@@ -5,7 +5,11 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
+
+#include "cpd/status.h"
 
 namespace cpd::launcher {
 
@@ -31,6 +35,29 @@ inline int ParseArgs(CLI::App& app, int argc, char** argv, const char* tool) {
     FailWith(tool, e.what());
   }
   return -1;
+}
+
+// The whole of a (small) file: PEM certificates, keys.
+inline Result<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::IoError("cannot read '" + path + "'");
+  std::stringstream s;
+  s << in.rdbuf();
+  if (in.bad()) return Status::IoError("error reading '" + path + "'");
+  return s.str();
+}
+
+// A coordinator token: the file's first line without surrounding whitespace; an empty token is
+// an error (it would silently turn authentication off).
+inline Result<std::string> ReadTokenFile(const std::string& path) {
+  auto text = ReadWholeFile(path);
+  if (!text.ok()) return text.status();
+  std::string line = text->substr(0, text->find('\n'));
+  const char* ws = " \t\r\v\f";
+  const size_t begin = line.find_first_not_of(ws);
+  if (begin == std::string::npos) return Status::InvalidArgument("'" + path + "' holds no token");
+  line = line.substr(begin, line.find_last_not_of(ws) - begin + 1);
+  return line;
 }
 
 }  // namespace cpd::launcher

@@ -208,6 +208,24 @@ int main(int argc, char** argv) {
                  "Testing aid: rank 0 puts a NaN into its gradient at this step (-1: never)")
       ->capture_default_str();
 
+  // Control plane.
+  std::string token_file, tls_ca;
+  app.add_option("--coordinator", o.coordinator.address,
+                 "HOST:PORT of a cpd-coordinator: rank 0 registers the job, takes the precision "
+                 "schedules it pushes (every rank switches at the same step) and reports "
+                 "per-layer statistics; training never waits for it (default: none, the "
+                 "command line's schedule holds)");
+  app.add_option("--job-name", o.coordinator.job_name,
+                 "Job name at the coordinator, [A-Za-z0-9._-]{1,128}; a resumed run with the "
+                 "same name continues the same job (default: <arch>-<dataset>-<UTC time>)");
+  app.add_option("--token-file", token_file,
+                 "File whose first line is the coordinator's token (sent as a bearer token)");
+  app.add_option("--tls-ca", tls_ca, "PEM root certificates: talk TLS to the coordinator");
+  app.add_option("--report-interval", o.report_interval_s,
+                 "Seconds between summary reports to the coordinator (statistics steps and "
+                 "epoch ends are reported as well)")
+      ->capture_default_str();
+
   // Output.
   app.add_option("--stats-every", o.stats_every, "Per-layer statistics every N steps (0: off)")
       ->capture_default_str();
@@ -244,6 +262,20 @@ int main(int argc, char** argv) {
     }
   }
   if (augment && no_augment) Fail("--augment and --no-augment exclude each other");
+  if (!token_file.empty()) {
+    auto token = cpd::launcher::ReadTokenFile(token_file);
+    if (!token.ok()) Fail("--token-file: " + token.status().message());
+    o.coordinator.token = *token;
+  }
+  if (!tls_ca.empty()) {
+    auto pem = cpd::launcher::ReadWholeFile(tls_ca);
+    if (!pem.ok()) Fail("--tls-ca: " + pem.status().message());
+    o.coordinator.tls_ca_pem = *pem;
+  }
+  if ((!token_file.empty() || !tls_ca.empty() || !o.coordinator.job_name.empty()) &&
+      o.coordinator.address.empty()) {
+    Fail("--job-name, --token-file and --tls-ca need --coordinator HOST:PORT");
+  }
   o.augment_set = augment || no_augment;
   o.augment = augment;
   o.progress = !no_progress;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "kernels/grid.h"
@@ -48,6 +49,72 @@ Status AddLayerOverride(const std::string& text, PrecisionConfig* config) {
   return Status::Ok();
 }
 
+std::string PrecisionConfigToJson(const PrecisionConfig& c) {
+  using nlohmann::json;
+  json sites = json::object();
+  for (int i = 0; i < kNumSites; ++i) {
+    sites[SiteName(Site(i))] = {{"spec", c.global[i].spec},
+                                {"rounding", RoundingName(c.global[i].rounding)}};
+  }
+  json overrides = json::object();
+  for (const auto& [layer, by_site] : c.overrides) {
+    for (const auto& [site, spec] : by_site) overrides[layer][SiteName(Site(site))] = spec;
+  }
+  json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
+            {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
+  if (c.cpt) {
+    j["cpt"] = {{"min_bits", c.cpt->min_bits},
+                {"max_bits", c.cpt->max_bits},
+                {"periods", c.cpt->periods},
+                {"total_iters", c.cpt->total_iters}};
+  }
+  return j.dump();
+}
+
+Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
+  using nlohmann::json;
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::InvalidArgument("precision config: not a JSON object");
+  PrecisionConfig c;
+  try {
+    for (const auto& [site_name, v] : j.at("sites").items()) {
+      auto site = ParseSite(site_name);
+      if (!site.ok()) return site.status();
+      auto f = Format::Parse(v.at("spec").get<std::string>());
+      if (!f.ok()) return f.status();
+      auto r = ParseRounding(v.at("rounding").get<std::string>());
+      if (!r.ok()) return r.status();
+      c.global[int(*site)] = {f->spec(), *r};
+    }
+    for (const auto& [layer, by_site] : j.at("overrides").items()) {
+      for (const auto& [site_name, spec] : by_site.items()) {
+        auto site = ParseSite(site_name);
+        if (!site.ok()) return site.status();
+        auto f = Format::Parse(spec.get<std::string>());
+        if (!f.ok()) return f.status();
+        c.overrides[layer][int(*site)] = f->spec();
+      }
+    }
+    c.keep_fp32 = j.at("keep_fp32").get<std::vector<std::string>>();
+    c.grad_bits = j.at("grad_bits").get<int>();
+    c.hysteresis = j.at("hysteresis").get<bool>();
+    c.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("cpt")) {
+      const json& p = j["cpt"];
+      CyclicPrecision cpt;
+      cpt.min_bits = p.at("min_bits").get<int>();
+      cpt.max_bits = p.at("max_bits").get<int>();
+      cpt.periods = p.at("periods").get<int>();
+      cpt.total_iters = p.at("total_iters").get<int64_t>();
+      CPD_RETURN_IF_ERROR(cpt.Validate());
+      c.cpt = cpt;
+    }
+  } catch (const json::exception& e) {
+    return Status::InvalidArgument(std::string("precision config: ") + e.what());
+  }
+  return c;
+}
+
 Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig config,
                                                              const std::vector<Layer*>& layers) {
   std::unique_ptr<SiteQuantizer> q(new SiteQuantizer());
@@ -56,31 +123,53 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
     st.index = int(i);
     q->layers_[layers[i]->name()] = st;
   }
+  if (!layers.empty()) {
+    q->first_layer_ = layers.front()->name();
+    q->last_layer_ = layers.back()->name();
+  }
+  CPD_RETURN_IF_ERROR(q->Reconfigure(std::move(config)));
+  return q;
+}
+
+Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::string>* keep) const {
   for (const std::string& k : config.keep_fp32) {
     std::string name = k;
     if (k == "first" || k == "last") {
-      if (layers.empty()) continue;
-      name = k == "first" ? layers.front()->name() : layers.back()->name();
+      if (layers_.empty()) continue;
+      name = k == "first" ? first_layer_ : last_layer_;
     }
-    auto it = q->layers_.find(name);
-    if (it == q->layers_.end()) {
+    if (layers_.count(name) == 0) {
       return Status::InvalidArgument("--keep-fp32: no quantisable layer named '" + k +
                                      "' (see --print-model)");
     }
-    it->second.keep_fp32 = true;
+    keep->push_back(name);
   }
   for (const auto& [name, sites] : config.overrides) {
-    if (q->layers_.count(name) == 0) {
+    if (layers_.count(name) == 0) {
       return Status::InvalidArgument("--layer-format: no quantisable layer named '" + name +
                                      "' (see --print-model)");
+    }
+    for (const auto& [site, spec] : sites) {
+      auto f = Format::Parse(spec);
+      if (!f.ok()) return f.status();
     }
   }
   for (const SiteFormat& sf : config.global) {
     auto f = Format::Parse(sf.spec);
     if (!f.ok()) return f.status();
   }
-  q->config_ = std::move(config);
-  return q;
+  if (config.cpt) CPD_RETURN_IF_ERROR(config.cpt->Validate());
+  return Status::Ok();
+}
+
+Status SiteQuantizer::Reconfigure(PrecisionConfig config) {
+  std::vector<std::string> keep;
+  CPD_RETURN_IF_ERROR(Check(config, &keep));
+  for (auto& [name, st] : layers_) {
+    st.keep_fp32 = std::find(keep.begin(), keep.end(), name) != keep.end();
+  }
+  config_ = std::move(config);
+  return Status::Ok();
 }
 
 bool SiteQuantizer::Quantizes(const std::string& layer) const {
@@ -219,6 +308,12 @@ std::map<std::string, uint64_t> SiteQuantizer::TakeFlips() {
     out[name] = st.flips;
     st.flips = 0;
   }
+  return out;
+}
+
+std::map<std::string, uint64_t> SiteQuantizer::Flips() const {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, st] : layers_) out[name] = st.flips;
   return out;
 }
 

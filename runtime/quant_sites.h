@@ -47,6 +47,12 @@ struct PrecisionConfig {
 // Parses "NAME.SITE=SPEC" (NAME may contain dots) into config->overrides, checking the spec.
 Status AddLayerOverride(const std::string& text, PrecisionConfig* config);
 
+// The policy as one JSON object (sites, rounding, overrides, keep_fp32, CPT, grad bits,
+// hysteresis, seed) and back; used to hand a schedule from rank 0 to every rank, to record the
+// schedule in force in checkpoints and metrics. FromJson checks every spec and value it reads.
+std::string PrecisionConfigToJson(const PrecisionConfig& config);
+Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text);
+
 // Statistics of one site of one layer at one step.
 struct SiteRecord {
   std::string layer;
@@ -62,6 +68,11 @@ class SiteQuantizer : public QuantHooks {
   // specs.
   static Result<std::unique_ptr<SiteQuantizer>> Create(PrecisionConfig config,
                                                        const std::vector<Layer*>& layers);
+  // Replaces the policy mid-run (a schedule pushed by the coordinator), checked as Create checks
+  // it; on error nothing changes. Hysteresis state is kept: a layer whose W format changed
+  // starts its hysteresis afresh at its next forward. Callers re-install the hooks afterwards
+  // (Quantizes() may have changed).
+  Status Reconfigure(PrecisionConfig config);
 
   // The step about to run (selects CPT bits; part of the stochastic-rounding stream).
   void SetStep(int64_t step) { step_ = step; }
@@ -74,6 +85,8 @@ class SiteQuantizer : public QuantHooks {
   std::vector<SiteRecord> TakeRecords();
   // Weight flips under hysteresis per layer since the last call.
   std::map<std::string, uint64_t> TakeFlips();
+  // The same counts without resetting them.
+  std::map<std::string, uint64_t> Flips() const;
 
   // The format spec in force for a layer and site at the current step ("fp32" if none).
   std::string SpecFor(const std::string& layer, Site site) const;
@@ -106,6 +119,9 @@ class SiteQuantizer : public QuantHooks {
   };
 
   SiteQuantizer() = default;
+  // Resolves keep_fp32 and checks overrides and specs against this model's layers; fills
+  // `keep` with the layers kept fp32.
+  Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
   const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
   // Quantises `in` into `out` (which may be `in` itself) at one site.
   void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
@@ -113,6 +129,7 @@ class SiteQuantizer : public QuantHooks {
 
   PrecisionConfig config_;
   std::map<std::string, LayerState> layers_;
+  std::string first_layer_, last_layer_;
   mutable std::map<std::string, Format> format_cache_;
   int64_t step_ = 0;
   uint64_t worker_ = 0;

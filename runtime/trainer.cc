@@ -8,14 +8,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cpd/schedule.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
+#include "runtime/job_control.h"
 #include "runtime/layers.h"
 #include "runtime/models.h"
 #include "runtime/optimizer.h"
@@ -174,6 +178,8 @@ struct Run {
   int64_t last_saved_step = -1;
   int64_t batches_per_epoch = 0;
   std::ofstream metrics;
+  JobControl* control = nullptr;  // the coordinator's schedules and reports (or none)
+  std::string resumed_schedule;   // the schedule a checkpoint recorded ("" if none)
 
   explicit Run(const TrainOptions& opts) : o(opts) {}
 
@@ -196,6 +202,7 @@ struct Run {
     meta["dataset"] = o.dataset;
     meta["global_batch"] = global_batch;
     meta["seed"] = o.seed;
+    if (control != nullptr) meta["schedule"] = json::parse(control->ScheduleJson());
     ck.meta_json = meta.dump();
     for (Param* p : model->Params()) {
       ck.Put("param/" + p->name, p->value.shape(), p->value.data(), p->value.numel());
@@ -266,6 +273,7 @@ struct Run {
     CPD_RETURN_IF_ERROR(optimizer->LoadState(opt_state));
     step = meta.value("step", int64_t(0));
     quant->SetStep(step);
+    if (meta.contains("schedule")) resumed_schedule = meta["schedule"].dump();
     for (const auto& name : ck->order) {
       if (name.rfind("hyst/", 0) == 0) {
         quant->RestoreHysteresisState(name.substr(5), ck->data.at(name));
@@ -365,6 +373,113 @@ json CommStatsJson(const std::vector<comm::LayerCommStats>& stats) {
   return layers;
 }
 
+// Storage bits of a format spec (0 for fp32, which is not quantised).
+int FormatBits(const std::string& spec) {
+  if (spec == "fp32") return 0;
+  auto f = Format::Parse(spec);
+  return f.ok() ? f->bits() : 0;
+}
+
+// The per-layer rows of a coordinator report: the quantisation sites (reduced over the ranks),
+// hysteresis flips since the last report, and the all-reduce's per-layer statistics.
+std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
+                                      const std::map<std::string, uint64_t>& flips,
+                                      const std::vector<comm::LayerCommStats>& comm_stats,
+                                      const std::string& comm_format) {
+  std::vector<LayerReport> out;
+  for (const SiteRecord& r : records) {
+    const double n = r.stats.count > 0 ? double(r.stats.count) : 1.0;
+    LayerReport l;
+    l.layer = r.layer;
+    l.site = SiteName(r.site);
+    l.format = r.format;
+    l.bits = FormatBits(r.format);
+    l.max_abs = r.stats.max_abs;
+    l.saturated = double(r.stats.saturated) / n;
+    l.flushed = double(r.stats.flushed) / n;
+    l.rel_error = r.stats.relative_error();
+    l.nonfinite = r.stats.nonfinite;
+    if (r.site == Site::kWeight) {
+      auto f = flips.find(r.layer);
+      if (f != flips.end()) l.flips = f->second;
+    }
+    out.push_back(l);
+  }
+  const int comm_bits = FormatBits(comm_format);
+  for (const auto& c : comm_stats) {
+    LayerReport l;
+    l.layer = c.layer;
+    l.site = "comm";
+    l.format = comm_format;
+    l.bits = comm_bits;
+    l.aps_shift = c.shift;
+    l.max_abs = c.max_abs;
+    l.saturated = c.saturated;
+    l.flushed = c.flushed;
+    l.rel_error = c.rel_error;
+    out.push_back(l);
+  }
+  return out;
+}
+
+// Every rank's host name and pid, gathered on every rank (for the coordinator's registration).
+Result<std::vector<JobDescription::Worker>> GatherWorkers(comm::Communicator* comm) {
+  constexpr size_t kHost = 120;
+  std::vector<uint8_t> mine(kHost + sizeof(int64_t), 0);
+  char host[kHost] = {};
+  if (gethostname(host, kHost - 1) != 0) std::strcpy(host, "?");
+  std::memcpy(mine.data(), host, kHost);
+  const int64_t pid = getpid();
+  std::memcpy(mine.data() + kHost, &pid, sizeof pid);
+  std::vector<uint8_t> all(mine.size() * size_t(comm->size()));
+  CPD_RETURN_IF_ERROR(comm->AllGatherBytes(mine.data(), all.data(), mine.size()));
+  std::vector<JobDescription::Worker> out;
+  for (int r = 0; r < comm->size(); ++r) {
+    const uint8_t* rec = all.data() + size_t(r) * mine.size();
+    JobDescription::Worker w;
+    w.rank = r;
+    w.host.assign(reinterpret_cast<const char*>(rec),
+                  strnlen(reinterpret_cast<const char*>(rec), kHost));
+    std::memcpy(&w.pid, rec + kHost, sizeof w.pid);
+    out.push_back(w);
+  }
+  return out;
+}
+
+// The model's leaf layers as the coordinator lists them.
+std::vector<JobDescription::LayerInfo> LayerInfos(Sequential& model) {
+  std::vector<JobDescription::LayerInfo> out;
+  for (Layer* l : model.Flatten()) {
+    if (l->Flatten().size() != 1) continue;  // composites: their children are listed
+    JobDescription::LayerInfo info;
+    info.name = l->name();
+    info.kind = l->kind();
+    info.quantizable = l->Quantizable();
+    for (Param* p : l->Params()) info.params += int64_t(p->value.numel());
+    out.push_back(info);
+  }
+  return out;
+}
+
+// "<arch>-<dataset>-<UTC yyyymmdd-hhmmss>": a job name when the user gives none.
+std::string DefaultJobName(const TrainOptions& o) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y%m%d-%H%M%S", &tm);
+  return o.arch + "-" + o.dataset + "-" + when;
+}
+
+// CPT's relative cost (cpd/schedule.h) of a run whose forward bits per step are `planned`; a
+// step without CPT (0) counts as static training at `static_bits`.
+double PlannedRelativeCost(std::vector<int> planned, int grad_bits, int static_bits) {
+  for (int& b : planned) {
+    if (b == 0) b = static_bits;
+  }
+  return RelativeCost(planned, grad_bits, static_bits);
+}
+
 // Rows [begin, end) of a batch tensor, as a new tensor.
 Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
   std::vector<int64_t> shape = x.shape();
@@ -379,6 +494,15 @@ Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
 
 Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   CPD_RETURN_IF_ERROR(Validate(o));
+  CoordinatorOptions coord_opts = o.coordinator;
+  const bool coordinated = !coord_opts.address.empty();
+  if (coordinated) {
+    if (coord_opts.job_name.empty()) coord_opts.job_name = DefaultJobName(o);
+    CPD_RETURN_IF_ERROR(CheckCoordinatorOptions(coord_opts));
+    if (!(o.report_interval_s > 0)) {
+      return Status::InvalidArgument("--report-interval must be a positive number of seconds");
+    }
+  }
   if (o.device == "cuda") {
     return Status::Unavailable(
         "--device cuda: the engine's CUDA layers are not built yet; use --device cpu");
@@ -564,13 +688,78 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   TrainResult result;
   result.world_size = run.world;
   result.workers = run.workers;
-  if (pc.cpt) {
-    // CPT's cost model over the whole schedule, against static training at MAX bits.
-    std::vector<int> schedule;
-    schedule.reserve(size_t(total_steps));
-    for (int64_t t = 0; t < total_steps; ++t) schedule.push_back(pc.cpt->BitsAt(t));
-    result.relative_cost = RelativeCost(schedule, pc.grad_bits, pc.cpt->max_bits);
+  // CPT's cost model over the whole schedule, against static training at MAX bits. A schedule
+  // pushed by the coordinator replans the steps from where it takes effect.
+  std::vector<int> planned_bits(size_t(total_steps), 0);
+  int static_bits = pc.cpt ? pc.cpt->max_bits : 0;
+  auto replan = [&](int64_t from) {
+    for (int64_t t = from; t < total_steps; ++t) {
+      planned_bits[size_t(t)] = pc.cpt ? pc.cpt->BitsAt(t) : 0;
+    }
+    if (static_bits > 0) {
+      result.relative_cost = PlannedRelativeCost(planned_bits, pc.grad_bits, static_bits);
+    }
+  };
+  replan(0);
+
+  // The control plane: the coordinator's schedules (same step on every rank) and reports.
+  std::unique_ptr<JobControl> control;
+  std::map<std::string, uint64_t> flips_reported;  // hysteresis flips already reported
+  if (coordinated) {
+    JobControl::Setup cs;
+    cs.comm = comm;
+    cs.quant = run.quant.get();
+    cs.quant_layers = run.quant_layers;
+    cs.total_steps = total_steps;
+    cs.seed = pc.seed;
+    cs.report_interval_s = o.report_interval_s;
+    cs.log = [&run](const std::string& line) { run.Log(json::parse(line)); };
+    JobDescription job;
+    job.arch = o.arch;
+    job.dataset = o.dataset;
+    job.allreduce = comm::AllReduceAlgoName(ar.algo);
+    if (ar.algo != comm::AllReduceAlgo::kFp32) {
+      job.allreduce += " " + ar.format + (ar.aps ? " +APS" : "") + (ar.kahan ? " +Kahan" : "");
+    }
+    job.world_size = run.world;
+    job.emulate_ranks = run.local_workers;
+    job.epochs = o.epochs;
+    job.total_steps = total_steps;
+    job.start_step = run.step;
+    auto workers = GatherWorkers(comm);
+    if (!workers.ok()) return workers.status();
+    job.workers = std::move(workers.value());
+    job.layers = LayerInfos(*run.model);
+    job.schedule.precision = pc;
+    job.schedule.set_by = "command line";
+    auto c = JobControl::Start(coord_opts, cs, std::move(job), 1, run.resumed_schedule);
+    if (!c.ok()) return c.status();
+    control = std::move(c.value());
+    run.control = control.get();
+    if (!run.resumed_schedule.empty()) {
+      pc = run.quant->config();
+      if (pc.cpt && static_bits == 0) static_bits = pc.cpt->max_bits;
+      replan(run.step);
+    }
+    if (!quiet) {
+      std::printf("coordinator %s: job '%s' (reports every %lld steps and at least every %.1f s)\n",
+                  coord_opts.address.c_str(), coord_opts.job_name.c_str(),
+                  static_cast<long long>(o.stats_every), o.report_interval_s);
+    }
   }
+  // Rank 0's summary of the step just done, for the coordinator.
+  auto step_report = [&](int epoch, double loss, double lr_now, double ips) {
+    StepReport r;
+    r.step = run.step - 1;
+    r.epoch = epoch;
+    r.loss = loss;
+    r.lr = lr_now;
+    r.bits = run.quant->CurrentBits();
+    r.images_per_s = ips;
+    r.ranks_alive = run.world;
+    r.skipped_steps = uint64_t(result.skipped_steps);
+    return r;
+  };
   SoftmaxCrossEntropy ce;
   Tensor x, dlogits;
   std::vector<int32_t> y;
@@ -584,6 +773,22 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
     double loss_sum = 0;
     int64_t correct = 0, seen = 0, epoch_steps = 0;
     while (run.iter->Next(&x, &y)) {
+      if (control) {
+        bool switched = false;
+        std::vector<std::string> messages;
+        CPD_RETURN_IF_ERROR(control->BeforeStep(run.step, &switched, &messages));
+        if (!quiet && !messages.empty()) {
+          progress.EndLine();
+          for (const std::string& m : messages) std::printf("%s\n", m.c_str());
+          std::fflush(stdout);
+        }
+        if (switched) {
+          pc = run.quant->config();
+          result.schedule_switches.emplace_back(run.step, control->version());
+          if (pc.cpt && static_bits == 0) static_bits = pc.cpt->max_bits;
+          replan(run.step);
+        }
+      }
       run.quant->SetStep(run.step);
       const bool collect = o.stats_every > 0 && run.step % o.stats_every == 0;
 
@@ -704,9 +909,10 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
       ++epoch_steps;
       ++steps_this_run;
 
+      std::vector<SiteRecord> records;
       if (collect || measure) {
         run.quant->SetCollectStats(false);
-        std::vector<SiteRecord> records = run.quant->TakeRecords();
+        records = run.quant->TakeRecords();
         CPD_RETURN_IF_ERROR(ReduceRecords(comm, &records));
         json j = {{"type", "step"},     {"step", run.step - 1},
                   {"epoch", epoch + 1}, {"loss", loss},
@@ -722,6 +928,20 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
           ips > 0 ? double((run.batches_per_epoch - batch) * run.global_batch) / ips : 0.0;
       progress.Update(epoch + 1, o.epochs, batch, run.batches_per_epoch, loss, ips, eta,
                       run.quant->CurrentBits());
+      if (control && (collect || measure || control->SummaryDue())) {
+        StepReport r = step_report(epoch + 1, loss, lr_now, ips);
+        if (collect || measure) {
+          std::map<std::string, uint64_t> flips = run.quant->Flips();
+          std::map<std::string, uint64_t> delta;
+          for (const auto& [name, f] : flips) delta[name] = f - flips_reported[name];
+          flips_reported = std::move(flips);
+          static const std::vector<comm::LayerCommStats> kNone;
+          r.layers = LayerReports(records, delta,
+                                  run.workers > 1 && !skipped ? (*reducer)->last_stats() : kNone,
+                                  ar.algo == comm::AllReduceAlgo::kFp32 ? "fp32" : ar.format);
+        }
+        control->Report(std::move(r));
+      }
       if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
           run.step % o.checkpoint_every == 0) {
         CPD_RETURN_IF_ERROR(run.SaveCheckpointOnce(epoch));
@@ -743,6 +963,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
       std::tie(test_acc, test_loss) = *ev;
     }
     const auto flips = run.quant->TakeFlips();
+    flips_reported.clear();
     uint64_t total_flips = 0;
     json flips_json = json::object();
     for (const auto& [name, f] : flips) {
@@ -780,6 +1001,15 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
     result.final_loss = train_loss;
     result.train_accuracy = train_acc;
     result.test_accuracy = test_acc;
+    if (control) {
+      StepReport r =
+          step_report(epoch + 1, train_loss, run.lr.At(std::max<int64_t>(run.step - 1, 0)),
+                      epoch_s > 0 ? double(seen) / epoch_s : 0.0);
+      r.train_accuracy = train_acc;
+      r.test_accuracy = test_acc;
+      r.finished = stop || epoch + 1 == o.epochs;
+      control->Report(std::move(r));
+    }
     if (epoch_complete) result.epochs_done = epoch + 1;
     if (!o.checkpoint_dir.empty() && o.checkpoint_every == 0 && epoch_complete) {
       CPD_RETURN_IF_ERROR(run.SaveCheckpointOnce(epoch + 1));
@@ -791,6 +1021,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
     CPD_RETURN_IF_ERROR(
         run.SaveCheckpointOnce(int(it.epoch) + (it.next_batch >= run.batches_per_epoch)));
   }
+  if (control) control->Finish(/*max_wait_ms=*/3000);
   result.steps = run.step;
   const double total_s = Seconds(t_start, Clock::now());
   result.ms_per_step = steps_this_run > 0 ? 1e3 * total_s / double(steps_this_run) : 0.0;

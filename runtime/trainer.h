@@ -21,6 +21,7 @@
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
 #include "cpd/status.h"
+#include "runtime/coordinator_client.h"
 #include "runtime/quant_sites.h"
 
 namespace cpd::runtime {
@@ -62,6 +63,13 @@ struct TrainOptions {
   int64_t checkpoint_every = 0;  // steps (0: only at the end of each epoch when a dir is set)
   std::string resume;            // "" | "auto" | a checkpoint path
   std::string device = "auto";   // auto | cpu | cuda
+  // Control plane: with coordinator.address set, rank 0 registers the job with the coordinator
+  // (job_name default: <arch>-<dataset>-<UTC time>), applies the schedules it pushes on every
+  // rank at the same step, and reports per-layer statistics (every stats_every steps, at each
+  // epoch's end, and a summary at least every report_interval_s seconds). Without it, the
+  // command line's schedule holds for the whole run.
+  CoordinatorOptions coordinator;
+  double report_interval_s = 1.0;
   bool print_model = false;
   bool progress = true;  // a bar on a terminal; plain lines otherwise
   bool quiet = false;
@@ -83,6 +91,8 @@ struct TrainResult {
   int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient
   uint64_t param_hash = 0;          // of the final parameters (FNV-1a of their bytes)
   bool replicas_identical = true;   // every rank ended with the same param_hash
+  // Schedules applied during the run: (step at which it took effect, coordinator version).
+  std::vector<std::pair<int64_t, uint64_t>> schedule_switches;
 };
 
 // Validates options (clear messages naming the flag); then trains. Prints to stdout unless

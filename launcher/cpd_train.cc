@@ -207,6 +207,9 @@ int main(int argc, char** argv) {
   app.add_option("--debug-nan-step", o.debug_nan_step,
                  "Testing aid: rank 0 puts a NaN into its gradient at this step (-1: never)")
       ->capture_default_str();
+  app.add_option("--debug-step-sleep-ms", o.debug_step_sleep_ms,
+                 "Testing aid: sleep this long after every step (paces integration tests)")
+      ->capture_default_str();
 
   // Control plane.
   std::string token_file, tls_ca;

@@ -200,7 +200,7 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
     // Reconnect quickly once the coordinator is back (gRPC's default backoff grows to 120 s).
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, o_.backoff_max_ms);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, std::min(o_.backoff_max_ms, 1000));
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (o_.tls_ca_pem.empty()) {
       creds = grpc::InsecureChannelCredentials();
@@ -250,9 +250,9 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
       std::unique_lock<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
-      // Let the sender drain the queue while the coordinator answers.
-      cv_.wait_for(lock, std::chrono::milliseconds(max_wait_ms),
-                   [this] { return queue_.empty() || !registered_; });
+      // Let the sender drain the queue (reconnecting if it must) for at most max_wait_ms.
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::milliseconds(max_wait_ms), [this] { return queue_.empty(); });
       stopping_ = true;
       if (watch_ctx_) watch_ctx_->TryCancel();
       if (unary_ctx_) unary_ctx_->TryCancel();
@@ -277,10 +277,15 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
  private:
   void Event(std::string line) { events_.push_back(std::move(line)); }  // mu_ held
 
-  // Sleeps up to `ms` or until stopping; returns false when stopping.
+  // Sleeps up to `ms` or until stopping; returns false when stopping. Once Finish() waits for
+  // the queue to drain, retries come every 100 ms (and Finish wakes a longer sleep).
   bool Backoff(int ms) {
     std::unique_lock<std::mutex> lock(mu_);
-    return !cv_.wait_for(lock, std::chrono::milliseconds(ms), [this] { return stopping_; });
+    const bool was_finishing = finished_;
+    if (finished_) ms = std::min(ms, 100);
+    cv_.wait_for(lock, std::chrono::milliseconds(ms),
+                 [&] { return stopping_ || (finished_ && !was_finishing); });
+    return !stopping_;
   }
 
   void Prepare(grpc::ClientContext* ctx, bool deadline) const {

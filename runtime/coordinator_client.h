@@ -8,7 +8,8 @@
 //  * when the coordinator is unreachable or goes away, the job goes on with the schedule in
 //    force; the client retries with exponential backoff (100 ms doubling to backoff_max_ms),
 //    re-registers (a coordinator that lost the job learns it again, with the schedule the job
-//    now runs) and resends what is queued.
+//    now runs) and resends what is queued;
+//  * Finish() gives the queue a bounded time to drain, reconnecting meanwhile if it must.
 // This header has no gRPC types, so the trainer does not depend on gRPC; in a build without
 // gRPC (CPD_WITH_GRPC=0) Start() returns Unavailable.
 //
@@ -34,7 +35,7 @@ struct CoordinatorOptions {
   std::string job_name;          // REQUIRED: [A-Za-z0-9._-]{1,128}
   size_t queue_capacity = 1024;  // reports held while the coordinator is slow or away
   int rpc_timeout_ms = 5000;     // deadline of each unary call
-  int backoff_max_ms = 5000;     // reconnect backoff cap
+  int backoff_max_ms = 2000;     // reconnect backoff cap
 };
 
 // OK, or why these options cannot work: an empty address, a bad job name, non-positive limits,

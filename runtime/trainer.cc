@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "cpd/schedule.h"
 #include "runtime/checkpoint.h"
@@ -48,6 +49,7 @@ Status Validate(const TrainOptions& o) {
     return bad("--emulate-ranks must be in 1..4096, got " + std::to_string(o.emulate_ranks));
   }
   if (o.measure_error_every < 0) return bad("--measure-error must be >= 0");
+  if (o.debug_step_sleep_ms < 0) return bad("--debug-step-sleep-ms must be >= 0");
   CPD_RETURN_IF_ERROR(o.allreduce.Validate());
   if (o.lr <= 0 || !std::isfinite(o.lr)) return bad("--lr must be a positive number");
   if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
@@ -941,6 +943,9 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
                                   ar.algo == comm::AllReduceAlgo::kFp32 ? "fp32" : ar.format);
         }
         control->Report(std::move(r));
+      }
+      if (o.debug_step_sleep_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(o.debug_step_sleep_ms));
       }
       if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 &&
           run.step % o.checkpoint_every == 0) {

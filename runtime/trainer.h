@@ -56,6 +56,7 @@ struct TrainOptions {
   comm::GradientAllReduceOptions allreduce;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
   int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient
+  int debug_step_sleep_ms = 0;      // testing aid: every rank sleeps this long after each step
   // Output.
   int64_t stats_every = 100;  // per-layer statistics every N steps (0: never)
   std::string metrics_out;    // JSONL; rank 0 only, unless the path contains "{rank}"

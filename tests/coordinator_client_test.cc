@@ -14,11 +14,14 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
 
@@ -53,7 +56,7 @@ int FreePort() {
 // cpd-coordinator as a child process on 127.0.0.1:port.
 class Coordinator {
  public:
-  Coordinator(int port, const std::string& dir) {
+  Coordinator(int port, const std::string& dir, std::vector<std::string> extra = {}) {
     const std::string listen = "127.0.0.1:" + std::to_string(port);
     const std::string db = dir + "/coordinator.db", port_file = dir + "/port";
     std::filesystem::remove(port_file);
@@ -62,8 +65,13 @@ class Coordinator {
       const std::string log = dir + "/coordinator.log";
       freopen(log.c_str(), "a", stdout);
       freopen(log.c_str(), "a", stderr);
-      execl(CPD_COORDINATOR_PATH, CPD_COORDINATOR_PATH, "--listen", listen.c_str(), "--db",
-            db.c_str(), "--port-file", port_file.c_str(), static_cast<char*>(nullptr));
+      std::vector<std::string> args = {CPD_COORDINATOR_PATH, "--listen", listen, "--db", db,
+                                       "--port-file",        port_file};
+      args.insert(args.end(), extra.begin(), extra.end());
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(CPD_COORDINATOR_PATH, argv.data());
       _exit(127);
     }
     ready_ = WaitFor([&] { return std::filesystem::exists(port_file); }, 30);
@@ -266,6 +274,57 @@ TEST_F(CoordinatorClientTest, FinishIsBoundedWhenTheCoordinatorIsAway) {
   EXPECT_LT(s, 0.7 + 2.0 + 1.0) << "Finish took " << s << " s";  // wait + one rpc deadline
   EXPECT_EQ((*client)->sent(), 0u);
   EXPECT_FALSE((*client)->Report(Report(1, false)));  // after Finish: dropped
+}
+
+TEST_F(CoordinatorClientTest, TalksTlsWithTheGivenRootAndItsToken) {
+  // A self-signed certificate for 127.0.0.1, made by the openssl command-line tool.
+  const std::string cert = dir_ + "/cert.pem", key = dir_ + "/key.pem", token = dir_ + "/token";
+  const std::string cmd =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost"
+      " -addext subjectAltName=IP:127.0.0.1 -keyout " +
+      key + " -out " + cert + " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ofstream(token) << "tls-secret\n";
+  Coordinator coordinator(port_, dir_,
+                          {"--tls-cert", cert, "--tls-key", key, "--token-file", token});
+  ASSERT_TRUE(coordinator.ready());
+  std::ifstream in(cert);
+  const std::string pem((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+
+  CoordinatorOptions o = Options("client-tls");
+  o.tls_ca_pem = pem;
+  o.token = "tls-secret";
+  auto client = CoordinatorClient::Start(o, Job());
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*client)->job_id() > 0; }, 20)) << "no TLS registration";
+  EXPECT_TRUE((*client)->Report(Report(0, true)));
+  ASSERT_TRUE(WaitFor([&] { return (*client)->sent() == 1; }, 20));
+  (*client)->Finish(2000);
+
+  // Plaintext to a TLS coordinator, or TLS with a wrong token: never registers, says why.
+  CoordinatorOptions plain = Options("client-plain");
+  plain.token = "tls-secret";
+  CoordinatorOptions wrong = Options("client-wrong-token");
+  wrong.tls_ca_pem = pem;
+  wrong.token = "guess";
+  for (const CoordinatorOptions& bad : {plain, wrong}) {
+    auto c = CoordinatorClient::Start(bad, Job());
+    ASSERT_TRUE(c.ok());
+    std::string said;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          for (const std::string& e : (*c)->TakeEvents()) said += e;
+          return !said.empty();
+        },
+        20));
+    EXPECT_EQ((*c)->job_id(), 0) << bad.job_name;
+    if (!bad.token.empty() && !bad.tls_ca_pem.empty()) {
+      EXPECT_NE(said.find("refused the token"), std::string::npos) << said;
+    } else {
+      EXPECT_NE(said.find("unreachable"), std::string::npos) << said;
+    }
+    (*c)->Finish(0);
+  }
 }
 
 TEST(CoordinatorOptions, BadOptionsAreRefusedByName) {

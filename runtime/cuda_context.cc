@@ -72,7 +72,8 @@ struct ConvPlan {
   ConvPlan(const ConvPlan&) = delete;
   ConvPlan& operator=(const ConvPlan&) = delete;
   ~ConvPlan() {
-    // Destruction at exit: errors cannot be reported any more and are ignored.
+    // Plans live as long as the context; this runs when PlanFor fails half-way (a destructor
+    // cannot report errors, so they are ignored).
     if (conv != nullptr) cudnnDestroyConvolutionDescriptor(conv);
     if (w != nullptr) cudnnDestroyFilterDescriptor(w);
     if (y != nullptr) cudnnDestroyTensorDescriptor(y);
@@ -177,8 +178,11 @@ void ChooseAlgo(const char* what, const cpu::ConvShape& s, QueryFn query, SizeFn
         IsTensorOpMath(p.mathType) || p.memory > kMaxWorkspaceBytes) {
       continue;
     }
+    // The workspace the size query gives for the algorithm, if larger than the heuristic's.
+    size_t need = 0;
+    if (size_of(p.algo, &need) != CUDNN_STATUS_SUCCESS) continue;
     *algo = p.algo;
-    *bytes = p.memory;
+    *bytes = std::max(p.memory, need);
     return;
   }
   size_t need = 0;

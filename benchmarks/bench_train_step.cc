@@ -4,6 +4,11 @@
 // same run and prints the ratios.
 //
 //   bench_train_step --arch lenet5 --batch 128 --threads 2 [--steps 30] [--configs fp32,cpt8,...]
+//                    [--device cpu|cuda]
+//
+// One line per configuration: `cpd <arch> <config> <batch> <threads> <ms/step>` (`cpd-cuda` with
+// --device cuda, where a step is timed until the GPU has finished it). Without a usable GPU,
+// --device cuda prints one line starting with "SKIP:" and exits 0.
 //
 // Configurations: fp32; cpt8 (CPT at 8/8 bits: uint8:minmax W per channel and A, E uint8
 // stochastic); fp134e (FP134 errors); lee2022 (log4 W with hysteresis, FP134 A and E).
@@ -16,10 +21,14 @@
 #include <random>
 #include <sstream>
 
+#include "cpd/config.h"
 #include "runtime/layers.h"
 #include "runtime/models.h"
 #include "runtime/optimizer.h"
 #include "runtime/quant_sites.h"
+#if CPD_WITH_CUDA
+#include "runtime/cuda_ops.h"
+#endif
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -61,7 +70,7 @@ cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
 
 int main(int argc, char** argv) {
   CLI::App app{"bench_train_step: ms per training step of a cpd-train model"};
-  std::string arch = "lenet5", configs = "fp32,cpt8,fp134e,lee2022";
+  std::string arch = "lenet5", configs = "fp32,cpt8,fp134e,lee2022", device_name = "cpu";
   int batch = 128, threads = 2, steps = 30, warmup = 5;
   app.add_option("--arch", arch)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
@@ -69,7 +78,21 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--warmup", warmup)->capture_default_str();
   app.add_option("--configs", configs)->capture_default_str();
+  app.add_option("--device", device_name, "cpu | cuda")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  Device device = Device::kCpu;
+  if (device_name == "cuda") {
+    std::string why;
+    if (!CudaAvailable(&why)) {
+      std::printf("SKIP: bench_train_step --device cuda: no usable GPU (%s)\n", why.c_str());
+      return 0;
+    }
+    device = Device::kCuda;
+  } else if (device_name != "cpu") {
+    std::fprintf(stderr, "bench_train_step: --device '%s' (accepted: cpu, cuda)\n",
+                 device_name.c_str());
+    return 2;
+  }
 #if !defined(__OPTIMIZE__) || !defined(NDEBUG)
   std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
 #endif
@@ -84,6 +107,7 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < x.numel(); ++i) x.data()[i] = nd(rng);
   std::vector<int32_t> y(static_cast<size_t>(batch));
   for (auto& v : y) v = int32_t(rng() % 10);
+  if (device != Device::kCpu) x = x.To(device);
 
   std::stringstream ss(configs);
   std::string name;
@@ -98,6 +122,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_train_step: %s\n", model.status().message().c_str());
       return 2;
     }
+    MoveToDevice(model->get(), device);
     std::vector<Layer*> qlayers;
     for (Layer* l : (*model)->Flatten()) {
       if (l->Quantizable()) qlayers.push_back(l);
@@ -126,12 +151,15 @@ int main(int argc, char** argv) {
       ce.Forward(logits, y, &dlogits);
       (*model)->Backward(dlogits);
       opt.Step(0.05);
+#if CPD_WITH_CUDA
+      if (device == Device::kCuda) cuda::Synchronize();  // the step is done when the GPU is
+#endif
       const auto t1 = std::chrono::steady_clock::now();
       if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count() * 1e3);
     }
     std::sort(times.begin(), times.end());
-    std::printf("cpd %s %s %d %d %.3f\n", arch.c_str(), name.c_str(), batch, threads,
-                times[times.size() / 2]);
+    std::printf("%s %s %s %d %d %.3f\n", device == Device::kCpu ? "cpd" : "cpd-cuda", arch.c_str(),
+                name.c_str(), batch, threads, times[times.size() / 2]);
     std::fflush(stdout);
   }
   return 0;

@@ -4,9 +4,12 @@ CPD's: forward + cross-entropy + backward + SGD (momentum 0.9, weight decay 5e-4
 random batch, median over --steps after --warmup. Prints one line: `torch <arch> <batch>
 <threads> <ms/step>`.
 
-    torch_step.py --arch lenet5|resnet20|mlp --batch 128 --threads 2 [--steps 30]
+    torch_step.py --arch lenet5|resnet20|mlp --batch 128 --threads 2 [--steps 30] [--device cuda]
 
-Debian's python3-torch (PyTorch 1.13, CPU) is the reference.
+Debian's python3-torch (PyTorch 1.13, CPU) is the CPU reference. With --device cuda the step runs
+on the GPU in float32 with TF32 off (as CPD's CUDA path computes), timed until the GPU has
+finished it (torch.cuda.synchronize); without a GPU the script prints one line starting with
+"SKIP:" and exits 0.
 """
 import argparse
 import statistics
@@ -91,14 +94,25 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
+    cuda = a.device == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            print(f"SKIP: torch_step.py --device cuda: PyTorch {torch.__version__} (CUDA "
+                  f"{torch.version.cuda}) sees no GPU")
+            return
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, shape = build(a.arch)
     model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     x = torch.randn(a.batch, *shape)
     y = torch.randint(0, 10, (a.batch,))
+    if cuda:
+        model, x, y = model.cuda(), x.cuda(), y.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     times = []
     for i in range(a.warmup + a.steps):
         t0 = time.perf_counter()
@@ -106,6 +120,8 @@ def main():
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         t1 = time.perf_counter()
         if i >= a.warmup:
             times.append((t1 - t0) * 1e3)

@@ -238,7 +238,8 @@ int main(int argc, char** argv) {
                  "Checkpoint every N steps (0: at the end of each epoch)")
       ->capture_default_str();
   app.add_option("--resume", o.resume, "auto (newest in --checkpoint-dir) or a checkpoint file");
-  app.add_option("--device", o.device, "auto | cpu | cuda (auto: cuda when a GPU is present)")
+  app.add_option("--device", o.device,
+                 "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
       ->capture_default_str();
   bool no_progress = false;
   app.add_flag("--no-progress", no_progress, "No progress bar");
@@ -282,7 +283,6 @@ int main(int argc, char** argv) {
   o.augment_set = augment || no_augment;
   o.augment = augment;
   o.progress = !no_progress;
-  if (o.device == "auto") o.device = "cpu";  // the CUDA engine path is not built yet
 
   o.precision.global[0] = CheckSite("--w-format", wf, wr);
   o.precision.global[1] = CheckSite("--a-format", af, ar);

@@ -5,11 +5,30 @@
 #include <cstdio>
 #include <stdexcept>
 
+#include "cpd/config.h"
 #include "kernels/grid.h"
+#if CPD_WITH_CUDA
+#include "runtime/cuda_ops.h"
+#endif
 
 namespace cpd::runtime {
 
 namespace {
+
+// Runs cpu::CALL, or cuda::CALL (the same function over device pointers, runtime/cuda_ops.h)
+// when `device` is Device::kCuda. A build without CUDA cannot make CUDA tensors, so there it is
+// the CPU call alone.
+#if CPD_WITH_CUDA
+#define CPD_DISPATCH(device, call) \
+  do {                             \
+    if ((device) == Device::kCuda) \
+      cuda::call;                  \
+    else                           \
+      cpu::call;                   \
+  } while (0)
+#else
+#define CPD_DISPATCH(device, call) cpu::call
+#endif
 
 std::string ShapeStr(const std::vector<int64_t>& shape) {
   std::string s = "[";
@@ -22,10 +41,12 @@ std::string ShapeStr(const std::vector<int64_t>& shape) {
 
 std::string Where(const Layer& layer) { return layer.name() + " (" + layer.kind() + ")"; }
 
-void RequireCpu(const Layer& layer, const Tensor& t, const char* what) {
-  if (t.device() != Device::kCpu) {
+// A layer computes where its parameters live: `t` must be on the same device.
+void RequireDevice(const Layer& layer, const Tensor& t, const char* what, Device device) {
+  if (t.device() != device) {
     throw std::invalid_argument(Where(layer) + ": " + what + " is a " + DeviceName(t.device()) +
-                                " tensor; the CPU layers need Device::kCpu tensors");
+                                " tensor, but the layer computes on " + DeviceName(device) +
+                                " (move the model and its inputs to one device: MoveToDevice)");
   }
 }
 
@@ -43,8 +64,10 @@ void RequireReady(const Layer& layer, bool ready) {
   }
 }
 
-void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_t>& expected) {
-  RequireCpu(layer, dy, "the output gradient");
+// dy must match the last training forward's output: its shape and its device.
+void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_t>& expected,
+                  Device device) {
+  RequireDevice(layer, dy, "the output gradient", device);
   if (dy.shape() != expected) {
     throw std::invalid_argument(Where(layer) + ": output gradient of shape " + dy.ShapeString() +
                                 " does not match the forward output " + ShapeStr(expected));
@@ -53,8 +76,8 @@ void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_
 
 // A hook may rewrite a tensor's values, not its shape or device.
 void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>& shape,
-                 const char* site) {
-  if (t.shape() != shape || t.device() != Device::kCpu) {
+                 Device device, const char* site) {
+  if (t.shape() != shape || t.device() != device) {
     throw std::logic_error(Where(layer) + ": the " + site +
                            " quantisation hook changed the tensor's shape or device");
   }
@@ -65,21 +88,21 @@ void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>
 std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, const Tensor& x,
                                        const Tensor& w_master, Tensor* x_q, Tensor* w_q) {
   if (hooks == nullptr) return {x, w_master};
-  x_q->Resize(x.shape());
+  ResizeOn(x_q, x.shape(), x.device());
   hooks->QuantizeActivation(layer, x, x_q);
-  CheckHooked(layer, *x_q, x.shape(), "activation");
-  w_q->Resize(w_master.shape());
+  CheckHooked(layer, *x_q, x.shape(), x.device(), "activation");
+  ResizeOn(w_q, w_master.shape(), w_master.device());
   hooks->QuantizeWeight(layer, w_master, w_q);
-  CheckHooked(layer, *w_q, w_master.shape(), "weight");
+  CheckHooked(layer, *w_q, w_master.shape(), w_master.device(), "weight");
   return {*x_q, *w_q};
 }
 
 // E: the error backward uses.
 Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor* dy_q) {
   if (hooks == nullptr) return dy;
-  dy_q->Resize(dy.shape());
+  ResizeOn(dy_q, dy.shape(), dy.device());
   hooks->QuantizeError(layer, dy, dy_q);
-  CheckHooked(layer, *dy_q, dy.shape(), "error");
+  CheckHooked(layer, *dy_q, dy.shape(), dy.device(), "error");
   return *dy_q;
 }
 
@@ -87,8 +110,9 @@ Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor
 void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw) {
   if (hooks == nullptr) return;
   const std::vector<int64_t> shape = dw->shape();
+  const Device device = dw->device();
   hooks->QuantizeWeightGrad(layer, dw);
-  CheckHooked(layer, *dw, shape, "weight-gradient");
+  CheckHooked(layer, *dw, shape, device, "weight-gradient");
 }
 
 Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay) {
@@ -125,6 +149,16 @@ void FillUniform(Tensor* t, float bound, std::mt19937_64* gen) {
   for (size_t i = 0; i < t->numel(); ++i) {
     const double u = double((*gen)() >> 40) * 0x1p-24;  // [0, 1) on a 2^-24 grid
     d[i] = float((2.0 * u - 1.0) * double(bound));
+  }
+}
+
+void MoveToDevice(Layer* model, Device device) {
+  for (Param* p : model->Params()) {
+    if (p->value.device() != device) p->value = p->value.To(device);
+    if (p->grad.device() != device) p->grad = p->grad.To(device);
+  }
+  for (auto& [name, t] : model->Buffers()) {
+    if (t->device() != device) *t = t->To(device);
   }
 }
 
@@ -177,12 +211,13 @@ std::vector<Param*> Linear::Params() {
 }
 
 Tensor Linear::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, x, "the input", dev);
   const std::vector<int64_t> out_shape = OutputShape(x.shape());
   const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
-  y_.Resize(out_shape);
-  cpu::LinearForward(x.dim(0), in_, out_, xin.data(), w.data(),
-                     has_bias_ ? bias_.value.data() : nullptr, y_.data());
+  ResizeOn(&y_, out_shape, dev);
+  CPD_DISPATCH(dev, LinearForward(x.dim(0), in_, out_, xin.data(), w.data(),
+                                  has_bias_ ? bias_.value.data() : nullptr, y_.data()));
   ready_ = train;
   x_saved_ = train ? xin : Tensor();
   w_saved_ = train ? w : Tensor();
@@ -192,16 +227,18 @@ Tensor Linear::Forward(const Tensor& x, bool train) {
 Tensor Linear::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
   const int64_t n = x_saved_.dim(0);
-  RequireShape(*this, dy, {n, out_});
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, {n, out_}, dev);
   const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
-  dw_.Resize({out_, in_});
-  if (has_bias_) db_.Resize({out_});
-  dx_.Resize({n, in_});
-  cpu::LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(),
-                      dw_.data(), has_bias_ ? db_.data() : nullptr);
+  ResizeOn(&dw_, {out_, in_}, dev);
+  if (has_bias_) ResizeOn(&db_, {out_}, dev);
+  ResizeOn(&dx_, {n, in_}, dev);
+  CPD_DISPATCH(dev, LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(),
+                                   dx_.data(), dw_.data(), has_bias_ ? db_.data() : nullptr));
   WeightGradSite(*this, hooks_, &dw_);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
-  if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  if (has_bias_) CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   return dx_;
 }
 
@@ -273,12 +310,21 @@ std::vector<Param*> Conv2d::Params() {
 }
 
 Tensor Conv2d::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, x, "the input", dev);
   const cpu::ConvShape s = ShapeFor(x.shape());
   const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
-  y_.Resize({s.n, s.oc, s.oh, s.ow});
-  cpu::Conv2dForward(s, xin.data(), w.data(), has_bias_ ? bias_.value.data() : nullptr, y_.data(),
-                     &ws_);
+  ResizeOn(&y_, {s.n, s.oc, s.oh, s.ow}, dev);
+  const float* bias = has_bias_ ? bias_.value.data() : nullptr;
+#if CPD_WITH_CUDA
+  if (dev == Device::kCuda) {
+    cuda::Conv2dForward(s, xin.data(), w.data(), bias, y_.data());
+  } else {
+    cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_);
+  }
+#else
+  cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_);
+#endif
   ready_ = train;
   saved_shape_ = s;
   x_saved_ = train ? xin : Tensor();
@@ -289,16 +335,28 @@ Tensor Conv2d::Forward(const Tensor& x, bool train) {
 Tensor Conv2d::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
   const cpu::ConvShape& s = saved_shape_;
-  RequireShape(*this, dy, {s.n, s.oc, s.oh, s.ow});
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, {s.n, s.oc, s.oh, s.ow}, dev);
   const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
-  dw_.Resize(weight_.value.shape());
-  if (has_bias_) db_.Resize({out_});
-  dx_.Resize({s.n, s.c, s.h, s.w});
-  cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(),
-                      has_bias_ ? db_.data() : nullptr, &ws_);
+  ResizeOn(&dw_, weight_.value.shape(), dev);
+  if (has_bias_) ResizeOn(&db_, {out_}, dev);
+  ResizeOn(&dx_, {s.n, s.c, s.h, s.w}, dev);
+  float* db = has_bias_ ? db_.data() : nullptr;
+#if CPD_WITH_CUDA
+  if (dev == Device::kCuda) {
+    cuda::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db);
+  } else {
+    cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db,
+                        &ws_);
+  }
+#else
+  cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db,
+                      &ws_);
+#endif
   WeightGradSite(*this, hooks_, &dw_);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
-  if (has_bias_) cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  if (has_bias_) CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   return dx_;
 }
 
@@ -340,15 +398,18 @@ std::vector<std::pair<std::string, Tensor*>> BatchNorm::Buffers() {
 }
 
 Tensor BatchNorm::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
+  const Device dev = gamma_.value.device();
+  RequireDevice(*this, x, "the input", dev);
+  RequireDevice(*this, running_mean_, "the running mean", dev);
+  RequireDevice(*this, running_var_, "the running variance", dev);
   OutputShape(x.shape());
   const int64_t n = x.dim(0);
   const int64_t hw = x.ndim() == 4 ? x.dim(2) * x.dim(3) : 1;
-  y_.Resize(x.shape());
+  ResizeOn(&y_, x.shape(), dev);
   if (!train) {
-    cpu::BatchNormEvalForward(n, c_, hw, x.data(), gamma_.value.data(), beta_.value.data(),
-                              running_mean_.data(), running_var_.data(), eps_, fused_relu_,
-                              y_.data());
+    CPD_DISPATCH(dev, BatchNormEvalForward(n, c_, hw, x.data(), gamma_.value.data(),
+                                           beta_.value.data(), running_mean_.data(),
+                                           running_var_.data(), eps_, fused_relu_, y_.data()));
     ready_ = false;
     x_saved_ = Tensor();
     return y_;
@@ -359,14 +420,24 @@ Tensor BatchNorm::Forward(const Tensor& x, bool train) {
                                 ": training needs more than one value per channel, got input " +
                                 x.ShapeString());
   }
-  mean_.Resize({c_});
-  var_.Resize({c_});
-  invstd_.Resize({c_});
-  cpu::BatchNormTrainForward(n, c_, hw, x.data(), gamma_.value.data(), beta_.value.data(), eps_,
-                             fused_relu_, y_.data(), mean_.data(), var_.data(), invstd_.data());
+  ResizeOn(&mean_, {c_}, dev);
+  ResizeOn(&var_, {c_}, dev);
+  ResizeOn(&invstd_, {c_}, dev);
+  CPD_DISPATCH(dev, BatchNormTrainForward(n, c_, hw, x.data(), gamma_.value.data(),
+                                          beta_.value.data(), eps_, fused_relu_, y_.data(),
+                                          mean_.data(), var_.data(), invstd_.data()));
   // torch.nn.BatchNorm: running = (1 - momentum) running + momentum batch, the variance
   // unbiased (count / (count - 1)).
   const double unbias = double(count) / double(count - 1);
+#if CPD_WITH_CUDA
+  if (dev == Device::kCuda) {
+    cuda::BatchNormUpdateRunning(c_, mean_.data(), var_.data(), momentum_, unbias,
+                                 running_mean_.data(), running_var_.data());
+    ready_ = true;
+    x_saved_ = x;
+    return y_;
+  }
+#endif
   float* rm = running_mean_.data();
   float* rv = running_var_.data();
   for (int64_t ch = 0; ch < c_; ++ch) {
@@ -380,17 +451,20 @@ Tensor BatchNorm::Forward(const Tensor& x, bool train) {
 
 Tensor BatchNorm::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, x_saved_.shape());
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, x_saved_.shape(), dev);
   const int64_t n = x_saved_.dim(0);
   const int64_t hw = x_saved_.ndim() == 4 ? x_saved_.dim(2) * x_saved_.dim(3) : 1;
-  dx_.Resize(x_saved_.shape());
-  dgamma_.Resize({c_});
-  dbeta_.Resize({c_});
-  cpu::BatchNormBackward(n, c_, hw, x_saved_.data(), dy.data(), fused_relu_ ? y_.data() : nullptr,
-                         gamma_.value.data(), mean_.data(), invstd_.data(), dx_.data(),
-                         dgamma_.data(), dbeta_.data());
-  cpu::AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data());
-  cpu::AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data());
+  ResizeOn(&dx_, x_saved_.shape(), dev);
+  ResizeOn(&dgamma_, {c_}, dev);
+  ResizeOn(&dbeta_, {c_}, dev);
+  CPD_DISPATCH(
+      dev, BatchNormBackward(n, c_, hw, x_saved_.data(), dy.data(),
+                             fused_relu_ ? y_.data() : nullptr, gamma_.value.data(), mean_.data(),
+                             invstd_.data(), dx_.data(), dgamma_.data(), dbeta_.data()));
+  RequireDevice(*this, gamma_.grad, "the gamma gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data()));
+  CPD_DISPATCH(dev, AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data()));
   return dx_;
 }
 
@@ -399,18 +473,18 @@ Tensor BatchNorm::Backward(const Tensor& dy) {
 std::vector<int64_t> ReLU::OutputShape(const std::vector<int64_t>& in) const { return in; }
 
 Tensor ReLU::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
-  y_.Resize(x.shape());
-  cpu::Relu(x.numel(), x.data(), y_.data());
+  ResizeOn(&y_, x.shape(), x.device());
+  CPD_DISPATCH(x.device(), Relu(x.numel(), x.data(), y_.data()));
   ready_ = train;
   return y_;
 }
 
 Tensor ReLU::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, y_.shape());
-  dx_.Resize(dy.shape());
-  cpu::ReluBackward(dy.numel(), y_.data(), dy.data(), dx_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&dx_, dy.shape(), dev);
+  CPD_DISPATCH(dev, ReluBackward(dy.numel(), y_.data(), dy.data(), dx_.data()));
   return dx_;
 }
 
@@ -441,9 +515,18 @@ MaxPool2d::MaxPool2d(std::string name, int64_t kernel, int64_t stride)
     : Pool2d(std::move(name), "MaxPool2d", kernel, stride) {}
 
 Tensor MaxPool2d::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   const std::vector<int64_t> out = OutputShape(x.shape());
-  y_.Resize(out);
+  ResizeOn(&y_, out, x.device());
+#if CPD_WITH_CUDA
+  if (x.device() == Device::kCuda) {
+    argmax_dev_.Reserve(y_.numel() * sizeof(int32_t), Device::kCuda);
+    cuda::MaxPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3],
+                           x.data(), y_.data(), static_cast<int32_t*>(argmax_dev_.data()));
+    in_shape_ = x.shape();
+    ready_ = train;
+    return y_;
+  }
+#endif
   argmax_.resize(y_.numel());
   cpu::MaxPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3], x.data(),
                         y_.data(), argmax_.data());
@@ -454,8 +537,17 @@ Tensor MaxPool2d::Forward(const Tensor& x, bool train) {
 
 Tensor MaxPool2d::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, y_.shape());
-  dx_.Resize(in_shape_);
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&dx_, in_shape_, dev);
+#if CPD_WITH_CUDA
+  if (dev == Device::kCuda) {
+    cuda::MaxPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_, stride_,
+                            dy.dim(2), dy.dim(3), dy.data(),
+                            static_cast<const int32_t*>(argmax_dev_.data()), dx_.data());
+    return dx_;
+  }
+#endif
   cpu::MaxPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], dy.dim(2), dy.dim(3),
                          dy.data(), argmax_.data(), dx_.data());
   return dx_;
@@ -465,11 +557,10 @@ AvgPool2d::AvgPool2d(std::string name, int64_t kernel, int64_t stride)
     : Pool2d(std::move(name), "AvgPool2d", kernel, stride) {}
 
 Tensor AvgPool2d::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   const std::vector<int64_t> out = OutputShape(x.shape());
-  y_.Resize(out);
-  cpu::AvgPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3], x.data(),
-                        y_.data());
+  ResizeOn(&y_, out, x.device());
+  CPD_DISPATCH(x.device(), AvgPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_,
+                                            out[2], out[3], x.data(), y_.data()));
   in_shape_ = x.shape();
   ready_ = train;
   return y_;
@@ -477,10 +568,11 @@ Tensor AvgPool2d::Forward(const Tensor& x, bool train) {
 
 Tensor AvgPool2d::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, y_.shape());
-  dx_.Resize(in_shape_);
-  cpu::AvgPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_, stride_, dy.dim(2),
-                         dy.dim(3), dy.data(), dx_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&dx_, in_shape_, dev);
+  CPD_DISPATCH(dev, AvgPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_,
+                                      stride_, dy.dim(2), dy.dim(3), dy.data(), dx_.data()));
   return dx_;
 }
 
@@ -490,9 +582,9 @@ std::vector<int64_t> GlobalAvgPool::OutputShape(const std::vector<int64_t>& in) 
 }
 
 Tensor GlobalAvgPool::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
-  y_.Resize(OutputShape(x.shape()));
-  cpu::GlobalAvgPoolForward(x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), y_.data());
+  ResizeOn(&y_, OutputShape(x.shape()), x.device());
+  CPD_DISPATCH(x.device(),
+               GlobalAvgPoolForward(x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), y_.data()));
   in_shape_ = x.shape();
   ready_ = train;
   return y_;
@@ -500,9 +592,11 @@ Tensor GlobalAvgPool::Forward(const Tensor& x, bool train) {
 
 Tensor GlobalAvgPool::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, y_.shape());
-  dx_.Resize(in_shape_);
-  cpu::GlobalAvgPoolBackward(dy.numel(), in_shape_[2] * in_shape_[3], dy.data(), dx_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&dx_, in_shape_, dev);
+  CPD_DISPATCH(
+      dev, GlobalAvgPoolBackward(dy.numel(), in_shape_[2] * in_shape_[3], dy.data(), dx_.data()));
   return dx_;
 }
 
@@ -516,7 +610,6 @@ std::vector<int64_t> Flatten::OutputShape(const std::vector<int64_t>& in) const 
 }
 
 Tensor Flatten::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   in_shape_ = x.shape();
   ready_ = train;
   return x.Reshaped(OutputShape(x.shape()));
@@ -524,7 +617,11 @@ Tensor Flatten::Forward(const Tensor& x, bool train) {
 
 Tensor Flatten::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, OutputShape(in_shape_));
+  if (dy.shape() != OutputShape(in_shape_)) {
+    throw std::invalid_argument(Where(*this) + ": output gradient of shape " + dy.ShapeString() +
+                                " does not match the forward output " +
+                                ShapeStr(OutputShape(in_shape_)));
+  }
   return dy.Reshaped(in_shape_);
 }
 
@@ -543,22 +640,22 @@ Dropout::Dropout(std::string name, double p, uint64_t seed)
 std::string Dropout::Describe() const { return "Dropout(p " + FormatFloat(p_) + ")"; }
 
 Tensor Dropout::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   ready_ = train;
   identity_ = !train || threshold_ == 0;
   if (identity_) return x;
   key_ = kernels::MakeRandomKey(seed_, step_);
-  y_.Resize(x.shape());
-  cpu::DropoutApply(x.numel(), key_, threshold_, scale_, x.data(), y_.data());
+  ResizeOn(&y_, x.shape(), x.device());
+  CPD_DISPATCH(x.device(), DropoutApply(x.numel(), key_, threshold_, scale_, x.data(), y_.data()));
   return y_;
 }
 
 Tensor Dropout::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
   if (identity_) return dy;
-  RequireShape(*this, dy, y_.shape());
-  dx_.Resize(dy.shape());
-  cpu::DropoutApply(dy.numel(), key_, threshold_, scale_, dy.data(), dx_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&dx_, dy.shape(), dev);
+  CPD_DISPATCH(dev, DropoutApply(dy.numel(), key_, threshold_, scale_, dy.data(), dx_.data()));
   return dx_;
 }
 
@@ -576,14 +673,12 @@ std::string Sequential::Describe() const {
 }
 
 Tensor Sequential::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   Tensor h = x;
   for (auto& c : children_) h = c->Forward(h, train);
   return h;
 }
 
 Tensor Sequential::Backward(const Tensor& dy) {
-  RequireCpu(*this, dy, "the output gradient");
   Tensor g = dy;
   for (auto it = children_.rbegin(); it != children_.rend(); ++it) g = (*it)->Backward(g);
   return g;
@@ -739,27 +834,27 @@ std::vector<int64_t> BasicBlock::TraceShapes(const std::vector<int64_t>& in,
 }
 
 Tensor BasicBlock::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x, "the input");
   OutputShape(x.shape());
   const Tensor h = bn1_->Forward(conv1_->Forward(x, train), train);  // ReLU fused in bn1
   const Tensor b = bn2_->Forward(conv2_->Forward(h, train), train);
   const Tensor s = sc_conv_ ? sc_bn_->Forward(sc_conv_->Forward(x, train), train) : x;
-  y_.Resize(b.shape());
-  cpu::AddRelu(b.numel(), b.data(), s.data(), y_.data());
+  ResizeOn(&y_, b.shape(), b.device());
+  CPD_DISPATCH(b.device(), AddRelu(b.numel(), b.data(), s.data(), y_.data()));
   ready_ = train;
   return y_;
 }
 
 Tensor BasicBlock::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireShape(*this, dy, y_.shape());
-  g_.Resize(dy.shape());
-  cpu::ReluBackward(dy.numel(), y_.data(), dy.data(), g_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
+  ResizeOn(&g_, dy.shape(), dev);
+  CPD_DISPATCH(dev, ReluBackward(dy.numel(), y_.data(), dy.data(), g_.data()));
   const Tensor dh = conv2_->Backward(bn2_->Backward(g_));
   const Tensor dx_main = conv1_->Backward(bn1_->Backward(dh));
   const Tensor dx_short = sc_conv_ ? sc_conv_->Backward(sc_bn_->Backward(g_)) : g_;
-  dx_.Resize(dx_main.shape());
-  cpu::Add(dx_main.numel(), dx_main.data(), dx_short.data(), dx_.data());
+  ResizeOn(&dx_, dx_main.shape(), dev);
+  CPD_DISPATCH(dev, Add(dx_main.numel(), dx_main.data(), dx_short.data(), dx_.data()));
   return dx_;
 }
 
@@ -768,11 +863,6 @@ Tensor BasicBlock::Backward(const Tensor& dy) {
 namespace {
 
 void CheckLogits(const Tensor& logits, const std::vector<int32_t>& labels) {
-  if (logits.device() != Device::kCpu) {
-    throw std::invalid_argument(std::string("SoftmaxCrossEntropy: logits are a ") +
-                                DeviceName(logits.device()) +
-                                " tensor; the CPU loss needs Device::kCpu tensors");
-  }
   if (logits.ndim() != 2 || logits.dim(0) < 1 || logits.dim(1) < 1) {
     throw std::invalid_argument("SoftmaxCrossEntropy: logits must be [N >= 1, classes >= 1], got " +
                                 logits.ShapeString());
@@ -798,16 +888,22 @@ float SoftmaxCrossEntropy::Forward(const Tensor& logits, const std::vector<int32
   }
   float* d = nullptr;
   if (dlogits != nullptr) {
-    if (dlogits->device() != Device::kCpu) *dlogits = Tensor();
-    dlogits->Resize(logits.shape());
+    ResizeOn(dlogits, logits.shape(), logits.device());
     d = dlogits->data();
   }
+#if CPD_WITH_CUDA
+  if (logits.device() == Device::kCuda) {
+    // The labels stay in host memory; the CUDA loss uploads them.
+    return float(cuda::SoftmaxCrossEntropy(n, k, logits.data(), labels.data(), d));
+  }
+#endif
   return float(cpu::SoftmaxCrossEntropy(n, k, logits.data(), labels.data(), d));
 }
 
 int64_t SoftmaxCrossEntropy::CountCorrect(const Tensor& logits,
                                           const std::vector<int32_t>& labels) {
   CheckLogits(logits, labels);
+  if (logits.device() != Device::kCpu) return CountCorrect(logits.To(Device::kCpu), labels);
   const int64_t n = logits.dim(0), k = logits.dim(1);
   int64_t correct = 0;
   for (int64_t i = 0; i < n; ++i) {

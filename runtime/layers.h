@@ -2,9 +2,15 @@
 // Dropout, the Sequential and BasicBlock composites, and the softmax cross-entropy loss.
 //
 // Contracts shared by every layer here:
-//  * Tensors must be on Device::kCpu; anything else throws std::invalid_argument naming the
-//    layer. Shapes that do not fit throw std::invalid_argument as well. (The math lives in
-//    runtime/cpu_ops.h, the seam for a CUDA back end.)
+//  * Devices: a layer computes where its tensors are, on the CPU (runtime/cpu_ops.h) or, in a
+//    CUDA build, on the GPU (runtime/cuda_ops.h: cuBLAS, cuDNN and own kernels). Parameters and
+//    buffers start on the CPU; MoveToDevice moves a model. An input (or output gradient) on
+//    another device than the layer's parameters, or than its last forward, throws
+//    std::invalid_argument naming the layer and both devices; the layers' workspaces follow the
+//    device on their own. Shapes that do not fit throw std::invalid_argument as well. CUDA
+//    errors throw std::runtime_error (runtime/cuda_ops.h). CUDA layers queue their work on the
+//    runtime's stream and return without waiting (SoftmaxCrossEntropy::Forward waits, as it
+//    returns the loss).
 //  * Inputs are never modified. Forward(x, train = true) keeps a handle to x (not a copy, unless
 //    quantisation hooks are installed), so x must stay unchanged until Backward has run.
 //  * The tensor returned by Forward (and by Backward) is the layer's own workspace, reused to
@@ -14,9 +20,12 @@
 //  * Backward needs the state of the last Forward(train = true); after Forward(train = false),
 //    Backward throws std::logic_error until the next training forward.
 //  * Backward accumulates (+=) into Param::grad; the optimiser zeroes the gradients.
-//  * Not thread-safe: one thread drives a model; the layers parallelise internally with
+//  * Not thread-safe: one thread drives a model; the CPU layers parallelise internally with
 //    OpenMP (omp_get_max_threads()) and call OpenBLAS single-threaded from their parallel
-//    regions. Results are deterministic for a fixed thread count.
+//    regions. Results are deterministic for a fixed thread count (on the GPU: for a given GPU
+//    and build). CPU and GPU agree bit for bit where the result is defined exactly (ReLU,
+//    pooling, dropout masks, residual adds, the quantisation sites) and to float32 rounding
+//    where a sum's order differs (GEMMs, convolutions, batch statistics, the loss).
 //
 // Initialisation follows PyTorch's defaults in distribution (Linear and Conv2d weights and
 // biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), i.e. kaiming_uniform(a = sqrt(5)); BatchNorm
@@ -218,7 +227,8 @@ class MaxPool2d : public Pool2d {
   Tensor Backward(const Tensor& dy) override;
 
  private:
-  std::vector<int32_t> argmax_;
+  std::vector<int32_t> argmax_;  // CPU: index within its input plane of each output's maximum
+  RawBuffer argmax_dev_;         // the same on the GPU (int32)
 };
 
 // Average pooling.
@@ -380,11 +390,13 @@ class BasicBlock : public ShapedLayer {
 // [0, classes). Not a Layer: it ends the forward pass and starts the backward pass.
 class SoftmaxCrossEntropy {
  public:
-  // Returns the mean loss and, when dlogits is non-null, resizes it to the logits' shape and
-  // writes dL/dlogits = (softmax - onehot) / N. Throws std::invalid_argument on a label
-  // outside [0, classes), a label count other than N, or non-CPU logits.
+  // Returns the mean loss and, when dlogits is non-null, resizes it to the logits' shape on the
+  // logits' device and writes dL/dlogits = (softmax - onehot) / N. The labels are host memory
+  // whatever the logits' device. Throws std::invalid_argument on a label outside [0, classes)
+  // or a label count other than N.
   float Forward(const Tensor& logits, const std::vector<int32_t>& labels, Tensor* dlogits);
-  // The number of rows whose argmax (first on ties) equals the label.
+  // The number of rows whose argmax (first on ties) equals the label (CUDA logits are copied
+  // to the host for it).
   static int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
 };
 
@@ -392,6 +404,13 @@ class SoftmaxCrossEntropy {
 // per element from `gen`: u = (gen() >> 40) / 2^24 in [0, 1), value = (2u - 1) * bound,
 // rounded once to float (machine-independent, unlike std::uniform_real_distribution).
 void FillUniform(Tensor* t, float bound, std::mt19937_64* gen);
+
+// Moves every parameter (value and gradient) and buffer of `model` (its whole subtree) to
+// `device`, leaving those already there untouched. Workspaces follow on the next call. The
+// pointers Params() and Buffers() return stay valid; the tensors they point to are new.
+// Throws std::runtime_error where the device cannot be used (a CUDA device in a build without
+// CUDA, a failed allocation).
+void MoveToDevice(Layer* model, Device device);
 
 // The initialisation seed of the layer called `name` in a model built with `seed`: a hash of
 // both, so that a layer's initial weights depend on its name only, not on its position.

@@ -2,10 +2,16 @@
 
 #include <omp.h>
 
+#include "cpd/config.h"
+#if CPD_WITH_CUDA
+#include "runtime/cuda_ops.h"
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -126,9 +132,12 @@ Status Optimizer::Check(const std::vector<Param*>& params, const OptimizerOption
     if (!names.insert(p->name).second) {
       return Status::InvalidArgument("optimizer: two params are named '" + p->name + "'");
     }
-    if (p->value.device() != Device::kCpu || p->grad.device() != Device::kCpu) {
-      return Status::InvalidArgument("optimizer: param '" + p->name +
-                                     "' is not in CPU memory; the optimiser updates CPU tensors");
+    const Device d = params[0]->value.device();
+    if (p->value.device() != d || p->grad.device() != d) {
+      return Status::InvalidArgument(
+          "optimizer: param '" + p->name + "' has its value on " + DeviceName(p->value.device()) +
+          " and its gradient on " + DeviceName(p->grad.device()) + ", but '" + params[0]->name +
+          "' is on " + DeviceName(d) + "; every param and gradient must be on one device");
     }
     if (p->grad.numel() != p->value.numel()) {
       return Status::InvalidArgument("optimizer: param '" + p->name + "' has value " +
@@ -151,7 +160,7 @@ Optimizer::Optimizer(std::vector<Param*> params, OptimizerOptions options)
   trust_.assign(params_.size(), 1.0);
   if (options_.momentum != 0) {
     momentum_.reserve(params_.size());
-    for (Param* p : params_) momentum_.emplace_back(p->value.shape());
+    for (Param* p : params_) momentum_.emplace_back(p->value.shape(), p->value.device());
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     const size_t n = params_[i]->value.numel();
@@ -165,6 +174,18 @@ std::string Optimizer::StateKey(size_t i) const {
   return (options_.lars ? "lars_momentum/" : "momentum/") + params_[i]->name;
 }
 
+#if CPD_WITH_CUDA
+struct Optimizer::CudaState {
+  std::vector<cuda::OptimizerChunk> chunks;  // host copy of the table on the device
+  RawBuffer d_chunks, d_coeffs, d_partial;
+  std::vector<cuda::OptimizerCoeffs> coeffs;
+};
+#else
+struct Optimizer::CudaState {};
+#endif
+
+Optimizer::~Optimizer() = default;
+
 void Optimizer::ComputeTrustRatios(int threads) {
   const int64_t nc = int64_t(chunks_.size());
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -175,6 +196,10 @@ void Optimizer::ComputeTrustRatios(int threads) {
     partial_[2 * size_t(c)] = SumSquares(w + ch.begin, ch.end - ch.begin);
     partial_[2 * size_t(c) + 1] = SumSquares(g + ch.begin, ch.end - ch.begin);
   }
+  TrustFromPartials();
+}
+
+void Optimizer::TrustFromPartials() {
   std::vector<double> ww(params_.size(), 0.0), gg(params_.size(), 0.0);
   for (size_t c = 0; c < chunks_.size(); ++c) {  // in chunk order: deterministic
     ww[chunks_[c].param] += partial_[2 * c];
@@ -192,6 +217,10 @@ void Optimizer::ComputeTrustRatios(int threads) {
 }
 
 void Optimizer::Step(double lr) {
+  if (!params_.empty() && params_[0]->value.device() != Device::kCpu) {
+    StepCuda(lr);
+    return;
+  }
   const int threads = ThreadCount(options_.threads, total_elements_);
   if (options_.lars) ComputeTrustRatios(threads);
   const bool momentum = options_.momentum != 0;
@@ -209,6 +238,70 @@ void Optimizer::Step(double lr) {
     Select(options_.lars, decay, momentum, options_.nesterov)(
         p->value.data() + ch.begin, p->grad.data() + ch.begin, buf, ch.end - ch.begin, k);
   }
+}
+
+void Optimizer::StepCuda(double lr) {
+#if CPD_WITH_CUDA
+  if (cuda_ == nullptr) cuda_ = std::make_unique<CudaState>();
+  CudaState& cs = *cuda_;
+  const Device dev = params_[0]->value.device();
+  const bool momentum = options_.momentum != 0;
+  // The chunk table holds raw pointers: it is rebuilt when a param's storage has changed (a
+  // checkpoint load keeps it; MoveToDevice or new gradient views replace it).
+  std::vector<cuda::OptimizerChunk> table(chunks_.size());
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    const Chunk& ch = chunks_[c];
+    Param* p = params_[ch.param];
+    if (p->value.device() != dev || p->grad.device() != dev ||
+        (momentum && momentum_[ch.param].device() != dev)) {
+      throw std::invalid_argument("optimizer: param '" + p->name +
+                                  "' or its state is no longer on " + DeviceName(dev));
+    }
+    table[c].w = p->value.data() + ch.begin;
+    table[c].g = p->grad.data() + ch.begin;
+    table[c].buf = momentum ? momentum_[ch.param].data() + ch.begin : nullptr;
+    table[c].len = uint32_t(ch.end - ch.begin);
+    table[c].param = uint32_t(ch.param);
+  }
+  const auto same = [](const cuda::OptimizerChunk& a, const cuda::OptimizerChunk& b) {
+    return a.w == b.w && a.g == b.g && a.buf == b.buf && a.len == b.len && a.param == b.param;
+  };
+  const size_t table_bytes = table.size() * sizeof(cuda::OptimizerChunk);
+  if (cs.chunks.size() != table.size() ||
+      !std::equal(table.begin(), table.end(), cs.chunks.begin(), same)) {
+    cs.d_chunks.Reserve(table_bytes, dev);
+    cs.d_chunks.CopyFromHost(table.data(), table_bytes);
+    cs.chunks = std::move(table);
+  }
+  const auto* d_chunks = static_cast<const cuda::OptimizerChunk*>(cs.d_chunks.data());
+  if (options_.lars) {
+    // The norms in the CPU's summation order, per chunk on the GPU; the trust ratios on the
+    // host from the same partial sums, so they equal the CPU's.
+    const size_t bytes = partial_.size() * sizeof(double);
+    cs.d_partial.Reserve(bytes, dev);
+    cuda::ChunkSumSquares(d_chunks, chunks_.size(), static_cast<double*>(cs.d_partial.data()));
+    cs.d_partial.CopyToHost(partial_.data(), bytes);
+    TrustFromPartials();
+  }
+  cs.coeffs.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const bool decay = params_[i]->weight_decay && options_.weight_decay != 0;
+    cuda::OptimizerCoeffs& k = cs.coeffs[i];
+    k.lr = float(options_.lars ? lr * trust_[i] : lr);
+    k.wd = decay ? float(options_.weight_decay) : 0.0f;
+    k.decay = decay ? 1 : 0;
+    k.pad = 0;
+  }
+  const size_t coeff_bytes = cs.coeffs.size() * sizeof(cuda::OptimizerCoeffs);
+  cs.d_coeffs.Reserve(coeff_bytes, dev);
+  cs.d_coeffs.CopyFromHost(cs.coeffs.data(), coeff_bytes);
+  cuda::SgdUpdate(d_chunks, chunks_.size(),
+                  static_cast<const cuda::OptimizerCoeffs*>(cs.d_coeffs.data()),
+                  float(options_.momentum), options_.lars, momentum, options_.nesterov);
+#else
+  (void)lr;
+  throw std::logic_error("optimizer: CUDA params in a build without CUDA");
+#endif
 }
 
 void Optimizer::ZeroGrad() {
@@ -246,8 +339,7 @@ Status Optimizer::LoadState(const std::map<std::string, std::vector<float>>& sta
     }
   }
   for (const auto& [key, i] : expected) {
-    const std::vector<float>& v = state.at(key);
-    std::copy(v.begin(), v.end(), momentum_[i].data());
+    momentum_[i].CopyFromHost(state.at(key).data());  // any device
   }
   return Status::Ok();
 }

@@ -8,6 +8,13 @@
 // order), so results are bit-identical for any thread count and across runs. Thread-safety: one
 // Optimizer must not be used from two threads at once; Step itself runs on OpenMP threads when
 // there is enough work.
+//
+// Devices: all params must be on one device. On the GPU (CUDA build), Step runs the same update
+// rules in CUDA kernels (runtime/cuda_ops.h: one launch over all params, in the CPU's 16 Ki
+// chunks) with the same float operations and the same LARS summation order, so a GPU step
+// equals a CPU step bit for bit; LARS copies its per-chunk norms to the host (one wait per
+// step). Momentum buffers live with the params; State() points at them there (copy a CUDA
+// buffer to the host before reading it: Tensor::To/CopyToHost); LoadState copies in.
 #pragma once
 
 #include <cstddef>
@@ -60,13 +67,14 @@ struct OptimizerOptions {
 // the two are not interchangeable. With momentum 0 there is no state.
 class Optimizer {
  public:
-  // Validates the options and the params: non-null, unique non-empty names, CPU tensors,
-  // grad.numel() == value.numel().
+  // Validates the options and the params: non-null, unique non-empty names, values and
+  // gradients all on one device, grad.numel() == value.numel().
   static Result<std::unique_ptr<Optimizer>> Create(std::vector<Param*> params,
                                                    const OptimizerOptions& options);
   // As Create; throws std::invalid_argument with the same message where Create fails.
   // The Params must outlive the Optimizer and keep their element counts.
   Optimizer(std::vector<Param*> params, OptimizerOptions options);
+  ~Optimizer();
 
   // One update of every param from its current gradient at learning rate lr (REQUIRES finite,
   // >= 0). Cost: one pass over value, grad and buffer (20 bytes per element); LARS adds a read
@@ -96,6 +104,12 @@ class Optimizer {
   static Status Check(const std::vector<Param*>& params, const OptimizerOptions& options);
   std::string StateKey(size_t i) const;
   void ComputeTrustRatios(int threads);
+  // Derives trust_ from per-chunk sums of squares (partial_), as ComputeTrustRatios does.
+  void TrustFromPartials();
+  void StepCuda(double lr);
+
+  struct CudaState;  // the GPU's chunk table and coefficients (optimizer.cc)
+  std::unique_ptr<CudaState> cuda_;
 
   std::vector<Param*> params_;
   OptimizerOptions options_;

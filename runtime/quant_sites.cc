@@ -5,7 +5,12 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "cpd/config.h"
 #include "kernels/grid.h"
+#if CPD_WITH_CUDA
+#include "cpd/quantize_cuda.h"
+#include "runtime/cuda_ops.h"
+#endif
 
 namespace cpd::runtime {
 
@@ -246,10 +251,24 @@ void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tenso
     return;
   }
   if (in.empty()) return;
+  if (out->device() != in.device()) {
+    throw std::logic_error(layer.name() + "." + SiteName(site) + ": input on " +
+                           DeviceName(in.device()) + ", output on " + DeviceName(out->device()));
+  }
   const LayerState& st = layers_.at(layer.name());
   QuantStats stats;
-  const Status s = Quantize(*f, in.data(), out->data(), in.numel(),
-                            OptionsFor(st, site, r, channels), collect_ ? &stats : nullptr);
+  const QuantizeOptions opts = OptionsFor(st, site, r, channels);
+  Status s;
+#if CPD_WITH_CUDA
+  if (in.device() == Device::kCuda) {
+    s = QuantizeCuda(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr,
+                     cuda::Stream());
+  } else {
+    s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+  }
+#else
+  s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+#endif
   if (!s.ok()) throw std::runtime_error(layer.name() + "." + SiteName(site) + ": " + s.message());
   if (collect_) records_.push_back({layer.name(), site, f->spec(), stats});
 }
@@ -262,6 +281,15 @@ void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, T
     return;
   }
   LayerState& st = layers_.at(layer.name());
+  if (w_master.device() != Device::kCpu) {
+    QuantizeWeightCuda(layer, st, *f, r, w_master, w_used);
+    return;
+  }
+  if (st.hyst_on_device) {  // the layer ran on the GPU before: its newest state is there
+    st.hyst_prev.resize(st.hyst_dev.numel());
+    st.hyst_dev.CopyToHost(st.hyst_prev.data());
+    st.hyst_on_device = false;
+  }
   const size_t n = w_master.numel();
   const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
   const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
@@ -282,6 +310,53 @@ void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, T
     st.hyst_spec = f->spec();
   }
   if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
+}
+
+void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f,
+                                       Rounding r, const Tensor& w_master, Tensor* w_used) {
+#if CPD_WITH_CUDA
+  if (w_used->device() != w_master.device()) {
+    throw std::logic_error(layer.name() + ".W: master on " + DeviceName(w_master.device()) +
+                           ", weights as used on " + DeviceName(w_used->device()));
+  }
+  const size_t n = w_master.numel();
+  const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
+  const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
+  QuantStats stats;
+  QuantStats* sp = collect_ ? &stats : nullptr;
+  if (config_.hysteresis && !st.hyst_on_device && st.hyst_prev.size() == n) {
+    // State from a CPU run or a checkpoint: continue from it on the GPU.
+    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
+    st.hyst_dev.CopyFromHost(st.hyst_prev.data());
+    st.hyst_on_device = true;
+  }
+  Status s;
+  if (config_.hysteresis && st.hyst_on_device && st.hyst_dev.numel() == n &&
+      st.hyst_spec == f.spec()) {
+    w_used->CopyFrom(st.hyst_dev);
+    uint64_t flips = 0;
+    s = QuantizeHysteresisCuda(f, w_master.data(), w_used->data(), n, opts, sp, &flips,
+                               cuda::Stream());
+    st.flips += flips;
+  } else {
+    s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, sp, cuda::Stream());
+  }
+  if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
+  if (config_.hysteresis) {
+    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
+    st.hyst_dev.CopyFrom(*w_used);
+    st.hyst_on_device = true;
+    st.hyst_spec = f.spec();
+  }
+  if (collect_) records_.push_back({layer.name(), Site::kWeight, f.spec(), stats});
+#else
+  (void)st;
+  (void)f;
+  (void)r;
+  (void)w_used;
+  throw std::logic_error(layer.name() + ".W: a " + DeviceName(w_master.device()) +
+                         " tensor in a build without CUDA");
+#endif
 }
 
 void SiteQuantizer::QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) {
@@ -320,6 +395,10 @@ std::map<std::string, uint64_t> SiteQuantizer::Flips() const {
 std::map<std::string, const std::vector<float>*> SiteQuantizer::HysteresisState() const {
   std::map<std::string, const std::vector<float>*> out;
   for (const auto& [name, st] : layers_) {
+    if (st.hyst_on_device) {  // copy the GPU's newest state back (it stays the newest there)
+      st.hyst_prev.resize(st.hyst_dev.numel());
+      st.hyst_dev.CopyToHost(st.hyst_prev.data());
+    }
     if (!st.hyst_prev.empty()) out[name] = &st.hyst_prev;
   }
   return out;
@@ -329,6 +408,7 @@ void SiteQuantizer::RestoreHysteresisState(const std::string& layer, std::vector
   auto it = layers_.find(layer);
   if (it == layers_.end()) return;
   it->second.hyst_prev = std::move(q);
+  it->second.hyst_on_device = false;  // the restored state replaces whatever the GPU held
   Rounding r = Rounding::kNearest;
   const Format* f = FormatFor(layer, Site::kWeight, &r);
   it->second.hyst_spec = f != nullptr ? f->spec() : "";

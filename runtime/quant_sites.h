@@ -53,6 +53,12 @@ Status AddLayerOverride(const std::string& text, PrecisionConfig* config);
 std::string PrecisionConfigToJson(const PrecisionConfig& config);
 Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text);
 
+// Devices: the hooks quantise where the layer's tensors are: cpd::Quantize /
+// cpd::QuantizeHysteresis for CPU tensors, cpd::QuantizeCuda / cpd::QuantizeHysteresisCuda
+// (cpd/quantize_cuda.h: bit-identical results and statistics counts) for CUDA tensors, queued
+// on the runtime's CUDA stream (runtime/cuda_ops.h). Collecting statistics, or counting
+// hysteresis flips, waits for that stream.
+
 // Statistics of one site of one layer at one step.
 struct SiteRecord {
   std::string layer;
@@ -99,7 +105,8 @@ class SiteQuantizer : public QuantHooks {
   void SetEval(bool eval) { eval_ = eval; }
   const PrecisionConfig& config() const { return config_; }
 
-  // Hysteresis state (previous quantised weights) for checkpoints.
+  // Hysteresis state (previous quantised weights) for checkpoints, in host memory (state kept
+  // on the GPU is copied back first). The pointers stay valid until the next hook call.
   std::map<std::string, const std::vector<float>*> HysteresisState() const;
   void RestoreHysteresisState(const std::string& layer, std::vector<float> q);
 
@@ -113,8 +120,12 @@ class SiteQuantizer : public QuantHooks {
   struct LayerState {
     int index = 0;
     bool keep_fp32 = false;
-    std::vector<float> hyst_prev;  // previous quantised weights (hysteresis)
-    std::string hyst_spec;         // the format hyst_prev was quantised to
+    // Previous quantised weights (hysteresis), in host memory, or on the GPU while the layer
+    // runs there: hyst_on_device means hyst_dev holds the newest copy and hyst_prev may be stale.
+    mutable std::vector<float> hyst_prev;
+    Tensor hyst_dev;
+    bool hyst_on_device = false;
+    std::string hyst_spec;  // the format the previous weights were quantised to
     uint64_t flips = 0;
   };
 
@@ -125,6 +136,9 @@ class SiteQuantizer : public QuantHooks {
   const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
   // Quantises `in` into `out` (which may be `in` itself) at one site.
   void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
+  // QuantizeWeight for CUDA tensors.
+  void QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f, Rounding r,
+                          const Tensor& w_master, Tensor* w_used);
   QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
 
   PrecisionConfig config_;

@@ -14,6 +14,26 @@ namespace cpd::runtime {
 
 namespace {
 
+#if CPD_WITH_CUDA
+// Throws std::runtime_error naming the failing CUDA call, where it is, and CUDA's error text.
+#define CPD_TENSOR_CUDA_CHECK(expr)                                             \
+  do {                                                                          \
+    const cudaError_t cpd_err_ = (expr);                                        \
+    if (cpd_err_ != cudaSuccess) {                                              \
+      throw std::runtime_error(std::string("CUDA error at ") + __FILE__ + ":" + \
+                               std::to_string(__LINE__) + ": " + #expr + ": " + \
+                               cudaGetErrorString(cpd_err_) + " (" +            \
+                               std::to_string(int(cpd_err_)) + ")");            \
+    }                                                                           \
+  } while (0)
+#endif
+
+#if !CPD_WITH_CUDA
+[[noreturn]] void NoCuda() {
+  throw std::runtime_error("a CUDA tensor was requested, but this build has no CUDA");
+}
+#endif
+
 std::shared_ptr<float> Allocate(size_t n, Device device) {
   if (n == 0) return nullptr;
   if (device == Device::kCpu) {
@@ -27,19 +47,41 @@ std::shared_ptr<float> Allocate(size_t n, Device device) {
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, n * sizeof(float));
   if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
     throw std::runtime_error(std::string("cudaMalloc(") + std::to_string(n * sizeof(float)) +
                              " bytes): " + cudaGetErrorString(err));
   }
-  cudaMemset(p, 0, n * sizeof(float));
-  return std::shared_ptr<float>(static_cast<float*>(p), [](float* q) { cudaFree(q); });
+  std::shared_ptr<float> owned(static_cast<float*>(p), [](float* q) { cudaFree(q); });
+  CPD_TENSOR_CUDA_CHECK(cudaMemset(p, 0, n * sizeof(float)));
+  return owned;
 #else
-  throw std::runtime_error("a CUDA tensor was requested, but this build has no CUDA");
+  NoCuda();
 #endif
 }
 
 }  // namespace
 
 const char* DeviceName(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
+
+bool CudaAvailable(std::string* why) {
+#if CPD_WITH_CUDA
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+    return false;
+  }
+  if (count < 1) {
+    if (why != nullptr) *why = "cudaGetDeviceCount found no CUDA device";
+    return false;
+  }
+  return true;
+#else
+  if (why != nullptr) *why = "this build has no CUDA (CPD_WITH_CUDA=OFF)";
+  return false;
+#endif
+}
 
 size_t NumelOf(const std::vector<int64_t>& shape) {
   size_t n = 1;
@@ -65,6 +107,21 @@ Tensor Tensor::Reshaped(std::vector<int64_t> shape) const {
   return t;
 }
 
+Tensor Tensor::Slice(size_t offset, std::vector<int64_t> shape) const {
+  const size_t n = NumelOf(shape);
+  if (offset > numel_ || n > numel_ - offset) {
+    throw std::invalid_argument("Slice: " + std::to_string(n) + " elements at offset " +
+                                std::to_string(offset) + " do not fit in " + ShapeString());
+  }
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.numel_ = n;
+  t.device_ = device_;
+  t.storage_ = storage_;
+  t.data_ = n == 0 ? nullptr : data_ + offset;
+  return t;
+}
+
 void Tensor::Resize(std::vector<int64_t> shape) {
   const size_t n = NumelOf(shape);
   if (n != numel_ || storage_ == nullptr) {
@@ -82,7 +139,7 @@ void Tensor::Zero() {
     return;
   }
 #if CPD_WITH_CUDA
-  cudaMemset(data_, 0, numel_ * sizeof(float));
+  CPD_TENSOR_CUDA_CHECK(cudaMemset(data_, 0, numel_ * sizeof(float)));
 #endif
 }
 
@@ -112,15 +169,11 @@ void Tensor::CopyFrom(const Tensor& src) {
     return;
   }
 #if CPD_WITH_CUDA
-  const cudaMemcpyKind kind = src.device_ == Device::kCpu
-                                  ? (device_ == Device::kCpu ? cudaMemcpyHostToHost
-                                                             : cudaMemcpyHostToDevice)
-                                  : (device_ == Device::kCpu ? cudaMemcpyDeviceToHost
-                                                             : cudaMemcpyDeviceToDevice);
-  const cudaError_t err = cudaMemcpy(data_, src.data_, numel_ * sizeof(float), kind);
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("cudaMemcpy: ") + cudaGetErrorString(err));
-  }
+  const cudaMemcpyKind kind =
+      src.device_ == Device::kCpu
+          ? (device_ == Device::kCpu ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
+          : (device_ == Device::kCpu ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
+  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_, src.data_, numel_ * sizeof(float), kind));
 #else
   throw std::runtime_error("CUDA tensors need a CUDA build");
 #endif
@@ -132,6 +185,28 @@ Tensor Tensor::To(Device device) const {
   return t;
 }
 
+void Tensor::CopyToHost(float* dst) const {
+  if (numel_ == 0) return;
+  if (device_ == Device::kCpu) {
+    std::memcpy(dst, data_, numel_ * sizeof(float));
+    return;
+  }
+#if CPD_WITH_CUDA
+  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(dst, data_, numel_ * sizeof(float), cudaMemcpyDeviceToHost));
+#endif
+}
+
+void Tensor::CopyFromHost(const float* src) {
+  if (numel_ == 0) return;
+  if (device_ == Device::kCpu) {
+    std::memcpy(data_, src, numel_ * sizeof(float));
+    return;
+  }
+#if CPD_WITH_CUDA
+  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_, src, numel_ * sizeof(float), cudaMemcpyHostToDevice));
+#endif
+}
+
 std::string Tensor::ShapeString() const {
   std::string s = "[";
   for (size_t i = 0; i < shape_.size(); ++i) {
@@ -139,6 +214,46 @@ std::string Tensor::ShapeString() const {
     s += std::to_string(shape_[i]);
   }
   return s + "]";
+}
+
+void ResizeOn(Tensor* t, const std::vector<int64_t>& shape, Device device) {
+  if (t->device() != device) {
+    *t = Tensor(shape, device);
+  } else {
+    t->Resize(shape);
+  }
+}
+
+void RawBuffer::Reserve(size_t bytes, Device device) {
+  if (bytes <= bytes_ && device == device_ && data_ != nullptr) return;
+  const size_t floats = (bytes + sizeof(float) - 1) / sizeof(float);
+  data_ = Allocate(floats, device);
+  bytes_ = floats * sizeof(float);
+  device_ = device;
+}
+
+void RawBuffer::CopyFromHost(const void* src, size_t bytes) {
+  if (bytes > bytes_) throw std::invalid_argument("RawBuffer::CopyFromHost: more than reserved");
+  if (bytes == 0) return;
+  if (device_ == Device::kCpu) {
+    std::memcpy(data_.get(), src, bytes);
+    return;
+  }
+#if CPD_WITH_CUDA
+  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_.get(), src, bytes, cudaMemcpyHostToDevice));
+#endif
+}
+
+void RawBuffer::CopyToHost(void* dst, size_t bytes) const {
+  if (bytes > bytes_) throw std::invalid_argument("RawBuffer::CopyToHost: more than reserved");
+  if (bytes == 0) return;
+  if (device_ == Device::kCpu) {
+    std::memcpy(dst, data_.get(), bytes);
+    return;
+  }
+#if CPD_WITH_CUDA
+  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(dst, data_.get(), bytes, cudaMemcpyDeviceToHost));
+#endif
 }
 
 }  // namespace cpd::runtime

@@ -133,12 +133,16 @@ Result<std::vector<float>> SumInRankOrder(comm::Communicator* comm,
   return sum;
 }
 
+// `t` itself when it is in host memory, else a host copy.
+Tensor OnHost(const Tensor& t) { return t.device() == Device::kCpu ? t : t.To(Device::kCpu); }
+
 // FNV-1a over the bytes of every parameter value.
 uint64_t HashParams(const std::vector<Param*>& params) {
   uint64_t h = 1469598103934665603ull;
   for (const Param* p : params) {
-    const auto* b = reinterpret_cast<const unsigned char*>(p->value.data());
-    for (size_t i = 0; i < p->value.numel() * sizeof(float); ++i) {
+    const Tensor v = OnHost(p->value);
+    const auto* b = reinterpret_cast<const unsigned char*>(v.data());
+    for (size_t i = 0; i < v.numel() * sizeof(float); ++i) {
       h = (h ^ b[i]) * 1099511628211ull;
     }
   }
@@ -164,9 +168,18 @@ comm::GradientLayout LayoutOf(const std::vector<Param*>& params) {
   return layout;
 }
 
+// `x` itself on the CPU; else `x` copied into *staging on `device` (reused across calls).
+Tensor ToDevice(const Tensor& x, Device device, Tensor* staging) {
+  if (device == Device::kCpu) return x;
+  ResizeOn(staging, x.shape(), device);
+  staging->CopyFrom(x);
+  return *staging;
+}
+
 struct Run {
   const TrainOptions& o;
   comm::Communicator* comm = nullptr;
+  Device device = Device::kCpu;
   int world = 1, rank = 0, local_workers = 1, workers = 1;
   int64_t worker_batch = 0, global_batch = 0;
   Dataset train, test;
@@ -176,6 +189,7 @@ struct Run {
   std::unique_ptr<Optimizer> optimizer;
   LrSchedule lr;
   std::unique_ptr<BatchIterator> iter;
+  Tensor grad_flat;  // on a GPU: every param's gradient, as views (TrainOn)
   int64_t step = 0;
   int64_t last_saved_step = -1;
   int64_t batches_per_epoch = 0;
@@ -206,15 +220,14 @@ struct Run {
     meta["seed"] = o.seed;
     if (control != nullptr) meta["schedule"] = json::parse(control->ScheduleJson());
     ck.meta_json = meta.dump();
-    for (Param* p : model->Params()) {
-      ck.Put("param/" + p->name, p->value.shape(), p->value.data(), p->value.numel());
-    }
-    for (auto& [name, t] : model->Buffers()) {
-      ck.Put("buffer/" + name, t->shape(), t->data(), t->numel());
-    }
-    for (auto& [name, t] : optimizer->State()) {
-      ck.Put("opt/" + name, t->shape(), t->data(), t->numel());
-    }
+    // Tensors on the GPU are copied to the host first.
+    auto put = [&ck](const std::string& key, const Tensor& t) {
+      const Tensor h = OnHost(t);
+      ck.Put(key, h.shape(), h.data(), h.numel());
+    };
+    for (Param* p : model->Params()) put("param/" + p->name, p->value);
+    for (auto& [name, t] : model->Buffers()) put("buffer/" + name, *t);
+    for (auto& [name, t] : optimizer->State()) put("opt/" + name, *t);
     for (auto& [layer, q] : quant->HysteresisState()) {
       ck.Put("hyst/" + layer, {int64_t(q->size())}, q->data(), q->size());
     }
@@ -263,7 +276,7 @@ struct Run {
                                   std::to_string(v.size()) + " values, the model needs " +
                                   std::to_string(t->numel()));
       }
-      std::copy(v.begin(), v.end(), t->data());
+      t->CopyFromHost(v.data());  // any device
       return Status::Ok();
     };
     for (Param* p : model->Params()) CPD_RETURN_IF_ERROR(take("param/" + p->name, &p->value));
@@ -300,9 +313,10 @@ struct Run {
     Tensor dlogits;
     double loss_sum = 0;
     int64_t correct = 0, seen = 0;
+    Tensor x_dev;
     while (it.Next(&x, &y)) {
       if (y.empty()) continue;  // this rank's share of the last batch
-      Tensor logits = model->Forward(x, /*train=*/false);
+      Tensor logits = model->Forward(ToDevice(x, device, &x_dev), /*train=*/false);
       loss_sum += double(ce.Forward(logits, y, &dlogits)) * double(y.size());
       correct += SoftmaxCrossEntropy::CountCorrect(logits, y);
       seen += int64_t(y.size());
@@ -492,9 +506,35 @@ Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
   return out;
 }
 
+// --device: auto picks CUDA when the build has it and cudaGetDeviceCount finds a GPU.
+Result<Device> ResolveDevice(const std::string& flag) {
+  if (flag == "cpu") return Device::kCpu;
+  std::string why;
+  const bool cuda = CudaAvailable(&why);
+  if (flag == "auto") return cuda ? Device::kCuda : Device::kCpu;
+  if (!cuda) {
+    return Status::Unavailable("--device cuda: no usable GPU (" + why + "); use --device cpu");
+  }
+  return Device::kCuda;
+}
+
+Result<TrainResult> TrainOn(const TrainOptions& o, comm::Communicator* comm);
+
 }  // namespace
 
 Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
+  // The layers report CUDA failures (and misuse) by exceptions; the trainer's callers get them
+  // as a Status, like every other failure.
+  try {
+    return TrainOn(o, comm);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("training failed: ") + e.what());
+  }
+}
+
+namespace {
+
+Result<TrainResult> TrainOn(const TrainOptions& o, comm::Communicator* comm) {
   CPD_RETURN_IF_ERROR(Validate(o));
   CoordinatorOptions coord_opts = o.coordinator;
   const bool coordinated = !coord_opts.address.empty();
@@ -505,10 +545,8 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
       return Status::InvalidArgument("--report-interval must be a positive number of seconds");
     }
   }
-  if (o.device == "cuda") {
-    return Status::Unavailable(
-        "--device cuda: the engine's CUDA layers are not built yet; use --device cpu");
-  }
+  auto device = ResolveDevice(o.device);
+  if (!device.ok()) return device.status();
   comm::SelfCommunicator self;
   if (comm == nullptr) comm = &self;
   const int threads = o.threads > 0 ? o.threads : omp_get_num_procs();
@@ -517,6 +555,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
 
   Run run(o);
   run.comm = comm;
+  run.device = *device;
   run.world = comm->size();
   run.rank = comm->rank();
   run.local_workers = o.emulate_ranks;
@@ -557,6 +596,19 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   auto model = BuildModel(o.arch, in_ch, size, classes, o.seed);
   if (!model.ok()) return model.status();
   run.model = std::move(model.value());
+  if (run.device != Device::kCpu && !o.print_model) {
+    MoveToDevice(run.model.get(), run.device);
+    // The gradients as views of one flat device buffer, so that staging them to the host for
+    // the all-reduce (which sums host memory) is one copy each way per step.
+    size_t total = 0;
+    for (Param* p : run.model->Params()) total += p->grad.numel();
+    run.grad_flat = Tensor({int64_t(total)}, run.device);
+    size_t off = 0;
+    for (Param* p : run.model->Params()) {
+      p->grad = run.grad_flat.Slice(off, p->grad.shape());
+      off += p->grad.numel();
+    }
+  }
   for (Layer* l : run.model->Flatten()) {
     if (l->Quantizable()) run.quant_layers.push_back(l);
   }
@@ -655,12 +707,15 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   }
   // Identical replicas from the start: rank 0's parameters and buffers everywhere.
   if (run.world > 1) {
-    for (Param* p : params) {
-      CPD_RETURN_IF_ERROR(comm->Broadcast(p->value.data(), p->value.numel(), 0));
-    }
-    for (auto& [name, t] : run.model->Buffers()) {
-      CPD_RETURN_IF_ERROR(comm->Broadcast(t->data(), t->numel(), 0));
-    }
+    // The communicator works on host memory: GPU tensors go through a host copy.
+    auto broadcast = [&](Tensor* t) -> Status {
+      Tensor h = OnHost(*t);
+      CPD_RETURN_IF_ERROR(comm->Broadcast(h.data(), h.numel(), 0));
+      if (t->device() != Device::kCpu) t->CopyFrom(h);
+      return Status::Ok();
+    };
+    for (Param* p : params) CPD_RETURN_IF_ERROR(broadcast(&p->value));
+    for (auto& [name, t] : run.model->Buffers()) CPD_RETURN_IF_ERROR(broadcast(t));
   }
   const std::vector<std::pair<std::string, Tensor*>> buffers = run.model->Buffers();
   size_t buffer_floats = 0;
@@ -679,12 +734,12 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
       }
     }
     std::printf(
-        "cpd-train: %s on %s (%lld train / %lld test), %d threads, batch %lld (%lld per "
+        "cpd-train: %s on %s (%lld train / %lld test), %s, %d threads, batch %lld (%lld per "
         "worker)%s, %d epochs x %lld steps\n",
         o.arch.c_str(), o.dataset.c_str(), static_cast<long long>(run.train.count),
-        static_cast<long long>(run.test.count), threads, static_cast<long long>(run.global_batch),
-        static_cast<long long>(run.worker_batch), par.c_str(), o.epochs,
-        static_cast<long long>(run.batches_per_epoch));
+        static_cast<long long>(run.test.count), DeviceName(run.device), threads,
+        static_cast<long long>(run.global_batch), static_cast<long long>(run.worker_batch),
+        par.c_str(), o.epochs, static_cast<long long>(run.batches_per_epoch));
   }
 
   TrainResult result;
@@ -763,7 +818,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
     return r;
   };
   SoftmaxCrossEntropy ce;
-  Tensor x, dlogits;
+  Tensor x, dlogits, x_dev;
   std::vector<int32_t> y;
   std::vector<float> buffers_before(buffer_floats), buffers_after;
   const auto t_start = Clock::now();
@@ -798,8 +853,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
       if (sync_buffers) {
         size_t off = 0;
         for (const auto& b : buffers) {
-          std::copy(b.second->data(), b.second->data() + b.second->numel(),
-                    buffers_before.data() + off);
+          b.second->CopyToHost(buffers_before.data() + off);
           off += b.second->numel();
         }
         buffers_after.assign(buffer_floats * size_t(run.local_workers), 0.0f);
@@ -811,6 +865,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         const uint64_t worker = uint64_t(run.rank) * uint64_t(run.local_workers) + uint64_t(k);
         const int64_t begin = n * k / run.local_workers, end = n * (k + 1) / run.local_workers;
         Tensor xk = run.local_workers == 1 ? x : SliceRows(x, begin, end);
+        xk = ToDevice(xk, run.device, &x_dev);
         const std::vector<int32_t> yk(y.begin() + begin, y.begin() + end);
         run.quant->SetWorker(worker);
         // Dropout masks: a stream per (step, worker); worker 0 of a 1-worker run keeps `step`.
@@ -819,8 +874,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         if (sync_buffers && k > 0) {
           size_t off = 0;
           for (const auto& b : buffers) {
-            std::copy(buffers_before.data() + off, buffers_before.data() + off + b.second->numel(),
-                      b.second->data());
+            b.second->CopyFromHost(buffers_before.data() + off);
             off += b.second->numel();
           }
         }
@@ -830,10 +884,15 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         run.model->Backward(dlogits);
         step_loss_sum += loss * float(yk.size());
         step_correct += SoftmaxCrossEntropy::CountCorrect(logits, yk);
-        size_t off = 0;
-        for (Param* p : params) {
-          std::copy(p->grad.data(), p->grad.data() + p->grad.numel(), flat[size_t(k)].data() + off);
-          off += p->grad.numel();
+        if (run.device == Device::kCpu) {
+          size_t off = 0;
+          for (Param* p : params) {
+            std::copy(p->grad.data(), p->grad.data() + p->grad.numel(),
+                      flat[size_t(k)].data() + off);
+            off += p->grad.numel();
+          }
+        } else {
+          run.grad_flat.CopyToHost(flat[size_t(k)].data());  // every gradient in one copy
         }
         if (run.step == o.debug_nan_step && worker == 0 && !flat[0].empty()) {
           flat[0][0] = std::numeric_limits<float>::quiet_NaN();
@@ -841,8 +900,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         if (sync_buffers) {
           size_t boff = buffer_floats * size_t(k);
           for (const auto& b : buffers) {
-            std::copy(b.second->data(), b.second->data() + b.second->numel(),
-                      buffers_after.data() + boff);
+            b.second->CopyToHost(buffers_after.data() + boff);
             boff += b.second->numel();
           }
         }
@@ -864,12 +922,19 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         run.Log({{"type", "skip"}, {"step", run.step}, {"reason", "nonfinite gradient"}});
       } else {
         const float inv_workers = 1.0f / float(run.workers);
-        size_t off = 0;
-        for (Param* p : params) {
-          float* g = p->grad.data();
-          const float* src = flat[0].data() + off;
-          for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * inv_workers;
-          off += p->grad.numel();
+        if (run.device == Device::kCpu) {
+          size_t off = 0;
+          for (Param* p : params) {
+            float* g = p->grad.data();
+            const float* src = flat[0].data() + off;
+            for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = src[i] * inv_workers;
+            off += p->grad.numel();
+          }
+        } else {
+          // The same float products on the host, then one copy back into the gradient views.
+          float* src = flat[0].data();
+          for (size_t i = 0; i < flat[0].size(); ++i) src[i] = src[i] * inv_workers;
+          run.grad_flat.CopyFromHost(src);
         }
         run.optimizer->Step(lr_now);
       }
@@ -884,11 +949,13 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
         auto total = SumInRankOrder(comm, local);
         if (!total.ok()) return total.status();
         size_t off = 0;
+        std::vector<float> averaged;
         for (const auto& b : buffers) {
-          float* d = b.second->data();
+          averaged.resize(b.second->numel());
           for (size_t i = 0; i < b.second->numel(); ++i) {
-            d[i] = (*total)[off + i] / float(run.workers);
+            averaged[i] = (*total)[off + i] / float(run.workers);
           }
+          b.second->CopyFromHost(averaged.data());
           off += b.second->numel();
         }
       }
@@ -1047,5 +1114,7 @@ Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
   }
   return result;
 }
+
+}  // namespace
 
 }  // namespace cpd::runtime

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -108,6 +109,42 @@ TEST(CpdTrainCli, CptPresetTrainsAndReportsBitsAndCost) {
   EXPECT_NE(r.out.find("bits 3-8/8"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("cost -"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("epoch 1/1"), std::string::npos) << r.out;
+}
+
+// Runs cpd-train with every GPU hidden from the CUDA runtime (CUDA_VISIBLE_DEVICES=""), so that
+// the behaviour without a GPU is tested on GPU machines too (and in builds without CUDA).
+RunResult TrainWithoutGpu(const std::vector<std::string>& args) {
+  const char* old = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  RunResult r = Train(args);
+  if (old != nullptr) {
+    setenv("CUDA_VISIBLE_DEVICES", saved.c_str(), 1);
+  } else {
+    unsetenv("CUDA_VISIBLE_DEVICES");
+  }
+  return r;
+}
+
+TEST(CpdTrainCli, DeviceCudaWithoutAGpuIsAOneLineError) {
+  const RunResult r =
+      TrainWithoutGpu({"--device", "cuda", "--dataset", "synthetic", "--max-steps", "1"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;  // an environment error, not a usage error; no crash
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_EQ(r.err.rfind("cpd-train: --device cuda: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("use --device cpu"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+TEST(CpdTrainCli, DeviceAutoWithoutAGpuTrainsOnTheCpu) {
+  const RunResult r = TrainWithoutGpu({"--dataset", "synthetic", "--arch", "mlp", "--max-steps",
+                                       "2", "--epochs", "1", "--no-progress"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(", cpu, "), std::string::npos) << r.out;
+}
+
+TEST(CpdTrainCli, BadDeviceNamesTheFlag) {
+  ExpectUsageError(Train({"--device", "tpu"}), "--device 'tpu'");
 }
 
 }  // namespace

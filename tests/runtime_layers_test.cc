@@ -397,22 +397,26 @@ TEST(Linear, RejectsBadInputs) {
   }
 }
 
-TEST(Layers, RejectNonCpuTensors) {
+TEST(Layers, RejectInputsOnAnotherDeviceThanTheirParameters) {
   Tensor cuda;
   try {
     cuda = Tensor({2, 4}, Device::kCuda);
   } catch (const std::runtime_error&) {
-    GTEST_SKIP() << "no CUDA in this build: cannot make a non-CPU tensor";
+    GTEST_SKIP() << "no CUDA device (or no CUDA in this build): cannot make a CUDA tensor";
   }
-  Linear fc("fc", 4, 2);
+  Linear fc("fc", 4, 2);  // parameters on the CPU
   try {
     fc.Forward(cuda, true);
     ADD_FAILURE() << "expected std::invalid_argument";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("Device::kCpu"), std::string::npos) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find("fc (Linear)"), std::string::npos) << what;
+    EXPECT_NE(what.find("cuda"), std::string::npos) << what;
+    EXPECT_NE(what.find("cpu"), std::string::npos) << what;
   }
-  ReLU relu("relu");
-  EXPECT_THROW(relu.Forward(cuda, true), std::invalid_argument);
+  // The other way round: a CPU input to a layer moved to the GPU.
+  MoveToDevice(&fc, Device::kCuda);
+  EXPECT_THROW(fc.Forward(Tensor({2, 4}), true), std::invalid_argument);
 }
 
 // ---- Conv2d -------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ TrainOptions SmallRun() {
   o.eval_each_epoch = false;
   o.stats_every = 0;
   o.threads = 2;
+  o.device = "cpu";  // the CPU path on every machine (tests/cuda cover --device cuda)
   return o;
 }
 
@@ -267,7 +268,6 @@ TEST(TrainerOptions, BadValuesNameTheFlag) {
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("conv9"), std::string::npos);
 }
-
 
 // ---- Data parallelism in one process (--emulate-ranks) -----------------------------------------
 

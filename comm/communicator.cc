@@ -1,6 +1,7 @@
 #include "comm/communicator.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 namespace cpd::comm {
@@ -64,6 +65,14 @@ Status SelfCommunicator::AllGatherBytes(const std::uint8_t* in, std::uint8_t* ou
 Status SelfCommunicator::BroadcastBytes(std::uint8_t* data, std::size_t count, int root) {
   CPD_RETURN_IF_ERROR(CheckRoot(root, "BroadcastBytes"));
   return CheckBuffers(data, data, count, "BroadcastBytes");
+}
+
+int LocalRankFromEnv() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') return std::atoi(v);
+  }
+  return -1;
 }
 
 }  // namespace cpd::comm

@@ -81,6 +81,11 @@ class Communicator {
   virtual Status Barrier() = 0;
 };
 
+// This process's rank among the ranks on its node, from the launcher's environment (Open MPI's
+// OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID, MPICH's MPI_LOCALRANKID), or -1 when no
+// launcher says. Used to give each rank of a node its own GPU.
+int LocalRankFromEnv();
+
 // World size 1: reductions and broadcasts are no-ops, gathers and scatters are copies. Useful for
 // single-process training and as a reference.
 class SelfCommunicator final : public Communicator {

@@ -37,15 +37,6 @@ std::string Where(const char* file, int line, const char* expr, int rank) {
 
 ncclRedOp_t ToNccl(ReduceOp op) { return op == ReduceOp::kMax ? ncclMax : ncclSum; }
 
-// The node-local rank from the launcher's environment, or -1.
-int LocalRankFromEnv() {
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"}) {
-    const char* v = std::getenv(name);
-    if (v != nullptr && *v != '\0') return std::atoi(v);
-  }
-  return -1;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Communicator* bootstrap,

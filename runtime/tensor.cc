@@ -83,6 +83,20 @@ bool CudaAvailable(std::string* why) {
 #endif
 }
 
+int SelectCudaDevice(int hint) {
+#if CPD_WITH_CUDA
+  int count = 0;
+  CPD_TENSOR_CUDA_CHECK(cudaGetDeviceCount(&count));
+  if (count < 1) throw std::runtime_error("SelectCudaDevice: no CUDA device");
+  const int device = (hint < 0 ? 0 : hint) % count;
+  CPD_TENSOR_CUDA_CHECK(cudaSetDevice(device));
+  return device;
+#else
+  (void)hint;
+  NoCuda();
+#endif
+}
+
 size_t NumelOf(const std::vector<int64_t>& shape) {
   size_t n = 1;
   for (int64_t d : shape) {

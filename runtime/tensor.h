@@ -26,6 +26,10 @@ const char* DeviceName(Device d);
 // device. When false, `why` (may be null) receives a one-line reason ("this build has no CUDA",
 // "cudaGetDeviceCount: no CUDA-capable device is detected", ...).
 bool CudaAvailable(std::string* why = nullptr);
+// Makes GPU (hint mod device count) this process's device, so that the ranks of a node spread
+// over its GPUs. Call before the first CUDA tensor. Returns the device chosen; throws
+// std::runtime_error when CUDA is unavailable or cudaSetDevice fails.
+int SelectCudaDevice(int hint);
 
 class Tensor {
  public:

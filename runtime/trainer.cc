@@ -549,6 +549,11 @@ Result<TrainResult> TrainOn(const TrainOptions& o, comm::Communicator* comm) {
   if (!device.ok()) return device.status();
   comm::SelfCommunicator self;
   if (comm == nullptr) comm = &self;
+  if (*device == Device::kCuda && comm->size() > 1) {
+    // The ranks of a node take its GPUs in turn (before any CUDA tensor exists).
+    const int local = comm::LocalRankFromEnv();
+    SelectCudaDevice(local >= 0 ? local : comm->rank());
+  }
   const int threads = o.threads > 0 ? o.threads : omp_get_num_procs();
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);

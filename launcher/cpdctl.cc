@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -300,6 +301,28 @@ v1::JobStatusResponse GetStatus(Connection& c, const std::string& job) {
 
 // ---- Files written atomically ----------------------------------------------------------------
 
+// Temporary files to remove when cpdctl exits, also through Fail() (std::exit runs no
+// destructors). Single-threaded use: the watch threads create no files.
+std::vector<std::string>& TempFiles() {
+  static std::vector<std::string> files;
+  return files;
+}
+void RemoveTempFiles() {
+  for (const auto& f : TempFiles()) unlink(f.c_str());
+  TempFiles().clear();
+}
+void AddTempFile(const std::string& path) {
+  // The list exists before the handler is registered, so it is destroyed after the handler ran.
+  std::vector<std::string>& files = TempFiles();
+  static const bool registered = std::atexit(RemoveTempFiles) == 0;
+  (void)registered;
+  files.push_back(path);
+}
+void ForgetTempFile(const std::string& path) {
+  auto& v = TempFiles();
+  v.erase(std::remove(v.begin(), v.end(), path), v.end());
+}
+
 // A file created as a temporary in the target's directory and renamed over the target only when
 // complete (after fsync), so a reader sees the old file or the whole new one.
 class AtomicFile {
@@ -312,6 +335,7 @@ class AtomicFile {
     tmp_ = dir_ + "/." + base + ".tmp.XXXXXX" + suffix;
     fd_ = mkstemps(tmp_.data(), int(suffix.size()));
     if (fd_ < 0) Fail("cannot create a file in " + dir_ + ": " + std::strerror(errno));
+    AddTempFile(tmp_);
   }
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -319,6 +343,7 @@ class AtomicFile {
     if (file_ != nullptr) std::fclose(file_);
     if (fd_ >= 0 && file_ == nullptr) close(fd_);
     if (!committed_) unlink(tmp_.c_str());
+    ForgetTempFile(tmp_);
   }
 
   const std::string& temp_path() const { return tmp_; }
@@ -352,6 +377,7 @@ class AtomicFile {
       Fail("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
     }
     committed_ = true;
+    ForgetTempFile(tmp_);
     const int dfd = open(dir_.c_str(), O_RDONLY | O_DIRECTORY);
     if (dfd >= 0) {
       fsync(dfd);
@@ -747,7 +773,8 @@ std::string ReportLine(const v1::StatsReport& r, const v1::JobStatusResponse& st
   return l + "\n";
 }
 
-// Folds a report into the status block's fields.
+// Folds a report into the status block's fields (reports_stored stays as JobStatus said: the
+// coordinator stores reports asynchronously).
 void Absorb(const v1::StatsReport& r, v1::JobStatusResponse* st) {
   st->mutable_job()->set_step(r.step());
   st->mutable_job()->set_last_report_ms(r.time_ms());
@@ -761,7 +788,6 @@ void Absorb(const v1::StatsReport& r, v1::JobStatusResponse* st) {
   st->set_images_per_s(r.images_per_s());
   st->set_dropped_reports(r.dropped_reports());
   st->set_skipped_steps(r.skipped_steps());
-  st->set_reports_stored(st->reports_stored() + 1);
   st->mutable_schedule()->set_version(std::max(st->schedule().version(), r.schedule_version()));
 }
 
@@ -819,6 +845,20 @@ int RunWatch(const Globals& g, const WatchArgs& a) {
   std::optional<Clock::time_point> last_arrival;
   v1::StatsReport with_layers;  // the latest report that carried layer rows
   bool have_layers = false, finished = false, dirty = true;
+  if (a.layers && tty) {
+    // The table starts from the latest stored layer rows, not empty until the next such report.
+    v1::LayerStatsRequest lreq;
+    *lreq.mutable_job() = ref;
+    lreq.set_latest(true);
+    grpc::ClientContext lctx;
+    c.Prepare(&lctx);
+    v1::LayerStatsResponse lresp;
+    const grpc::Status ls = c.ops().LayerStats(&lctx, lreq, &lresp);
+    if (ls.ok() && lresp.reports_size() > 0) {
+      with_layers = lresp.reports(lresp.reports_size() - 1);
+      have_layers = true;
+    }
+  }
   int received = 0;
   auto interval = std::chrono::microseconds(int64_t(a.interval_s * 1e6));
   auto last_draw = Clock::now() - interval;
@@ -835,7 +875,8 @@ int RunWatch(const Globals& g, const WatchArgs& a) {
     std::string screen = "\x1b[H\x1b[2J";
     screen += "cpdctl watch " + a.job + " on " + c.address() + "  " +
               cpd::ctl::FormatTime(NowMs()) + "  (Ctrl-C stops)\n\n";
-    const std::string block = StatusBlock(st, age);
+    const std::string block =
+        StatusBlock(st, age) + std::to_string(received) + " reports received by this watch\n";
     screen += block;
     if (a.layers) {
       screen += "\n";
@@ -876,8 +917,10 @@ int RunWatch(const Globals& g, const WatchArgs& a) {
     }
     for (const auto& r : batch) {
       if (by_count) break;
+      // The stream starts with the latest report, which JobStatus already dated.
+      const bool known = received == 0 && age_at_start >= 0 && r.step() == st.job().step();
       ++received;
-      last_arrival = Clock::now();
+      if (!known) last_arrival = Clock::now();
       Absorb(r, &st);
       if (r.layers_size() > 0) {
         with_layers = r;
@@ -926,6 +969,7 @@ size_t ReadHistory(Connection& c, const std::string& job, int64_t from, int64_t 
   v1::StatsReport r;
   size_t n = 0;
   while (reader->Read(&r)) {
+    if (to >= 0 && r.step() > to) continue;  // to_step 0 means "to the end" on the wire
     sink(r);
     ++n;
   }
@@ -1060,14 +1104,9 @@ int RunPlot(const Globals& g, const RangeArgs& a) {
       std::string(tmpdir != nullptr && *tmpdir ? tmpdir : "/tmp") + "/cpdctl_plot_XXXXXX.json";
   const int dfd = mkstemps(data_path.data(), 5);
   if (dfd < 0) Fail("plot: cannot create a temporary file: " + std::string(std::strerror(errno)));
-  std::string err_path = data_path.substr(0, data_path.size() - 5) + ".err";
-  struct Cleanup {
-    std::string a, b;
-    ~Cleanup() {
-      unlink(a.c_str());
-      unlink(b.c_str());
-    }
-  } cleanup{data_path, err_path};
+  AddTempFile(data_path);
+  const std::string err_path = data_path.substr(0, data_path.size() - 5) + ".err";
+  AddTempFile(err_path);
   {
     const std::string text = doc.dump();
     FILE* f = fdopen(dfd, "w");

@@ -1011,6 +1011,34 @@ TEST_F(CpdctlTest, TokenMissingWrongAndRight) {
   EXPECT_NE(r.out.find("10 stored"), std::string::npos) << r.out;
 }
 
+TEST_F(CpdctlTest, TlsWithTheServersCa) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not installed (scripts/install_deps.sh installs it)";
+  }
+  // A self-signed certificate for 127.0.0.1: its own CA.
+  const std::string cert = dir_ + "/cert.pem", key = dir_ + "/key.pem";
+  const std::string cmd =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -keyout '" + key +
+      "' -out '" + cert + "' -addext subjectAltName=IP:127.0.0.1,DNS:localhost >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const std::string port_file = dir_ + "/tls.port";
+  Child tls(CPD_COORDINATOR_PATH,
+            {"--listen", "127.0.0.1:0", "--port-file", port_file, "--db", dir_ + "/tls.sqlite",
+             "--tls-cert", cert, "--tls-key", key},
+            {}, dir_ + "/tls.err");
+  std::string line;
+  ASSERT_TRUE(tls.ReadLine(&line, 30)) << tls.err();
+  const std::string addr = "127.0.0.1:" + std::to_string(std::atoi(ReadAll(port_file).c_str()));
+  RunResult r = Ctl({"jobs", "--coordinator", addr, "--tls-ca", cert}, {}, false);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "no jobs on " + addr + "\n");
+  // Plain TCP to a TLS server: refused, one line.
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--timeout", "5"}, {}, false), 1,
+              "coordinator at " + addr);
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--tls-ca", dir_ + "/none.pem"}, {}, false), 1,
+              "--tls-ca " + dir_ + "/none.pem: cannot read");
+}
+
 // ---- help ------------------------------------------------------------------------------------
 
 TEST_F(CpdctlTest, HelpDocumentsEveryCommandAndOption) {

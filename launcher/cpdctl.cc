@@ -194,12 +194,15 @@ class Connection {
     }
     if (g_.token_file.empty()) {
       const char* env = std::getenv("CPD_TOKEN_FILE");
-      if (env != nullptr) g_.token_file = env;
+      if (env != nullptr && *env != '\0') {
+        g_.token_file = env;
+        token_flag_ = "--token-file (CPD_TOKEN_FILE)";
+      }
     }
     if (!g_.token_file.empty()) {
-      const std::string text = ReadFileOrFail("--token-file", g_.token_file);
+      const std::string text = ReadFileOrFail(token_flag_, g_.token_file);
       token_ = Trim(text.substr(0, text.find('\n')));
-      if (token_.empty()) Fail("--token-file " + g_.token_file + ": the first line is empty");
+      if (token_.empty()) Fail(token_flag_ + " " + g_.token_file + ": the first line is empty");
     }
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (!g_.tls_ca.empty()) {
@@ -209,7 +212,10 @@ class Connection {
     } else {
       creds = grpc::InsecureChannelCredentials();
     }
-    channel_ = grpc::CreateChannel(g_.coordinator, creds);
+    // The coordinator sizes its answers by its own cap; do not refuse one for ours (4 MiB).
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    channel_ = grpc::CreateCustomChannel(g_.coordinator, creds, args);
     ops_ = v1::OperatorService::NewStub(channel_);
   }
 
@@ -245,7 +251,7 @@ class Connection {
                  " requires a token and none was sent: pass --token-file FILE (or set "
                  "CPD_TOKEN_FILE)";
         }
-        return "the coordinator at " + addr + " refused the token in --token-file " +
+        return "the coordinator at " + addr + " refused the token in " + token_flag_ + " " +
                g_.token_file + " (" + msg + ")";
       default:
         break;
@@ -261,6 +267,7 @@ class Connection {
  private:
   Globals g_;
   std::string token_;
+  std::string token_flag_ = "--token-file";  // where the token file was named
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::OperatorService::Stub> ops_;
 };
@@ -580,11 +587,47 @@ int RunLayers(const Globals& g, const LayersArgs& a) {
     req.set_from_step(std::max<int64_t>(a.from, 0));
     req.set_to_step(a.to >= 0 ? a.to : std::numeric_limits<int64_t>::max());
   }
-  grpc::ClientContext ctx;
-  c.Prepare(&ctx);
+  // The coordinator caps one answer's size; a range is read in pages, each starting again at
+  // the last step received (whose reports may have been cut) and skipping what was already read.
   v1::LayerStatsResponse resp;
-  const grpc::Status s = c.ops().LayerStats(&ctx, req, &resp);
-  if (!s.ok()) c.FailCall(s, "LayerStats", a.job);
+  for (;;) {
+    grpc::ClientContext ctx;
+    c.Prepare(&ctx);
+    v1::LayerStatsResponse page;
+    const grpc::Status s = c.ops().LayerStats(&ctx, req, &page);
+    if (!s.ok()) c.FailCall(s, "LayerStats", a.job);
+    if (latest || a.step >= 0) {
+      resp = std::move(page);
+      break;
+    }
+    int skip = 0;  // reports at the first step of this page that the previous pages hold
+    if (resp.reports_size() > 0) {
+      const int64_t last = resp.reports(resp.reports_size() - 1).step();
+      for (const auto& r : resp.reports()) skip += r.step() == last ? 1 : 0;
+    }
+    int added = 0;
+    for (auto& r : *page.mutable_reports()) {
+      if (skip > 0 && resp.reports_size() > 0 &&
+          r.step() == resp.reports(resp.reports_size() - 1).step()) {
+        --skip;
+        continue;
+      }
+      *resp.add_reports() = std::move(r);
+      ++added;
+    }
+    if (added == 0 || (a.limit > 0 && resp.reports_size() >= a.limit)) break;
+    const int64_t last = resp.reports(resp.reports_size() - 1).step();
+    req.set_from_step(last);
+    if (a.limit > 0) {
+      // The page repeats the reports at `last` that are already here.
+      int again = 0;
+      for (const auto& r : resp.reports()) again += r.step() == last ? 1 : 0;
+      req.set_limit(std::min(a.limit - resp.reports_size() + again, 10000));
+    }
+  }
+  if (a.limit > 0 && resp.reports_size() > a.limit) {
+    resp.mutable_reports()->DeleteSubrange(a.limit, resp.reports_size() - a.limit);
+  }
   const auto rows = SelectRows(resp, a.site, a.sort, a.top);
 
   if (g.json) {

@@ -605,6 +605,62 @@ TEST_F(CpdctlTest, LayersJsonCarriesTheReportedValues) {
   }
 }
 
+TEST_F(CpdctlTest, LayersRangeIsReadInPagesUnderTheAnswerCap) {
+  // A coordinator whose answers stop at 1 MiB, and 12 reports of 4000 layer rows (~2 MiB).
+  std::unique_ptr<Child> small;
+  const std::string port_file = dir_ + "/small.port";
+  small = std::make_unique<Child>(
+      CPD_COORDINATOR_PATH,
+      std::vector<std::string>{"--listen", "127.0.0.1:0", "--port-file", port_file, "--db",
+                               dir_ + "/small.sqlite", "--max-message-mib", "1"},
+      std::vector<std::string>{}, dir_ + "/small.err");
+  std::string line;
+  ASSERT_TRUE(small->ReadLine(&line, 30)) << small->err();
+  const std::string addr = "127.0.0.1:" + std::to_string(std::atoi(ReadAll(port_file).c_str()));
+  auto w = Worker(addr);
+  v1::RegisterJobRequest req;
+  req.set_job_name("big");
+  req.set_world_size(1);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, "");
+  v1::RegisterJobResponse resp;
+  ASSERT_TRUE(w->RegisterJob(&ctx, req, &resp).ok());
+  constexpr int kReports = 12, kRows = 4000;
+  for (int step = 0; step < kReports; ++step) {
+    v1::StatsReport r;
+    r.set_job_id(resp.job_id());
+    r.set_step(step);
+    r.set_ranks_alive(1);
+    for (int i = 0; i < kRows; ++i) {
+      v1::LayerStat* l = r.add_layers();
+      l->set_layer("stage" + std::to_string(i / 100) + ".block" + std::to_string(i) + ".conv");
+      l->set_site(v1::SITE_COMM);
+      l->set_format("e4m3");
+      l->set_max_abs(step + i * 1e-3);
+    }
+    Report(addr, "", r);
+  }
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  json j;
+  while (Clock::now() < deadline) {
+    j = Json(Ctl({"status", "big", "--json", "--coordinator", addr}, {}, false));
+    if (j["reports_stored"] == kReports) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(j["reports_stored"], kReports);
+  j = Json(Ctl({"layers", "big", "--from", "0", "--json", "--coordinator", addr}, {}, false));
+  ASSERT_EQ(j["reports"].size(), size_t(kReports));
+  for (int step = 0; step < kReports; ++step) {
+    EXPECT_EQ(j["reports"][size_t(step)]["step"], step);
+    EXPECT_EQ(j["reports"][size_t(step)]["layers"].size(), size_t(kRows));
+  }
+  j = Json(Ctl({"layers", "big", "--from", "2", "--limit", "7", "--json", "--coordinator", addr},
+               {}, false));
+  ASSERT_EQ(j["reports"].size(), 7u);
+  EXPECT_EQ(j["reports"][0]["step"], 2);
+  EXPECT_EQ(j["reports"][6]["step"], 8);
+}
+
 // ---- schedule --------------------------------------------------------------------------------
 
 TEST_F(CpdctlTest, ScheduleGetSetRoundTripsAndReachesTheWorkers) {
@@ -1009,6 +1065,13 @@ TEST_F(CpdctlTest, TokenMissingWrongAndRight) {
   r = Ctl({"status", kJob, "--coordinator", addr}, {"CPD_TOKEN_FILE=" + token}, false);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("10 stored"), std::string::npos) << r.out;
+  ExpectError(Ctl({"status", kJob, "--coordinator", addr}, {"CPD_TOKEN_FILE=" + wrong}, false), 1,
+              "refused the token in --token-file (CPD_TOKEN_FILE) " + wrong);
+  // An empty first line is refused before any call.
+  const std::string empty = dir_ + "/empty";
+  std::ofstream(empty) << "   \ntoken-on-line-2\n";
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--token-file", empty}, {}, false), 1,
+              "the first line is empty");
 }
 
 TEST_F(CpdctlTest, TlsWithTheServersCa) {

@@ -539,6 +539,7 @@ Result<std::optional<v1::PrecisionSchedule>> Store::CurrentSchedule(int64_t job_
 
 bool Store::Enqueue(ReportRow row) {
   const size_t bytes = RowBytes(row);
+  bool wake = false;
   {
     std::lock_guard<std::mutex> l(queue_mu_);
     if (stop_ || queue_.size() >= options_.queue_max_reports ||
@@ -549,8 +550,11 @@ bool Store::Enqueue(ReportRow row) {
     queue_bytes_ += bytes;
     ++enqueued_seq_;
     stats_.queued = queue_.size();
+    // The writer waits for "not empty", then lingers for a batch: wake it only at those two
+    // edges (one futex wake per report cost ~10% of the coordinator's CPU under load).
+    wake = queue_.size() == 1 || queue_.size() == options_.max_batch;
   }
-  queue_cv_.notify_one();
+  if (wake) queue_cv_.notify_one();
   return true;
 }
 

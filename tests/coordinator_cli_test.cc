@@ -241,6 +241,12 @@ TEST(CoordinatorCli, SigintAlsoStopsCleanly) {
   TempDir dir;
   Coordinator c(dir, {});
   ASSERT_GT(c.WaitForPort(), 0);
+  // A second coordinator on the same database is refused (exit 1, one line).
+  RunResult second =
+      RunProgram(CPD_COORDINATOR_PATH, {"--listen", "127.0.0.1:0", "--db", dir.File("coord.db")});
+  EXPECT_EQ(second.exit_code, 1) << second.err;
+  EXPECT_EQ(Lines(second.err), 1u) << second.err;
+  EXPECT_NE(second.err.find("in use by another cpd-coordinator"), std::string::npos) << second.err;
   EXPECT_EQ(c.Terminate(SIGINT), 0) << c.err();
   EXPECT_NE(c.err().find("SIGINT received"), std::string::npos) << c.err();
   // The port file was written atomically: no temporary left beside it.

@@ -388,6 +388,17 @@ TEST_F(CoordinatorTest, ScheduleVersionsHistoryAndPushToWatchers) {
   ASSERT_TRUE(watch->Read(&got));
   EXPECT_EQ(got.version(), 4u);
 
+  // A worker claiming a version the job never had gets the current one.
+  v1::WatchScheduleRequest future;
+  future.set_job_id(id);
+  future.set_after_version(99);
+  auto fctx = Ctx(30);
+  auto watch3 = worker_->WatchSchedule(fctx.get(), future);
+  ASSERT_TRUE(watch3->Read(&got));
+  EXPECT_EQ(got.version(), 4u);
+  fctx->TryCancel();
+  watch3->Finish();
+
   // Reports answer with the current version.
   v1::ReportStatsResponse rresp;
   ASSERT_TRUE(Send(Report(id, 1), &rresp).ok());
@@ -1088,6 +1099,44 @@ TEST(CoordinatorStore, RetentionThinsOldReportsAndCapsEachJob) {
   EXPECT_EQ(s->ReportsStored(2), 10u);
 }
 
+TEST(CoordinatorStore, RetentionOfALongJobRunsInBoundedSteps) {
+  // 12,000 reports: thinning and the cap each take several transactions of <= 4096 rows; the
+  // result is the same as one pass would give.
+  TempDir dir;
+  coordinator::StoreOptions opt;
+  opt.path = dir.File("long.db");
+  opt.retention.keep_full = 100;
+  opt.retention.thin_every = 7;
+  opt.retention.max_reports_per_job = 0;
+  opt.retention.interval_ms = 0;
+  {
+    auto store = coordinator::Store::Open(opt);
+    ASSERT_TRUE(store.ok()) << store.status().message();
+    coordinator::Store* s = store->get();
+    EnqueueSteps(s, 3, 0, 12000);
+    ASSERT_TRUE(s->ApplyRetention().ok());
+    std::vector<int64_t> want;
+    for (int64_t step = 0; step < 11900; step += 7) want.push_back(step);
+    for (int64_t step = 11900; step < 12000; ++step) want.push_back(step);
+    EXPECT_EQ(StoredSteps(s, 3), want);
+    EXPECT_EQ(s->ReportsStored(3), want.size());
+  }
+  opt.retention.thin_every = 1;
+  opt.retention.max_reports_per_job = 150;
+  auto store = coordinator::Store::Open(opt);
+  ASSERT_TRUE(store.ok()) << store.status().message();
+  EnqueueSteps(store->get(), 4, 0, 10000);  // 9,850 over the cap: three transactions
+  ASSERT_TRUE((*store)->ApplyRetention().ok());
+  const std::vector<int64_t> steps = StoredSteps(store->get(), 3);
+  ASSERT_EQ(steps.size(), 150u);
+  EXPECT_EQ(steps.back(), 11999);
+  EXPECT_EQ(steps.front(), 11900 - 50 * 7);
+  const std::vector<int64_t> steps4 = StoredSteps(store->get(), 4);
+  ASSERT_EQ(steps4.size(), 150u);
+  EXPECT_EQ(steps4.front(), 9850);
+  EXPECT_EQ((*store)->ReportsStored(4), 150u);
+}
+
 TEST(CoordinatorStore, WriterAppliesRetentionPeriodically) {
   TempDir dir;
   coordinator::StoreOptions opt;
@@ -1126,6 +1175,17 @@ TEST(CoordinatorStore, OpeningErrorsNameTheFile) {
   s = coordinator::Store::Open(opt);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.status().message().find(opt.path), std::string::npos) << s.status().message();
+  // One coordinator per database.
+  opt.path = dir.File("shared.db");
+  auto first = coordinator::Store::Open(opt);
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  s = coordinator::Store::Open(opt);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("in use by another cpd-coordinator"), std::string::npos)
+      << s.status().message();
+  first = Status::Unavailable("closed");
+  s = coordinator::Store::Open(opt);
+  EXPECT_TRUE(s.ok()) << s.status().message();
 }
 
 }  // namespace

@@ -193,8 +193,17 @@ class WriterStream : public grpc::ServerWriteReactor<Msg>, public StreamBase {
 // kept: a worker needs the schedule in force, not the versions it missed.
 class ScheduleStream final : public WriterStream<v1::PrecisionSchedule> {
  public:
-  ScheduleStream(Coordinator* c, uint64_t after_version)
-      : WriterStream(c), sent_version_(after_version) {}
+  explicit ScheduleStream(Coordinator* c) : WriterStream(c) {}
+  // The first offer: `current` unless the worker has it already (after_version >= its version).
+  // A worker that claims a version the job never had (the coordinator's database was replaced)
+  // gets the current one too.
+  void Start(std::shared_ptr<const v1::PrecisionSchedule> current, uint64_t after_version) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      sent_version_ = after_version > current->version() ? 0 : after_version;
+    }
+    Offer(std::move(current));
+  }
   void Offer(std::shared_ptr<const v1::PrecisionSchedule> s) {
     std::lock_guard<std::mutex> l(mu_);
     if (closed_locked() || s->version() <= sent_version_) return;
@@ -210,7 +219,7 @@ class ScheduleStream final : public WriterStream<v1::PrecisionSchedule> {
     next_.reset();
     return Next::kWrite;
   }
-  uint64_t sent_version_;
+  uint64_t sent_version_ = 0;
   std::shared_ptr<const v1::PrecisionSchedule> next_;
 };
 
@@ -573,7 +582,7 @@ size_t Coordinator::open_streams() const {
 
 grpc::ServerWriteReactor<v1::PrecisionSchedule>* Coordinator::StartWatchSchedule(
     grpc::CallbackServerContext* ctx, const v1::WatchScheduleRequest& req) {
-  auto* s = new ScheduleStream(this, req.after_version());
+  auto* s = new ScheduleStream(this);
   grpc::Status st = CheckAuth(ctx);
   if (st.ok() && req.job_id() <= 0) {
     st = Invalid("job_id: " + std::to_string(req.job_id()) +
@@ -589,7 +598,7 @@ grpc::ServerWriteReactor<v1::PrecisionSchedule>* Coordinator::StartWatchSchedule
           grpc::Status(StatusCode::NOT_FOUND, "no job with job_id " + std::to_string(req.job_id()));
     } else {
       Register(s, j->id, kScheduleWatch);
-      s->Offer(j->schedule);
+      s->Start(j->schedule, req.after_version());
     }
   }
   if (!st.ok()) s->Close(st);

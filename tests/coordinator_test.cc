@@ -460,6 +460,61 @@ TEST_F(CoordinatorTest, WatchJobStreamsReportsAndEndsWithTheJob) {
   EXPECT_TRUE(watch2->Finish().ok());
 }
 
+TEST_F(CoordinatorTest, WatchJobFansOutAndASlowReaderGetsTheNewest) {
+  ServerOptions opt;
+  opt.coordinator.watch_buffer = 8;
+  Start(opt);
+  const int64_t id = Register(LenetJob("fanout", 1));
+  v1::WatchJobRequest req;
+  req.mutable_job()->set_job_id(id);
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::StatsReport>>> readers;
+  // The slow readers' connection has a small flow-control window and no BDP probing, so that
+  // unread messages back up into the coordinator instead of the client's socket buffers.
+  grpc::ChannelArguments small;
+  small.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  small.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 10);
+  small.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto slow_channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                                grpc::InsecureChannelCredentials(), small);
+  auto slow = v1::OperatorService::NewStub(slow_channel);
+  for (int i = 0; i < 6; ++i) {
+    req.set_with_layers(i % 2 == 0);
+    ctxs.push_back(Ctx(60));
+    readers.push_back((i < 4 ? op_ : slow)->WatchJob(ctxs.back().get(), req));
+  }
+  for (int i = 0; i < 200 && server_->coordinator()->open_streams() < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(server_->coordinator()->open_streams(), 6u);
+  // Readers 0-3 keep up; 4 and 5 read nothing until the end. 400 reports of 100 rows (~3 MB)
+  // are more than HTTP/2 flow control lets through unread.
+  constexpr int kReports = 400;
+  for (int step = 0; step < kReports; ++step) {
+    ASSERT_TRUE(Send(Report(id, step, 0, 100)).ok());
+    for (int i = 0; i < 4; ++i) {
+      v1::StatsReport got;
+      ASSERT_TRUE(readers[size_t(i)]->Read(&got));
+      ASSERT_EQ(got.step(), step);
+      ASSERT_EQ(got.layers_size(), i % 2 == 0 ? 100 : 0);
+    }
+  }
+  for (int i = 4; i < 6; ++i) {
+    v1::StatsReport got;
+    int received = 0;
+    int64_t last = -1;
+    while (last != kReports - 1 && readers[size_t(i)]->Read(&got)) {
+      EXPECT_GT(got.step(), last);
+      last = got.step();
+      ++received;
+    }
+    EXPECT_EQ(last, kReports - 1) << "the newest report reaches a slow reader";
+    EXPECT_LT(received, kReports) << "a slow reader's buffer is bounded (oldest dropped)";
+  }
+  for (auto& c : ctxs) c->TryCancel();
+  for (auto& r : readers) r->Finish();
+}
+
 TEST_F(CoordinatorTest, HundredsOfWatchersShareAFewThreads) {
   Start();
   const int64_t id = Register(LenetJob("popular", 1));

@@ -143,9 +143,10 @@ class WriterStream : public grpc::ServerWriteReactor<Msg>, public StreamBase {
 
  protected:
   enum class Next { kWrite, kIdle, kDone };
-  // Under mu_: put the next message in msg_ (kWrite), or none yet (kIdle), or the stream is
-  // complete (kDone: finish with done_).
-  virtual Next NextLocked() = 0;
+  // Under mu_: the next message to write in *out (kWrite; the subclass keeps it alive until its
+  // next NextLocked call), or none yet (kIdle), or the stream is complete (kDone: finish with
+  // done_).
+  virtual Next NextLocked(const Msg** out) = 0;
 
   void CloseLocked(const grpc::Status& s) {
     if (finished_ || pending_) return;
@@ -161,10 +162,11 @@ class WriterStream : public grpc::ServerWriteReactor<Msg>, public StreamBase {
       FinishLocked(*pending_);
       return;
     }
-    switch (NextLocked()) {
+    const Msg* next = nullptr;
+    switch (NextLocked(&next)) {
       case Next::kWrite:
         writing_ = true;
-        this->StartWrite(&msg_);
+        this->StartWrite(next);
         break;
       case Next::kIdle:
         break;
@@ -180,7 +182,6 @@ class WriterStream : public grpc::ServerWriteReactor<Msg>, public StreamBase {
   bool closed_locked() const { return finished_ || pending_.has_value(); }
 
   std::mutex mu_;
-  Msg msg_;
   grpc::Status done_;
 
  private:
@@ -193,8 +194,17 @@ class WriterStream : public grpc::ServerWriteReactor<Msg>, public StreamBase {
 // kept: a worker needs the schedule in force, not the versions it missed.
 class ScheduleStream final : public WriterStream<v1::PrecisionSchedule> {
  public:
-  ScheduleStream(Coordinator* c, uint64_t after_version)
-      : WriterStream(c), sent_version_(after_version) {}
+  explicit ScheduleStream(Coordinator* c) : WriterStream(c) {}
+  // The first offer: `current` unless the worker has it already (after_version >= its version).
+  // A worker that claims a version the job never had (the coordinator's database was replaced)
+  // gets the current one too.
+  void Start(std::shared_ptr<const v1::PrecisionSchedule> current, uint64_t after_version) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      sent_version_ = after_version > current->version() ? 0 : after_version;
+    }
+    Offer(std::move(current));
+  }
   void Offer(std::shared_ptr<const v1::PrecisionSchedule> s) {
     std::lock_guard<std::mutex> l(mu_);
     if (closed_locked() || s->version() <= sent_version_) return;
@@ -204,50 +214,51 @@ class ScheduleStream final : public WriterStream<v1::PrecisionSchedule> {
   }
 
  private:
-  Next NextLocked() override {
+  Next NextLocked(const v1::PrecisionSchedule** out) override {
     if (!next_) return Next::kIdle;
-    msg_ = *next_;
-    next_.reset();
+    writing_ = std::move(next_);
+    *out = writing_.get();
     return Next::kWrite;
   }
-  uint64_t sent_version_;
-  std::shared_ptr<const v1::PrecisionSchedule> next_;
+  uint64_t sent_version_ = 0;
+  std::shared_ptr<const v1::PrecisionSchedule> next_;     // newest not yet written
+  std::shared_ptr<const v1::PrecisionSchedule> writing_;  // the write in flight
 };
 
 // WatchJob: reports as they arrive; a bounded buffer that drops the oldest for a slow reader.
-// Ends (OK) after the job's final report.
+// Ends (OK) after the job's final report. The messages are shared by every stream of the job
+// (built once per report, with or without layer rows, by ReportStats).
 class JobStream final : public WriterStream<v1::StatsReport> {
  public:
   JobStream(Coordinator* c, bool with_layers, size_t capacity)
       : WriterStream(c), with_layers_(with_layers), capacity_(std::max<size_t>(capacity, 1)) {}
-  void Offer(std::shared_ptr<const std::string> blob, bool finished) {
+  bool with_layers() const { return with_layers_; }
+  // `last`: end the stream after this one (the job finished).
+  void Offer(std::shared_ptr<const v1::StatsReport> report, bool last) {
     std::lock_guard<std::mutex> l(mu_);
     if (closed_locked()) return;
     if (queue_.size() >= capacity_) queue_.pop_front();
-    queue_.push_back({std::move(blob), finished});
+    queue_.push_back({std::move(report), last});
     PumpLocked();
   }
 
  private:
-  struct Item {
-    std::shared_ptr<const std::string> blob;
-    bool finished;
-  };
-  Next NextLocked() override {
-    if (end_) return Next::kDone;
-    while (!queue_.empty()) {
-      Item it = std::move(queue_.front());
-      queue_.pop_front();
-      if (!msg_.ParseFromString(*it.blob)) continue;  // cannot happen: we serialized it
-      if (!with_layers_) msg_.clear_layers();
-      end_ = it.finished;
-      return Next::kWrite;
-    }
-    return Next::kIdle;
+  Next NextLocked(const v1::StatsReport** out) override {
+    if (end_ || queue_.empty()) return end_ ? Next::kDone : Next::kIdle;
+    writing_ = std::move(queue_.front().report);
+    end_ = queue_.front().last;
+    queue_.pop_front();
+    *out = writing_.get();
+    return Next::kWrite;
   }
   const bool with_layers_;
   const size_t capacity_;
+  struct Item {
+    std::shared_ptr<const v1::StatsReport> report;
+    bool last;
+  };
   std::deque<Item> queue_;
+  std::shared_ptr<const v1::StatsReport> writing_;  // the write in flight
   bool end_ = false;
 };
 
@@ -270,7 +281,7 @@ class HistoryStream final : public WriterStream<v1::StatsReport> {
   static constexpr size_t kPageRows = 256;
   static constexpr size_t kPageBytes = size_t(4) << 20;
 
-  Next NextLocked() override {
+  Next NextLocked(const v1::StatsReport** out) override {
     if (page_.empty() && !exhausted_) {
       query_.limit = kPageRows;
       size_t rows = 0, bytes = 0;
@@ -298,21 +309,55 @@ class HistoryStream final : public WriterStream<v1::StatsReport> {
       return Next::kDone;
     }
     if (!with_layers_) msg_.clear_layers();
+    *out = &msg_;
     return Next::kWrite;
   }
   Store* const store_;
   const bool with_layers_;
   ReportQuery query_;
   std::deque<std::string> page_;
+  v1::StatsReport msg_;  // the write in flight
   bool exhausted_ = false;
 };
 
 // ---- gRPC services
 // -------------------------------------------------------------------------------
 
+// ReportStats requests are parsed into a per-call arena: a report with 100 layer rows is ~300
+// objects and strings, each otherwise its own malloc/free on the hot path.
+class ReportArenaAllocator final
+    : public grpc::MessageAllocator<v1::StatsReport, v1::ReportStatsResponse> {
+ public:
+  grpc::MessageHolder<v1::StatsReport, v1::ReportStatsResponse>* AllocateMessages() override {
+    return new Holder;
+  }
+
+ private:
+  class Holder final : public grpc::MessageHolder<v1::StatsReport, v1::ReportStatsResponse> {
+   public:
+    Holder() : arena_(Options(block_)) {
+      set_request(google::protobuf::Arena::CreateMessage<v1::StatsReport>(&arena_));
+      set_response(google::protobuf::Arena::CreateMessage<v1::ReportStatsResponse>(&arena_));
+    }
+    void Release() override { delete this; }
+
+   private:
+    static google::protobuf::ArenaOptions Options(char* block) {
+      google::protobuf::ArenaOptions o;
+      o.initial_block = block;
+      o.initial_block_size = sizeof(block_);
+      o.start_block_size = sizeof(block_);
+      o.max_block_size = size_t(1) << 20;
+      return o;
+    }
+    alignas(16) char block_[32 << 10];  // a 100-row report parses into ~20 KiB
+    google::protobuf::Arena arena_;
+  };
+};
+
 class Coordinator::WorkerImpl final : public v1::WorkerService::CallbackService {
  public:
-  explicit WorkerImpl(Coordinator* c) : c_(c) {}
+  explicit WorkerImpl(Coordinator* c) : c_(c) { SetMessageAllocatorFor_ReportStats(&allocator_); }
 
   grpc::ServerUnaryReactor* RegisterJob(grpc::CallbackServerContext* ctx,
                                         const v1::RegisterJobRequest* req,
@@ -331,6 +376,7 @@ class Coordinator::WorkerImpl final : public v1::WorkerService::CallbackService 
 
  private:
   Coordinator* const c_;
+  ReportArenaAllocator allocator_;
 };
 
 class Coordinator::OperatorImpl final : public v1::OperatorService::CallbackService {
@@ -540,7 +586,7 @@ size_t Coordinator::open_streams() const {
 
 grpc::ServerWriteReactor<v1::PrecisionSchedule>* Coordinator::StartWatchSchedule(
     grpc::CallbackServerContext* ctx, const v1::WatchScheduleRequest& req) {
-  auto* s = new ScheduleStream(this, req.after_version());
+  auto* s = new ScheduleStream(this);
   grpc::Status st = CheckAuth(ctx);
   if (st.ok() && req.job_id() <= 0) {
     st = Invalid("job_id: " + std::to_string(req.job_id()) +
@@ -556,7 +602,7 @@ grpc::ServerWriteReactor<v1::PrecisionSchedule>* Coordinator::StartWatchSchedule
           grpc::Status(StatusCode::NOT_FOUND, "no job with job_id " + std::to_string(req.job_id()));
     } else {
       Register(s, j->id, kScheduleWatch);
-      s->Offer(j->schedule);
+      s->Start(j->schedule, req.after_version());
     }
   }
   if (!st.ok()) s->Close(st);
@@ -576,7 +622,13 @@ grpc::ServerWriteReactor<v1::StatsReport>* Coordinator::StartWatchJob(
       st = kShuttingDown;
     } else {
       Register(s, id, kJobWatch);
-      if (j->latest) s->Offer(j->latest, j->finished);
+      if (j->latest) {  // the latest report first
+        auto m = std::make_shared<v1::StatsReport>();
+        if (m->ParseFromString(*j->latest)) {
+          if (!req.with_layers()) m->clear_layers();
+          s->Offer(std::move(m), j->finished);  // a finished job: the stream ends after it
+        }
+      }
     }
   }
   if (!st.ok()) s->Close(st);
@@ -666,6 +718,7 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
   if (!v.ok()) return ToGrpc(v);
   const int64_t now = NowMs();
   uint64_t version = 0;
+  bool want_full = false, want_summary = false;  // WatchJob streams with / without layer rows
   {
     std::lock_guard<std::mutex> l(mu_);
     const Job* j = FindLocked(req.job_id());
@@ -685,6 +738,7 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
                      std::to_string(world) + " of " + JobLabel(j->id, j->info.job_name()));
     }
     version = j->schedule->version();
+    for (const JobStream* w : j->job_watchers) (w->with_layers() ? want_full : want_summary) = true;
   }
   auto blob = std::make_shared<std::string>();
   req.SerializeToString(blob.get());
@@ -704,6 +758,15 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
                         "the coordinator's report queue is full (" + std::to_string(st.queued) +
                             " reports waiting for the disk); retry later or report less often");
   }
+  // The messages for WatchJob streams, built once and outside the lock.
+  auto message = [&req](bool with_layers) {
+    auto m = std::make_shared<v1::StatsReport>(req);
+    if (!with_layers) m->clear_layers();
+    return std::shared_ptr<const v1::StatsReport>(std::move(m));
+  };
+  std::shared_ptr<const v1::StatsReport> full, summary;
+  if (want_full) full = message(true);
+  if (want_summary) summary = message(false);
   {
     std::lock_guard<std::mutex> l(mu_);
     Job* j = FindLocked(req.job_id());
@@ -715,7 +778,11 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
     if (req.finished()) j->finished = true;
     if (req.train_accuracy() >= 0) j->train_accuracy = req.train_accuracy();
     if (req.test_accuracy() >= 0) j->test_accuracy = req.test_accuracy();
-    for (JobStream* w : j->job_watchers) w->Offer(blob, req.finished());
+    for (JobStream* w : j->job_watchers) {
+      auto& m = w->with_layers() ? full : summary;
+      if (!m) m = message(w->with_layers());  // a stream that started since the first look
+      w->Offer(m, req.finished());
+    }
   }
   resp->set_schedule_version(version);
   return grpc::Status::OK;

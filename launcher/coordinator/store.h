@@ -164,11 +164,13 @@ class Store {
   Status Init();
   void WriterLoop();
   Status WriteBatch(const std::vector<ReportRow>& batch);
-  Status ApplyRetentionLocked();  // write_mu_ held
+  // One bounded retention step for `job` (write_mu_ held); true when it has more to do.
+  Result<bool> RetainJobLocked(int64_t job);
   Result<sqlite3*> AcquireReader();
   void ReleaseReader(sqlite3* db);
 
   const StoreOptions options_;
+  int lock_fd_ = -1;  // flock()ed for the Store's life
   sqlite3* writer_db_ = nullptr;
   std::unique_ptr<internal::Stmt> insert_report_;  // the writer's cached INSERT
   std::mutex write_mu_;                            // guards writer_db_ and thinned_below_

@@ -150,6 +150,7 @@ struct Globals {
   std::string tls_ca;
   bool json = false;
   double timeout_s = 10;
+  bool timeout_given = false;  // --timeout on the command line (history streams then use it)
 };
 
 // The same options on the tool and on every command, so that they may come before or after the
@@ -166,7 +167,8 @@ void AddGlobals(CLI::App* app, Globals* g) {
                   "plain TCP)");
   app->add_flag("--json", g->json, "Machine-readable output: one JSON document on stdout");
   app->add_option("--timeout", g->timeout_s,
-                  "Deadline of each call in seconds (not of the watch stream)")
+                  "Deadline of each call in seconds; the history streams of export and plot "
+                  "have none unless --timeout is given, the watch stream never has one")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
 }
@@ -220,6 +222,7 @@ class Connection {
   }
 
   const std::string& address() const { return g_.coordinator; }
+  bool timeout_given() const { return g_.timeout_given; }
   v1::OperatorService::Stub& ops() { return *ops_; }
 
   // The token and, when `with_deadline`, --timeout from now.
@@ -1007,7 +1010,8 @@ size_t ReadHistory(Connection& c, const std::string& job, int64_t from, int64_t 
   req.set_to_step(std::max<int64_t>(to, 0));
   req.set_with_layers(true);
   grpc::ClientContext ctx;
-  c.Prepare(&ctx);
+  // A long job's history may take longer than one call's default deadline to stream.
+  c.Prepare(&ctx, c.timeout_given());
   auto reader = c.ops().JobHistory(&ctx, req);
   v1::StatsReport r;
   size_t n = 0;
@@ -1382,6 +1386,9 @@ int main(int argc, char** argv) {
     break;
   }
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
+  for (CLI::App* a : {&app, jobs, status, layers, watch, schedule, sget, sset, exp, plot}) {
+    g.timeout_given = g.timeout_given || a->get_option("--timeout")->count() > 0;
+  }
 
   if (*jobs) return RunJobs(g);
   if (*status) return RunStatus(g, job);

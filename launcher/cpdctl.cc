@@ -493,6 +493,12 @@ std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms) {
   kv.emplace_back("reports", std::to_string(st.reports_stored()) + " stored, " +
                                  std::to_string(st.dropped_reports()) + " dropped by the workers");
   kv.emplace_back("skipped", std::to_string(st.skipped_steps()) + " steps (NaN/Inf gradients)");
+  if (!st.layers().empty()) {
+    int quantizable = 0;
+    for (const auto& l : st.layers()) quantizable += l.quantizable() ? 1 : 0;
+    kv.emplace_back("layers", std::to_string(st.layers_size()) + " (" +
+                                  std::to_string(quantizable) + " with W/A/E/G sites)");
+  }
   if (!st.workers().empty()) {
     std::string w;
     for (const auto& wk : st.workers()) {
@@ -1026,7 +1032,7 @@ size_t ReadHistory(Connection& c, const std::string& job, int64_t from, int64_t 
 }
 
 std::string CsvHeader() {
-  return "step,epoch,time_ms,loss,lr,bits,schedule_version,images_per_s,ranks_alive,"
+  return "step,rank,epoch,time_ms,loss,lr,bits,schedule_version,images_per_s,ranks_alive,"
          "skipped_steps,dropped_reports,train_accuracy,test_accuracy,finished,layer,site,format,"
          "format_bits,aps_shift,max_abs,saturated,flushed,rel_error,flips,nonfinite\n";
 }
@@ -1037,12 +1043,13 @@ size_t CsvRows(const v1::StatsReport& r, FILE* out) {
   using cpd::ctl::ShortestDouble;
   auto opt = [](double v) { return v < 0 ? std::string() : ShortestDouble(v); };
   const std::string head =
-      std::to_string(r.step()) + "," + std::to_string(r.epoch()) + "," +
-      std::to_string(r.time_ms()) + "," + ShortestDouble(r.loss()) + "," + ShortestDouble(r.lr()) +
-      "," + std::to_string(r.bits()) + "," + std::to_string(r.schedule_version()) + "," +
-      ShortestDouble(r.images_per_s()) + "," + std::to_string(r.ranks_alive()) + "," +
-      std::to_string(r.skipped_steps()) + "," + std::to_string(r.dropped_reports()) + "," +
-      opt(r.train_accuracy()) + "," + opt(r.test_accuracy()) + "," + (r.finished() ? "1" : "0");
+      std::to_string(r.step()) + "," + std::to_string(r.rank()) + "," + std::to_string(r.epoch()) +
+      "," + std::to_string(r.time_ms()) + "," + ShortestDouble(r.loss()) + "," +
+      ShortestDouble(r.lr()) + "," + std::to_string(r.bits()) + "," +
+      std::to_string(r.schedule_version()) + "," + ShortestDouble(r.images_per_s()) + "," +
+      std::to_string(r.ranks_alive()) + "," + std::to_string(r.skipped_steps()) + "," +
+      std::to_string(r.dropped_reports()) + "," + opt(r.train_accuracy()) + "," +
+      opt(r.test_accuracy()) + "," + (r.finished() ? "1" : "0");
   if (r.layers().empty()) {
     const std::string line = head + ",,,,,,,,,,,\n";
     std::fwrite(line.data(), 1, line.size(), out);

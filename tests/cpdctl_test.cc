@@ -448,7 +448,7 @@ TEST_F(CpdctlTest, StatusByNameAndById) {
         "9 / 100 (9%)", "epoch        1 / 2", "6 (CPT forward)",
         "v1 from step 0: CPT 3-8 bits x4, E 8 bits; W=e4m3 A=e4m3", "2 / 2 alive", " ago",
         "train 62.50%, test 50.00%", "images/s", "10 stored, 0 dropped", "0 steps",
-        "0:localhost/1000, 1:localhost/1001"}) {
+        "0:localhost/1000, 1:localhost/1001", "4 (3 with W/A/E/G sites)"}) {
     EXPECT_NE(r.out.find(want), std::string::npos) << "want '" << want << "' in\n" << r.out;
   }
   // loss of step 9
@@ -908,12 +908,12 @@ TEST_F(CpdctlTest, ExportCsvHasARowPerReportAndLayerWithTheReportedValues) {
   const auto rows = ParseCsv(text);
   ASSERT_EQ(rows.size(), 39u) << text;
   const auto& h = rows[0];
-  ASSERT_EQ(h.size(), 25u);
+  ASSERT_EQ(h.size(), 26u);
   std::map<std::string, size_t> col;
   for (size_t i = 0; i < h.size(); ++i) col[h[i]] = i;
-  for (const char* c :
-       {"step", "epoch", "loss", "lr", "bits", "schedule_version", "layer", "site", "format",
-        "format_bits", "aps_shift", "max_abs", "saturated", "flushed", "rel_error", "flips"}) {
+  for (const char* c : {"step", "rank", "epoch", "loss", "lr", "bits", "schedule_version", "layer",
+                        "site", "format", "format_bits", "aps_shift", "max_abs", "saturated",
+                        "flushed", "rel_error", "flips"}) {
     EXPECT_TRUE(col.count(c)) << c;
   }
   size_t layer_rows = 0, summary_rows = 0;

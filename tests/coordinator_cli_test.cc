@@ -240,7 +240,16 @@ TEST(CoordinatorCli, ServesOnThePortFileAndStoresEverythingOnSigterm) {
 TEST(CoordinatorCli, SigintAlsoStopsCleanly) {
   TempDir dir;
   Coordinator c(dir, {});
-  ASSERT_GT(c.WaitForPort(), 0);
+  const int port = c.WaitForPort();
+  ASSERT_GT(port, 0);
+  // A second coordinator on the same port is refused (exit 1, one line), not started beside
+  // the first (gRPC's default SO_REUSEPORT would allow that).
+  RunResult busy =
+      RunProgram(CPD_COORDINATOR_PATH,
+                 {"--listen", "127.0.0.1:" + std::to_string(port), "--db", dir.File("other.db")});
+  EXPECT_EQ(busy.exit_code, 1) << busy.err;
+  EXPECT_EQ(Lines(busy.err), 1u) << busy.err;
+  EXPECT_NE(busy.err.find("Address already in use"), std::string::npos) << busy.err;
   // A second coordinator on the same database is refused (exit 1, one line).
   RunResult second =
       RunProgram(CPD_COORDINATOR_PATH, {"--listen", "127.0.0.1:0", "--db", dir.File("coord.db")});

@@ -1,8 +1,14 @@
 #include "launcher/coordinator/service.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <optional>
 #include <utility>
@@ -967,6 +973,52 @@ grpc::Status Coordinator::SetSchedule(const v1::SetScheduleRequest& req,
 // ---- Server
 // --------------------------------------------------------------------------------------
 
+namespace {
+
+// gRPC reports a failed bind only in its log; bind a probe socket first to say why in one line
+// ("Address already in use"). Addresses that are not HOST:PORT are left to gRPC.
+Status CheckCanListen(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0) return Status::Ok();
+  std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status::Unavailable("cannot listen on '" + listen + "': " + gai_strerror(rc));
+  }
+  std::string error;
+  bool bound = false;
+  for (addrinfo* a = res; a != nullptr && !bound; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      bound = true;
+    } else if (error.empty()) {
+      error = std::strerror(errno);
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  if (!bound) {
+    return Status::Unavailable("cannot listen on '" + listen +
+                               "': " + (error.empty() ? std::string("no usable address") : error) +
+                               " (another coordinator on this port? --listen HOST:PORT, port 0 "
+                               "picks a free one)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(ServerOptions options) {
   if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
     return Status::InvalidArgument(
@@ -976,6 +1028,7 @@ Result<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(ServerOption
   if (options.max_receive_bytes <= 0) {
     return Status::InvalidArgument("the maximum message size must be positive");
   }
+  CPD_RETURN_IF_ERROR(CheckCanListen(options.listen));
   std::unique_ptr<CoordinatorServer> srv(new CoordinatorServer());
   auto store = Store::Open(options.store);
   if (!store.ok()) return store.status();
@@ -999,6 +1052,9 @@ Result<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(ServerOption
   b.RegisterService(srv->coordinator_->worker_service());
   b.RegisterService(srv->coordinator_->operator_service());
   b.SetMaxReceiveMessageSize(options.max_receive_bytes);
+  // gRPC sets SO_REUSEPORT by default: a second coordinator on the same port would then start
+  // and silently take half the connections.
+  b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Workers keep WatchSchedule open for days: probe idle connections so that a vanished client
   // does not hold a stream forever, and accept the clients' own keepalive pings.
   b.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);

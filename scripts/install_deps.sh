@@ -9,7 +9,7 @@ PACKAGES=(
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenblas-dev
   libopenmpi-dev openmpi-bin
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev libabsl-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev
   dataset-fashion-mnist python3 python3-numpy python3-matplotlib openssl
 )

@@ -1,0 +1,868 @@
+#include "launcher/coordinator/store.h"
+
+#include <fcntl.h>
+#include <sqlite3.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <utility>
+
+namespace cpd::coordinator {
+namespace {
+
+constexpr int kSchemaVersion = 1;
+
+// The database's own error text, the failing call and where it was made.
+Status SqlError(sqlite3* db, int rc, const char* expr, const char* file, int line) {
+  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  const char* base = std::strrchr(file, '/');
+  std::string where = std::string(base != nullptr ? base + 1 : file) + ":" + std::to_string(line);
+  std::string text = std::string("database: ") + msg + " (" + expr + " at " + where + ")";
+  if (rc == SQLITE_FULL) text += "; the disk is full: free space or lower --max-reports-per-job";
+  if (rc == SQLITE_BUSY) text += "; another process holds the database";
+  return Status::IoError(std::move(text));
+}
+
+#define CPD_SQL(db, expr)                                                        \
+  do {                                                                           \
+    const int _rc = (expr);                                                      \
+    if (_rc != SQLITE_OK) return SqlError((db), _rc, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+}  // namespace
+
+namespace internal {
+// A prepared statement, finalised on scope exit.
+class Stmt {
+ public:
+  Stmt() = default;
+  ~Stmt() { sqlite3_finalize(stmt_); }
+  Stmt(const Stmt&) = delete;
+  Stmt& operator=(const Stmt&) = delete;
+
+  Status Prepare(sqlite3* db, const char* sql) {
+    db_ = db;
+    sqlite3_finalize(stmt_);
+    stmt_ = nullptr;
+    CPD_SQL(db, sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr));
+    return Status::Ok();
+  }
+  sqlite3_stmt* get() const { return stmt_; }
+  void Int(int i, int64_t v) { sqlite3_bind_int64(stmt_, i, v); }
+  void Text(int i, std::string_view s) {
+    sqlite3_bind_text(stmt_, i, s.data(), int(s.size()), SQLITE_TRANSIENT);
+  }
+  void Blob(int i, std::string_view s) {
+    sqlite3_bind_blob(stmt_, i, s.data(), int(s.size()), SQLITE_STATIC);
+  }
+  // SQLITE_ROW -> true, SQLITE_DONE -> false, else the error.
+  Result<bool> Step() {
+    const int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc == SQLITE_DONE) return false;
+    return SqlError(db_, rc, "sqlite3_step", __FILE__, __LINE__);
+  }
+  Status Run() {
+    auto r = Step();
+    if (!r.ok()) return r.status();
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+    return Status::Ok();
+  }
+  int64_t ColInt(int c) const { return sqlite3_column_int64(stmt_, c); }
+  std::string ColText(int c) const {
+    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, c));
+    return p != nullptr ? std::string(p, size_t(sqlite3_column_bytes(stmt_, c))) : std::string();
+  }
+  std::string_view ColBlob(int c) const {
+    const auto* p = static_cast<const char*>(sqlite3_column_blob(stmt_, c));
+    return p != nullptr ? std::string_view(p, size_t(sqlite3_column_bytes(stmt_, c)))
+                        : std::string_view();
+  }
+
+ private:
+  sqlite3* db_ = nullptr;
+  sqlite3_stmt* stmt_ = nullptr;
+};
+
+}  // namespace internal
+
+using internal::Stmt;
+
+namespace {
+
+Status Exec(sqlite3* db, const char* sql) {
+  char* err = nullptr;
+  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, &err);
+  if (rc != SQLITE_OK) {
+    std::string msg = std::string("database: ") + (err != nullptr ? err : sqlite3_errstr(rc)) +
+                      " (in: " + sql + ")";
+    sqlite3_free(err);
+    if (rc == SQLITE_FULL) msg += "; the disk is full";
+    return Status::IoError(std::move(msg));
+  }
+  return Status::Ok();
+}
+
+// Rolls back unless Commit() was reached.
+class Transaction {
+ public:
+  explicit Transaction(sqlite3* db) : db_(db) {}
+  ~Transaction() {
+    if (open_) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+  }
+  Status Begin() {
+    CPD_RETURN_IF_ERROR(Exec(db_, "BEGIN IMMEDIATE"));
+    open_ = true;
+    return Status::Ok();
+  }
+  Status Commit() {
+    CPD_RETURN_IF_ERROR(Exec(db_, "COMMIT"));
+    open_ = false;
+    return Status::Ok();
+  }
+
+ private:
+  sqlite3* db_;
+  bool open_ = false;
+};
+
+Result<sqlite3*> OpenConnection(const std::string& path, int busy_timeout_ms, bool create) {
+  sqlite3* db = nullptr;
+  const int flags = SQLITE_OPEN_READWRITE | (create ? SQLITE_OPEN_CREATE : 0) | SQLITE_OPEN_NOMUTEX;
+  const int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
+  if (rc != SQLITE_OK) {
+    std::string msg = "cannot open database '" + path +
+                      "': " + (db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc));
+    sqlite3_close(db);
+    return Status::IoError(msg + " (check that the directory exists and is writable)");
+  }
+  sqlite3_busy_timeout(db, busy_timeout_ms);
+  sqlite3_extended_result_codes(db, 0);
+  return db;
+}
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS jobs(
+  job_id INTEGER PRIMARY KEY AUTOINCREMENT,
+  name TEXT NOT NULL UNIQUE,
+  registered_ms INTEGER NOT NULL,
+  updated_ms INTEGER NOT NULL,
+  world_size INTEGER NOT NULL,
+  emulated_workers_per_rank INTEGER NOT NULL,
+  arch TEXT NOT NULL,
+  dataset TEXT NOT NULL,
+  total_steps INTEGER NOT NULL,
+  epochs INTEGER NOT NULL,
+  start_step INTEGER NOT NULL,
+  allreduce TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS workers(
+  job_id INTEGER NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
+  PRIMARY KEY(job_id, rank)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS layers(
+  job_id INTEGER NOT NULL, idx INTEGER NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
+  quantizable INTEGER NOT NULL, params INTEGER NOT NULL,
+  PRIMARY KEY(job_id, idx)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS schedules(
+  job_id INTEGER NOT NULL, version INTEGER NOT NULL, set_at_ms INTEGER NOT NULL,
+  set_by TEXT NOT NULL, schedule BLOB NOT NULL,
+  PRIMARY KEY(job_id, version)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS reports(
+  id INTEGER PRIMARY KEY,
+  job_id INTEGER NOT NULL,
+  step INTEGER NOT NULL,
+  rank INTEGER NOT NULL,
+  has_layers INTEGER NOT NULL,
+  keep INTEGER NOT NULL,
+  finished INTEGER NOT NULL,
+  time_ms INTEGER NOT NULL,
+  received_ms INTEGER NOT NULL,
+  report BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS reports_job_step ON reports(job_id, step);
+)sql";
+
+constexpr const char* kInsertReport =
+    "INSERT INTO reports(job_id, step, rank, has_layers, keep, finished, time_ms, received_ms, "
+    "report) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
+
+size_t RowBytes(const ReportRow& r) { return sizeof(ReportRow) + (r.blob ? r.blob->size() : 0); }
+
+Status WriteWorkersAndLayers(sqlite3* db, int64_t job_id, const v1::RegisterJobRequest& info) {
+  if (info.workers_size() > 0) {
+    Stmt del;
+    CPD_RETURN_IF_ERROR(del.Prepare(db, "DELETE FROM workers WHERE job_id = ?1"));
+    del.Int(1, job_id);
+    CPD_RETURN_IF_ERROR(del.Run());
+    Stmt ins;
+    CPD_RETURN_IF_ERROR(
+        ins.Prepare(db, "INSERT INTO workers(job_id, rank, host, pid) VALUES(?1, ?2, ?3, ?4)"));
+    for (const auto& w : info.workers()) {
+      ins.Int(1, job_id);
+      ins.Int(2, w.rank());
+      ins.Text(3, w.host());
+      ins.Int(4, w.pid());
+      CPD_RETURN_IF_ERROR(ins.Run());
+    }
+  }
+  if (info.layers_size() > 0) {
+    Stmt del;
+    CPD_RETURN_IF_ERROR(del.Prepare(db, "DELETE FROM layers WHERE job_id = ?1"));
+    del.Int(1, job_id);
+    CPD_RETURN_IF_ERROR(del.Run());
+    Stmt ins;
+    CPD_RETURN_IF_ERROR(ins.Prepare(db,
+                                    "INSERT INTO layers(job_id, idx, name, kind, quantizable, "
+                                    "params) VALUES(?1, ?2, ?3, ?4, ?5, ?6)"));
+    for (int i = 0; i < info.layers_size(); ++i) {
+      const auto& l = info.layers(i);
+      ins.Int(1, job_id);
+      ins.Int(2, i);
+      ins.Text(3, l.name());
+      ins.Text(4, l.kind());
+      ins.Int(5, l.quantizable() ? 1 : 0);
+      ins.Int(6, l.params());
+      CPD_RETURN_IF_ERROR(ins.Run());
+    }
+  }
+  return Status::Ok();
+}
+
+Status InsertSchedule(sqlite3* db, int64_t job_id, const v1::PrecisionSchedule& s) {
+  Stmt ins;
+  CPD_RETURN_IF_ERROR(ins.Prepare(db,
+                                  "INSERT INTO schedules(job_id, version, set_at_ms, set_by, "
+                                  "schedule) VALUES(?1, ?2, ?3, ?4, ?5)"));
+  const std::string blob = s.SerializeAsString();
+  ins.Int(1, job_id);
+  ins.Int(2, int64_t(s.version()));
+  ins.Int(3, s.set_at_ms());
+  ins.Text(4, s.set_by());
+  ins.Blob(5, blob);
+  return ins.Run();
+}
+
+}  // namespace
+
+Store::Store(StoreOptions options) : options_(std::move(options)) {}
+
+Result<std::unique_ptr<Store>> Store::Open(const StoreOptions& options) {
+  if (options.path.empty()) return Status::InvalidArgument("store: no database path given");
+  std::unique_ptr<Store> store(new Store(options));
+  CPD_RETURN_IF_ERROR(store->Init());
+  store->writer_ = std::thread([s = store.get()] { s->WriterLoop(); });
+  return store;
+}
+
+Status Store::Init() {
+  // One coordinator per database: a second one would keep its own jobs and versions in memory.
+  // flock() is independent of the POSIX locks SQLite takes on the same file; this descriptor is
+  // closed only after SQLite's (closing any descriptor of a file drops the process's POSIX locks).
+  lock_fd_ = open(options_.path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) {
+    return Status::IoError("cannot open database '" + options_.path + "': " + std::strerror(errno) +
+                           " (check that the directory exists and is writable)");
+  }
+  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return Status::Unavailable("database '" + options_.path +
+                               "' is in use by another cpd-coordinator; stop it or use another "
+                               "--db");
+  }
+  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/true);
+  if (!db.ok()) return db.status();
+  writer_db_ = *db;
+  // A report with 100 layer rows is ~6 KiB: 16 KiB pages keep it in its leaf page. Only takes
+  // effect on a new file.
+  CPD_RETURN_IF_ERROR(Exec(writer_db_, "PRAGMA page_size = 16384"));
+  {
+    Stmt s;
+    Status st = s.Prepare(writer_db_, "PRAGMA journal_mode = WAL");
+    if (!st.ok()) {
+      return Status::IoError("'" + options_.path +
+                             "' is not a usable SQLite database: " + st.message());
+    }
+    auto row = s.Step();
+    if (!row.ok()) return row.status();
+    if (!*row || s.ColText(0) != "wal") {
+      return Status::IoError("database '" + options_.path +
+                             "': cannot switch to WAL mode (is it on a network file system?)");
+    }
+  }
+  CPD_RETURN_IF_ERROR(Exec(writer_db_, "PRAGMA synchronous = NORMAL"));
+  // The WAL is truncated back to this size after a checkpoint that let it grow beyond.
+  CPD_RETURN_IF_ERROR(Exec(writer_db_, "PRAGMA journal_size_limit = 67108864"));
+  {
+    Stmt s;
+    CPD_RETURN_IF_ERROR(s.Prepare(writer_db_, "PRAGMA user_version"));
+    auto row = s.Step();
+    if (!row.ok()) return row.status();
+    const int64_t v = *row ? s.ColInt(0) : 0;
+    if (v > kSchemaVersion) {
+      return Status::IoError("database '" + options_.path + "' has schema version " +
+                             std::to_string(v) + ", newer than this cpd-coordinator's " +
+                             std::to_string(kSchemaVersion));
+    }
+  }
+  {
+    Transaction t(writer_db_);
+    CPD_RETURN_IF_ERROR(t.Begin());
+    CPD_RETURN_IF_ERROR(Exec(writer_db_, kSchema));
+    CPD_RETURN_IF_ERROR(
+        Exec(writer_db_, ("PRAGMA user_version = " + std::to_string(kSchemaVersion)).c_str()));
+    CPD_RETURN_IF_ERROR(t.Commit());
+  }
+  {
+    Stmt s;
+    CPD_RETURN_IF_ERROR(
+        s.Prepare(writer_db_, "SELECT job_id, COUNT(*) FROM reports GROUP BY job_id"));
+    for (;;) {
+      auto row = s.Step();
+      if (!row.ok()) return row.status();
+      if (!*row) break;
+      stored_per_job_[s.ColInt(0)] = uint64_t(s.ColInt(1));
+    }
+  }
+  return Status::Ok();
+}
+
+Store::~Store() {
+  {
+    std::lock_guard<std::mutex> l(queue_mu_);
+    stop_ = true;
+  }
+  queue_cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+  for (sqlite3* db : idle_readers_) sqlite3_close_v2(db);
+  insert_report_.reset();
+  if (writer_db_ != nullptr) {
+    // A clean close checkpoints the WAL into the main file.
+    sqlite3_close_v2(writer_db_);
+  }
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+// ---- Jobs and schedules
+// --------------------------------------------------------------------------
+
+Result<std::vector<JobRecord>> Store::LoadJobs() {
+  std::lock_guard<std::mutex> l(write_mu_);
+  Stmt s;
+  CPD_RETURN_IF_ERROR(s.Prepare(writer_db_,
+                                "SELECT job_id, name, registered_ms, updated_ms, world_size, "
+                                "emulated_workers_per_rank, arch, dataset, total_steps, epochs, "
+                                "start_step, allreduce FROM jobs ORDER BY job_id"));
+  std::vector<JobRecord> jobs;
+  for (;;) {
+    auto row = s.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    JobRecord j;
+    j.job_id = s.ColInt(0);
+    j.info.set_job_name(s.ColText(1));
+    j.registered_ms = s.ColInt(2);
+    j.updated_ms = s.ColInt(3);
+    j.info.set_world_size(int32_t(s.ColInt(4)));
+    j.info.set_emulated_workers_per_rank(int32_t(s.ColInt(5)));
+    j.info.set_arch(s.ColText(6));
+    j.info.set_dataset(s.ColText(7));
+    j.info.set_total_steps(s.ColInt(8));
+    j.info.set_epochs(int32_t(s.ColInt(9)));
+    j.info.set_start_step(s.ColInt(10));
+    j.info.set_allreduce(s.ColText(11));
+    jobs.push_back(std::move(j));
+  }
+  return jobs;
+}
+
+Result<int64_t> Store::CreateJob(const v1::RegisterJobRequest& info, int64_t now_ms,
+                                 const v1::PrecisionSchedule& schedule) {
+  std::lock_guard<std::mutex> l(write_mu_);
+  Transaction t(writer_db_);
+  CPD_RETURN_IF_ERROR(t.Begin());
+  Stmt ins;
+  CPD_RETURN_IF_ERROR(ins.Prepare(writer_db_,
+                                  "INSERT INTO jobs(name, registered_ms, updated_ms, world_size, "
+                                  "emulated_workers_per_rank, arch, dataset, total_steps, epochs, "
+                                  "start_step, allreduce) "
+                                  "VALUES(?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"));
+  ins.Text(1, info.job_name());
+  ins.Int(2, now_ms);
+  ins.Int(3, info.world_size());
+  ins.Int(4, info.emulated_workers_per_rank());
+  ins.Text(5, info.arch());
+  ins.Text(6, info.dataset());
+  ins.Int(7, info.total_steps());
+  ins.Int(8, info.epochs());
+  ins.Int(9, info.start_step());
+  ins.Text(10, info.allreduce());
+  CPD_RETURN_IF_ERROR(ins.Run());
+  const int64_t id = sqlite3_last_insert_rowid(writer_db_);
+  CPD_RETURN_IF_ERROR(WriteWorkersAndLayers(writer_db_, id, info));
+  CPD_RETURN_IF_ERROR(InsertSchedule(writer_db_, id, schedule));
+  CPD_RETURN_IF_ERROR(t.Commit());
+  return id;
+}
+
+Status Store::UpdateJob(int64_t job_id, const v1::RegisterJobRequest& info, int64_t now_ms) {
+  std::lock_guard<std::mutex> l(write_mu_);
+  Transaction t(writer_db_);
+  CPD_RETURN_IF_ERROR(t.Begin());
+  Stmt up;
+  CPD_RETURN_IF_ERROR(up.Prepare(writer_db_,
+                                 "UPDATE jobs SET updated_ms = ?2, world_size = ?3, "
+                                 "emulated_workers_per_rank = ?4, arch = ?5, dataset = ?6, "
+                                 "total_steps = ?7, epochs = ?8, start_step = ?9, allreduce = ?10 "
+                                 "WHERE job_id = ?1"));
+  up.Int(1, job_id);
+  up.Int(2, now_ms);
+  up.Int(3, info.world_size());
+  up.Int(4, info.emulated_workers_per_rank());
+  up.Text(5, info.arch());
+  up.Text(6, info.dataset());
+  up.Int(7, info.total_steps());
+  up.Int(8, info.epochs());
+  up.Int(9, info.start_step());
+  up.Text(10, info.allreduce());
+  CPD_RETURN_IF_ERROR(up.Run());
+  CPD_RETURN_IF_ERROR(WriteWorkersAndLayers(writer_db_, job_id, info));
+  return t.Commit();
+}
+
+Status Store::AppendSchedule(int64_t job_id, const v1::PrecisionSchedule& schedule) {
+  std::lock_guard<std::mutex> l(write_mu_);
+  return InsertSchedule(writer_db_, job_id, schedule);
+}
+
+Result<sqlite3*> Store::AcquireReader() {
+  {
+    std::lock_guard<std::mutex> l(readers_mu_);
+    if (!idle_readers_.empty()) {
+      sqlite3* db = idle_readers_.back();
+      idle_readers_.pop_back();
+      return db;
+    }
+  }
+  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/false);
+  if (!db.ok()) return db.status();
+  Status s = Exec(*db, "PRAGMA query_only = 1");
+  if (!s.ok()) {
+    sqlite3_close(*db);
+    return s;
+  }
+  return *db;
+}
+
+void Store::ReleaseReader(sqlite3* db) {
+  std::lock_guard<std::mutex> l(readers_mu_);
+  if (idle_readers_.size() < 8) {
+    idle_readers_.push_back(db);
+  } else {
+    sqlite3_close(db);
+  }
+}
+
+namespace {
+// Returns a pooled reader connection on scope exit.
+template <typename Release>
+struct ReaderGuard {
+  sqlite3* db;
+  Release release;
+  ~ReaderGuard() { release(db); }
+};
+}  // namespace
+
+#define CPD_WITH_READER(var)                                 \
+  auto var##_r = AcquireReader();                            \
+  if (!var##_r.ok()) return var##_r.status();                \
+  sqlite3* var = *var##_r;                                   \
+  auto var##_rel = [this](sqlite3* d) { ReleaseReader(d); }; \
+  ReaderGuard<decltype(var##_rel)> var##_guard { var, var##_rel }
+
+Status Store::LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out) {
+  CPD_WITH_READER(db);
+  Stmt w;
+  CPD_RETURN_IF_ERROR(
+      w.Prepare(db, "SELECT rank, host, pid FROM workers WHERE job_id = ?1 ORDER BY rank"));
+  w.Int(1, job_id);
+  for (;;) {
+    auto row = w.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    auto* wi = out->add_workers();
+    wi->set_rank(int32_t(w.ColInt(0)));
+    wi->set_host(w.ColText(1));
+    wi->set_pid(w.ColInt(2));
+  }
+  Stmt l;
+  CPD_RETURN_IF_ERROR(l.Prepare(db,
+                                "SELECT name, kind, quantizable, params FROM layers "
+                                "WHERE job_id = ?1 ORDER BY idx"));
+  l.Int(1, job_id);
+  for (;;) {
+    auto row = l.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    auto* li = out->add_layers();
+    li->set_name(l.ColText(0));
+    li->set_kind(l.ColText(1));
+    li->set_quantizable(l.ColInt(2) != 0);
+    li->set_params(l.ColInt(3));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<v1::PrecisionSchedule>> Store::Schedules(int64_t job_id) {
+  CPD_WITH_READER(db);
+  Stmt s;
+  CPD_RETURN_IF_ERROR(
+      s.Prepare(db, "SELECT schedule FROM schedules WHERE job_id = ?1 ORDER BY version"));
+  s.Int(1, job_id);
+  std::vector<v1::PrecisionSchedule> out;
+  for (;;) {
+    auto row = s.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    const std::string_view b = s.ColBlob(0);
+    out.emplace_back();
+    if (!out.back().ParseFromArray(b.data(), int(b.size()))) {
+      return Status::Corruption("database: schedule of job " + std::to_string(job_id) +
+                                " does not parse");
+    }
+  }
+  return out;
+}
+
+Result<std::optional<v1::PrecisionSchedule>> Store::CurrentSchedule(int64_t job_id) {
+  CPD_WITH_READER(db);
+  Stmt s;
+  CPD_RETURN_IF_ERROR(s.Prepare(
+      db, "SELECT schedule FROM schedules WHERE job_id = ?1 ORDER BY version DESC LIMIT 1"));
+  s.Int(1, job_id);
+  auto row = s.Step();
+  if (!row.ok()) return row.status();
+  if (!*row) return std::optional<v1::PrecisionSchedule>();
+  const std::string_view b = s.ColBlob(0);
+  v1::PrecisionSchedule out;
+  if (!out.ParseFromArray(b.data(), int(b.size()))) {
+    return Status::Corruption("database: schedule of job " + std::to_string(job_id) +
+                              " does not parse");
+  }
+  return std::optional<v1::PrecisionSchedule>(std::move(out));
+}
+
+// ---- Reports
+// -------------------------------------------------------------------------------------
+
+bool Store::Enqueue(ReportRow row) {
+  const size_t bytes = RowBytes(row);
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> l(queue_mu_);
+    if (stop_ || queue_.size() >= options_.queue_max_reports ||
+        queue_bytes_ + bytes > options_.queue_max_bytes) {
+      return false;
+    }
+    queue_.push_back(std::move(row));
+    queue_bytes_ += bytes;
+    ++enqueued_seq_;
+    stats_.queued = queue_.size();
+    // The writer waits for "not empty", then lingers for a batch: wake it only at those two
+    // edges (one futex wake per report cost ~10% of the coordinator's CPU under load).
+    wake = queue_.size() == 1 || queue_.size() == options_.max_batch;
+  }
+  if (wake) queue_cv_.notify_one();
+  return true;
+}
+
+void Store::Flush() {
+  std::unique_lock<std::mutex> l(queue_mu_);
+  const uint64_t target = enqueued_seq_;
+  ++flush_waiters_;
+  queue_cv_.notify_all();
+  flushed_cv_.wait(l, [&] { return done_seq_ >= target; });
+  --flush_waiters_;
+}
+
+Status Store::WriteBatch(const std::vector<ReportRow>& batch) {
+  Transaction t(writer_db_);
+  CPD_RETURN_IF_ERROR(t.Begin());
+  if (insert_report_ == nullptr) {
+    insert_report_ = std::make_unique<Stmt>();
+    Status s = insert_report_->Prepare(writer_db_, kInsertReport);
+    if (!s.ok()) {
+      insert_report_.reset();
+      return s;
+    }
+  }
+  Stmt& ins = *insert_report_;
+  for (const ReportRow& r : batch) {
+    ins.Int(1, r.job_id);
+    ins.Int(2, r.step);
+    ins.Int(3, r.rank);
+    ins.Int(4, r.has_layers ? 1 : 0);
+    ins.Int(5, r.keep ? 1 : 0);
+    ins.Int(6, r.finished ? 1 : 0);
+    ins.Int(7, r.time_ms);
+    ins.Int(8, r.received_ms);
+    ins.Blob(9, r.blob ? std::string_view(*r.blob) : std::string_view());
+    Status s = ins.Run();
+    if (!s.ok()) {
+      sqlite3_reset(ins.get());
+      return s;
+    }
+  }
+  return t.Commit();
+}
+
+void Store::WriterLoop() {
+  using Clock = std::chrono::steady_clock;
+  const auto interval = std::chrono::milliseconds(options_.retention.interval_ms);
+  auto next_retention = Clock::now() + interval;
+  std::deque<int64_t> retention_todo;  // jobs with retention work left in this pass
+  std::vector<ReportRow> batch;
+  for (;;) {
+    size_t batch_bytes = 0;
+    bool stopping = false;
+    {
+      std::unique_lock<std::mutex> l(queue_mu_);
+      auto ready = [&] { return stop_ || !queue_.empty(); };
+      if (!retention_todo.empty()) {
+        // Retention work is pending: do not sleep.
+      } else if (options_.retention.interval_ms > 0) {
+        queue_cv_.wait_until(l, next_retention, ready);
+      } else {
+        queue_cv_.wait(l, ready);
+      }
+      // A few milliseconds' lingering turns a trickle of reports into one transaction.
+      if (!queue_.empty() && queue_.size() < options_.max_batch / 4 && !stop_ &&
+          flush_waiters_ == 0 && retention_todo.empty()) {
+        queue_cv_.wait_for(l, std::chrono::milliseconds(5), [&] {
+          return stop_ || flush_waiters_ > 0 || queue_.size() >= options_.max_batch;
+        });
+      }
+      stopping = stop_;
+      if (queue_.empty() && stop_) break;
+      while (!queue_.empty() && batch.size() < options_.max_batch) {
+        batch_bytes += RowBytes(queue_.front());
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      stats_.queued = queue_.size();
+    }
+    if (!batch.empty()) {
+      Status s;
+      for (int attempt = 0;; ++attempt) {
+        {
+          std::lock_guard<std::mutex> l(write_mu_);
+          s = WriteBatch(batch);
+        }
+        if (s.ok()) break;
+        {
+          std::lock_guard<std::mutex> l(queue_mu_);
+          ++stats_.write_errors;
+          stopping = stop_;
+        }
+        options_.log("storing " + std::to_string(batch.size()) + " reports failed (attempt " +
+                     std::to_string(attempt + 1) + "): " + s.message());
+        if (stopping && attempt >= 2) break;
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+      }
+      if (s.ok()) {
+        std::lock_guard<std::mutex> l(counts_mu_);
+        for (const ReportRow& r : batch) ++stored_per_job_[r.job_id];
+      }
+      {
+        std::lock_guard<std::mutex> l(queue_mu_);
+        queue_bytes_ -= batch_bytes;
+        done_seq_ += batch.size();
+        if (s.ok()) {
+          stats_.stored += batch.size();
+        } else {
+          stats_.lost += batch.size();
+          options_.log("gave up on " + std::to_string(batch.size()) + " reports at shutdown");
+        }
+      }
+      flushed_cv_.notify_all();
+      batch.clear();
+    }
+    // Retention, one bounded step of one job per round, between batches of inserts.
+    if (options_.retention.interval_ms > 0 && retention_todo.empty() &&
+        Clock::now() >= next_retention) {
+      std::lock_guard<std::mutex> l(counts_mu_);
+      for (const auto& [job, count] : stored_per_job_) retention_todo.push_back(job);
+      next_retention = Clock::now() + interval;
+    }
+    if (!retention_todo.empty()) {
+      const int64_t job = retention_todo.front();
+      retention_todo.pop_front();
+      std::lock_guard<std::mutex> l(write_mu_);
+      auto more = RetainJobLocked(job);
+      if (!more.ok()) {
+        options_.log("retention of job " + std::to_string(job) + ": " + more.status().message());
+      } else if (*more) {
+        retention_todo.push_back(job);
+      }
+    }
+  }
+}
+
+Status Store::ApplyRetention() {
+  std::vector<std::pair<int64_t, uint64_t>> jobs;
+  {
+    std::lock_guard<std::mutex> l(counts_mu_);
+    jobs.assign(stored_per_job_.begin(), stored_per_job_.end());
+  }
+  std::lock_guard<std::mutex> l(write_mu_);
+  for (const auto& [job, count] : jobs) {
+    for (bool more = true; more;) {
+      auto r = RetainJobLocked(job);
+      if (!r.ok()) return r.status();
+      more = *r;
+    }
+  }
+  return Status::Ok();
+}
+
+// One bounded step of retention for one job: at most kRetentionRows rows deleted, in one
+// transaction, so the writer thread returns to inserting within milliseconds even when a long
+// job's first pass (e.g. after a restart with a lower --keep-full) has a million rows to drop.
+Result<bool> Store::RetainJobLocked(int64_t job) {
+  constexpr int64_t kRetentionRows = 4096;
+  const RetentionOptions& r = options_.retention;
+  uint64_t count = ReportsStored(job);
+  uint64_t removed = 0;
+  bool more = false;
+  Transaction t(writer_db_);
+  CPD_RETURN_IF_ERROR(t.Begin());
+  if (r.thin_every > 1 && r.keep_full > 0 && count > uint64_t(r.keep_full)) {
+    // Thin [below, cutoff): cutoff is the step of the keep_full-th newest report.
+    Stmt nth;
+    CPD_RETURN_IF_ERROR(nth.Prepare(writer_db_,
+                                    "SELECT step FROM reports WHERE job_id = ?1 "
+                                    "ORDER BY step DESC, id DESC LIMIT 1 OFFSET ?2"));
+    nth.Int(1, job);
+    nth.Int(2, r.keep_full - 1);
+    auto row = nth.Step();
+    if (!row.ok()) return row.status();
+    int64_t& below = thinned_below_[job];
+    if (*row && nth.ColInt(0) > below) {
+      const int64_t cutoff = nth.ColInt(0);
+      // This transaction's share: up to the step kRetentionRows rows further on.
+      Stmt ahead;
+      CPD_RETURN_IF_ERROR(ahead.Prepare(writer_db_,
+                                        "SELECT step FROM reports WHERE job_id = ?1 AND "
+                                        "step >= ?2 ORDER BY step, id LIMIT 1 OFFSET ?3"));
+      ahead.Int(1, job);
+      ahead.Int(2, below);
+      ahead.Int(3, kRetentionRows);
+      auto a = ahead.Step();
+      if (!a.ok()) return a.status();
+      int64_t end = cutoff;
+      if (*a) end = std::min(cutoff, std::max(ahead.ColInt(0), below + 1));
+      Stmt thin;
+      CPD_RETURN_IF_ERROR(thin.Prepare(writer_db_,
+                                       "DELETE FROM reports WHERE job_id = ?1 AND step >= ?2 "
+                                       "AND step < ?3 AND keep = 0 AND step % ?4 != 0"));
+      thin.Int(1, job);
+      thin.Int(2, below);
+      thin.Int(3, end);
+      thin.Int(4, r.thin_every);
+      CPD_RETURN_IF_ERROR(thin.Run());
+      removed += uint64_t(sqlite3_changes(writer_db_));
+      below = end;
+      more = end < cutoff;
+    }
+  }
+  if (!more && r.max_reports_per_job > 0 && count - removed > uint64_t(r.max_reports_per_job)) {
+    // The oldest rows beyond the cap, at most kRetentionRows of them.
+    const uint64_t excess = count - removed - uint64_t(r.max_reports_per_job);
+    const int64_t k = int64_t(std::min<uint64_t>(excess, kRetentionRows));
+    Stmt kth;
+    CPD_RETURN_IF_ERROR(kth.Prepare(writer_db_,
+                                    "SELECT step, id FROM reports WHERE job_id = ?1 "
+                                    "ORDER BY step, id LIMIT 1 OFFSET ?2"));
+    kth.Int(1, job);
+    kth.Int(2, k - 1);
+    auto row = kth.Step();
+    if (!row.ok()) return row.status();
+    if (*row) {
+      Stmt cap;
+      CPD_RETURN_IF_ERROR(cap.Prepare(writer_db_,
+                                      "DELETE FROM reports WHERE job_id = ?1 AND "
+                                      "(step < ?2 OR (step = ?2 AND id <= ?3))"));
+      cap.Int(1, job);
+      cap.Int(2, kth.ColInt(0));
+      cap.Int(3, kth.ColInt(1));
+      CPD_RETURN_IF_ERROR(cap.Run());
+      removed += uint64_t(sqlite3_changes(writer_db_));
+      more = excess > uint64_t(k);
+    }
+  }
+  CPD_RETURN_IF_ERROR(t.Commit());
+  if (removed > 0) {
+    {
+      std::lock_guard<std::mutex> l(counts_mu_);
+      stored_per_job_[job] -= removed;
+    }
+    std::lock_guard<std::mutex> l(queue_mu_);
+    stats_.thinned += removed;
+  }
+  return more;
+}
+
+Status Store::QueryReports(const ReportQuery& q,
+                           const std::function<bool(const StoredReport&)>& visit) {
+  CPD_WITH_READER(db);
+  std::string sql =
+      "SELECT id, step, rank, has_layers, finished, received_ms, report FROM reports "
+      "WHERE job_id = ?1 AND step >= ?2 AND step <= ?3";
+  if (q.only_with_layers) sql += " AND has_layers = 1";
+  if (q.only_keep) sql += " AND keep = 1";
+  if (q.after_step >= 0) sql += " AND (step > ?4 OR (step = ?4 AND id > ?5))";
+  sql += q.descending ? " ORDER BY step DESC, id DESC" : " ORDER BY step, id";
+  sql += " LIMIT ?6";
+  Stmt s;
+  CPD_RETURN_IF_ERROR(s.Prepare(db, sql.c_str()));
+  s.Int(1, q.job_id);
+  s.Int(2, q.from_step);
+  s.Int(3, q.to_step);
+  if (q.after_step >= 0) {
+    s.Int(4, q.after_step);
+    s.Int(5, q.after_id);
+  }
+  s.Int(6, q.limit > size_t(INT64_MAX) ? INT64_MAX : int64_t(q.limit));
+  for (;;) {
+    auto row = s.Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    StoredReport r;
+    r.id = s.ColInt(0);
+    r.step = s.ColInt(1);
+    r.rank = int32_t(s.ColInt(2));
+    r.has_layers = s.ColInt(3) != 0;
+    r.finished = s.ColInt(4) != 0;
+    r.received_ms = s.ColInt(5);
+    r.blob = s.ColBlob(6);
+    if (!visit(r)) break;
+  }
+  return Status::Ok();
+}
+
+uint64_t Store::ReportsStored(int64_t job_id) const {
+  std::lock_guard<std::mutex> l(counts_mu_);
+  auto it = stored_per_job_.find(job_id);
+  return it == stored_per_job_.end() ? 0 : it->second;
+}
+
+StoreStats Store::stats() const {
+  std::lock_guard<std::mutex> l(queue_mu_);
+  return stats_;
+}
+
+}  // namespace cpd::coordinator

@@ -1,0 +1,234 @@
+// cpd-coordinator: CPD's control plane. A gRPC service (cpd.v1) that pushes each job's precision
+// schedule to its workers and keeps their per-layer statistics in a SQLite file.
+//
+//   cpd-coordinator [--listen 127.0.0.1:50051] [--db cpd-coordinator.db] [--token-file F]
+//                   [--tls-cert F --tls-key F] [--port-file F] [retention flags ...]
+//
+// Prints "cpd-coordinator: listening on HOST:PORT (db FILE)" once serving; SIGINT/SIGTERM stop
+// it after every accepted report is stored. Bad flags: one line on stderr, exit 2; a database
+// or address that cannot be used: one line, exit 1.
+#include <absl/synchronization/mutex.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "cpd/config.h"
+#include "launcher/cli.h"
+#include "launcher/coordinator/service.h"
+
+namespace {
+
+constexpr const char* kTool = "cpd-coordinator";
+
+[[noreturn]] void Fail(const std::string& msg, int code = cpd::launcher::kUsageError) {
+  cpd::launcher::FailWith(kTool, msg, code);
+}
+
+std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) Fail(flag + " " + path + ": cannot read: " + std::strerror(errno));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The token: the file's first line without surrounding whitespace.
+std::string ReadToken(const std::string& path) {
+  const std::string text = ReadFileOrFail("--token-file", path);
+  std::string line = text.substr(0, text.find('\n'));
+  const char* ws = " \t\r\v\f";
+  const size_t b = line.find_first_not_of(ws);
+  if (b == std::string::npos) {
+    Fail("--token-file " + path + ": the first line is empty; put the token on it");
+  }
+  line = line.substr(b, line.find_last_not_of(ws) - b + 1);
+  return line;
+}
+
+std::string ReadPem(const std::string& flag, const std::string& path) {
+  std::string pem = ReadFileOrFail(flag, path);
+  if (pem.find("-----BEGIN ") == std::string::npos) {
+    Fail(flag + " " + path + ": not a PEM file (no '-----BEGIN' line)");
+  }
+  return pem;
+}
+
+// Writes `text` to `path` atomically: a temporary beside it, fsync, rename.
+bool WriteFileAtomically(const std::string& path, const std::string& text, std::string* err) {
+  const std::string tmp = path + ".tmp." + std::to_string(getpid());
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) {
+    *err = tmp + ": " + std::strerror(errno);
+    return false;
+  }
+  const bool ok = write(fd, text.data(), text.size()) == ssize_t(text.size()) && fsync(fd) == 0;
+  const int saved = errno;
+  close(fd);
+  if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
+    *err = path + ": " + std::strerror(ok ? errno : saved);
+    unlink(tmp.c_str());
+    return false;
+  }
+  return true;
+}
+
+// "HOST:PORT" -> HOST (brackets of an IPv6 literal kept); false when malformed.
+bool SplitListen(const std::string& listen, std::string* host, int* port) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) return false;
+  const std::string p = listen.substr(colon + 1);
+  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos) return false;
+  *port = std::stoi(p);
+  if (*port > 65535) return false;
+  *host = listen.substr(0, colon);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cpd-coordinator: CPD's control plane. Pushes each job's precision schedule to its "
+      "workers (WatchSchedule) and keeps their per-layer statistics (ReportStats) in a SQLite "
+      "file; cpdctl reads and changes them. It never sees gradients.",
+      kTool};
+  app.set_version_flag("--version", std::string(kTool) + " " CPD_VERSION);
+  std::string listen = "127.0.0.1:50051", db = "cpd-coordinator.db", token_file, tls_cert, tls_key,
+              port_file;
+  int max_message_mib = 4, queue_mib = 64;
+  double stale_after_s = 60, retention_every_s = 30;
+  int64_t keep_full = 10000, thin_every = 10, max_reports = 100000;
+  size_t watch_buffer = 64;
+  app.add_option("--listen", listen,
+                 "HOST:PORT to serve on; port 0 picks a free one (see --port-file). Binds "
+                 "loopback by default: use --token-file (and TLS) before listening on 0.0.0.0")
+      ->capture_default_str();
+  app.add_option("--db", db,
+                 "SQLite database file (WAL mode; created if missing): jobs, workers, layers, "
+                 "every schedule version and the reports. A restart on the same file brings "
+                 "every job and its history back")
+      ->capture_default_str();
+  app.add_option("--token-file", token_file,
+                 "require every call to carry metadata 'authorization: Bearer <token>', the "
+                 "token being this file's first line (whitespace trimmed); wrong or missing -> "
+                 "UNAUTHENTICATED")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-cert", tls_cert, "TLS certificate chain (PEM); needs --tls-key")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", tls_key, "TLS private key (PEM); needs --tls-cert")
+      ->check(CLI::ExistingFile);
+  app.add_option("--port-file", port_file,
+                 "once listening, write the bound port to this file (atomically: temp, fsync, "
+                 "rename)");
+  app.add_option("--max-message-mib", max_message_mib,
+                 "largest request accepted, MiB; larger -> RESOURCE_EXHAUSTED. Also caps one "
+                 "LayerStats answer")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--stale-after", stale_after_s,
+                 "seconds without a report after which a running job shows as 'stale'")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--keep-full", keep_full,
+                 "retention: the newest N reports of each job stay at full resolution (0: all)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--thin-every", thin_every,
+                 "retention: older reports are thinned to the steps that are multiples of K "
+                 "(end-of-epoch and final reports always stay; 1: no thinning)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-reports-per-job", max_reports,
+                 "retention: hard cap per job; the oldest reports beyond it are deleted (0: no "
+                 "cap)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--retention-every", retention_every_s,
+                 "seconds between retention passes of the writer thread")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--queue-mib", queue_mib,
+                 "reports waiting for the disk are held in at most this much memory; when full, "
+                 "ReportStats answers RESOURCE_EXHAUSTED")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--watch-buffer", watch_buffer,
+                 "reports buffered per WatchJob stream for a slow reader (the oldest are "
+                 "dropped)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t(1), size_t(1) << 20));
+  if (int rc = cpd::launcher::ParseArgs(app, argc, argv, kTool); rc >= 0) return rc;
+
+  std::string host;
+  int want_port = 0;
+  if (!SplitListen(listen, &host, &want_port)) {
+    Fail("--listen '" + listen + "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
+  }
+  if (tls_cert.empty() != tls_key.empty()) {
+    Fail("--tls-cert and --tls-key go together (got only " +
+         std::string(tls_cert.empty() ? "--tls-key" : "--tls-cert") + ")");
+  }
+
+  cpd::coordinator::ServerOptions opt;
+  opt.listen = listen;
+  opt.store.path = db;
+  opt.store.queue_max_bytes = size_t(queue_mib) << 20;
+  opt.store.retention.keep_full = keep_full;
+  opt.store.retention.thin_every = thin_every;
+  opt.store.retention.max_reports_per_job = max_reports;
+  opt.store.retention.interval_ms = int64_t(retention_every_s * 1000);
+  opt.coordinator.stale_after_ms = int64_t(stale_after_s * 1000);
+  opt.coordinator.watch_buffer = watch_buffer;
+  opt.max_receive_bytes = max_message_mib << 20;
+  opt.coordinator.max_response_bytes = size_t(opt.max_receive_bytes);
+  if (!token_file.empty()) opt.coordinator.token = ReadToken(token_file);
+  if (!tls_cert.empty()) {
+    opt.tls_cert_pem = ReadPem("--tls-cert", tls_cert);
+    opt.tls_key_pem = ReadPem("--tls-key", tls_key);
+  }
+
+  // Debian's Abseil checks every absl::Mutex (used throughout gRPC) for lock-order cycles: ~3% of
+  // the coordinator's CPU under load (perf), for a debugging aid.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+
+  // Signals are taken by sigwait below: block them before gRPC and the writer start threads.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto started = cpd::coordinator::CoordinatorServer::Start(opt);
+  if (!started.ok()) Fail(started.status().message(), 1);
+  std::unique_ptr<cpd::coordinator::CoordinatorServer> server = std::move(started).value();
+  const int port = server->port();
+  if (!port_file.empty()) {
+    std::string err;
+    if (!WriteFileAtomically(port_file, std::to_string(port) + "\n", &err)) {
+      Fail("--port-file " + err, 1);
+    }
+  }
+  std::printf("%s: listening on %s:%d (db %s)\n", kTool, host.c_str(), port, db.c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "%s: %s received; storing queued reports and stopping\n", kTool,
+               sig == SIGINT ? "SIGINT" : "SIGTERM");
+  server->Shutdown();
+  const cpd::coordinator::StoreStats st = server->store()->stats();
+  std::fprintf(stderr, "%s: stopped; %llu reports stored this run%s\n", kTool,
+               static_cast<unsigned long long>(st.stored),
+               st.lost > 0 ? (", " + std::to_string(st.lost) + " LOST (see above)").c_str() : "");
+  server.reset();
+  return st.lost > 0 ? 1 : 0;
+}

@@ -292,6 +292,32 @@ TEST_F(CoordinatorTest, LongHistoryStreamsInPages) {
   EXPECT_EQ(Status(id).job().step(), 999);
 }
 
+TEST_F(CoordinatorTest, LayerStatsAnswerIsBoundedInBytes) {
+  // Reports are added to a LayerStats answer while it stays within the byte cap (the rest is
+  // asked for from the next step); at least one report is always returned.
+  ServerOptions opt;
+  opt.coordinator.max_response_bytes = 20000;
+  Start(opt);
+  const int64_t id = Register(LenetJob("bounded", 1));
+  const size_t one = Report(id, 0, 0, 100).ByteSizeLong();
+  ASSERT_GT(one, 6000u);
+  ASSERT_LT(one, 10000u);
+  for (int step = 0; step < 10; ++step) ASSERT_TRUE(Send(Report(id, step, 0, 100)).ok());
+  server_->store()->Flush();
+  v1::LayerStatsRequest req;
+  req.mutable_job()->set_job_id(id);
+  req.set_from_step(0);
+  req.set_to_step(9);
+  v1::LayerStatsResponse resp;
+  ASSERT_TRUE(op_->LayerStats(Ctx().get(), req, &resp).ok());
+  EXPECT_EQ(size_t(resp.reports_size()), 20000 / (one + 16));
+  EXPECT_LE(resp.ByteSizeLong(), 20000u);
+  req.set_from_step(resp.reports(resp.reports_size() - 1).step() + 1);
+  resp.Clear();
+  ASSERT_TRUE(op_->LayerStats(Ctx().get(), req, &resp).ok());
+  EXPECT_EQ(resp.reports(0).step(), req.from_step());
+}
+
 TEST_F(CoordinatorTest, NonFiniteLossIsStoredAsIs) {
   Start();
   const int64_t id = Register(LenetJob("nan-loss", 1));

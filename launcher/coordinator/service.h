@@ -65,10 +65,7 @@ class Coordinator {
   struct Job;
   class WorkerImpl;
   class OperatorImpl;
-  friend class StreamBase;
-  friend class ScheduleStream;
-  friend class JobStream;
-  friend class HistoryStream;
+  friend class StreamBase;  // streams unregister themselves when gRPC is done with them
 
   Coordinator(Store* store, CoordinatorOptions options);
   Status Load();

@@ -404,6 +404,12 @@ class AtomicFile {
   bool committed_ = false;
 };
 
+// Steps a job has done: a report's step is the index of the step just done (steps count from
+// 0), so one more; before any report, the summary's step is where the run starts.
+int64_t StepsDone(const v1::JobSummary& j) {
+  return j.last_report_ms() > 0 ? j.step() + 1 : j.step();
+}
+
 // ---- jobs ------------------------------------------------------------------------------------
 
 int RunJobs(const Globals& g) {
@@ -436,13 +442,13 @@ int RunJobs(const Globals& g) {
            {"LAST REPORT", A::kRight}});
   const int64_t now = NowMs();
   for (const auto& j : resp.jobs()) {
-    t.AddRow(
-        {std::to_string(j.job_id()), j.job_name(), j.state(), std::to_string(j.step()),
-         j.total_steps() > 0 ? std::to_string(j.total_steps()) : "-",
-         j.total_steps() > 0 ? cpd::ctl::FormatPercent(double(j.step()) / j.total_steps()) : "-",
-         std::to_string(j.world_size()), j.arch().empty() ? "-" : j.arch(),
-         j.dataset().empty() ? "-" : j.dataset(), cpd::ctl::FormatTime(j.registered_ms()),
-         j.last_report_ms() > 0 ? FormatDuration(now - j.last_report_ms()) + " ago" : "-"});
+    t.AddRow({std::to_string(j.job_id()), j.job_name(), j.state(), std::to_string(j.step()),
+              j.total_steps() > 0 ? std::to_string(j.total_steps()) : "-",
+              j.total_steps() > 0 ? cpd::ctl::FormatPercent(double(StepsDone(j)) / j.total_steps())
+                                  : "-",
+              std::to_string(j.world_size()), j.arch().empty() ? "-" : j.arch(),
+              j.dataset().empty() ? "-" : j.dataset(), cpd::ctl::FormatTime(j.registered_ms()),
+              j.last_report_ms() > 0 ? FormatDuration(now - j.last_report_ms()) + " ago" : "-"});
   }
   Print(t.Render());
   FlushStdout();
@@ -472,9 +478,10 @@ std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms) {
       (j.arch().empty() ? "?" : j.arch()) + " on " + (j.dataset().empty() ? "?" : j.dataset());
   if (!st.allreduce().empty()) model += ", all-reduce " + st.allreduce();
   kv.emplace_back("model", model);
-  std::string step = Ratio(j.step(), j.total_steps());
+  std::string step = std::to_string(j.step());
   if (j.total_steps() > 0) {
-    step += " (" + cpd::ctl::FormatPercent(double(j.step()) / double(j.total_steps())) + ")";
+    step += " (" + Ratio(StepsDone(j), j.total_steps()) + " done, " +
+            cpd::ctl::FormatPercent(double(StepsDone(j)) / double(j.total_steps())) + ")";
   }
   kv.emplace_back("step", step);
   kv.emplace_back("epoch", Ratio(st.epoch(), st.epochs()));

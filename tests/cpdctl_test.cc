@@ -445,7 +445,7 @@ TEST_F(CpdctlTest, StatusByNameAndById) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* want :
        {"ctl-test (id 1), running", "lenet5 on synthetic, all-reduce packed e4m3 +APS",
-        "9 / 100 (9%)", "epoch        1 / 2", "6 (CPT forward)",
+        "9 (10 / 100 done, 10%)", "epoch        1 / 2", "6 (CPT forward)",
         "v1 from step 0: CPT 3-8 bits x4, E 8 bits; W=e4m3 A=e4m3", "2 / 2 alive", " ago",
         "train 62.50%, test 50.00%", "images/s", "10 stored, 0 dropped", "0 steps",
         "0:localhost/1000, 1:localhost/1001", "4 (3 with W/A/E/G sites)"}) {
@@ -876,7 +876,7 @@ TEST_F(CpdctlTest, WatchRedrawsInPlaceOnATerminal) {
   EXPECT_GE(draws, 2u) << screen;
   const std::string last = screen.substr(screen.rfind(clear));
   for (const char* want :
-       {"cpdctl watch ctl-test on ", "step         10 / 100", "LAYER", "block1.conv1", "COMM",
+       {"cpdctl watch ctl-test on ", "step         10 (11 / 100 done, 11%)", "LAYER", "block1.conv1", "COMM",
         "job ctl-test  step 10", "2 reports received by this watch"}) {
     EXPECT_NE(last.find(want), std::string::npos) << want << " in\n" << last;
   }

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <pthread.h>
+#include <pwd.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/ioctl.h>
@@ -723,12 +724,19 @@ int RunScheduleGet(const Globals& g, const std::string& job, bool history) {
   return 0;
 }
 
+// "cpdctl USER@HOST" for the schedule's set_by; the account from the password database when
+// $USER is unset (as under sudo or in containers).
 std::string WhoAmI() {
-  const char* user = std::getenv("USER");
+  std::string user;
+  if (const char* env = std::getenv("USER"); env != nullptr && *env) user = env;
+  if (user.empty()) {
+    if (const passwd* pw = getpwuid(geteuid()); pw != nullptr && pw->pw_name != nullptr) {
+      user = pw->pw_name;
+    }
+  }
   char host[256] = {0};
   if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
-  return std::string("cpdctl ") + (user != nullptr && *user ? user : "?") + "@" +
-         (host[0] ? host : "?");
+  return "cpdctl " + (user.empty() ? std::string("?") : user) + "@" + (host[0] ? host : "?");
 }
 
 int RunScheduleSet(const Globals& g, const std::string& job, const cpd::ctl::ScheduleEdits& e,

@@ -497,7 +497,13 @@ INSTANTIATE_TEST_SUITE_P(
                           ConvCase{3, 8, 4, 8, 8, 3, 1, 1, false},
                           ConvCase{2, 16, 6, 8, 16, 3, 1, 1, true},
                           // More 8 x 8 images than one weight-gradient group (16).
-                          ConvCase{20, 4, 8, 8, 4, 3, 1, 1, false}),
+                          ConvCase{20, 4, 8, 8, 4, 3, 1, 1, false},
+                          // Shapes for which oneDNN (AVX2) mixes its JIT kernels with GEMM-based
+                          // ones on plain layouts: each operand's layout differs per primitive.
+                          ConvCase{2, 2, 3, 3, 4, 5, 1, 2, false},  // kernel larger than image
+                          ConvCase{2, 2, 9, 9, 4, 7, 3, 3, true},   // 7x7, stride 3
+                          ConvCase{2, 4, 5, 5, 8, 5, 4, 4, false},  // padding 4, stride 4
+                          ConvCase{2, 4, 6, 6, 8, 1, 1, 1, true}),  // 1x1 with padding
         ::testing::Values(cpu::ConvPath::kIm2col, cpu::ConvPath::kDirect, cpu::ConvPath::kDnnl)),
     [](const auto& info) {
       return std::to_string(info.index / 3) + "_" + cpu::ConvPathName(std::get<1>(info.param));

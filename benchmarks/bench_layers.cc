@@ -1,15 +1,16 @@
 // bench_layers: CPU training-step time of the cpd-train models (runtime/layers.h).
 //
 //   bench_layers [--models lenet5,resnet20] [--batch 128] [--threads 2] [--steps 20]
-//                [--profile] [--baseline]
+//                [--profile] [--baseline] [--paths auto,im2col,onednn,direct]
 //
 // One fixed random batch per model; each step is forward (train mode) + softmax cross-entropy
 // + backward, and "step" adds ZeroGrad and an SGD update (momentum 0.9, weight decay 5e-4: the
 // step of benchmarks/torch_step.py, PyTorch's reference). Medians over --steps after two
 // warm-up steps. --profile adds a per-layer table (top-level children; median ms forward and
-// backward). --baseline adds, for each model, a row with the direct AVX-512 convolution kernels
-// switched off (im2col + OpenBLAS everywhere) and the speed-up of the default over it, measured
-// in the same run.
+// backward). --paths runs each model once per convolution path: auto (cpu::Conv2dPath's
+// choice per shape), or im2col / direct / onednn forced wherever that path can run (im2col
+// elsewhere); each row after the first gives the first row's speed-up over it, measured in the
+// same run. --baseline is --paths auto,im2col.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -17,8 +18,10 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/bench_util.h"
@@ -122,16 +125,35 @@ int Run(const std::string& arch, int batch, int steps, bool profile, Timing* t) 
 
 int main(int argc, char** argv) {
   CLI::App app{"CPU training-step time of the cpd-train models"};
-  std::string models = "lenet5,resnet20";
+  std::string models = "lenet5,resnet20", paths = "auto";
   int batch = 128, threads = 2, steps = 20;
   bool profile = false, baseline = false;
   app.add_option("--models", models, "comma-separated architectures");
   app.add_option("--batch", batch, "batch size")->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "OpenMP threads")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps (median)")->check(CLI::PositiveNumber);
-  app.add_flag("--profile", profile, "per-layer forward/backward table");
-  app.add_flag("--baseline", baseline, "also time the im2col-only convolution path");
+  app.add_flag("--profile", profile, "per-layer forward/backward table (first path)");
+  app.add_option("--paths", paths, "convolution paths: auto, im2col, direct, onednn");
+  app.add_flag("--baseline", baseline, "same as --paths auto,im2col");
   CLI11_PARSE(app, argc, argv);
+  if (baseline) paths = "auto,im2col";
+  namespace cpu = cpd::runtime::cpu;
+  std::vector<std::pair<std::string, std::optional<cpu::ConvPath>>> runs;
+  for (const std::string& p : SplitList(paths)) {
+    if (p == "auto") {
+      runs.emplace_back(p, std::nullopt);
+    } else if (p == "im2col" || p == "direct" || p == "onednn") {
+      runs.emplace_back(p, p == "im2col"   ? cpu::ConvPath::kIm2col
+                           : p == "direct" ? cpu::ConvPath::kDirect
+                                           : cpu::ConvPath::kDnnl);
+    } else {
+      std::fprintf(stderr,
+                   "bench_layers: --paths: unknown path '%s' (auto, im2col, direct, "
+                   "onednn)\n",
+                   p.c_str());
+      return 2;
+    }
+  }
 #ifndef NDEBUG
   std::printf(
       "WARNING: built without NDEBUG (not an optimised build); timings are not "
@@ -141,20 +163,24 @@ int main(int argc, char** argv) {
   std::printf("%-16s %6s %8s %10s %10s %10s %10s %8s\n", "model", "batch", "threads", "fwd ms",
               "bwd ms", "fwd+bwd ms", "step ms", "speedup");
   for (const std::string& arch : SplitList(models)) {
-    Timing t;
-    if (Run(arch, batch, steps, profile, &t) != 0) return 1;
-    std::printf("%-16s %6d %8d %10.2f %10.2f %10.2f %10.2f\n", arch.c_str(), batch, threads, t.fwd,
-                t.bwd, t.fwd_bwd, t.step);
-    std::fflush(stdout);
-    if (!baseline) continue;
-    cpd::runtime::cpu::SetDirectConvAllowed(false);
-    Timing b;
-    const int rc = Run(arch, batch, steps, false, &b);
-    cpd::runtime::cpu::SetDirectConvAllowed(true);
-    if (rc != 0) return 1;
-    std::printf("%-16s %6d %8d %10.2f %10.2f %10.2f %10.2f %7.2fx\n", (arch + " im2col").c_str(),
-                batch, threads, b.fwd, b.bwd, b.fwd_bwd, b.step, b.step / t.step);
-    std::fflush(stdout);
+    double first = 0;
+    for (size_t r = 0; r < runs.size(); ++r) {
+      cpu::OverrideConvPath(runs[r].second);
+      Timing t;
+      const int rc = Run(arch, batch, steps, profile && r == 0, &t);
+      cpu::OverrideConvPath(std::nullopt);
+      if (rc != 0) return 1;
+      const std::string label = runs.size() == 1 ? arch : arch + " " + runs[r].first;
+      std::printf("%-16s %6d %8d %10.2f %10.2f %10.2f %10.2f", label.c_str(), batch, threads, t.fwd,
+                  t.bwd, t.fwd_bwd, t.step);
+      if (r == 0) {
+        first = t.step;
+        std::printf("\n");
+      } else {
+        std::printf(" %7.2fx\n", t.step / first);
+      }
+      std::fflush(stdout);
+    }
   }
   return 0;
 }

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "kernels/grid.h"
+#include "runtime/dnnl_conv.h"
 
 // Hot loops are compiled for baseline x86-64, AVX2 and AVX-512 and picked at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -310,7 +311,8 @@ bool HasAvx512() {
 #endif
 }
 
-std::atomic<bool> g_direct_allowed{true};
+// OverrideConvPath: -1 for none, else the ConvPath.
+std::atomic<int> g_path_override{-1};
 
 // Rows per vector: 1 for widths that are a multiple of 16, 2 for width 8, 0 otherwise.
 int DirectRowsPerVector(int64_t w) {
@@ -330,9 +332,8 @@ int DirectBlock(int64_t oc, int64_t h, int vr) {
 
 bool DirectEligible(const ConvShape& s) {
   const int vr = DirectRowsPerVector(s.w);
-  return HasAvx512() && g_direct_allowed.load(std::memory_order_relaxed) && s.k == 3 &&
-         s.stride == 1 && s.pad == 1 && vr != 0 && DirectBlock(s.oc, s.h, vr) != 0 &&
-         DirectBlock(s.c, s.h, vr) != 0 && s.oc % 2 == 0;
+  return HasAvx512() && s.k == 3 && s.stride == 1 && s.pad == 1 && vr != 0 &&
+         DirectBlock(s.oc, s.h, vr) != 0 && DirectBlock(s.c, s.h, vr) != 0 && s.oc % 2 == 0;
 }
 
 // w [oc][c][3][3] -> [oc / ob][c][9][ob] (forward), or, for the input gradient, the transposed
@@ -560,6 +561,19 @@ int64_t DirectGroup(const ConvShape& s) {
   return std::clamp<int64_t>(1024 / std::max<int64_t>(s.h * s.w, 1), 1, kMaxGroup);
 }
 
+// Where oneDNN's primitives beat im2col + OpenBLAS (forward + backward, reorders included),
+// measured with benchmarks/bench_conv on the models' shapes at batch 1, 8 and 128 on 2 threads
+// of an AVX2 EPYC (benchmarks/RESULTS.md): oneDNN wins every ResNet-20 convolution of at least
+// 2^20 multiply-adds (0.47-0.92x of im2col's time; 0.65x summed over the network at batch
+// 128); below that im2col runs on the calling thread and wins (1x1 stride-2 shortcuts at batch
+// 1: 2-3.6x slower through oneDNN) or ties. Single-channel inputs (LeNet-5's conv1) lose at
+// every batch size (oneDNN's weight gradient for one input channel: 1.05x at batch 8, 1.27x at
+// 128; 2.3x with 16 outputs), so they stay on im2col.
+bool DnnlConvPreferred(const ConvShape& s) {
+  const double macs = double(s.n) * double(s.oc) * double(s.ohw()) * double(s.ckk());
+  return s.c > 1 && macs >= double(1 << 20);
+}
+
 void AddBias(const float* bias, int64_t oc, int64_t ohw, float* y) {
   for (int64_t o = 0; o < oc; ++o) {
     const float bo = bias[o];
@@ -574,9 +588,11 @@ void AddBias(const float* bias, int64_t oc, int64_t ohw, float* y) {
 void Conv2dForward(const ConvShape& s, const float* x, const float* w, const float* bias, float* y,
                    ConvWorkspace* ws) {
   const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w;
+  const ConvPath path = Conv2dPath(s);
+  if (path == ConvPath::kDnnl && onednn::Conv2dForward(s, x, w, bias, y, ws)) return;
   const int team = ConvTeam(s);
   UseSingleThreadedBlas();
-  if (DirectEligible(s)) {
+  if (path == ConvPath::kDirect) {
     const int vr = DirectRowsPerVector(s.w);
     float* wpk = Reserve(&ws->packed, size_t(s.oc * ckk));
     PackDirect(w, s.oc, s.c, DirectBlock(s.oc, s.h, vr), false, wpk);
@@ -626,9 +642,11 @@ void Conv2dForward(const ConvShape& s, const float* x, const float* w, const flo
 
 void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
                     float* dw, float* db, ConvWorkspace* ws) {
+  const ConvPath path = Conv2dPath(s);
+  if (path == ConvPath::kDnnl && onednn::Conv2dBackward(s, x, w, dy, dx, dw, db, ws)) return;
   const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w, oc = s.oc;
   const int team = ConvTeam(s);
-  const bool direct = DirectEligible(s);
+  const bool direct = path == ConvPath::kDirect;
   // Per thread: the weight gradient ([oc, ckk, 16 lanes] on the direct path; [ckk, oc] = dW^T
   // on the GEMM path, where col dy^T runs faster in OpenBLAS than dy col^T for these shapes:
   // few output channels, long reduction), then db [oc].
@@ -738,9 +756,41 @@ void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const fl
   }
 }
 
-bool Conv2dUsesDirectKernel(const ConvShape& s) { return DirectEligible(s); }
+const char* ConvPathName(ConvPath p) {
+  switch (p) {
+    case ConvPath::kDirect:
+      return "direct";
+    case ConvPath::kDnnl:
+      return "onednn";
+    case ConvPath::kIm2col:
+      break;
+  }
+  return "im2col";
+}
 
-void SetDirectConvAllowed(bool allowed) { g_direct_allowed.store(allowed); }
+bool ConvPathRuns(ConvPath p, const ConvShape& s) {
+  switch (p) {
+    case ConvPath::kDirect:
+      return DirectEligible(s);
+    case ConvPath::kDnnl:
+      return s.n >= 1 && !omp_in_parallel() && onednn::Available();
+    case ConvPath::kIm2col:
+      break;
+  }
+  return true;
+}
+
+ConvPath Conv2dPath(const ConvShape& s) {
+  const int forced = g_path_override.load(std::memory_order_relaxed);
+  if (forced >= 0) return ConvPathRuns(ConvPath(forced), s) ? ConvPath(forced) : ConvPath::kIm2col;
+  if (ConvPathRuns(ConvPath::kDirect, s)) return ConvPath::kDirect;
+  if (ConvPathRuns(ConvPath::kDnnl, s) && DnnlConvPreferred(s)) return ConvPath::kDnnl;
+  return ConvPath::kIm2col;
+}
+
+void OverrideConvPath(std::optional<ConvPath> p) {
+  g_path_override.store(p.has_value() ? int(*p) : -1);
+}
 
 // ---- Fully connected --------------------------------------------------------------------------
 

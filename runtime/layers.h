@@ -22,7 +22,7 @@
 //  * Backward accumulates (+=) into Param::grad; the optimiser zeroes the gradients.
 //  * Not thread-safe: one thread drives a model; the CPU layers parallelise internally with
 //    OpenMP (omp_get_max_threads()) and call OpenBLAS single-threaded from their parallel
-//    regions. Results are deterministic for a fixed thread count (on the GPU: for a given GPU
+//    regions (oneDNN's convolutions use the same OpenMP threads). Results are deterministic for a fixed thread count (on the GPU: for a given GPU
 //    and build). CPU and GPU agree bit for bit where the result is defined exactly (ReLU,
 //    pooling, dropout masks, residual adds, the quantisation sites) and to float32 rounding
 //    where a sum's order differs (GEMMs, convolutions, batch statistics, the loss).
@@ -107,9 +107,10 @@ class Linear : public ShapedLayer {
 };
 
 // 2-D convolution, NCHW: x [N, in, H, W], W [out, in, k, k], b [out], square kernel, equal
-// stride and zero padding in both dimensions. Images run in parallel; each through a direct
-// AVX-512 kernel (3x3, stride 1, padding 1 on suitable widths and CPUs) or im2col + OpenBLAS
-// GEMMs (see cpu::Conv2dForward). Quantisable, with the hook sites of Linear.
+// stride and zero padding in both dimensions. On the CPU each shape takes one of three paths
+// (cpu::Conv2dPath): CPD's direct AVX-512 kernels (3x3, stride 1, padding 1 on suitable widths
+// and CPUs), oneDNN's primitives (builds with CPD_WITH_DNNL, where they measured faster), or
+// im2col + OpenBLAS GEMMs. Quantisable, with the hook sites of Linear.
 class Conv2d : public ShapedLayer {
  public:
   Conv2d(std::string name, int64_t in_channels, int64_t out_channels, int64_t kernel,

@@ -7,7 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev
-  libopenblas-dev
+  libopenblas-dev libdnnl-dev
   libopenmpi-dev openmpi-bin
   libgrpc++-dev libabsl-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev

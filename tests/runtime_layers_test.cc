@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpd/config.h"
 #include "kernels/grid.h"
 #include "runtime/cpu_ops.h"
 #include "runtime/layers.h"
@@ -426,12 +428,30 @@ struct ConvCase {
   bool bias;
 };
 
-// Each case runs on both convolution paths where the direct kernel applies.
-class ConvTest : public ::testing::TestWithParam<std::tuple<ConvCase, bool>> {
+// Each case runs on every convolution path that can compute it on this machine (im2col
+// everywhere; direct on AVX-512 CPUs for its shapes; oneDNN in builds with it).
+class ConvTest : public ::testing::TestWithParam<std::tuple<ConvCase, cpu::ConvPath>> {
  protected:
-  void SetUp() override { cpu::SetDirectConvAllowed(std::get<1>(GetParam())); }
-  void TearDown() override { cpu::SetDirectConvAllowed(true); }
+  void SetUp() override {
+    const ConvCase p = Case();
+    cpu::ConvShape s{.n = p.n,
+                     .c = p.c,
+                     .h = p.h,
+                     .w = p.w,
+                     .oc = p.oc,
+                     .k = p.k,
+                     .stride = p.stride,
+                     .pad = p.pad};
+    ASSERT_TRUE(s.ComputeOutput());
+    if (!cpu::ConvPathRuns(Path(), s)) {
+      GTEST_SKIP() << cpu::ConvPathName(Path()) << " cannot compute this shape here";
+    }
+    cpu::OverrideConvPath(Path());
+    ASSERT_EQ(cpu::Conv2dPath(s), Path());
+  }
+  void TearDown() override { cpu::OverrideConvPath(std::nullopt); }
   static ConvCase Case() { return std::get<0>(GetParam()); }
+  static cpu::ConvPath Path() { return std::get<1>(GetParam()); }
 };
 
 TEST_P(ConvTest, ForwardMatchesDirectConvolution) {
@@ -477,95 +497,267 @@ INSTANTIATE_TEST_SUITE_P(
                           ConvCase{3, 8, 4, 8, 8, 3, 1, 1, false},
                           ConvCase{2, 16, 6, 8, 16, 3, 1, 1, true},
                           // More 8 x 8 images than one weight-gradient group (16).
-                          ConvCase{20, 4, 8, 8, 4, 3, 1, 1, false}),
-        ::testing::Bool()));  // direct kernel allowed
+                          ConvCase{20, 4, 8, 8, 4, 3, 1, 1, false},
+                          // Shapes for which oneDNN (AVX2) mixes its JIT kernels with GEMM-based
+                          // ones on plain layouts: each operand's layout differs per primitive.
+                          ConvCase{2, 2, 3, 3, 4, 5, 1, 2, false},  // kernel larger than image
+                          ConvCase{2, 2, 9, 9, 4, 7, 3, 3, true},   // 7x7, stride 3
+                          ConvCase{2, 4, 5, 5, 8, 5, 4, 4, false},  // padding 4, stride 4
+                          ConvCase{2, 4, 6, 6, 8, 1, 1, 1, true}),  // 1x1 with padding
+        ::testing::Values(cpu::ConvPath::kIm2col, cpu::ConvPath::kDirect, cpu::ConvPath::kDnnl)),
+    [](const auto& info) {
+      return std::to_string(info.index / 3) + "_" + cpu::ConvPathName(std::get<1>(info.param));
+    });
 
-TEST(Conv2d, BothPathsAgreeOnResNetShapes) {
-  // The direct kernel against im2col + GEMM at ResNet-20 sizes (batch 4), forward and backward.
-  struct S {
-    int64_t c, oc, hw;
-  };
-  for (const S& sh : {S{16, 16, 32}, S{32, 32, 16}, S{64, 64, 8}}) {
-    SCOPED_TRACE(sh.c);
-    Conv2d conv("conv", sh.c, sh.oc, 3, 1, 1, false, 5);
-    const Tensor x = Random({4, sh.c, sh.hw, sh.hw}, 1), dy = Random({4, sh.oc, sh.hw, sh.hw}, 2);
-    std::vector<Tensor> out[2];
-    for (int direct = 0; direct < 2; ++direct) {
-      cpu::SetDirectConvAllowed(direct == 1);
-      out[direct].push_back(conv.Forward(x, true).Clone());
-      conv.weight().grad.Zero();
-      out[direct].push_back(conv.Backward(dy).Clone());
-      out[direct].push_back(conv.weight().grad.Clone());
+// Forward output, input gradient, weight gradient and (with bias) bias gradient of one
+// training step of `conv` on the path `path` (nullopt: the automatic choice).
+std::vector<Tensor> ConvStep(Conv2d& conv, const Tensor& x, const Tensor& dy,
+                             std::optional<cpu::ConvPath> path) {
+  cpu::OverrideConvPath(path);
+  std::vector<Tensor> out;
+  out.push_back(conv.Forward(x, true).Clone());
+  for (Param* p : conv.Params()) p->grad.Zero();
+  out.push_back(conv.Backward(dy).Clone());
+  for (Param* p : conv.Params()) out.push_back(p->grad.Clone());
+  cpu::OverrideConvPath(std::nullopt);
+  return out;
+}
+
+// |a - b| <= tol * max|a| per tensor: the paths sum in different orders (fp32 reassociation).
+void ExpectSameUpToRounding(const std::vector<Tensor>& a, const std::vector<Tensor>& b, double tol,
+                            const std::vector<std::string>& names = {"y", "dx", "dw", "db"}) {
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_LE(a.size(), names.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    ASSERT_EQ(a[k].shape(), b[k].shape());
+    double scale = 0;
+    for (size_t j = 0; j < a[k].numel(); ++j) {
+      scale = std::max(scale, double(std::abs(a[k].data()[j])));
     }
-    cpu::SetDirectConvAllowed(true);
-    for (int k = 0; k < 3; ++k) {
-      const Tensor& a = out[0][size_t(k)];
-      const Tensor& b = out[1][size_t(k)];
-      double scale = 0;
-      for (size_t j = 0; j < a.numel(); ++j) scale = std::max(scale, double(std::abs(a.data()[j])));
-      for (size_t j = 0; j < a.numel(); ++j) {
-        ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * scale) << "output " << k << " at " << j;
+    size_t bad = 0;
+    for (size_t j = 0; j < a[k].numel(); ++j) {
+      if (!(std::abs(double(a[k].data()[j]) - double(b[k].data()[j])) <= tol * scale)) {
+        if (bad++ < 3) {
+          ADD_FAILURE() << names[k] << "[" << j << "]: " << a[k].data()[j] << " vs "
+                        << b[k].data()[j] << " (scale " << scale << ")";
+        }
       }
     }
+    EXPECT_EQ(bad, 0u) << names[k];
   }
 }
 
-TEST(Conv2d, DirectKernelCoversTheResNetShapes) {
-  // Which path a shape takes (the direct kernel only exists on AVX-512 CPUs).
-  cpu::ConvShape s;
-  s.n = 128;
-  s.c = 16;
-  s.h = s.w = 32;
-  s.oc = 16;
-  s.k = 3;
-  s.pad = 1;
+bool BitIdentical(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t k = 0; k < a.size(); ++k) {
+    if (a[k].shape() != b[k].shape() ||
+        std::memcmp(a[k].data(), b[k].data(), a[k].numel() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The convolutions of the models (batch 4) and a few odd ones.
+const ConvCase kModelConvs[] = {
+    {4, 3, 32, 32, 16, 3, 1, 1, false},   // ResNet conv1
+    {4, 16, 32, 32, 16, 3, 1, 1, false},  // ResNet layer1
+    {4, 16, 32, 32, 32, 3, 2, 1, false},  // ResNet layer2.0.conv1 (stride 2)
+    {4, 16, 32, 32, 32, 1, 2, 0, false},  // ResNet layer2.0 shortcut (1x1, stride 2)
+    {4, 32, 16, 16, 32, 3, 1, 1, false},  // ResNet layer2
+    {4, 32, 16, 16, 64, 3, 2, 1, false},  // ResNet layer3.0.conv1
+    {4, 32, 16, 16, 64, 1, 2, 0, false},  // ResNet layer3.0 shortcut
+    {4, 64, 8, 8, 64, 3, 1, 1, false},    // ResNet layer3
+    {4, 1, 28, 28, 6, 5, 1, 2, true},     // LeNet conv1
+    {4, 6, 14, 14, 16, 5, 1, 0, true},    // LeNet conv2 (padding 0)
+    {3, 5, 11, 13, 7, 3, 2, 1, true},     // odd sizes and channels, stride 2
+    {3, 6, 9, 7, 10, 1, 1, 0, true},      // 1x1 (a GEMM on the im2col path)
+    {2, 4, 10, 10, 8, 3, 1, 0, false},    // 3x3, padding 0
+};
+
+TEST(Conv2d, EveryPathAgreesWithIm2colOnModelShapes) {
+  // Each other path against im2col + GEMM, forward and backward.
+  int compared = 0;
+  for (const ConvCase& p : kModelConvs) {
+    cpu::ConvShape s{.n = p.n,
+                     .c = p.c,
+                     .h = p.h,
+                     .w = p.w,
+                     .oc = p.oc,
+                     .k = p.k,
+                     .stride = p.stride,
+                     .pad = p.pad};
+    ASSERT_TRUE(s.ComputeOutput());
+    Conv2d conv("conv", p.c, p.oc, p.k, p.stride, p.pad, p.bias, 5);
+    const Tensor x = Random({p.n, p.c, p.h, p.w}, 1), dy = Random({p.n, p.oc, s.oh, s.ow}, 2);
+    const std::vector<Tensor> ref = ConvStep(conv, x, dy, cpu::ConvPath::kIm2col);
+    for (cpu::ConvPath path : {cpu::ConvPath::kDirect, cpu::ConvPath::kDnnl}) {
+      if (!cpu::ConvPathRuns(path, s)) continue;
+      SCOPED_TRACE(std::string(cpu::ConvPathName(path)) + " c " + std::to_string(p.c) + " oc " +
+                   std::to_string(p.oc) + " " + std::to_string(p.h) + "x" + std::to_string(p.w) +
+                   " k " + std::to_string(p.k) + " stride " + std::to_string(p.stride) + " pad " +
+                   std::to_string(p.pad));
+      ExpectSameUpToRounding(ref, ConvStep(conv, x, dy, path), 1e-5);
+      ++compared;
+    }
+  }
+  if (compared == 0) GTEST_SKIP() << "only the im2col path exists here";
+}
+
+TEST(Conv2d, OneDnnRepeatsBitForBit) {
+  // A run must repeat bit for bit for a fixed thread count: oneDNN's primitives (its weight
+  // gradient reduces over threads) must not depend on timing. Same layer twice, and a fresh
+  // layer (new primitives), at 1, 2 and 3 threads; batch 16 so that every thread has images.
+  const int saved = omp_get_max_threads();
+  for (const ConvCase& c : kModelConvs) {
+    ConvCase p = c;
+    p.n = 16;
+    cpu::ConvShape s{.n = p.n,
+                     .c = p.c,
+                     .h = p.h,
+                     .w = p.w,
+                     .oc = p.oc,
+                     .k = p.k,
+                     .stride = p.stride,
+                     .pad = p.pad};
+    ASSERT_TRUE(s.ComputeOutput());
+    if (!cpu::ConvPathRuns(cpu::ConvPath::kDnnl, s)) {
+      omp_set_num_threads(saved);
+      GTEST_SKIP() << "no oneDNN in this build";
+    }
+    SCOPED_TRACE("c " + std::to_string(p.c) + " oc " + std::to_string(p.oc) + " k " +
+                 std::to_string(p.k) + " stride " + std::to_string(p.stride));
+    const Tensor x = Random({p.n, p.c, p.h, p.w}, 3), dy = Random({p.n, p.oc, s.oh, s.ow}, 4);
+    for (int t : {1, 2, 3}) {
+      SCOPED_TRACE(t);
+      omp_set_num_threads(t);
+      Conv2d a("a", p.c, p.oc, p.k, p.stride, p.pad, p.bias, 6);
+      Conv2d b("b", p.c, p.oc, p.k, p.stride, p.pad, p.bias, 6);
+      const std::vector<Tensor> first = ConvStep(a, x, dy, cpu::ConvPath::kDnnl);
+      EXPECT_TRUE(BitIdentical(first, ConvStep(a, x, dy, cpu::ConvPath::kDnnl)));
+      EXPECT_TRUE(BitIdentical(first, ConvStep(b, x, dy, cpu::ConvPath::kDnnl)));
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+TEST(Conv2d, OneDnnBackwardWithoutItsForwardInput) {
+  // Backward reuses the blocked x of the forward only for the same x pointer; a copy of x (or
+  // no preceding forward) is re-laid out: the same bits either way.
+  cpu::ConvShape s{.n = 4, .c = 16, .h = 16, .w = 16, .oc = 32, .k = 3, .stride = 1, .pad = 1};
+  ASSERT_TRUE(s.ComputeOutput());
+  if (!cpu::ConvPathRuns(cpu::ConvPath::kDnnl, s)) GTEST_SKIP() << "no oneDNN in this build";
+  const Tensor x = Random({s.n, s.c, s.h, s.w}, 5), w = Random({s.oc, s.c, 3, 3}, 6),
+               dy = Random({s.n, s.oc, s.oh, s.ow}, 7), x2 = x.Clone();
+  cpu::OverrideConvPath(cpu::ConvPath::kDnnl);
+  cpu::ConvWorkspace ws, fresh;
+  Tensor y({s.n, s.oc, s.oh, s.ow});
+  std::vector<Tensor> out[3];
+  for (auto& o : out) o = {Tensor({s.n, s.c, s.h, s.w}), Tensor({s.oc, s.c, 3, 3}), Tensor({s.oc})};
+  cpu::Conv2dForward(s, x.data(), w.data(), nullptr, y.data(), &ws);
+  cpu::Conv2dBackward(s, x.data(), w.data(), dy.data(), out[0][0].data(), out[0][1].data(),
+                      out[0][2].data(), &ws);
+  cpu::Conv2dBackward(s, x2.data(), w.data(), dy.data(), out[1][0].data(), out[1][1].data(),
+                      out[1][2].data(), &ws);
+  cpu::Conv2dBackward(s, x2.data(), w.data(), dy.data(), out[2][0].data(), out[2][1].data(),
+                      out[2][2].data(), &fresh);
+  cpu::OverrideConvPath(std::nullopt);
+  EXPECT_TRUE(BitIdentical(out[0], out[1]));
+  EXPECT_TRUE(BitIdentical(out[0], out[2]));
+  // And against im2col, up to rounding.
+  cpu::OverrideConvPath(cpu::ConvPath::kIm2col);
+  std::vector<Tensor> ref = {Tensor({s.n, s.c, s.h, s.w}), Tensor({s.oc, s.c, 3, 3}),
+                             Tensor({s.oc})};
+  cpu::ConvWorkspace ws2;
+  cpu::Conv2dBackward(s, x.data(), w.data(), dy.data(), ref[0].data(), ref[1].data(), ref[2].data(),
+                      &ws2);
+  cpu::OverrideConvPath(std::nullopt);
+  ExpectSameUpToRounding(ref, out[0], 1e-5, {"dx", "dw", "db"});
+}
+
+TEST(Conv2d, PathChoice) {
+  // Which path a ResNet shape takes: the direct kernel only exists on AVX-512 CPUs; elsewhere
+  // oneDNN where the build has it and the rule prefers it.
+  cpu::ConvShape s{.n = 128, .c = 16, .h = 32, .w = 32, .oc = 16, .k = 3, .stride = 1, .pad = 1};
   ASSERT_TRUE(s.ComputeOutput());
 #if defined(__x86_64__) && defined(__GNUC__)
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
 #else
   const bool avx512 = false;
 #endif
-  EXPECT_EQ(cpu::Conv2dUsesDirectKernel(s), avx512);
+  EXPECT_EQ(cpu::ConvPathRuns(cpu::ConvPath::kDirect, s), avx512);
+  EXPECT_TRUE(cpu::ConvPathRuns(cpu::ConvPath::kIm2col, s));
+  const bool dnnl = cpu::ConvPathRuns(cpu::ConvPath::kDnnl, s);
+  EXPECT_EQ(dnnl, bool(CPD_WITH_DNNL));
+  EXPECT_EQ(cpu::Conv2dPath(s), avx512 ? cpu::ConvPath::kDirect
+                                : dnnl ? cpu::ConvPath::kDnnl
+                                       : cpu::ConvPath::kIm2col);
   s.c = s.oc = 64;
   s.h = s.w = 8;  // ResNet stage 3: two rows per vector
   ASSERT_TRUE(s.ComputeOutput());
-  EXPECT_EQ(cpu::Conv2dUsesDirectKernel(s), avx512);
+  EXPECT_EQ(cpu::ConvPathRuns(cpu::ConvPath::kDirect, s), avx512);
   s.h = s.w = 12;  // neither 8 nor a multiple of 16
   ASSERT_TRUE(s.ComputeOutput());
-  EXPECT_FALSE(cpu::Conv2dUsesDirectKernel(s));
+  EXPECT_FALSE(cpu::ConvPathRuns(cpu::ConvPath::kDirect, s));
   s.h = s.w = 32;
   s.stride = 2;
   ASSERT_TRUE(s.ComputeOutput());
-  EXPECT_FALSE(cpu::Conv2dUsesDirectKernel(s));
-  if (!avx512) GTEST_SKIP() << "no AVX-512: the im2col path runs everywhere";
+  EXPECT_FALSE(cpu::ConvPathRuns(cpu::ConvPath::kDirect, s));
+  s.n = 0;  // nothing for oneDNN to do
+  EXPECT_FALSE(cpu::ConvPathRuns(cpu::ConvPath::kDnnl, s));
+  EXPECT_EQ(cpu::Conv2dPath(s), cpu::ConvPath::kIm2col);
+  // Inside a parallel region only im2col runs (on the calling thread).
+  s.n = 128;
+  bool inside = true;
+#pragma omp parallel num_threads(2)
+  {
+#pragma omp single
+    inside = cpu::ConvPathRuns(cpu::ConvPath::kDnnl, s);
+  }
+  EXPECT_FALSE(inside);
+  // The override wins where the path runs and falls back to im2col where it does not.
+  cpu::OverrideConvPath(cpu::ConvPath::kDirect);
+  EXPECT_EQ(cpu::Conv2dPath(s), cpu::ConvPath::kIm2col);  // stride 2
+  cpu::OverrideConvPath(cpu::ConvPath::kIm2col);
+  s.stride = 1;
+  ASSERT_TRUE(s.ComputeOutput());
+  EXPECT_EQ(cpu::Conv2dPath(s), cpu::ConvPath::kIm2col);
+  cpu::OverrideConvPath(std::nullopt);
 }
 
 TEST(Conv2d, ResultsDoNotDependOnThreadCount) {
-  // Large enough (> 4M multiply-adds) for the threaded path: 8 -> 3 channels takes im2col,
-  // 16 -> 16 on 32 x 32 the direct kernel (where available).
-  for (int64_t oc : {3, 16}) {
-    SCOPED_TRACE(oc);
-    Conv2d conv("conv", 8 * (oc / 3 > 1 ? 2 : 1), oc, 3, 1, 1, true, 3);
-    const int64_t c = conv.in_channels();
-    const Tensor x = Random({16, c, 32, 32}, 1), dy = Random({16, oc, 32, 32}, 2);
-    const int saved = omp_get_max_threads();
-    std::vector<Tensor> out;
-    for (int t : {1, 2, 3}) {
-      omp_set_num_threads(t);
-      const Tensor y = conv.Forward(x, true).Clone();
-      conv.weight().grad.Zero();
-      const Tensor dx = conv.Backward(dy).Clone();
-      out.push_back(y);
-      out.push_back(dx);
-      out.push_back(conv.weight().grad.Clone());
-    }
-    omp_set_num_threads(saved);
-    for (size_t i = 3; i < out.size(); ++i) {
-      const Tensor& a = out[i % 3];
-      const Tensor& b = out[i];
-      for (size_t j = 0; j < a.numel(); ++j) {
-        // Forward and dx per image are independent of the split; dW sums in another order.
-        ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * (1 + std::abs(a.data()[j])));
+  // Large enough (> 4M multiply-adds) for the threaded path: 8 -> 3 and 16 -> 16 channels on
+  // 32 x 32, on every path that runs here.
+  for (cpu::ConvPath path :
+       {cpu::ConvPath::kIm2col, cpu::ConvPath::kDirect, cpu::ConvPath::kDnnl}) {
+    for (int64_t oc : {3, 16}) {
+      Conv2d conv("conv", 8 * (oc / 3 > 1 ? 2 : 1), oc, 3, 1, 1, true, 3);
+      const int64_t c = conv.in_channels();
+      cpu::ConvShape s{.n = 16, .c = c, .h = 32, .w = 32, .oc = oc, .k = 3, .stride = 1, .pad = 1};
+      ASSERT_TRUE(s.ComputeOutput());
+      if (!cpu::ConvPathRuns(path, s)) continue;
+      SCOPED_TRACE(std::string(cpu::ConvPathName(path)) + " oc " + std::to_string(oc));
+      const Tensor x = Random({16, c, 32, 32}, 1), dy = Random({16, oc, 32, 32}, 2);
+      const int saved = omp_get_max_threads();
+      std::vector<std::vector<Tensor>> out;
+      for (int t : {1, 2, 3}) {
+        omp_set_num_threads(t);
+        out.push_back(ConvStep(conv, x, dy, path));
+      }
+      omp_set_num_threads(saved);
+      for (size_t i = 1; i < out.size(); ++i) {
+        // y and dx per element (each a sum of at most c * 9 products); the weight and bias
+        // gradients sum over the batch, split across threads in another order: up to rounding
+        // relative to their largest element.
+        for (size_t k = 0; k < 2; ++k) {
+          const Tensor& a = out[0][k];
+          const Tensor& b = out[i][k];
+          for (size_t j = 0; j < a.numel(); ++j) {
+            ASSERT_NEAR(a.data()[j], b.data()[j], 1e-5 * (1 + std::abs(a.data()[j])))
+                << "output " << k << " at " << j;
+          }
+        }
+        ExpectSameUpToRounding({out[0][2], out[0][3]}, {out[i][2], out[i][3]}, 1e-5, {"dw", "db"});
       }
     }
   }

@@ -122,6 +122,15 @@ TEST(TrainerResume, HysteresisLog4IsBitIdentical) {
   ExpectBitIdenticalResume(o, 30, 70);
 }
 
+TEST(TrainerResume, ResNet20IsBitIdentical) {
+  // Every ResNet-20 convolution shape through the CPU path this machine picks (oneDNN on
+  // CPUs without AVX-512 in builds with it), with BatchNorm.
+  TrainOptions o = SmallRun();
+  o.arch = "resnet20";
+  o.batch_size = 16;
+  ExpectBitIdenticalResume(o, 4, 10);
+}
+
 TEST(TrainerCheckpoint, CorruptCheckpointIsRefused) {
   TempDir dir;
   TrainOptions o = SmallRun();

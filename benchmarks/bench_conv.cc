@@ -121,11 +121,7 @@ int main(int argc, char** argv) {
   std::string extra;
   app.add_option("--shapes", extra, "more shapes: C:H:W:OC:K:STRIDE:PAD[:b],...");
   CLI11_PARSE(app, argc, argv);
-#ifndef NDEBUG
-  std::printf(
-      "WARNING: built without NDEBUG (not an optimised build); timings are not "
-      "representative\n");
-#endif
+  cpd::bench::WarnIfUnoptimised();
   omp_set_num_threads(threads);
   const cpu::ConvPath paths[] = {cpu::ConvPath::kIm2col, cpu::ConvPath::kDirect,
                                  cpu::ConvPath::kDnnl};

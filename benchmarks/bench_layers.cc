@@ -154,11 +154,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-#ifndef NDEBUG
-  std::printf(
-      "WARNING: built without NDEBUG (not an optimised build); timings are not "
-      "representative\n");
-#endif
+  cpd::bench::WarnIfUnoptimised();
   omp_set_num_threads(threads);
   std::printf("%-16s %6s %8s %10s %10s %10s %10s %8s\n", "model", "batch", "threads", "fwd ms",
               "bwd ms", "fwd+bwd ms", "step ms", "speedup");

@@ -69,9 +69,7 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-stats", with_stats, "Skip the rows with fused statistics and encoding");
   CLI11_PARSE(app, argc, argv);
 
-#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
-  std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
-#endif
+  cpd::bench::WarnIfUnoptimised();
 
   const size_t n = size_t(mib * 1024 * 1024 / sizeof(float));
   // `out` is offset by 1 KiB + 64 B from `in` within a page: same-offset buffers suffer 4K

@@ -27,6 +27,7 @@
 #include "runtime/optimizer.h"
 #include "runtime/quant_sites.h"
 #if CPD_WITH_CUDA
+#include "benchmarks/bench_util.h"
 #include "runtime/cuda_ops.h"
 #endif
 
@@ -93,9 +94,7 @@ int main(int argc, char** argv) {
                  device_name.c_str());
     return 2;
   }
-#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
-  std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
-#endif
+  cpd::bench::WarnIfUnoptimised();
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
 

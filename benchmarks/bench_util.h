@@ -2,10 +2,18 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 #include <vector>
 
 namespace cpd::bench {
+
+// leveldb's db_bench habit: say so when the timings come from an unoptimised build.
+inline void WarnIfUnoptimised() {
+#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
+  std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
+#endif
+}
 
 // The median of `v` (0 for an empty vector).
 inline double Median(std::vector<double> v) {

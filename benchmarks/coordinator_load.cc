@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "cpd/config.h"
 #include "launcher/cli.h"
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
@@ -494,9 +495,7 @@ int main(int argc, char** argv) {
         std::filesystem::read_symlink("/proc/self/exe").parent_path().string() + "/cpd-coordinator";
   }
 
-#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
-  std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
-#endif
+  cpd::bench::WarnIfUnoptimised();
   std::printf(
       "# %s: %d workers (%d jobs x %d ranks), %g Hz each, %g s measured after %g s "
       "warm-up, %d sender thread(s), %d connection(s); %ld CPUs, loadavg %s\n",

@@ -188,9 +188,7 @@ int main(int argc, char** argv) {
   if (threads == 0) threads = std::max(1, cores / local);
 
   if (rank == 0) {
-#if !defined(__OPTIMIZE__) || !defined(NDEBUG)
-    std::printf("WARNING: built without optimisation or with assertions; timings are not valid\n");
-#endif
+    cpd::bench::WarnIfUnoptimised();
     std::string load = "?";
     std::ifstream la("/proc/loadavg");
     std::getline(la, load);

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -40,10 +42,10 @@ inline int ParseArgs(CLI::App& app, int argc, char** argv, const char* tool) {
 // The whole of a (small) file: PEM certificates, keys.
 inline Result<std::string> ReadWholeFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::IoError("cannot read '" + path + "'");
+  if (!in) return Status::IoError(path + ": cannot read: " + std::strerror(errno));
   std::stringstream s;
   s << in.rdbuf();
-  if (in.bad()) return Status::IoError("error reading '" + path + "'");
+  if (in.bad()) return Status::IoError(path + ": error while reading");
   return s.str();
 }
 
@@ -55,7 +57,9 @@ inline Result<std::string> ReadTokenFile(const std::string& path) {
   std::string line = text->substr(0, text->find('\n'));
   const char* ws = " \t\r\v\f";
   const size_t begin = line.find_first_not_of(ws);
-  if (begin == std::string::npos) return Status::InvalidArgument("'" + path + "' holds no token");
+  if (begin == std::string::npos) {
+    return Status::InvalidArgument(path + ": the first line is empty; put the token on it");
+  }
   line = line.substr(begin, line.find_last_not_of(ws) - begin + 1);
   return line;
 }

@@ -33,24 +33,16 @@ constexpr const char* kTool = "cpd-coordinator";
 }
 
 std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) Fail(flag + " " + path + ": cannot read: " + std::strerror(errno));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  auto text = cpd::launcher::ReadWholeFile(path);
+  if (!text.ok()) Fail(flag + " " + text.status().message());
+  return *text;
 }
 
 // The token: the file's first line without surrounding whitespace.
 std::string ReadToken(const std::string& path) {
-  const std::string text = ReadFileOrFail("--token-file", path);
-  std::string line = text.substr(0, text.find('\n'));
-  const char* ws = " \t\r\v\f";
-  const size_t b = line.find_first_not_of(ws);
-  if (b == std::string::npos) {
-    Fail("--token-file " + path + ": the first line is empty; put the token on it");
-  }
-  line = line.substr(b, line.find_last_not_of(ws) - b + 1);
-  return line;
+  auto token = cpd::launcher::ReadTokenFile(path);
+  if (!token.ok()) Fail("--token-file " + token.status().message());
+  return *token;
 }
 
 std::string ReadPem(const std::string& flag, const std::string& path) {

@@ -179,11 +179,9 @@ constexpr char kExitCodes[] =
     "bad or missing token, file not written; 2 usage error (bad option, bad format spec).";
 
 std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) Fail(flag + " " + path + ": cannot read: " + std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  auto text = cpd::launcher::ReadWholeFile(path);
+  if (!text.ok()) Fail(flag + " " + text.status().message());
+  return *text;
 }
 
 // ---- The connection to the coordinator ---------------------------------------------------------
@@ -203,9 +201,9 @@ class Connection {
       }
     }
     if (!g_.token_file.empty()) {
-      const std::string text = ReadFileOrFail(token_flag_, g_.token_file);
-      token_ = Trim(text.substr(0, text.find('\n')));
-      if (token_.empty()) Fail(token_flag_ + " " + g_.token_file + ": the first line is empty");
+      auto token = cpd::launcher::ReadTokenFile(g_.token_file);
+      if (!token.ok()) Fail(token_flag_ + " " + token.status().message());
+      token_ = *token;
     }
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (!g_.tls_ca.empty()) {

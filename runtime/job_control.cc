@@ -84,17 +84,14 @@ Status JobControl::Apply(uint64_t version, const std::string& set_by,
                           " refused, the previous one stays: " + s.message());
     }
     if (setup_.log) {
-      setup_.log(json({{"type", "schedule_refused"},
-                       {"step", step},
-                       {"version", version},
-                       {"reason", s.message()}})
-                     .dump());
+      setup_.log({{"type", "schedule_refused"},
+                  {"step", step},
+                  {"version", version},
+                  {"reason", s.message()}});
     }
     return s;
   }
-  for (Layer* l : setup_.quant_layers) {
-    l->SetQuantHooks(setup_.quant->Quantizes(l->name()) ? setup_.quant : nullptr);
-  }
+  setup_.quant->InstallHooks(setup_.quant_layers);
   version_ = version;
   if (messages) {
     messages->push_back("step " + std::to_string(step) + ": schedule v" + std::to_string(version) +
@@ -102,12 +99,11 @@ Status JobControl::Apply(uint64_t version, const std::string& set_by,
                         " in force: " + DescribePrecision(setup_.quant->config()));
   }
   if (setup_.log) {
-    setup_.log(json({{"type", "schedule"},
-                     {"step", step},
-                     {"version", version},
-                     {"set_by", set_by},
-                     {"precision", json::parse(PrecisionConfigToJson(setup_.quant->config()))}})
-                   .dump());
+    setup_.log({{"type", "schedule"},
+                {"step", step},
+                {"version", version},
+                {"set_by", set_by},
+                {"precision", json::parse(PrecisionConfigToJson(setup_.quant->config()))}});
   }
   if (client_) {
     ScheduleUpdate in_force;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,7 +38,7 @@ class JobControl {
     uint64_t seed = 0;                   // the run's stochastic-rounding seed (kept on a switch)
     double report_interval_s = 1.0;      // summary reports at least this often (rank 0)
     // Writes one metrics record (every rank that keeps metrics).
-    std::function<void(const std::string& json_line)> log;
+    std::function<void(const nlohmann::json& record)> log;
   };
 
   // Every rank calls it with the same options. Rank 0 starts the client (which connects in the

@@ -187,6 +187,10 @@ bool SiteQuantizer::Quantizes(const std::string& layer) const {
   return false;
 }
 
+void SiteQuantizer::InstallHooks(const std::vector<Layer*>& layers) {
+  for (Layer* l : layers) l->SetQuantHooks(Quantizes(l->name()) ? this : nullptr);
+}
+
 int SiteQuantizer::CurrentBits() const {
   if (!config_.cpt) return 0;
   return eval_ ? config_.cpt->max_bits : config_.cpt->BitsAt(step_);

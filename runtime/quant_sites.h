@@ -99,6 +99,9 @@ class SiteQuantizer : public QuantHooks {
   // Whether any site of `layer` can be quantised at some step (layers that never are need no
   // hooks, which saves the layer a copy of its input and incoming gradient).
   bool Quantizes(const std::string& layer) const;
+  // Installs this quantiser as the hooks of each layer that Quantizes() (null on the others);
+  // called at the start and again after Reconfigure.
+  void InstallHooks(const std::vector<Layer*>& layers);
   // CPT forward bits at the current step (0 without CPT); MAX bits in evaluation mode.
   int CurrentBits() const;
   // Evaluation: CPT evaluates at its highest precision, as the model is deployed.

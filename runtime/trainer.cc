@@ -647,9 +647,7 @@ Result<TrainResult> TrainOn(const TrainOptions& o, comm::Communicator* comm) {
   auto quant = SiteQuantizer::Create(pc, run.quant_layers);
   if (!quant.ok()) return quant.status();
   run.quant = std::move(quant.value());
-  for (Layer* l : run.quant_layers) {
-    l->SetQuantHooks(run.quant->Quantizes(l->name()) ? run.quant.get() : nullptr);
-  }
+  run.quant->InstallHooks(run.quant_layers);
 
   OptimizerOptions oo;
   oo.momentum = o.momentum;
@@ -775,7 +773,7 @@ Result<TrainResult> TrainOn(const TrainOptions& o, comm::Communicator* comm) {
     cs.total_steps = total_steps;
     cs.seed = pc.seed;
     cs.report_interval_s = o.report_interval_s;
-    cs.log = [&run](const std::string& line) { run.Log(json::parse(line)); };
+    cs.log = [&run](const json& record) { run.Log(record); };
     JobDescription job;
     job.arch = o.arch;
     job.dataset = o.dataset;

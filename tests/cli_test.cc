@@ -30,7 +30,7 @@ namespace {
 
 // Runs cpd-quant with `args`, feeding `input` on stdin.
 RunResult RunCli(const std::vector<std::string>& args, const std::string& input = "") {
-  return RunProgram(CPD_QUANT_PATH, args, input);
+  return RunProgram(cpd::test::BuiltProgram(CPD_QUANT_PATH), args, input);
 }
 
 std::string ToBytes(const std::vector<float>& x) {

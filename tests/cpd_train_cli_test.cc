@@ -19,7 +19,9 @@
 namespace cpd::test {
 namespace {
 
-RunResult Train(const std::vector<std::string>& args) { return RunProgram(CPD_TRAIN_PATH, args); }
+RunResult Train(const std::vector<std::string>& args) {
+  return RunProgram(cpd::test::BuiltProgram(CPD_TRAIN_PATH), args);
+}
 
 size_t Lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 

@@ -7,12 +7,23 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
 namespace cpd::test {
+
+// A built program's path: the one compiled in, unless CPD_BIN_DIR names a folder that holds the
+// executables (the GPU bundle of scripts/gpu_bundle.sh, unpacked on another machine).
+inline std::string BuiltProgram(const std::string& compiled_path) {
+  const char* dir = std::getenv("CPD_BIN_DIR");
+  if (dir == nullptr || *dir == '\0') return compiled_path;
+  const size_t slash = compiled_path.rfind('/');
+  return std::string(dir) + "/" +
+         (slash == std::string::npos ? compiled_path : compiled_path.substr(slash + 1));
+}
 
 struct RunResult {
   int exit_code = -1;

@@ -22,7 +22,9 @@ namespace {
 using cpd::test::RunProgram;
 using cpd::test::RunResult;
 
-RunResult Train(const std::vector<std::string>& args) { return RunProgram(CPD_TRAIN_PATH, args); }
+RunResult Train(const std::vector<std::string>& args) {
+  return RunProgram(cpd::test::BuiltProgram(CPD_TRAIN_PATH), args);
+}
 
 TEST(CpdTrainCuda, LeNet5TrainsOnTheGpu) {
   CPD_REQUIRE_CUDA();

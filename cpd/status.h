@@ -71,4 +71,18 @@ class Result {
     if (!_cpd_status.ok()) return _cpd_status; \
   } while (0)
 
+// Evaluates `expr`, a Result<T>: on error, returns its Status from the enclosing function (which
+// returns a Status or a Result); else declares or assigns `lhs` from the value:
+//   CPD_ASSIGN_OR_RETURN(auto model, BuildModel(...));
+//   CPD_ASSIGN_OR_RETURN(run.device, ResolveDevice(flag));
+// It expands to several statements: not for the body of an unbraced if or loop.
+#define CPD_ASSIGN_OR_RETURN(lhs, expr) \
+  CPD_ASSIGN_OR_RETURN_IMPL_(CPD_STATUS_CONCAT_(_cpd_result_, __LINE__), lhs, expr)
+#define CPD_ASSIGN_OR_RETURN_IMPL_(result, lhs, expr) \
+  auto result = (expr);                               \
+  if (!result.ok()) return result.status();           \
+  lhs = std::move(result).value()
+#define CPD_STATUS_CONCAT_(a, b) CPD_STATUS_CONCAT_INNER_(a, b)
+#define CPD_STATUS_CONCAT_INNER_(a, b) a##b
+
 }  // namespace cpd

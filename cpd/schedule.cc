@@ -179,20 +179,27 @@ const char* LrScheduleName(LrSchedule::Kind kind) {
   return "?";
 }
 
+Result<LrSchedule::Kind> ParseLrScheduleKind(std::string_view name) {
+  if (name == "constant") return LrSchedule::kConstant;
+  if (name == "step") return LrSchedule::kStep;
+  if (name == "cosine") return LrSchedule::kCosine;
+  return Status::InvalidArgument("unknown lr schedule '" + std::string(name) +
+                                 "' (accepted: constant, step, cosine)");
+}
+
 Result<LrSchedule> ParseLrSchedule(std::string_view name, double base_lr, int64_t total_steps,
                                    int64_t warmup_steps, std::vector<int64_t> milestones,
                                    double gamma, double min_lr) {
+  CPD_ASSIGN_OR_RETURN(const LrSchedule::Kind kind, ParseLrScheduleKind(name));
+  return MakeLrSchedule(kind, base_lr, total_steps, warmup_steps, std::move(milestones), gamma,
+                        min_lr);
+}
+
+Result<LrSchedule> MakeLrSchedule(LrSchedule::Kind kind, double base_lr, int64_t total_steps,
+                                  int64_t warmup_steps, std::vector<int64_t> milestones,
+                                  double gamma, double min_lr) {
   LrSchedule s;
-  if (name == "constant") {
-    s.kind = LrSchedule::kConstant;
-  } else if (name == "step") {
-    s.kind = LrSchedule::kStep;
-  } else if (name == "cosine") {
-    s.kind = LrSchedule::kCosine;
-  } else {
-    return Status::InvalidArgument("unknown lr schedule '" + std::string(name) +
-                                   "' (accepted: constant, step, cosine)");
-  }
+  s.kind = kind;
   s.base_lr = base_lr;
   s.total_steps = total_steps;
   s.warmup_steps = warmup_steps;

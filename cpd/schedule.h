@@ -120,6 +120,14 @@ struct LrSchedule {
 };
 
 const char* LrScheduleName(LrSchedule::Kind kind);  // "constant" | "step" | "cosine"
+// The kind named `name`; InvalidArgument naming the value and listing what is accepted.
+Result<LrSchedule::Kind> ParseLrScheduleKind(std::string_view name);
+
+// Builds and validates a schedule of a given kind (fields a kind does not use are stored but
+// ignored).
+Result<LrSchedule> MakeLrSchedule(LrSchedule::Kind kind, double base_lr, int64_t total_steps,
+                                  int64_t warmup_steps = 0, std::vector<int64_t> milestones = {},
+                                  double gamma = 0.1, double min_lr = 0.0);
 
 // Builds and validates a schedule from its name ("constant", "step", "cosine"); errors name the
 // bad value and list what is accepted. Fields a kind does not use are stored but ignored.

@@ -137,14 +137,15 @@ int main(int argc, char** argv) {
   app.add_option("--global-batch", o.global_batch,
                  "Global batch, split evenly over ranks x --emulate-ranks workers (default: "
                  "--batch-size per worker)");
-  app.add_option("--optimizer", o.optimizer, "sgd | lars")->capture_default_str();
+  std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
+  app.add_option("--optimizer", optimizer, "sgd | lars")->capture_default_str();
   app.add_option("--lr", o.lr, "Base learning rate")->capture_default_str();
   app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "L2 weight decay (not on biases/BatchNorm)")
       ->capture_default_str();
   app.add_flag("--nesterov", o.nesterov, "Nesterov momentum");
   app.add_option("--lars-eta", o.lars_eta, "LARS trust coefficient")->capture_default_str();
-  app.add_option("--lr-schedule", o.lr_schedule, "constant | step | cosine (per step)")
+  app.add_option("--lr-schedule", lr_schedule, "constant | step | cosine (per step)")
       ->capture_default_str();
   app.add_option("--warmup-steps", o.warmup_steps, "Linear warm-up steps")->capture_default_str();
   app.add_option("--lr-milestones", o.lr_milestones, "Epochs at which 'step' multiplies by gamma");
@@ -238,7 +239,7 @@ int main(int argc, char** argv) {
                  "Checkpoint every N steps (0: at the end of each epoch)")
       ->capture_default_str();
   app.add_option("--resume", o.resume, "auto (newest in --checkpoint-dir) or a checkpoint file");
-  app.add_option("--device", o.device,
+  app.add_option("--device", device,
                  "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
       ->capture_default_str();
   bool no_progress = false;
@@ -280,14 +281,31 @@ int main(int argc, char** argv) {
       o.coordinator.address.empty()) {
     Fail("--job-name, --token-file and --tls-ca need --coordinator HOST:PORT");
   }
+  // Names become enums here, at the edge; the trainer sees only valid values.
+  if (auto k = cpd::runtime::ParseOptimizerKind(optimizer); k.ok()) {
+    o.optimizer = *k;
+  } else {
+    Fail("--" + k.status().message());
+  }
+  if (auto k = cpd::ParseLrScheduleKind(lr_schedule); k.ok()) {
+    o.lr_schedule = *k;
+  } else {
+    Fail("--lr-schedule: " + k.status().message());
+  }
+  if (auto d = cpd::runtime::ParseDeviceChoice(device); d.ok()) {
+    o.device = *d;
+  } else {
+    Fail("--" + d.status().message());
+  }
   o.augment_set = augment || no_augment;
   o.augment = augment;
   o.progress = !no_progress;
 
-  o.precision.global[0] = CheckSite("--w-format", wf, wr);
-  o.precision.global[1] = CheckSite("--a-format", af, ar);
-  o.precision.global[2] = CheckSite("--e-format", ef, er);
-  o.precision.global[3] = CheckSite("--g-format", gf, gr);
+  using cpd::runtime::Site;
+  o.precision.global[int(Site::kWeight)] = CheckSite("--w-format", wf, wr);
+  o.precision.global[int(Site::kActivation)] = CheckSite("--a-format", af, ar);
+  o.precision.global[int(Site::kError)] = CheckSite("--e-format", ef, er);
+  o.precision.global[int(Site::kWeightGrad)] = CheckSite("--g-format", gf, gr);
   for (const auto& lf : layer_formats) {
     const cpd::Status s = cpd::runtime::AddLayerOverride(lf, &o.precision);
     if (!s.ok()) Fail(s.message());

@@ -102,7 +102,7 @@ void ScheduleToProto(const ScheduleUpdate& u, v1::PrecisionSchedule* out) {
     for (const auto& [site, spec] : by_site) {
       v1::LayerOverride* o = out->add_overrides();
       o->set_layer(layer);
-      o->set_site(SiteToProto(Site(site)));
+      o->set_site(SiteToProto(site));
       o->set_spec(spec);
     }
   }
@@ -140,7 +140,7 @@ Result<ScheduleUpdate> ScheduleFromProto(const v1::PrecisionSchedule& p) {
     if (!site.ok()) return site.status();
     auto fmt = Format::Parse(o.spec());
     if (!fmt.ok()) return fmt.status();
-    c.overrides[o.layer()][int(*site)] = fmt->spec();
+    c.overrides[o.layer()][*site] = fmt->spec();
   }
   c.keep_fp32.assign(p.keep_fp32().begin(), p.keep_fp32().end());
   c.hysteresis = p.hysteresis();

@@ -1,11 +1,55 @@
 #include "runtime/job_control.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <nlohmann/json.hpp>
 
 namespace cpd::runtime {
 
 using nlohmann::json;
+
+namespace {
+
+// Every rank's host name and pid, gathered on every rank (for the coordinator's registration).
+Result<std::vector<JobDescription::Worker>> GatherWorkers(comm::Communicator* comm) {
+  constexpr size_t kHost = 120;
+  std::vector<uint8_t> mine(kHost + sizeof(int64_t), 0);
+  char host[kHost] = {};
+  if (gethostname(host, kHost - 1) != 0) std::strcpy(host, "?");
+  std::memcpy(mine.data(), host, kHost);
+  const int64_t pid = getpid();
+  std::memcpy(mine.data() + kHost, &pid, sizeof pid);
+  std::vector<uint8_t> all(mine.size() * size_t(comm->size()));
+  CPD_RETURN_IF_ERROR(comm->AllGatherBytes(mine.data(), all.data(), mine.size()));
+  std::vector<JobDescription::Worker> out;
+  for (int r = 0; r < comm->size(); ++r) {
+    const uint8_t* rec = all.data() + size_t(r) * mine.size();
+    JobDescription::Worker w;
+    w.rank = r;
+    w.host.assign(reinterpret_cast<const char*>(rec),
+                  strnlen(reinterpret_cast<const char*>(rec), kHost));
+    std::memcpy(&w.pid, rec + kHost, sizeof w.pid);
+    out.push_back(w);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<JobDescription::LayerInfo> LayerInfos(const std::vector<Layer*>& flattened) {
+  std::vector<JobDescription::LayerInfo> out;
+  for (Layer* l : flattened) {
+    if (l->Flatten().size() != 1) continue;  // composites: their children are listed
+    JobDescription::LayerInfo info;
+    info.name = l->name();
+    info.kind = l->kind();
+    info.quantizable = l->Quantizable();
+    for (Param* p : l->Params()) info.params += int64_t(p->value.numel());
+    out.push_back(info);
+  }
+  return out;
+}
 
 std::string DescribePrecision(const PrecisionConfig& c) {
   std::string out;
@@ -40,6 +84,7 @@ Result<std::unique_ptr<JobControl>> JobControl::Start(const CoordinatorOptions& 
                                                       uint64_t version_in_force,
                                                       const std::string& recorded_schedule) {
   CPD_RETURN_IF_ERROR(CheckCoordinatorOptions(options));
+  CPD_ASSIGN_OR_RETURN(job.workers, GatherWorkers(setup.comm));
   std::unique_ptr<JobControl> jc(new JobControl());
   jc->setup_ = std::move(setup);
   jc->lead_ = jc->setup_.comm->rank() == 0;
@@ -56,9 +101,7 @@ Result<std::unique_ptr<JobControl>> JobControl::Start(const CoordinatorOptions& 
   }
   if (jc->lead_) {
     job.schedule.version = jc->version_;
-    auto client = CoordinatorClient::Start(options, std::move(job));
-    if (!client.ok()) return client.status();
-    jc->client_ = std::move(client.value());
+    CPD_ASSIGN_OR_RETURN(jc->client_, CoordinatorClient::Start(options, std::move(job)));
   }
   jc->last_report_ = std::chrono::steady_clock::now();
   return jc;

@@ -41,8 +41,9 @@ class JobControl {
     std::function<void(const nlohmann::json& record)> log;
   };
 
-  // Every rank calls it with the same options. Rank 0 starts the client (which connects in the
-  // background); `job` describes the job for registration (rank 0's is used).
+  // Every rank calls it with the same options (a collective: the ranks' hosts and pids are
+  // gathered into job.workers). Rank 0 starts the client (which connects in the background);
+  // `job` describes the job for registration (rank 0's is used).
   // `version_in_force`: the version of the quantiser's current policy (1 for the command line's).
   // `recorded_schedule` (ScheduleJson() of a checkpoint, or ""): applied first, so that a resumed
   // run goes on with the schedule it had and registers with it.
@@ -80,6 +81,10 @@ class JobControl {
   uint64_t version_ = 0;
   std::chrono::steady_clock::time_point last_report_{};
 };
+
+// The leaf layers of a model (its Flatten(): composites are left out, their children listed) as
+// the coordinator lists them.
+std::vector<JobDescription::LayerInfo> LayerInfos(const std::vector<Layer*>& flattened);
 
 // One line describing a policy: "CPT 3-8/8, W=e4m3 ..., 2 overrides, fp32: last, hysteresis".
 std::string DescribePrecision(const PrecisionConfig& config);

@@ -22,10 +22,11 @@
 //  * Backward accumulates (+=) into Param::grad; the optimiser zeroes the gradients.
 //  * Not thread-safe: one thread drives a model; the CPU layers parallelise internally with
 //    OpenMP (omp_get_max_threads()) and call OpenBLAS single-threaded from their parallel
-//    regions (oneDNN's convolutions use the same OpenMP threads). Results are deterministic for a fixed thread count (on the GPU: for a given GPU
-//    and build). CPU and GPU agree bit for bit where the result is defined exactly (ReLU,
-//    pooling, dropout masks, residual adds, the quantisation sites) and to float32 rounding
-//    where a sum's order differs (GEMMs, convolutions, batch statistics, the loss).
+//    regions (oneDNN's convolutions use the same OpenMP threads). Results are deterministic for a
+//    fixed thread count (on the GPU: for a given GPU and build). CPU and GPU agree bit for bit
+//    where the result is defined exactly (ReLU, pooling, dropout masks, residual adds, the
+//    quantisation sites) and to float32 rounding where a sum's order differs (GEMMs, convolutions,
+//    batch statistics, the loss).
 //
 // Initialisation follows PyTorch's defaults in distribution (Linear and Conv2d weights and
 // biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), i.e. kaiming_uniform(a = sqrt(5)); BatchNorm

@@ -101,6 +101,16 @@ int ThreadCount(int requested, size_t work) {
 
 }  // namespace
 
+Result<OptimizerKind> ParseOptimizerKind(std::string_view name) {
+  if (name == "sgd") return OptimizerKind::kSgd;
+  if (name == "lars") return OptimizerKind::kLars;
+  return Status::InvalidArgument("optimizer '" + std::string(name) + "' (accepted: sgd, lars)");
+}
+
+const char* OptimizerKindName(OptimizerKind kind) {
+  return kind == OptimizerKind::kLars ? "lars" : "sgd";
+}
+
 Status OptimizerOptions::Validate() const {
   auto bad = [](const std::string& m) { return Status::InvalidArgument("optimizer: " + m); };
   if (!(momentum >= 0) || !std::isfinite(momentum)) {
@@ -167,11 +177,11 @@ Optimizer::Optimizer(std::vector<Param*> params, OptimizerOptions options)
     total_elements_ += n;
     for (size_t b = 0; b < n; b += kChunk) chunks_.push_back({i, b, std::min(n, b + kChunk)});
   }
-  if (options_.lars) partial_.assign(2 * chunks_.size(), 0.0);
+  if (lars()) partial_.assign(2 * chunks_.size(), 0.0);
 }
 
 std::string Optimizer::StateKey(size_t i) const {
-  return (options_.lars ? "lars_momentum/" : "momentum/") + params_[i]->name;
+  return (lars() ? "lars_momentum/" : "momentum/") + params_[i]->name;
 }
 
 #if CPD_WITH_CUDA
@@ -222,7 +232,7 @@ void Optimizer::Step(double lr) {
     return;
   }
   const int threads = ThreadCount(options_.threads, total_elements_);
-  if (options_.lars) ComputeTrustRatios(threads);
+  if (lars()) ComputeTrustRatios(threads);
   const bool momentum = options_.momentum != 0;
   const int64_t nc = int64_t(chunks_.size());
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -231,11 +241,11 @@ void Optimizer::Step(double lr) {
     Param* p = params_[ch.param];
     const bool decay = p->weight_decay && options_.weight_decay != 0;
     Coeffs k;
-    k.lr = float(options_.lars ? lr * trust_[ch.param] : lr);
+    k.lr = float(lars() ? lr * trust_[ch.param] : lr);
     k.wd = decay ? float(options_.weight_decay) : 0.0f;
     k.m = float(options_.momentum);
     float* buf = momentum ? momentum_[ch.param].data() + ch.begin : nullptr;
-    Select(options_.lars, decay, momentum, options_.nesterov)(
+    Select(lars(), decay, momentum, options_.nesterov)(
         p->value.data() + ch.begin, p->grad.data() + ch.begin, buf, ch.end - ch.begin, k);
   }
 }
@@ -274,7 +284,7 @@ void Optimizer::StepCuda(double lr) {
     cs.chunks = std::move(table);
   }
   const auto* d_chunks = static_cast<const cuda::OptimizerChunk*>(cs.d_chunks.data());
-  if (options_.lars) {
+  if (lars()) {
     // The norms in the CPU's summation order, per chunk on the GPU; the trust ratios on the
     // host from the same partial sums, so they equal the CPU's.
     const size_t bytes = partial_.size() * sizeof(double);
@@ -287,7 +297,7 @@ void Optimizer::StepCuda(double lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const bool decay = params_[i]->weight_decay && options_.weight_decay != 0;
     cuda::OptimizerCoeffs& k = cs.coeffs[i];
-    k.lr = float(options_.lars ? lr * trust_[i] : lr);
+    k.lr = float(lars() ? lr * trust_[i] : lr);
     k.wd = decay ? float(options_.weight_decay) : 0.0f;
     k.decay = decay ? 1 : 0;
     k.pad = 0;
@@ -297,7 +307,7 @@ void Optimizer::StepCuda(double lr) {
   cs.d_coeffs.CopyFromHost(cs.coeffs.data(), coeff_bytes);
   cuda::SgdUpdate(d_chunks, chunks_.size(),
                   static_cast<const cuda::OptimizerCoeffs*>(cs.d_coeffs.data()),
-                  float(options_.momentum), options_.lars, momentum, options_.nesterov);
+                  float(options_.momentum), lars(), momentum, options_.nesterov);
 #else
   (void)lr;
   throw std::logic_error("optimizer: CUDA params in a build without CUDA");
@@ -315,7 +325,7 @@ std::vector<std::pair<std::string, const Tensor*>> Optimizer::State() const {
 }
 
 Status Optimizer::LoadState(const std::map<std::string, std::vector<float>>& state) {
-  const char* kind = options_.lars ? "LARS" : "SGD";
+  const char* kind = lars() ? "LARS" : "SGD";
   std::map<std::string, size_t> expected;  // key -> param index
   for (size_t i = 0; i < momentum_.size(); ++i) expected.emplace(StateKey(i), i);
   for (const auto& [key, values] : state) {

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -31,13 +32,19 @@
 
 namespace cpd::runtime {
 
+// The update rule (below).
+enum class OptimizerKind { kSgd, kLars };
+// "sgd" | "lars"; else InvalidArgument "optimizer 'NAME' (accepted: sgd, lars)".
+Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
+const char* OptimizerKindName(OptimizerKind kind);
+
 struct OptimizerOptions {
   double momentum = 0.9;      // >= 0; 0 keeps no momentum buffers
   double weight_decay = 0.0;  // >= 0; coupled L2, only for params with Param::weight_decay
   bool nesterov = false;      // REQUIRES momentum > 0 (as torch.optim.SGD)
-  bool lars = false;          // LARS update rule (below) instead of SGD's
-  double lars_eta = 0.001;    // LARS trust coefficient, > 0
-  int threads = 0;            // OpenMP threads for Step; 0 = the OpenMP default
+  OptimizerKind kind = OptimizerKind::kSgd;
+  double lars_eta = 0.001;  // LARS trust coefficient, > 0
+  int threads = 0;          // OpenMP threads for Step; 0 = the OpenMP default
 
   // OK, or InvalidArgument naming the field, its value and what is accepted.
   Status Validate() const;
@@ -101,6 +108,7 @@ class Optimizer {
     size_t param;
     size_t begin, end;
   };
+  bool lars() const { return options_.kind == OptimizerKind::kLars; }
   static Status Check(const std::vector<Param*>& params, const OptimizerOptions& options);
   std::string StateKey(size_t i) const;
   void ComputeTrustRatios(int threads);

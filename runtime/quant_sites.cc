@@ -50,7 +50,7 @@ Status AddLayerOverride(const std::string& text, PrecisionConfig* config) {
   auto f = Format::Parse(spec);
   if (!f.ok())
     return Status::InvalidArgument("--layer-format '" + text + "': " + f.status().message());
-  config->overrides[text.substr(0, dot)][int(*site)] = f->spec();
+  config->overrides[text.substr(0, dot)][*site] = f->spec();
   return Status::Ok();
 }
 
@@ -63,7 +63,7 @@ std::string PrecisionConfigToJson(const PrecisionConfig& c) {
   }
   json overrides = json::object();
   for (const auto& [layer, by_site] : c.overrides) {
-    for (const auto& [site, spec] : by_site) overrides[layer][SiteName(Site(site))] = spec;
+    for (const auto& [site, spec] : by_site) overrides[layer][SiteName(site)] = spec;
   }
   json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
             {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
@@ -97,7 +97,7 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
         if (!site.ok()) return site.status();
         auto f = Format::Parse(spec.get<std::string>());
         if (!f.ok()) return f.status();
-        c.overrides[layer][int(*site)] = f->spec();
+        c.overrides[layer][*site] = f->spec();
       }
     }
     c.keep_fp32 = j.at("keep_fp32").get<std::vector<std::string>>();
@@ -208,7 +208,7 @@ std::string SiteQuantizer::SpecFor(const std::string& layer, Site site) const {
   }
   auto ov = config_.overrides.find(layer);
   if (ov != config_.overrides.end()) {
-    auto s = ov->second.find(int(site));
+    auto s = ov->second.find(site);
     if (s != ov->second.end()) spec = s->second;
   }
   return spec;

@@ -35,8 +35,8 @@ struct SiteFormat {
 };
 
 struct PrecisionConfig {
-  SiteFormat global[kNumSites];
-  std::map<std::string, std::map<int, std::string>> overrides;  // layer -> site -> spec
+  SiteFormat global[kNumSites];                                  // indexed by int(Site)
+  std::map<std::string, std::map<Site, std::string>> overrides;  // layer -> site -> spec
   std::vector<std::string> keep_fp32;  // "first", "last" (quantisable layers) or layer names
   std::optional<CyclicPrecision> cpt;
   int grad_bits = 8;  // CPT's fixed backward precision

@@ -63,6 +63,36 @@ std::shared_ptr<float> Allocate(size_t n, Device device) {
 
 const char* DeviceName(Device d) { return d == Device::kCpu ? "cpu" : "cuda"; }
 
+Result<DeviceChoice> ParseDeviceChoice(std::string_view name) {
+  if (name == "auto") return DeviceChoice::kAuto;
+  if (name == "cpu") return DeviceChoice::kCpu;
+  if (name == "cuda") return DeviceChoice::kCuda;
+  return Status::InvalidArgument("device '" + std::string(name) + "' (accepted: auto, cpu, cuda)");
+}
+
+const char* DeviceChoiceName(DeviceChoice choice) {
+  switch (choice) {
+    case DeviceChoice::kAuto:
+      return "auto";
+    case DeviceChoice::kCpu:
+      return "cpu";
+    case DeviceChoice::kCuda:
+      return "cuda";
+  }
+  return "?";
+}
+
+Result<Device> ResolveDevice(DeviceChoice choice) {
+  if (choice == DeviceChoice::kCpu) return Device::kCpu;
+  std::string why;
+  const bool cuda = CudaAvailable(&why);
+  if (choice == DeviceChoice::kAuto) return cuda ? Device::kCuda : Device::kCpu;
+  if (!cuda) {
+    return Status::Unavailable("--device cuda: no usable GPU (" + why + "); use --device cpu");
+  }
+  return Device::kCuda;
+}
+
 bool CudaAvailable(std::string* why) {
 #if CPD_WITH_CUDA
   int count = 0;

@@ -15,12 +15,24 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "cpd/status.h"
 
 namespace cpd::runtime {
 
 enum class Device { kCpu, kCuda };
 const char* DeviceName(Device d);
+
+// What a user asks for: a device, or the best one present.
+enum class DeviceChoice { kAuto, kCpu, kCuda };
+// "auto" | "cpu" | "cuda"; else InvalidArgument "device 'NAME' (accepted: auto, cpu, cuda)".
+Result<DeviceChoice> ParseDeviceChoice(std::string_view name);
+const char* DeviceChoiceName(DeviceChoice choice);
+// kAuto: CUDA when CudaAvailable(), else the CPU. kCuda without a usable GPU: Unavailable,
+// naming the reason.
+Result<Device> ResolveDevice(DeviceChoice choice);
 
 // Whether CUDA tensors can be made here: the build has CUDA and cudaGetDeviceCount finds a
 // device. When false, `why` (may be null) receives a one-line reason ("this build has no CUDA",

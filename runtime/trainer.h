@@ -20,9 +20,12 @@
 
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
+#include "cpd/schedule.h"
 #include "cpd/status.h"
 #include "runtime/coordinator_client.h"
+#include "runtime/optimizer.h"
 #include "runtime/quant_sites.h"
+#include "runtime/tensor.h"
 
 namespace cpd::runtime {
 
@@ -36,15 +39,15 @@ struct TrainOptions {
   bool augment_set = false;
   // Optimisation.
   int epochs = 10;
-  int64_t max_steps = 0;          // stop after this many steps in total (0: run all epochs)
-  int batch_size = 128;           // per logical worker, unless global_batch is set
-  int global_batch = 0;           // > 0: split evenly over the W workers (must divide)
-  int emulate_ranks = 1;          // K logical workers in this process (CPD's --emulate_node)
-  std::string optimizer = "sgd";  // sgd | lars
+  int64_t max_steps = 0;  // stop after this many steps in total (0: run all epochs)
+  int batch_size = 128;   // per logical worker, unless global_batch is set
+  int global_batch = 0;   // > 0: split evenly over the W workers (must divide)
+  int emulate_ranks = 1;  // K logical workers in this process (CPD's --emulate_node)
+  OptimizerKind optimizer = OptimizerKind::kSgd;
   double lr = 0.05, momentum = 0.9, weight_decay = 5e-4;
   bool nesterov = false;
   double lars_eta = 0.001;
-  std::string lr_schedule = "cosine";  // constant | step | cosine
+  LrSchedule::Kind lr_schedule = LrSchedule::kCosine;
   int64_t warmup_steps = 0;
   std::vector<int64_t> lr_milestones;  // epochs, for "step"
   double lr_gamma = 0.1;
@@ -63,7 +66,7 @@ struct TrainOptions {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // steps (0: only at the end of each epoch when a dir is set)
   std::string resume;            // "" | "auto" | a checkpoint path
-  std::string device = "auto";   // auto | cpu | cuda
+  DeviceChoice device = DeviceChoice::kAuto;
   // Control plane: with coordinator.address set, rank 0 registers the job with the coordinator
   // (job_name default: <arch>-<dataset>-<UTC time>), applies the schedules it pushes on every
   // rank at the same step, and reports per-layer statistics (every stats_every steps, at each
@@ -95,6 +98,10 @@ struct TrainResult {
   // Schedules applied during the run: (step at which it took effect, coordinator version).
   std::vector<std::pair<int64_t, uint64_t>> schedule_switches;
 };
+
+// OK, or InvalidArgument naming the flag, its value and what is accepted (ranges of the numeric
+// options, the CPT bits, --resume's file, option combinations). Train() calls it first.
+Status ValidateTrainOptions(const TrainOptions& options);
 
 // Validates options (clear messages naming the flag); then trains. Prints to stdout unless
 // quiet (rank 0 only). Writes metrics/checkpoints when asked. `comm` (null: world size 1) must be

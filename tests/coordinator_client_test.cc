@@ -223,7 +223,7 @@ TEST_F(CoordinatorClientTest, RegistersReportsAndTakesPushedSchedules) {
   EXPECT_EQ(got->precision.cpt->max_bits, 8);
   EXPECT_EQ(got->precision.cpt->periods, 8);
   EXPECT_EQ(got->precision.grad_bits, 6);
-  EXPECT_EQ(got->precision.overrides.at("fc2").at(int(Site::kError)), "fp16");
+  EXPECT_EQ(got->precision.overrides.at("fc2").at(Site::kError), "fp16");
   EXPECT_EQ(got->precision.keep_fp32, std::vector<std::string>{"last"});
   EXPECT_EQ(got->precision.global[int(Site::kWeight)].spec, "fp32");
   EXPECT_FALSE(c.TakeSchedule().has_value());  // handed over once

@@ -144,7 +144,7 @@ TEST(Lars, TrustRatioAndThreeSteps) {
   auto b = MakeParam("conv.bias", {1.0f}, /*weight_decay=*/false);
   auto z = MakeParam("zero.weight", {0.0f, 0.0f});
   OptimizerOptions o = Sgd(0.9, 0.01, false);
-  o.lars = true;
+  o.kind = OptimizerKind::kLars;
   o.lars_eta = 0.001;
   Optimizer opt({w.get(), b.get(), z.get()}, o);
   ASSERT_EQ(opt.State().size(), 3u);
@@ -183,7 +183,7 @@ TEST(Lars, NesterovAndZeroGradient) {
   // w = [3 - 0.0057, 4 - 0.0076].
   auto w = MakeParam("w", {3.0f, 4.0f});
   OptimizerOptions o = Sgd(0.9, 0.01, true);
-  o.lars = true;
+  o.kind = OptimizerKind::kLars;
   Optimizer opt({w.get()}, o);
   SetGrad(w.get(), {0.3f, 0.4f});
   opt.Step(1.0);
@@ -248,7 +248,7 @@ class StateRoundTrip : public ::testing::TestWithParam<bool> {};
 
 TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
   OptimizerOptions o = Sgd(0.9, 5e-4, /*nesterov=*/true);
-  o.lars = GetParam();
+  o.kind = GetParam() ? OptimizerKind::kLars : OptimizerKind::kSgd;
   // Uninterrupted: 6 steps.
   Model a = MakeModel(1);
   Optimizer oa(a.Ptrs(), o);
@@ -310,7 +310,7 @@ TEST(OptimizerState, LoadStateRejectsMismatchesAndChangesNothing) {
 TEST(Optimizer, ResultsDoNotDependOnTheThreadCount) {
   for (bool lars : {false, true}) {
     OptimizerOptions o = Sgd(0.9, 1e-3, false);
-    o.lars = lars;
+    o.kind = lars ? OptimizerKind::kLars : OptimizerKind::kSgd;
     for (int threads : {2, 3, 8}) {
       Model m = MakeModel(7);
       o.threads = threads;

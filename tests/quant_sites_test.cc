@@ -34,7 +34,7 @@ TEST_F(SiteQuantizerTest, ReconfigureChangesFormatsBitsAndKeptLayers) {
   cpt.cpt = CyclicPrecision{3, 8, 2, 100};
   cpt.grad_bits = 6;
   cpt.keep_fp32 = {"last"};
-  cpt.overrides["fc1"][int(Site::kActivation)] = "fp16";
+  cpt.overrides["fc1"][Site::kActivation] = "fp16";
   ASSERT_TRUE((*q)->Reconfigure(cpt).ok());
   (*q)->SetStep(0);
   EXPECT_EQ((*q)->CurrentBits(), 3);
@@ -57,7 +57,7 @@ TEST_F(SiteQuantizerTest, RefusedReconfigureKeepsThePolicyInForce) {
   auto q = SiteQuantizer::Create(c, Layers());
   ASSERT_TRUE(q.ok());
   PrecisionConfig bad_layer;
-  bad_layer.overrides["conv9"][int(Site::kWeight)] = "e4m3";
+  bad_layer.overrides["conv9"][Site::kWeight] = "e4m3";
   Status s = (*q)->Reconfigure(bad_layer);
   EXPECT_EQ(s.code(), Status::Code::kInvalidArgument);
   EXPECT_NE(s.message().find("conv9"), std::string::npos) << s.message();
@@ -79,8 +79,8 @@ TEST(PrecisionConfigJson, RoundTripsEveryField) {
   c.global[int(Site::kWeight)] = {"log4", Rounding::kNearest};
   c.global[int(Site::kActivation)] = {"fp134", Rounding::kZero};
   c.global[int(Site::kError)] = {"e5m2", Rounding::kStochastic};
-  c.overrides["conv1"][int(Site::kWeight)] = "fp32";
-  c.overrides["layer1.0.conv2"][int(Site::kWeightGrad)] = "int8";
+  c.overrides["conv1"][Site::kWeight] = "fp32";
+  c.overrides["layer1.0.conv2"][Site::kWeightGrad] = "int8";
   c.keep_fp32 = {"first", "fc"};
   c.cpt = CyclicPrecision{4, 6, 16, 3000};
   c.grad_bits = 7;
@@ -128,7 +128,7 @@ TEST(DescribePrecision, NamesWhatIsInForce) {
   PrecisionConfig c;
   c.cpt = CyclicPrecision{3, 8, 32, 1000};
   c.global[int(Site::kError)] = {"e5m2", Rounding::kStochastic};
-  c.overrides["fc1"][int(Site::kWeight)] = "fp32";
+  c.overrides["fc1"][Site::kWeight] = "fp32";
   c.keep_fp32 = {"last"};
   c.hysteresis = true;
   EXPECT_EQ(DescribePrecision(c),

@@ -35,7 +35,7 @@ TrainOptions SmallRun(const std::string& arch) {
   o.eval_each_epoch = false;
   o.stats_every = 0;
   o.threads = 1;
-  o.device = "cpu";  // the CPU path on every machine (tests/cuda cover --device cuda)
+  o.device = DeviceChoice::kCpu;  // the CPU path on every machine (tests/cuda cover --device cuda)
   return o;
 }
 

@@ -567,7 +567,7 @@ TEST(CudaOptimizer, SgdMomentumNesterovAndDecayAreExact) {
 TEST(CudaOptimizer, LarsIsExactTrustRatiosIncluded) {
   CPD_REQUIRE_CUDA();
   OptimizerOptions oo;
-  oo.lars = true;
+  oo.kind = OptimizerKind::kLars;
   oo.momentum = 0.9;
   oo.weight_decay = 1e-4;
   oo.lars_eta = 0.02;

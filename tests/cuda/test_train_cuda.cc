@@ -31,7 +31,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-TrainOptions Options(const std::string& arch, const std::string& device) {
+TrainOptions Options(const std::string& arch, DeviceChoice device = DeviceChoice::kAuto) {
   TrainOptions o;
   o.dataset = "synthetic";
   o.arch = arch;
@@ -50,7 +50,8 @@ TrainOptions Options(const std::string& arch, const std::string& device) {
 
 TrainResult MustTrain(const TrainOptions& o) {
   auto r = Train(o);
-  EXPECT_TRUE(r.ok()) << o.device << " " << o.arch << ": " << r.status().message();
+  EXPECT_TRUE(r.ok()) << DeviceChoiceName(o.device) << " " << o.arch << ": "
+                      << r.status().message();
   return r.ok() ? *r : TrainResult{};
 }
 
@@ -66,8 +67,8 @@ struct CurveTols {
 
 void ExpectSameCurve(const std::string& tag, const TrainOptions& base, CurveTols tol) {
   TrainOptions oc = base, og = base;
-  oc.device = "cpu";
-  og.device = "cuda";
+  oc.device = DeviceChoice::kCpu;
+  og.device = DeviceChoice::kCuda;
   const TrainResult rc = MustTrain(oc), rg = MustTrain(og);
   ASSERT_EQ(rc.step_losses.size(), size_t(base.max_steps)) << tag;
   ASSERT_EQ(rg.step_losses.size(), rc.step_losses.size()) << tag;
@@ -112,38 +113,38 @@ void UseFp134Errors(TrainOptions* o) { o->precision.global[int(Site::kError)].sp
 
 TEST(CudaTraining, LeNet5Fp32LossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  ExpectSameCurve("lenet5 fp32", Options("lenet5", ""), kFp32);
+  ExpectSameCurve("lenet5 fp32", Options("lenet5"), kFp32);
 }
 
 TEST(CudaTraining, ResNet8Fp32LossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  ExpectSameCurve("resnet8 fp32", Options("resnet8", ""), kFp32);
+  ExpectSameCurve("resnet8 fp32", Options("resnet8"), kFp32);
 }
 
 TEST(CudaTraining, LeNet5CptLossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  TrainOptions o = Options("lenet5", "");
+  TrainOptions o = Options("lenet5");
   UseCpt(&o);
   ExpectSameCurve("lenet5 cpt", o, kQuantised);
 }
 
 TEST(CudaTraining, ResNet8CptLossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  TrainOptions o = Options("resnet8", "");
+  TrainOptions o = Options("resnet8");
   UseCpt(&o);
   ExpectSameCurve("resnet8 cpt", o, kQuantised);
 }
 
 TEST(CudaTraining, LeNet5Fp134ErrorsLossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  TrainOptions o = Options("lenet5", "");
+  TrainOptions o = Options("lenet5");
   UseFp134Errors(&o);
   ExpectSameCurve("lenet5 fp134 E", o, kQuantised);
 }
 
 TEST(CudaTraining, ResNet8Fp134ErrorsLossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
-  TrainOptions o = Options("resnet8", "");
+  TrainOptions o = Options("resnet8");
   UseFp134Errors(&o);
   ExpectSameCurve("resnet8 fp134 E", o, kQuantised);
 }
@@ -153,7 +154,7 @@ TEST(CudaTraining, GpuRunsRepeatBitForBit) {
   // Deterministic cuDNN algorithms, no atomics in the reductions: the same run twice gives the
   // same bits, stochastic rounding and hysteresis included.
   for (const char* arch : {"lenet5", "resnet8"}) {
-    TrainOptions o = Options(arch, "cuda");
+    TrainOptions o = Options(arch, DeviceChoice::kCuda);
     o.max_steps = 30;
     o.precision.global[int(Site::kError)].spec = "e5m2";
     o.precision.global[int(Site::kError)].rounding = Rounding::kStochastic;
@@ -181,7 +182,7 @@ class TempDir {
 TEST(CudaTraining, CheckpointedRunResumesBitIdentically) {
   CPD_REQUIRE_CUDA();
   // Parameters, BatchNorm buffers, momentum and hysteresis state go to the host and back.
-  TrainOptions o = Options("resnet8", "cuda");
+  TrainOptions o = Options("resnet8", DeviceChoice::kCuda);
   o.precision.global[int(Site::kWeight)].spec = "log4";
   o.precision.global[int(Site::kActivation)].spec = "fp134";
   o.precision.hysteresis = true;
@@ -209,12 +210,12 @@ TEST(CudaTraining, CheckpointedRunResumesBitIdentically) {
 TEST(CudaTraining, CpuCheckpointContinuesOnTheGpu) {
   CPD_REQUIRE_CUDA();
   // A checkpoint is device-independent: written by a CPU run, resumed on the GPU.
-  TrainOptions o = Options("lenet5", "cpu");
+  TrainOptions o = Options("lenet5", DeviceChoice::kCpu);
   TempDir dir;
   o.checkpoint_dir = dir.path();
   o.max_steps = 10;
   ASSERT_TRUE(Train(o).ok());
-  o.device = "cuda";
+  o.device = DeviceChoice::kCuda;
   o.max_steps = 20;
   o.resume = "auto";
   const TrainResult r = MustTrain(o);
@@ -227,7 +228,7 @@ TEST(CudaTraining, EmulatedWorkersStageGradientsThroughTheHost) {
   CPD_REQUIRE_CUDA();
   // Two logical workers: each worker's gradient is copied to the host for the all-reduce and
   // the averaged sum copied back; BatchNorm statistics are averaged the same way.
-  TrainOptions o = Options("resnet8", "");
+  TrainOptions o = Options("resnet8");
   o.emulate_ranks = 2;
   o.global_batch = 32;
   o.max_steps = 60;
@@ -240,12 +241,12 @@ TEST(CudaTraining, EmulatedWorkersStageGradientsThroughTheHost) {
 
 TEST(CudaTraining, EvaluationRunsOnTheGpu) {
   CPD_REQUIRE_CUDA();
-  TrainOptions o = Options("lenet5", "");
+  TrainOptions o = Options("lenet5");
   o.max_steps = 50;
   o.eval_each_epoch = true;
   TrainOptions oc = o, og = o;
-  oc.device = "cpu";
-  og.device = "cuda";
+  oc.device = DeviceChoice::kCpu;
+  og.device = DeviceChoice::kCuda;
   const TrainResult rc = MustTrain(oc), rg = MustTrain(og);
   // 2048 test images: a few predictions may flip between devices near a tie.
   EXPECT_NEAR(rg.test_accuracy, rc.test_accuracy, 0.01);

@@ -118,13 +118,11 @@ Result<ScheduleUpdate> ScheduleFromProto(const v1::PrecisionSchedule& p) {
   u.set_by = p.set_by();
   PrecisionConfig& c = u.precision;
   for (const v1::SiteFormat& f : p.formats()) {
-    auto site = SiteFromProto(f.site());
-    if (!site.ok()) return site.status();
-    auto fmt = Format::Parse(f.spec());
-    if (!fmt.ok()) return fmt.status();
-    auto r = ParseRounding(f.rounding().empty() ? "nearest" : f.rounding());
-    if (!r.ok()) return r.status();
-    c.global[int(*site)] = {fmt->spec(), *r};
+    CPD_ASSIGN_OR_RETURN(const Site site, SiteFromProto(f.site()));
+    CPD_ASSIGN_OR_RETURN(const Format fmt, Format::Parse(f.spec()));
+    CPD_ASSIGN_OR_RETURN(const Rounding r,
+                         ParseRounding(f.rounding().empty() ? "nearest" : f.rounding()));
+    c.global[int(site)] = {fmt.spec(), r};
   }
   if (p.has_cyclic()) {
     CyclicPrecision cpt;
@@ -136,11 +134,9 @@ Result<ScheduleUpdate> ScheduleFromProto(const v1::PrecisionSchedule& p) {
   }
   c.grad_bits = p.grad_bits() == 0 ? 8 : p.grad_bits();
   for (const v1::LayerOverride& o : p.overrides()) {
-    auto site = SiteFromProto(o.site());
-    if (!site.ok()) return site.status();
-    auto fmt = Format::Parse(o.spec());
-    if (!fmt.ok()) return fmt.status();
-    c.overrides[o.layer()][*site] = fmt->spec();
+    CPD_ASSIGN_OR_RETURN(const Site site, SiteFromProto(o.site()));
+    CPD_ASSIGN_OR_RETURN(const Format fmt, Format::Parse(o.spec()));
+    c.overrides[o.layer()][site] = fmt.spec();
   }
   c.keep_fp32.assign(p.keep_fp32().begin(), p.keep_fp32().end());
   c.hysteresis = p.hysteresis();

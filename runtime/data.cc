@@ -207,9 +207,8 @@ float Unit24(uint64_t bits) { return float(bits >> 40) * (1.0f / 16777216.0f); }
 
 Result<Dataset> LoadIdx(const std::string& images_path, const std::string& labels_path,
                         const std::string& name) {
-  auto images = ReadFile(images_path);
-  if (!images.ok()) return images.status();
-  const std::vector<uint8_t>& ib = images->bytes;
+  CPD_ASSIGN_OR_RETURN(const auto images, ReadFile(images_path));
+  const std::vector<uint8_t>& ib = images.bytes;
   if (ib.size() < 16) {
     return Status::Corruption(images_path +
                               ": truncated: expected a 16-byte IDX image header, got " +
@@ -230,11 +229,10 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
                               std::to_string(cols) + ": expected 1..32768 on each side");
   }
   const uint64_t pixels = uint64_t(n) * rows * cols;
-  CPD_RETURN_IF_ERROR(CheckPayload(images_path, *images, 16, pixels, "pixel"));
+  CPD_RETURN_IF_ERROR(CheckPayload(images_path, images, 16, pixels, "pixel"));
 
-  auto labels = ReadFile(labels_path);
-  if (!labels.ok()) return labels.status();
-  const std::vector<uint8_t>& lb = labels->bytes;
+  CPD_ASSIGN_OR_RETURN(const auto labels, ReadFile(labels_path));
+  const std::vector<uint8_t>& lb = labels.bytes;
   if (lb.size() < 8) {
     return Status::Corruption(labels_path +
                               ": truncated: expected an 8-byte IDX label header, got " +
@@ -250,7 +248,7 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
     return Status::Corruption(labels_path + ": holds " + std::to_string(nl) + " labels: expected " +
                               std::to_string(n) + ", the image count of " + images_path);
   }
-  CPD_RETURN_IF_ERROR(CheckPayload(labels_path, *labels, 8, n, "label"));
+  CPD_RETURN_IF_ERROR(CheckPayload(labels_path, labels, 8, n, "label"));
 
   Dataset d;
   d.name = name;
@@ -306,10 +304,9 @@ Result<Dataset> LoadCifar(const std::string& dir, bool train, int classes) {
   const char* kind = classes == 10 ? "CIFAR-10" : "CIFAR-100";
   for (const std::string& file : files) {
     const std::string path = (fs::path(root) / file).string();
-    auto f = ReadFile(path);
-    if (!f.ok()) return f.status();
-    const std::vector<uint8_t>& b = f->bytes;
-    if (b.empty() || int64_t(b.size()) % record != 0 || f->gzip_truncated) {
+    CPD_ASSIGN_OR_RETURN(const auto f, ReadFile(path));
+    const std::vector<uint8_t>& b = f.bytes;
+    if (b.empty() || int64_t(b.size()) % record != 0 || f.gzip_truncated) {
       return Status::Corruption(
           path + ": truncated: size " + std::to_string(b.size()) + " bytes is not a whole, " +
           "non-zero number of " + std::to_string(record) + "-byte " + kind + " records (" +
@@ -423,11 +420,9 @@ Result<std::string> IdxFile(const std::string& dir, const std::string& base) {
 
 Result<Dataset> LoadIdxFromDir(const std::string& dir, const std::string& prefix,
                                const std::string& name) {
-  auto images = IdxFile(dir, prefix + "-images-idx3-ubyte");
-  if (!images.ok()) return images.status();
-  auto labels = IdxFile(dir, prefix + "-labels-idx1-ubyte");
-  if (!labels.ok()) return labels.status();
-  return LoadIdx(*images, *labels, name);
+  CPD_ASSIGN_OR_RETURN(const std::string images, IdxFile(dir, prefix + "-images-idx3-ubyte"));
+  CPD_ASSIGN_OR_RETURN(const std::string labels, IdxFile(dir, prefix + "-labels-idx1-ubyte"));
+  return LoadIdx(images, labels, name);
 }
 
 }  // namespace
@@ -445,11 +440,9 @@ Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
           "t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz]");
     }
     const std::string dir = data_dir.empty() ? kFashionMnistDefaultDir : data_dir;
-    auto train = LoadIdxFromDir(dir, "train", name + "/train");
-    if (!train.ok()) return train.status();
-    auto test = LoadIdxFromDir(dir, "t10k", name + "/test");
-    if (!test.ok()) return test.status();
-    return std::make_pair(std::move(train).value(), std::move(test).value());
+    CPD_ASSIGN_OR_RETURN(Dataset train, LoadIdxFromDir(dir, "train", name + "/train"));
+    CPD_ASSIGN_OR_RETURN(Dataset test, LoadIdxFromDir(dir, "t10k", name + "/test"));
+    return std::make_pair(std::move(train), std::move(test));
   }
   if (name == "cifar10" || name == "cifar100") {
     const int classes = name == "cifar10" ? 10 : 100;
@@ -457,18 +450,14 @@ Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
       return need_dir(classes == 10 ? "data_batch_1..5.bin and test_batch.bin"
                                     : "train.bin and test.bin");
     }
-    auto train = LoadCifar(data_dir, true, classes);
-    if (!train.ok()) return train.status();
-    auto test = LoadCifar(data_dir, false, classes);
-    if (!test.ok()) return test.status();
-    return std::make_pair(std::move(train).value(), std::move(test).value());
+    CPD_ASSIGN_OR_RETURN(Dataset train, LoadCifar(data_dir, true, classes));
+    CPD_ASSIGN_OR_RETURN(Dataset test, LoadCifar(data_dir, false, classes));
+    return std::make_pair(std::move(train), std::move(test));
   }
   if (name == "synthetic") {
     // One draw split in two, so that both sets share the class patterns.
     constexpr int64_t kTrain = 8192, kTest = 2048;
-    auto all = MakeSynthetic(kTrain + kTest, 1, 28, 28, 10, seed);
-    if (!all.ok()) return all.status();
-    Dataset& a = all.value();
+    CPD_ASSIGN_OR_RETURN(Dataset a, MakeSynthetic(kTrain + kTest, 1, 28, 28, 10, seed));
     const int64_t sample = a.sample_size();
     Dataset test = a;
     test.name = "synthetic/test";

@@ -111,9 +111,7 @@ Result<std::unique_ptr<Sequential>> BuildModel(const std::string& arch, int in_c
   if (arch == "mlp") {
     model = Mlp(in_channels, image_size, classes, seed);
   } else if (arch == "lenet5") {
-    auto m = LeNet5(in_channels, image_size, classes, seed);
-    if (!m.ok()) return m.status();
-    model = std::move(m.value());
+    CPD_ASSIGN_OR_RETURN(model, LeNet5(in_channels, image_size, classes, seed));
   } else if (arch.rfind("resnet", 0) == 0) {
     const std::string digits = arch.substr(6);
     const bool numeric = !digits.empty() && digits.size() <= 4 &&

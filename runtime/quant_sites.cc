@@ -83,21 +83,16 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
   PrecisionConfig c;
   try {
     for (const auto& [site_name, v] : j.at("sites").items()) {
-      auto site = ParseSite(site_name);
-      if (!site.ok()) return site.status();
-      auto f = Format::Parse(v.at("spec").get<std::string>());
-      if (!f.ok()) return f.status();
-      auto r = ParseRounding(v.at("rounding").get<std::string>());
-      if (!r.ok()) return r.status();
-      c.global[int(*site)] = {f->spec(), *r};
+      CPD_ASSIGN_OR_RETURN(const Site site, ParseSite(site_name));
+      CPD_ASSIGN_OR_RETURN(const Format f, Format::Parse(v.at("spec").get<std::string>()));
+      CPD_ASSIGN_OR_RETURN(const Rounding r, ParseRounding(v.at("rounding").get<std::string>()));
+      c.global[int(site)] = {f.spec(), r};
     }
     for (const auto& [layer, by_site] : j.at("overrides").items()) {
       for (const auto& [site_name, spec] : by_site.items()) {
-        auto site = ParseSite(site_name);
-        if (!site.ok()) return site.status();
-        auto f = Format::Parse(spec.get<std::string>());
-        if (!f.ok()) return f.status();
-        c.overrides[layer][*site] = f->spec();
+        CPD_ASSIGN_OR_RETURN(const Site site, ParseSite(site_name));
+        CPD_ASSIGN_OR_RETURN(const Format f, Format::Parse(spec.get<std::string>()));
+        c.overrides[layer][site] = f.spec();
       }
     }
     c.keep_fp32 = j.at("keep_fp32").get<std::vector<std::string>>();
@@ -154,15 +149,9 @@ Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::stri
       return Status::InvalidArgument("--layer-format: no quantisable layer named '" + name +
                                      "' (see --print-model)");
     }
-    for (const auto& [site, spec] : sites) {
-      auto f = Format::Parse(spec);
-      if (!f.ok()) return f.status();
-    }
+    for (const auto& [site, spec] : sites) CPD_RETURN_IF_ERROR(Format::Parse(spec).status());
   }
-  for (const SiteFormat& sf : config.global) {
-    auto f = Format::Parse(sf.spec);
-    if (!f.ok()) return f.status();
-  }
+  for (const SiteFormat& sf : config.global) CPD_RETURN_IF_ERROR(Format::Parse(sf.spec).status());
   if (config.cpt) CPD_RETURN_IF_ERROR(config.cpt->Validate());
   return Status::Ok();
 }

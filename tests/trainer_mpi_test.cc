@@ -12,15 +12,15 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi_communicator.h"
 #include "runtime/trainer.h"
+#include "tests/mpi_test_main.h"
 
 namespace cpd::runtime {
 namespace {
 
 namespace fs = std::filesystem;
 
-comm::MpiCommunicator* g_comm = nullptr;
+using test::World;
 
 TrainOptions SmallRun(const std::string& arch) {
   TrainOptions o;
@@ -53,8 +53,8 @@ uint64_t HashLosses(const std::vector<double>& losses) {
 // The same value on every rank (max and min agree).
 bool SameOnAllRanks(uint64_t v) {
   uint64_t hi = v, lo = ~v;
-  EXPECT_TRUE(g_comm->AllReduce(&hi, 1, comm::ReduceOp::kMax).ok());
-  EXPECT_TRUE(g_comm->AllReduce(&lo, 1, comm::ReduceOp::kMax).ok());
+  EXPECT_TRUE(World()->AllReduce(&hi, 1, comm::ReduceOp::kMax).ok());
+  EXPECT_TRUE(World()->AllReduce(&lo, 1, comm::ReduceOp::kMax).ok());
   return hi == v && lo == ~v;
 }
 
@@ -81,11 +81,11 @@ TEST(TrainerMpi, ReplicasStayBitIdentical) {
       o.allreduce.algo = c.algo;
       o.allreduce.format = c.format;
       o.allreduce.aps = c.aps;
-      auto r = Train(o, g_comm);
+      auto r = Train(o, World());
       ASSERT_TRUE(r.ok()) << c.name << " K=" << k << ": " << r.status().message();
       EXPECT_TRUE(r->replicas_identical) << c.name;
-      EXPECT_EQ(r->world_size, g_comm->size());
-      EXPECT_EQ(r->workers, g_comm->size() * k);
+      EXPECT_EQ(r->world_size, World()->size());
+      EXPECT_EQ(r->workers, World()->size() * k);
       EXPECT_EQ(r->steps, 10);
       EXPECT_TRUE(SameOnAllRanks(r->param_hash)) << c.name << " K=" << k;
       EXPECT_TRUE(SameOnAllRanks(HashLosses(r->step_losses))) << c.name << " K=" << k;
@@ -97,7 +97,7 @@ TEST(TrainerMpi, ReplicasStayBitIdentical) {
 // slices, the same stochastic-rounding streams per worker, the same quantised sum in worker order
 // and the same BatchNorm statistics averaging (ResNet-8 has BatchNorm). Bit for bit.
 TEST(TrainerMpi, RanksMatchEmulatedWorkersInOneProcess) {
-  const int p = g_comm->size();
+  const int p = World()->size();
   for (const AlgoCase& c : kAlgos) {
     if (c.algo == comm::AllReduceAlgo::kFp32 && p > 2) continue;  // MPI's fp32 order is its own
     if (std::string(c.format) == "int8") continue;  // per-chunk scales depend on the rank count
@@ -106,9 +106,9 @@ TEST(TrainerMpi, RanksMatchEmulatedWorkersInOneProcess) {
     o.allreduce.algo = c.algo;
     o.allreduce.format = c.format;
     o.allreduce.aps = c.aps;
-    auto ranks = Train(o, g_comm);
+    auto ranks = Train(o, World());
     ASSERT_TRUE(ranks.ok()) << c.name << ": " << ranks.status().message();
-    if (g_comm->rank() == 0) {
+    if (World()->rank() == 0) {
       TrainOptions one = o;
       one.emulate_ranks = p;
       auto emulated = Train(one);
@@ -119,7 +119,7 @@ TEST(TrainerMpi, RanksMatchEmulatedWorkersInOneProcess) {
         EXPECT_EQ(emulated->step_losses[i], ranks->step_losses[i]) << c.name << " step " << i;
       }
     }
-    ASSERT_TRUE(g_comm->Barrier().ok());
+    ASSERT_TRUE(World()->Barrier().ok());
   }
 }
 
@@ -129,9 +129,9 @@ TEST(TrainerMpi, NanOnOneRankSkipsTheStepEverywhere) {
   o.allreduce.algo = comm::AllReduceAlgo::kPacked;
   o.allreduce.format = "e4m3";
   o.allreduce.aps = true;
-  auto r = Train(o, g_comm);
+  auto r = Train(o, World());
   ASSERT_TRUE(r.ok()) << r.status().message();
-  EXPECT_EQ(r->skipped_steps, 1) << "rank " << g_comm->rank();
+  EXPECT_EQ(r->skipped_steps, 1) << "rank " << World()->rank();
   EXPECT_TRUE(r->replicas_identical);
   EXPECT_TRUE(SameOnAllRanks(r->param_hash));
 }
@@ -139,35 +139,35 @@ TEST(TrainerMpi, NanOnOneRankSkipsTheStepEverywhere) {
 // Rank 0 alone writes checkpoints; a run that stops at step 6 and resumes in ONE process with P
 // emulated workers ends bit-identical to an uninterrupted P-rank run.
 TEST(TrainerMpi, CheckpointWrittenOnceResumesAtAnotherWorldSize) {
-  int32_t pid = g_comm->rank() == 0 ? int32_t(getpid()) : 0;
-  ASSERT_TRUE(g_comm->AllReduce(&pid, 1, comm::ReduceOp::kMax).ok());
+  int32_t pid = World()->rank() == 0 ? int32_t(getpid()) : 0;
+  ASSERT_TRUE(World()->AllReduce(&pid, 1, comm::ReduceOp::kMax).ok());
   const std::string dir = "/tmp/cpd_trainer_mpi_test." + std::to_string(pid);
-  if (g_comm->rank() == 0) fs::remove_all(dir);
-  ASSERT_TRUE(g_comm->Barrier().ok());
+  if (World()->rank() == 0) fs::remove_all(dir);
+  ASSERT_TRUE(World()->Barrier().ok());
 
   TrainOptions full = SmallRun("mlp");
   full.max_steps = 12;
   full.allreduce.algo = comm::AllReduceAlgo::kEmulate;
   full.allreduce.format = "e4m3";
   full.allreduce.aps = true;
-  auto uninterrupted = Train(full, g_comm);
+  auto uninterrupted = Train(full, World());
   ASSERT_TRUE(uninterrupted.ok()) << uninterrupted.status().message();
 
   TrainOptions first = full;
   first.max_steps = 6;
   first.checkpoint_dir = dir;
   first.checkpoint_every = 3;
-  auto part = Train(first, g_comm);
+  auto part = Train(first, World());
   ASSERT_TRUE(part.ok()) << part.status().message();
-  ASSERT_TRUE(g_comm->Barrier().ok());
-  if (g_comm->rank() == 0) {
+  ASSERT_TRUE(World()->Barrier().ok());
+  if (World()->rank() == 0) {
     std::vector<std::string> names;
     for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename());
     std::sort(names.begin(), names.end());
     EXPECT_EQ(names, (std::vector<std::string>{"ckpt-000000000003.cpd", "ckpt-000000000006.cpd"}));
 
     TrainOptions rest = full;
-    rest.emulate_ranks = g_comm->size();
+    rest.emulate_ranks = World()->size();
     rest.checkpoint_dir = dir;
     rest.resume = "auto";
     auto resumed = Train(rest);
@@ -176,20 +176,8 @@ TEST(TrainerMpi, CheckpointWrittenOnceResumesAtAnotherWorldSize) {
     EXPECT_EQ(resumed->param_hash, uninterrupted->param_hash);
     fs::remove_all(dir);
   }
-  ASSERT_TRUE(g_comm->Barrier().ok());
+  ASSERT_TRUE(World()->Barrier().ok());
 }
 
 }  // namespace
 }  // namespace cpd::runtime
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  auto comm = cpd::comm::MpiCommunicator::Create();
-  if (!comm.ok()) {
-    std::fprintf(stderr, "trainer_mpi_test: %s\n", comm.status().message().c_str());
-    return 1;
-  }
-  cpd::runtime::g_comm = comm->get();
-  // Every rank runs every test and reports its own failures; any failing rank fails the job.
-  return RUN_ALL_TESTS();
-}

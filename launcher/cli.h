@@ -64,4 +64,20 @@ inline Result<std::string> ReadTokenFile(const std::string& path) {
   return line;
 }
 
+// The whole file, or exit `code` with "<tool>: <flag> <why>".
+inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
+                                  const std::string& path, int code) {
+  auto text = ReadWholeFile(path);
+  if (!text.ok()) FailWith(tool, flag + " " + text.status().message(), code);
+  return *text;
+}
+
+// The token in the file, or exit `code` with "<tool>: <flag> <why>".
+inline std::string ReadTokenFileOrExit(const char* tool, const std::string& flag,
+                                       const std::string& path, int code) {
+  auto token = ReadTokenFile(path);
+  if (!token.ok()) FailWith(tool, flag + " " + token.status().message(), code);
+  return *token;
+}
+
 }  // namespace cpd::launcher

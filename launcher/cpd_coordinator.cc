@@ -32,21 +32,8 @@ constexpr const char* kTool = "cpd-coordinator";
   cpd::launcher::FailWith(kTool, msg, code);
 }
 
-std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
-  auto text = cpd::launcher::ReadWholeFile(path);
-  if (!text.ok()) Fail(flag + " " + text.status().message());
-  return *text;
-}
-
-// The token: the file's first line without surrounding whitespace.
-std::string ReadToken(const std::string& path) {
-  auto token = cpd::launcher::ReadTokenFile(path);
-  if (!token.ok()) Fail("--token-file " + token.status().message());
-  return *token;
-}
-
 std::string ReadPem(const std::string& flag, const std::string& path) {
-  std::string pem = ReadFileOrFail(flag, path);
+  std::string pem = cpd::launcher::ReadFileOrExit(kTool, flag, path, cpd::launcher::kUsageError);
   if (pem.find("-----BEGIN ") == std::string::npos) {
     Fail(flag + " " + path + ": not a PEM file (no '-----BEGIN' line)");
   }
@@ -181,7 +168,10 @@ int main(int argc, char** argv) {
   opt.coordinator.watch_buffer = watch_buffer;
   opt.max_receive_bytes = max_message_mib << 20;
   opt.coordinator.max_response_bytes = size_t(opt.max_receive_bytes);
-  if (!token_file.empty()) opt.coordinator.token = ReadToken(token_file);
+  if (!token_file.empty()) {
+    opt.coordinator.token = cpd::launcher::ReadTokenFileOrExit(kTool, "--token-file", token_file,
+                                                               cpd::launcher::kUsageError);
+  }
   if (!tls_cert.empty()) {
     opt.tls_cert_pem = ReadPem("--tls-cert", tls_cert);
     opt.tls_key_pem = ReadPem("--tls-key", tls_key);

@@ -8,7 +8,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -16,6 +15,7 @@
 #include "cpd/config.h"
 #include "cpd/format.h"
 #include "launcher/cli.h"
+#include "launcher/common.h"
 #include "runtime/trainer.h"
 #if CPD_WITH_MPI
 #include "comm/mpi_communicator.h"
@@ -27,16 +27,6 @@ using cpd::launcher::kUsageError;
 
 [[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
   cpd::launcher::FailWith("cpd-train", msg, code);
-}
-
-std::vector<std::string> SplitCommas(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
 }
 
 // Applies the keys of a YAML mapping to options not given on the command line.
@@ -292,7 +282,7 @@ int main(int argc, char** argv) {
     const cpd::Status s = cpd::runtime::AddLayerOverride(lf, &o.precision);
     if (!s.ok()) Fail(s.message());
   }
-  o.precision.keep_fp32 = SplitCommas(keep_fp32);
+  o.precision.keep_fp32 = cpd::launcher::SplitCommas(keep_fp32);
   if (!cyclic_bits.empty()) {
     cpd::CyclicPrecision c;
     c.min_bits = cyclic_bits[0];

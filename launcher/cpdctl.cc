@@ -40,6 +40,7 @@
 
 #include "cpd/config.h"
 #include "launcher/cli.h"
+#include "launcher/common.h"
 #include "launcher/cpdctl_output.h"
 #include "launcher/cpdctl_schedule.h"
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
@@ -80,12 +81,6 @@ std::string Trim(const std::string& s) {
   if (b == std::string::npos) return "";
   const size_t e = s.find_last_not_of(" \t\r\n");
   return s.substr(b, e - b + 1);
-}
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
 }
 
 void Print(const std::string& s) { std::fwrite(s.data(), 1, s.size(), stdout); }
@@ -178,12 +173,6 @@ constexpr char kExitCodes[] =
     "Exit codes: 0 success; 1 the coordinator was unreachable or refused the call, unknown job, "
     "bad or missing token, file not written; 2 usage error (bad option, bad format spec).";
 
-std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
-  auto text = cpd::launcher::ReadWholeFile(path);
-  if (!text.ok()) Fail(flag + " " + text.status().message());
-  return *text;
-}
-
 // ---- The connection to the coordinator ---------------------------------------------------------
 
 class Connection {
@@ -201,14 +190,12 @@ class Connection {
       }
     }
     if (!g_.token_file.empty()) {
-      auto token = cpd::launcher::ReadTokenFile(g_.token_file);
-      if (!token.ok()) Fail(token_flag_ + " " + token.status().message());
-      token_ = *token;
+      token_ = cpd::launcher::ReadTokenFileOrExit(kTool, token_flag_, g_.token_file, kFailure);
     }
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (!g_.tls_ca.empty()) {
       grpc::SslCredentialsOptions ssl;
-      ssl.pem_root_certs = ReadFileOrFail("--tls-ca", g_.tls_ca);
+      ssl.pem_root_certs = cpd::launcher::ReadFileOrExit(kTool, "--tls-ca", g_.tls_ca, kFailure);
       creds = grpc::SslCredentials(ssl);
     } else {
       creds = grpc::InsecureChannelCredentials();
@@ -295,7 +282,8 @@ v1::JobRef MakeRef(const std::string& job) {
   return ref;
 }
 
-std::string JobLabel(const v1::JobSummary& j) {
+// "NAME (id N)": how the status block names a job.
+std::string NameAndId(const v1::JobSummary& j) {
   return j.job_name() + " (id " + std::to_string(j.job_id()) + ")";
 }
 
@@ -439,7 +427,7 @@ int RunJobs(const Globals& g) {
            {"DATASET", A::kLeft},
            {"REGISTERED", A::kLeft},
            {"LAST REPORT", A::kRight}});
-  const int64_t now = NowMs();
+  const int64_t now = cpd::launcher::NowMs();
   for (const auto& j : resp.jobs()) {
     t.AddRow({std::to_string(j.job_id()), j.job_name(), j.state(), std::to_string(j.step()),
               j.total_steps() > 0 ? std::to_string(j.total_steps()) : "-",
@@ -456,14 +444,6 @@ int RunJobs(const Globals& g) {
 
 // ---- status ----------------------------------------------------------------------------------
 
-std::string KeyValues(const std::vector<std::pair<std::string, std::string>>& kv) {
-  size_t w = 0;
-  for (const auto& [k, v] : kv) w = std::max(w, k.size());
-  std::string out;
-  for (const auto& [k, v] : kv) out += k + std::string(w - k.size() + 2, ' ') + v + "\n";
-  return out;
-}
-
 std::string Ratio(int64_t a, int64_t b) {
   return std::to_string(a) + " / " + (b > 0 ? std::to_string(b) : std::string("?"));
 }
@@ -472,7 +452,7 @@ std::string Ratio(int64_t a, int64_t b) {
 std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms) {
   const v1::JobSummary& j = st.job();
   std::vector<std::pair<std::string, std::string>> kv;
-  kv.emplace_back("job", JobLabel(j) + ", " + j.state());
+  kv.emplace_back("job", NameAndId(j) + ", " + j.state());
   std::string model =
       (j.arch().empty() ? "?" : j.arch()) + " on " + (j.dataset().empty() ? "?" : j.dataset());
   if (!st.allreduce().empty()) model += ", all-reduce " + st.allreduce();
@@ -513,7 +493,7 @@ std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms) {
     }
     kv.emplace_back("workers", w);
   }
-  return KeyValues(kv);
+  return cpd::ctl::KeyValues(kv);
 }
 
 int RunStatus(const Globals& g, const std::string& job) {
@@ -939,7 +919,7 @@ int RunWatch(const Globals& g, const WatchArgs& a) {
     }
     std::string screen = "\x1b[H\x1b[2J";
     screen += "cpdctl watch " + a.job + " on " + c.address() + "  " +
-              cpd::ctl::FormatTime(NowMs()) + "  (Ctrl-C stops)\n\n";
+              cpd::ctl::FormatTime(cpd::launcher::NowMs()) + "  (Ctrl-C stops)\n\n";
     const std::string block =
         StatusBlock(st, age) + std::to_string(received) + " reports received by this watch\n";
     screen += block;

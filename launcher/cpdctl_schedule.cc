@@ -1,10 +1,10 @@
 #include "launcher/cpdctl_schedule.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "launcher/common.h"
 #include "launcher/cpdctl_output.h"
 
 namespace cpd::ctl {
@@ -92,14 +92,8 @@ Result<std::pair<std::string, Site>> ParseLayerSite(const std::string& flag,
 }
 
 std::vector<std::string> KeepList(const std::string& arg) {
-  std::vector<std::string> out;
-  if (arg == "none") return out;
-  std::stringstream ss(arg);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
+  if (arg == "none") return {};
+  return cpd::launcher::SplitCommas(arg);
 }
 
 Status CheckBits(const std::string& flag, int v, int lo, int hi) {

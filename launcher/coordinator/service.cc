@@ -15,12 +15,6 @@
 
 namespace cpd::coordinator {
 
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 namespace {
 
 using grpc::StatusCode;

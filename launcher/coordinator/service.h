@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpd/status.h"
+#include "launcher/common.h"
 #include "launcher/coordinator/store.h"
 #include "launcher/coordinator/validate.h"
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
@@ -148,7 +149,7 @@ class CoordinatorServer {
   bool shut_down_ = false;
 };
 
-// Milliseconds since the Unix epoch.
-int64_t NowMs();
+// Milliseconds since the Unix epoch (one definition for the launcher's programs).
+using cpd::launcher::NowMs;
 
 }  // namespace cpd::coordinator

@@ -22,7 +22,7 @@
 
 #include "cpd/config.h"
 #include "launcher/cli.h"
-#include "launcher/coordinator/service.h"
+#include "launcher/coordinator/server.h"
 
 namespace {
 

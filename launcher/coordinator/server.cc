@@ -68,14 +68,11 @@ Result<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(ServerOption
   }
   CPD_RETURN_IF_ERROR(CheckCanListen(options.listen));
   std::unique_ptr<CoordinatorServer> srv(new CoordinatorServer());
-  auto store = Store::Open(options.store);
-  if (!store.ok()) return store.status();
-  srv->store_ = std::move(store).value();
+  CPD_ASSIGN_OR_RETURN(srv->store_, Store::Open(options.store));
   options.coordinator.max_response_bytes =
       std::min(options.coordinator.max_response_bytes, size_t(options.max_receive_bytes));
-  auto coord = Coordinator::Create(srv->store_.get(), options.coordinator);
-  if (!coord.ok()) return coord.status();
-  srv->coordinator_ = std::move(coord).value();
+  CPD_ASSIGN_OR_RETURN(srv->coordinator_,
+                       Coordinator::Create(srv->store_.get(), options.coordinator));
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!options.tls_cert_pem.empty()) {

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "launcher/coordinator/service_internal.h"
 #include "launcher/coordinator/streams.h"
@@ -91,21 +93,20 @@ Result<std::unique_ptr<Coordinator>> Coordinator::Create(Store* store, Coordinat
 }
 
 Status Coordinator::Load() {
-  auto jobs = store_->LoadJobs();
-  if (!jobs.ok()) return jobs.status();
-  for (JobRecord& rec : jobs.value()) {
+  CPD_ASSIGN_OR_RETURN(std::vector<JobRecord> jobs, store_->LoadJobs());
+  for (JobRecord& rec : jobs) {
     auto job = std::make_unique<Job>();
     job->id = rec.job_id;
     job->registered_ms = rec.registered_ms;
     job->updated_ms = rec.updated_ms;
     job->info = Meta(rec.info);
-    auto sched = store_->CurrentSchedule(rec.job_id);
-    if (!sched.ok()) return sched.status();
-    if (!sched->has_value()) {
+    CPD_ASSIGN_OR_RETURN(std::optional<v1::PrecisionSchedule> sched,
+                         store_->CurrentSchedule(rec.job_id));
+    if (!sched.has_value()) {
       return Status::Corruption("database: " + JobLabel(rec.job_id, rec.info.job_name()) +
                                 " has no schedule");
     }
-    job->schedule = std::make_shared<const v1::PrecisionSchedule>(std::move(**sched));
+    job->schedule = std::make_shared<const v1::PrecisionSchedule>(std::move(*sched));
     // The latest report (highest step) and the last measured accuracies.
     ReportQuery q;
     q.job_id = rec.job_id;

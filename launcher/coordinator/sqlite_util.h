@@ -55,8 +55,7 @@ class Stmt {
     return SqlError(db_, rc, "sqlite3_step", __FILE__, __LINE__);
   }
   Status Run() {
-    auto r = Step();
-    if (!r.ok()) return r.status();
+    CPD_RETURN_IF_ERROR(Step().status());
     sqlite3_reset(stmt_);
     sqlite3_clear_bindings(stmt_);
     return Status::Ok();

@@ -138,9 +138,8 @@ Status Store::Init() {
                                "' is in use by another cpd-coordinator; stop it or use another "
                                "--db");
   }
-  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/true);
-  if (!db.ok()) return db.status();
-  writer_db_ = *db;
+  CPD_ASSIGN_OR_RETURN(writer_db_,
+                       OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/true));
   // A report with 100 layer rows is ~6 KiB: 16 KiB pages keep it in its leaf page. Only takes
   // effect on a new file.
   CPD_RETURN_IF_ERROR(Exec(writer_db_, "PRAGMA page_size = 16384"));
@@ -151,9 +150,8 @@ Status Store::Init() {
       return Status::IoError("'" + options_.path +
                              "' is not a usable SQLite database: " + st.message());
     }
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row || s.ColText(0) != "wal") {
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row || s.ColText(0) != "wal") {
       return Status::IoError("database '" + options_.path +
                              "': cannot switch to WAL mode (is it on a network file system?)");
     }
@@ -164,9 +162,8 @@ Status Store::Init() {
   {
     Stmt s;
     CPD_RETURN_IF_ERROR(s.Prepare(writer_db_, "PRAGMA user_version"));
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    const int64_t v = *row ? s.ColInt(0) : 0;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    const int64_t v = has_row ? s.ColInt(0) : 0;
     if (v > kSchemaVersion) {
       return Status::IoError("database '" + options_.path + "' has schema version " +
                              std::to_string(v) + ", newer than this cpd-coordinator's " +
@@ -186,9 +183,8 @@ Status Store::Init() {
     CPD_RETURN_IF_ERROR(
         s.Prepare(writer_db_, "SELECT job_id, COUNT(*) FROM reports GROUP BY job_id"));
     for (;;) {
-      auto row = s.Step();
-      if (!row.ok()) return row.status();
-      if (!*row) break;
+      CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+      if (!has_row) break;
       stored_per_job_[s.ColInt(0)] = uint64_t(s.ColInt(1));
     }
   }
@@ -222,9 +218,8 @@ Result<std::vector<JobRecord>> Store::LoadJobs() {
                                 "start_step, allreduce FROM jobs ORDER BY job_id"));
   std::vector<JobRecord> jobs;
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     JobRecord j;
     j.job_id = s.ColInt(0);
     j.info.set_job_name(s.ColText(1));
@@ -311,14 +306,14 @@ Result<sqlite3*> Store::AcquireReader() {
       return db;
     }
   }
-  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/false);
-  if (!db.ok()) return db.status();
-  Status s = Exec(*db, "PRAGMA query_only = 1");
+  CPD_ASSIGN_OR_RETURN(sqlite3 * db,
+                       OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/false));
+  Status s = Exec(db, "PRAGMA query_only = 1");
   if (!s.ok()) {
-    sqlite3_close(*db);
+    sqlite3_close(db);
     return s;
   }
-  return *db;
+  return db;
 }
 
 void Store::ReleaseReader(sqlite3* db) {
@@ -341,9 +336,7 @@ struct ReaderGuard {
 }  // namespace
 
 #define CPD_WITH_READER(var)                                 \
-  auto var##_r = AcquireReader();                            \
-  if (!var##_r.ok()) return var##_r.status();                \
-  sqlite3* var = *var##_r;                                   \
+  CPD_ASSIGN_OR_RETURN(sqlite3* var, AcquireReader());       \
   auto var##_rel = [this](sqlite3* d) { ReleaseReader(d); }; \
   ReaderGuard<decltype(var##_rel)> var##_guard { var, var##_rel }
 
@@ -354,9 +347,8 @@ Status Store::LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out) {
       w.Prepare(db, "SELECT rank, host, pid FROM workers WHERE job_id = ?1 ORDER BY rank"));
   w.Int(1, job_id);
   for (;;) {
-    auto row = w.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, w.Step());
+    if (!has_row) break;
     auto* wi = out->add_workers();
     wi->set_rank(int32_t(w.ColInt(0)));
     wi->set_host(w.ColText(1));
@@ -368,9 +360,8 @@ Status Store::LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out) {
                                 "WHERE job_id = ?1 ORDER BY idx"));
   l.Int(1, job_id);
   for (;;) {
-    auto row = l.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, l.Step());
+    if (!has_row) break;
     auto* li = out->add_layers();
     li->set_name(l.ColText(0));
     li->set_kind(l.ColText(1));
@@ -388,9 +379,8 @@ Result<std::vector<v1::PrecisionSchedule>> Store::Schedules(int64_t job_id) {
   s.Int(1, job_id);
   std::vector<v1::PrecisionSchedule> out;
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     const std::string_view b = s.ColBlob(0);
     out.emplace_back();
     if (!out.back().ParseFromArray(b.data(), int(b.size()))) {
@@ -407,9 +397,8 @@ Result<std::optional<v1::PrecisionSchedule>> Store::CurrentSchedule(int64_t job_
   CPD_RETURN_IF_ERROR(s.Prepare(
       db, "SELECT schedule FROM schedules WHERE job_id = ?1 ORDER BY version DESC LIMIT 1"));
   s.Int(1, job_id);
-  auto row = s.Step();
-  if (!row.ok()) return row.status();
-  if (!*row) return std::optional<v1::PrecisionSchedule>();
+  CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+  if (!has_row) return std::optional<v1::PrecisionSchedule>();
   const std::string_view b = s.ColBlob(0);
   v1::PrecisionSchedule out;
   if (!out.ParseFromArray(b.data(), int(b.size()))) {
@@ -443,9 +432,8 @@ Status Store::QueryReports(const ReportQuery& q,
   }
   s.Int(6, q.limit > size_t(INT64_MAX) ? INT64_MAX : int64_t(q.limit));
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     StoredReport r;
     r.id = s.ColInt(0);
     r.step = s.ColInt(1);

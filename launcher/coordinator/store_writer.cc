@@ -185,9 +185,7 @@ Status Store::ApplyRetention() {
   std::lock_guard<std::mutex> l(write_mu_);
   for (const auto& [job, count] : jobs) {
     for (bool more = true; more;) {
-      auto r = RetainJobLocked(job);
-      if (!r.ok()) return r.status();
-      more = *r;
+      CPD_ASSIGN_OR_RETURN(more, RetainJobLocked(job));
     }
   }
   return Status::Ok();
@@ -212,10 +210,9 @@ Result<bool> Store::RetainJobLocked(int64_t job) {
                                     "ORDER BY step DESC, id DESC LIMIT 1 OFFSET ?2"));
     nth.Int(1, job);
     nth.Int(2, r.keep_full - 1);
-    auto row = nth.Step();
-    if (!row.ok()) return row.status();
+    CPD_ASSIGN_OR_RETURN(const bool has_row, nth.Step());
     int64_t& below = thinned_below_[job];
-    if (*row && nth.ColInt(0) > below) {
+    if (has_row && nth.ColInt(0) > below) {
       const int64_t cutoff = nth.ColInt(0);
       // This transaction's share: up to the step kRetentionRows rows further on.
       Stmt ahead;
@@ -225,10 +222,9 @@ Result<bool> Store::RetainJobLocked(int64_t job) {
       ahead.Int(1, job);
       ahead.Int(2, below);
       ahead.Int(3, kRetentionRows);
-      auto a = ahead.Step();
-      if (!a.ok()) return a.status();
+      CPD_ASSIGN_OR_RETURN(const bool ahead_found, ahead.Step());
       int64_t end = cutoff;
-      if (*a) end = std::min(cutoff, std::max(ahead.ColInt(0), below + 1));
+      if (ahead_found) end = std::min(cutoff, std::max(ahead.ColInt(0), below + 1));
       Stmt thin;
       CPD_RETURN_IF_ERROR(thin.Prepare(writer_db_,
                                        "DELETE FROM reports WHERE job_id = ?1 AND step >= ?2 "
@@ -253,9 +249,8 @@ Result<bool> Store::RetainJobLocked(int64_t job) {
                                     "ORDER BY step, id LIMIT 1 OFFSET ?2"));
     kth.Int(1, job);
     kth.Int(2, k - 1);
-    auto row = kth.Step();
-    if (!row.ok()) return row.status();
-    if (*row) {
+    CPD_ASSIGN_OR_RETURN(const bool has_row, kth.Step());
+    if (has_row) {
       Stmt cap;
       CPD_RETURN_IF_ERROR(cap.Prepare(writer_db_,
                                       "DELETE FROM reports WHERE job_id = ?1 AND "

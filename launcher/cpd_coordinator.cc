@@ -40,6 +40,21 @@ std::string ReadPem(const std::string& flag, const std::string& path) {
   return pem;
 }
 
+// Writes all of `text` to `fd`, however many calls write() takes; false with errno set.
+bool WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    done += size_t(n);
+  }
+  return true;
+}
+
 // Writes `text` to `path` atomically: a temporary beside it, fsync, rename.
 bool WriteFileAtomically(const std::string& path, const std::string& text, std::string* err) {
   const std::string tmp = path + ".tmp." + std::to_string(getpid());
@@ -48,12 +63,15 @@ bool WriteFileAtomically(const std::string& path, const std::string& text, std::
     *err = tmp + ": " + std::strerror(errno);
     return false;
   }
-  const bool ok = write(fd, text.data(), text.size()) == ssize_t(text.size()) && fsync(fd) == 0;
-  const int saved = errno;
-  close(fd);
+  bool ok = WriteAll(fd, text) && fsync(fd) == 0;
+  int saved = errno;
+  if (close(fd) != 0 && ok) {
+    ok = false;
+    saved = errno;
+  }
   if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
     *err = path + ": " + std::strerror(ok ? errno : saved);
-    unlink(tmp.c_str());
+    unlink(tmp.c_str());  // best effort: the error above is what the caller reports
     return false;
   }
   return true;
@@ -186,8 +204,12 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  signal(SIGPIPE, SIG_IGN);
+  if (const int rc = pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr); rc != 0) {
+    Fail(std::string("cannot block SIGINT/SIGTERM: ") + std::strerror(rc), 1);
+  }
+  if (signal(SIGPIPE, SIG_IGN) == SIG_ERR) {
+    Fail(std::string("cannot ignore SIGPIPE: ") + std::strerror(errno), 1);
+  }
 
   auto started = cpd::coordinator::CoordinatorServer::Start(opt);
   if (!started.ok()) Fail(started.status().message(), 1);
@@ -199,13 +221,19 @@ int main(int argc, char** argv) {
       Fail("--port-file " + err, 1);
     }
   }
+  // For whoever started the coordinator; a closed stdout must not stop a serving coordinator, so
+  // the result of this write is not checked.
   std::printf("%s: listening on %s:%d (db %s)\n", kTool, host.c_str(), port, db.c_str());
   std::fflush(stdout);
 
   int sig = 0;
-  sigwait(&stop_signals, &sig);
-  std::fprintf(stderr, "%s: %s received; storing queued reports and stopping\n", kTool,
-               sig == SIGINT ? "SIGINT" : "SIGTERM");
+  if (const int rc = sigwait(&stop_signals, &sig); rc != 0) {
+    std::fprintf(stderr, "%s: waiting for SIGINT/SIGTERM failed (%s); stopping\n", kTool,
+                 std::strerror(rc));
+  } else {
+    std::fprintf(stderr, "%s: %s received; storing queued reports and stopping\n", kTool,
+                 sig == SIGINT ? "SIGINT" : "SIGTERM");
+  }
   server->Shutdown();
   const cpd::coordinator::StoreStats st = server->store()->stats();
   std::fprintf(stderr, "%s: stopped; %llu reports stored this run%s\n", kTool,

@@ -37,13 +37,14 @@ Status CheckCanListen(const std::string& listen) {
     const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0) {
+    if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0) {  // as gRPC does
+      if (error.empty()) error = std::strerror(errno);
+    } else if (bind(fd, a->ai_addr, a->ai_addrlen) == 0) {
       bound = true;
     } else if (error.empty()) {
       error = std::strerror(errno);
     }
-    close(fd);
+    close(fd);  // a probe that carried no data: closing it cannot lose anything
   }
   freeaddrinfo(res);
   if (!bound) {

@@ -204,6 +204,7 @@ Store::~Store() {
     // A clean close checkpoints the WAL into the main file.
     sqlite3_close_v2(writer_db_);
   }
+  // Releases the flock; nothing was written through this descriptor, so there is nothing to lose.
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 

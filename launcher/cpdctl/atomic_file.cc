@@ -21,6 +21,7 @@ std::vector<std::string>& TempFiles() {
 }
 
 void RemoveTempFiles() {
+  // Best effort at exit: a file that cannot be removed is left, and nothing can be reported.
   for (const auto& f : TempFiles()) unlink(f.c_str());
   TempFiles().clear();
 }
@@ -51,6 +52,7 @@ AtomicFile::AtomicFile(const std::string& path, const std::string& suffix) : pat
 }
 
 AtomicFile::~AtomicFile() {
+  // Cleanup of an abandoned temporary: errors change nothing and have no one to go to.
   if (file_ != nullptr) std::fclose(file_);
   if (fd_ >= 0 && file_ == nullptr) close(fd_);
   if (!committed_) unlink(tmp_.c_str());
@@ -64,34 +66,51 @@ FILE* AtomicFile::stream() {
 }
 
 void AtomicFile::Commit() {
-  if (file_ != nullptr) {
-    if (std::fflush(file_) != 0 || std::ferror(file_)) WriteFailed();
-  }
-  // Another process (the plot script) may have written the temporary: sync it by name.
-  const int fd = open(tmp_.c_str(), O_RDONLY);
-  if (fd < 0 || fsync(fd) != 0) WriteFailed();
-  close(fd);
-  if (file_ != nullptr) {
-    std::fclose(file_);
-    file_ = nullptr;
-  } else {
-    close(fd_);
-  }
-  fd_ = -1;
+  SyncAndClose();
   // mkstemp makes the file 0600; give it the permissions a new file would get.
   const mode_t mask = umask(0);
   umask(mask);
-  chmod(tmp_.c_str(), 0666 & ~mask);
+  if (chmod(tmp_.c_str(), 0666 & ~mask) != 0) {
+    Fail("cannot set the permissions of " + tmp_ + ": " + std::strerror(errno));
+  }
   if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
     Fail("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
   }
   committed_ = true;
   ForgetTempFile(tmp_);
-  const int dfd = open(dir_.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    fsync(dfd);
-    close(dfd);
+  SyncDirectory();
+}
+
+void AtomicFile::SyncAndClose() {
+  if (file_ != nullptr) {
+    if (std::fflush(file_) != 0 || std::ferror(file_)) WriteFailed();
   }
+  // Another process (the plot script) may have written the temporary: sync it by name.
+  const int fd = open(tmp_.c_str(), O_RDONLY);
+  if (fd < 0) WriteFailed();
+  if (fsync(fd) != 0) {
+    const int saved = errno;
+    close(fd);
+    errno = saved;
+    WriteFailed();
+  }
+  if (close(fd) != 0) WriteFailed();
+  FILE* const file = file_;
+  const int own_fd = fd_;
+  file_ = nullptr;
+  fd_ = -1;
+  if ((file != nullptr ? std::fclose(file) : close(own_fd)) != 0) WriteFailed();
+}
+
+// The rename is durable once the directory is synced. File systems that cannot sync a
+// directory say EINVAL; the rename stands there as it does on any other.
+void AtomicFile::SyncDirectory() {
+  const int dfd = open(dir_.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd < 0) Fail("cannot open the directory " + dir_ + ": " + std::strerror(errno));
+  const bool synced = fsync(dfd) == 0 || errno == EINVAL;
+  const int saved = errno;
+  close(dfd);
+  if (!synced) Fail("cannot sync the directory " + dir_ + ": " + std::strerror(saved));
 }
 
 void AtomicFile::WriteFailed() { Fail("writing " + path_ + ": " + std::strerror(errno)); }

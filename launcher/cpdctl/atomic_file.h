@@ -12,7 +12,8 @@ void AddTempFile(const std::string& path);
 void ForgetTempFile(const std::string& path);
 
 // A file created as a temporary in the target's directory and renamed over the target only when
-// complete (after fsync), so a reader sees the old file or the whole new one.
+// complete (after fsync), so a reader sees the old file or the whole new one. Every failure is a
+// Fail() naming the file.
 class AtomicFile {
  public:
   // `suffix` is kept at the end of the temporary's name (matplotlib reads the format from it).
@@ -28,6 +29,8 @@ class AtomicFile {
   void Commit();
 
  private:
+  void SyncAndClose();
+  void SyncDirectory();
   [[noreturn]] void WriteFailed();
 
   std::string path_, dir_, tmp_;

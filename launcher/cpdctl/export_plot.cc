@@ -198,6 +198,10 @@ std::vector<char*> Pointers(std::vector<std::string>& strings) {
   return out;
 }
 
+void CheckSpawnSetup(int rc) {
+  if (rc != 0) Fail(std::string("plot: cannot prepare to run the script: ") + std::strerror(rc));
+}
+
 // Runs `args` (args[0] is the interpreter) with stdin and stdout on /dev/null and stderr into
 // `err_path`; returns its wait status.
 int RunScript(std::vector<std::string> args, const std::string& err_path) {
@@ -205,11 +209,11 @@ int RunScript(std::vector<std::string> args, const std::string& err_path) {
   const std::vector<char*> argv = Pointers(args);
   const std::vector<char*> envp = Pointers(env);
   posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, err_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  CheckSpawnSetup(posix_spawn_file_actions_init(&fa));
+  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0));
+  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, "/dev/null", O_WRONLY, 0));
+  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, err_path.c_str(),
+                                                   O_WRONLY | O_CREAT | O_TRUNC, 0600));
   pid_t pid = -1;
   const int rc = posix_spawnp(&pid, args[0].c_str(), &fa, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&fa);
@@ -218,7 +222,8 @@ int RunScript(std::vector<std::string> args, const std::string& err_path) {
          " (it needs python3 and python3-matplotlib: scripts/install_deps.sh)");
   }
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) Fail("plot: waiting for " + args[0] + ": " + std::strerror(errno));
   }
   return status;
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -134,7 +135,9 @@ class Watch {
 int Watch::Run() {
   ref_ = MakeRef(a_.job);
   stop_ = StopSignals();
-  pthread_sigmask(SIG_BLOCK, &stop_, nullptr);
+  if (const int rc = pthread_sigmask(SIG_BLOCK, &stop_, nullptr); rc != 0) {
+    Fail(std::string("cannot block the stop signals: ") + std::strerror(rc));
+  }
   c_ = std::make_unique<Connection>(g_);
   st_ = GetStatus(*c_, a_.job);  // checks the job and the connection first
   tty_ = isatty(STDOUT_FILENO) && !g_.json;
@@ -188,7 +191,9 @@ void Watch::StartThreads() {
 void Watch::StopThreads() {
   ctx_.TryCancel();
   reading_.join();
-  pthread_kill(signals_.native_handle(), SIGUSR1);
+  if (const int rc = pthread_kill(signals_.native_handle(), SIGUSR1); rc != 0) {
+    Fail(std::string("cannot stop the signal thread: ") + std::strerror(rc));
+  }
   signals_.join();
   std::lock_guard<std::mutex> lock(q_.mu);
   end_status_ = q_.status;

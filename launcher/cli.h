@@ -52,9 +52,8 @@ inline Result<std::string> ReadWholeFile(const std::string& path) {
 // A coordinator token: the file's first line without surrounding whitespace; an empty token is
 // an error (it would silently turn authentication off).
 inline Result<std::string> ReadTokenFile(const std::string& path) {
-  auto text = ReadWholeFile(path);
-  if (!text.ok()) return text.status();
-  std::string line = text->substr(0, text->find('\n'));
+  CPD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path));
+  std::string line = text.substr(0, text.find('\n'));
   const char* ws = " \t\r\v\f";
   const size_t begin = line.find_first_not_of(ws);
   if (begin == std::string::npos) {
@@ -62,6 +61,22 @@ inline Result<std::string> ReadTokenFile(const std::string& path) {
   }
   line = line.substr(begin, line.find_last_not_of(ws) - begin + 1);
   return line;
+}
+
+// The whole file, or exit `code` with "<tool>: <flag> <why>".
+inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
+                                  const std::string& path, int code) {
+  auto text = ReadWholeFile(path);
+  if (!text.ok()) FailWith(tool, flag + " " + text.status().message(), code);
+  return *text;
+}
+
+// The token in the file, or exit `code` with "<tool>: <flag> <why>".
+inline std::string ReadTokenFileOrExit(const char* tool, const std::string& flag,
+                                       const std::string& path, int code) {
+  auto token = ReadTokenFile(path);
+  if (!token.ok()) FailWith(tool, flag + " " + token.status().message(), code);
+  return *token;
 }
 
 }  // namespace cpd::launcher

@@ -14,15 +14,15 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <memory>
 #include <string>
 
 #include "cpd/config.h"
 #include "launcher/cli.h"
-#include "launcher/coordinator/service.h"
+#include "launcher/coordinator/server.h"
 
 namespace {
 
@@ -32,25 +32,27 @@ constexpr const char* kTool = "cpd-coordinator";
   cpd::launcher::FailWith(kTool, msg, code);
 }
 
-std::string ReadFileOrFail(const std::string& flag, const std::string& path) {
-  auto text = cpd::launcher::ReadWholeFile(path);
-  if (!text.ok()) Fail(flag + " " + text.status().message());
-  return *text;
-}
-
-// The token: the file's first line without surrounding whitespace.
-std::string ReadToken(const std::string& path) {
-  auto token = cpd::launcher::ReadTokenFile(path);
-  if (!token.ok()) Fail("--token-file " + token.status().message());
-  return *token;
-}
-
 std::string ReadPem(const std::string& flag, const std::string& path) {
-  std::string pem = ReadFileOrFail(flag, path);
+  std::string pem = cpd::launcher::ReadFileOrExit(kTool, flag, path, cpd::launcher::kUsageError);
   if (pem.find("-----BEGIN ") == std::string::npos) {
     Fail(flag + " " + path + ": not a PEM file (no '-----BEGIN' line)");
   }
   return pem;
+}
+
+// Writes all of `text` to `fd`, however many calls write() takes; false with errno set.
+bool WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    done += size_t(n);
+  }
+  return true;
 }
 
 // Writes `text` to `path` atomically: a temporary beside it, fsync, rename.
@@ -61,12 +63,15 @@ bool WriteFileAtomically(const std::string& path, const std::string& text, std::
     *err = tmp + ": " + std::strerror(errno);
     return false;
   }
-  const bool ok = write(fd, text.data(), text.size()) == ssize_t(text.size()) && fsync(fd) == 0;
-  const int saved = errno;
-  close(fd);
+  bool ok = WriteAll(fd, text) && fsync(fd) == 0;
+  int saved = errno;
+  if (close(fd) != 0 && ok) {
+    ok = false;
+    saved = errno;
+  }
   if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
     *err = path + ": " + std::strerror(ok ? errno : saved);
-    unlink(tmp.c_str());
+    unlink(tmp.c_str());  // best effort: the error above is what the caller reports
     return false;
   }
   return true;
@@ -84,6 +89,155 @@ bool SplitListen(const std::string& listen, std::string* host, int* port) {
   return true;
 }
 
+// The command line as parsed.
+struct Flags {
+  std::string listen = "127.0.0.1:50051", db = "cpd-coordinator.db", token_file, tls_cert, tls_key,
+              port_file;
+  int max_message_mib = 4, queue_mib = 64;
+  double stale_after_s = 60, retention_every_s = 30;
+  int64_t keep_full = 10000, thin_every = 10, max_reports = 100000;
+  size_t watch_buffer = 64;
+};
+
+void AddOptions(CLI::App* app, Flags* f) {
+  app->add_option("--listen", f->listen,
+                  "HOST:PORT to serve on; port 0 picks a free one (see --port-file). Binds "
+                  "loopback by default: use --token-file (and TLS) before listening on 0.0.0.0")
+      ->capture_default_str();
+  app->add_option("--db", f->db,
+                  "SQLite database file (WAL mode; created if missing): jobs, workers, layers, "
+                  "every schedule version and the reports. A restart on the same file brings "
+                  "every job and its history back")
+      ->capture_default_str();
+  app->add_option("--token-file", f->token_file,
+                  "require every call to carry metadata 'authorization: Bearer <token>', the "
+                  "token being this file's first line (whitespace trimmed); wrong or missing -> "
+                  "UNAUTHENTICATED")
+      ->check(CLI::ExistingFile);
+  app->add_option("--tls-cert", f->tls_cert, "TLS certificate chain (PEM); needs --tls-key")
+      ->check(CLI::ExistingFile);
+  app->add_option("--tls-key", f->tls_key, "TLS private key (PEM); needs --tls-cert")
+      ->check(CLI::ExistingFile);
+  app->add_option("--port-file", f->port_file,
+                  "once listening, write the bound port to this file (atomically: temp, fsync, "
+                  "rename)");
+  app->add_option("--max-message-mib", f->max_message_mib,
+                  "largest request accepted, MiB; larger -> RESOURCE_EXHAUSTED. Also caps one "
+                  "LayerStats answer")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app->add_option("--stale-after", f->stale_after_s,
+                  "seconds without a report after which a running job shows as 'stale'")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--keep-full", f->keep_full,
+                  "retention: the newest N reports of each job stay at full resolution (0: all)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--thin-every", f->thin_every,
+                  "retention: older reports are thinned to the steps that are multiples of K "
+                  "(end-of-epoch and final reports always stay; 1: no thinning)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--max-reports-per-job", f->max_reports,
+                  "retention: hard cap per job; the oldest reports beyond it are deleted (0: no "
+                  "cap)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--retention-every", f->retention_every_s,
+                  "seconds between retention passes of the writer thread")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app->add_option("--queue-mib", f->queue_mib,
+                  "reports waiting for the disk are held in at most this much memory; when full, "
+                  "ReportStats answers RESOURCE_EXHAUSTED")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app->add_option("--watch-buffer", f->watch_buffer,
+                  "reports buffered per WatchJob stream for a slow reader (the oldest are "
+                  "dropped)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t(1), size_t(1) << 20));
+}
+
+// The server's options from the flags, with the token and the TLS files read (exit 2 when they
+// cannot be).
+cpd::coordinator::ServerOptions ToServerOptions(const Flags& f) {
+  cpd::coordinator::ServerOptions opt;
+  opt.listen = f.listen;
+  opt.store.path = f.db;
+  opt.store.queue_max_bytes = size_t(f.queue_mib) << 20;
+  opt.store.retention.keep_full = f.keep_full;
+  opt.store.retention.thin_every = f.thin_every;
+  opt.store.retention.max_reports_per_job = f.max_reports;
+  opt.store.retention.interval_ms = int64_t(f.retention_every_s * 1000);
+  opt.coordinator.stale_after_ms = int64_t(f.stale_after_s * 1000);
+  opt.coordinator.watch_buffer = f.watch_buffer;
+  opt.max_receive_bytes = f.max_message_mib << 20;
+  opt.coordinator.max_response_bytes = size_t(opt.max_receive_bytes);
+  if (!f.token_file.empty()) {
+    opt.coordinator.token = cpd::launcher::ReadTokenFileOrExit(kTool, "--token-file", f.token_file,
+                                                               cpd::launcher::kUsageError);
+  }
+  if (!f.tls_cert.empty()) {
+    opt.tls_cert_pem = ReadPem("--tls-cert", f.tls_cert);
+    opt.tls_key_pem = ReadPem("--tls-key", f.tls_key);
+  }
+  return opt;
+}
+
+// SIGINT and SIGTERM, blocked in every thread (they are taken by sigwait in Serve); SIGPIPE
+// ignored. Call before gRPC and the store's writer start threads, which inherit the mask.
+sigset_t BlockStopSignals() {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  if (const int rc = pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr); rc != 0) {
+    Fail(std::string("cannot block SIGINT/SIGTERM: ") + std::strerror(rc), 1);
+  }
+  if (signal(SIGPIPE, SIG_IGN) == SIG_ERR) {
+    Fail(std::string("cannot ignore SIGPIPE: ") + std::strerror(errno), 1);
+  }
+  return stop_signals;
+}
+
+// Starts the server, announces it, serves until SIGINT/SIGTERM, then stops it after storing
+// every accepted report. Returns the exit code: 1 when reports were lost.
+int Serve(const Flags& f, const std::string& host, const cpd::coordinator::ServerOptions& opt) {
+  const sigset_t stop_signals = BlockStopSignals();
+  auto started = cpd::coordinator::CoordinatorServer::Start(opt);
+  if (!started.ok()) Fail(started.status().message(), 1);
+  std::unique_ptr<cpd::coordinator::CoordinatorServer> server = std::move(started).value();
+  const int port = server->port();
+  if (!f.port_file.empty()) {
+    std::string err;
+    if (!WriteFileAtomically(f.port_file, std::to_string(port) + "\n", &err)) {
+      Fail("--port-file " + err, 1);
+    }
+  }
+  // For whoever started the coordinator; a closed stdout must not stop a serving coordinator, so
+  // the result of this write is not checked.
+  std::printf("%s: listening on %s:%d (db %s)\n", kTool, host.c_str(), port, f.db.c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  if (const int rc = sigwait(&stop_signals, &sig); rc != 0) {
+    std::fprintf(stderr, "%s: waiting for SIGINT/SIGTERM failed (%s); stopping\n", kTool,
+                 std::strerror(rc));
+  } else {
+    std::fprintf(stderr, "%s: %s received; storing queued reports and stopping\n", kTool,
+                 sig == SIGINT ? "SIGINT" : "SIGTERM");
+  }
+  server->Shutdown();
+  const cpd::coordinator::StoreStats st = server->store()->stats();
+  std::fprintf(stderr, "%s: stopped; %llu reports stored this run%s\n", kTool,
+               static_cast<unsigned long long>(st.stored),
+               st.lost > 0 ? (", " + std::to_string(st.lost) + " LOST (see above)").c_str() : "");
+  server.reset();
+  return st.lost > 0 ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -93,134 +247,23 @@ int main(int argc, char** argv) {
       "file; cpdctl reads and changes them. It never sees gradients.",
       kTool};
   app.set_version_flag("--version", std::string(kTool) + " " CPD_VERSION);
-  std::string listen = "127.0.0.1:50051", db = "cpd-coordinator.db", token_file, tls_cert, tls_key,
-              port_file;
-  int max_message_mib = 4, queue_mib = 64;
-  double stale_after_s = 60, retention_every_s = 30;
-  int64_t keep_full = 10000, thin_every = 10, max_reports = 100000;
-  size_t watch_buffer = 64;
-  app.add_option("--listen", listen,
-                 "HOST:PORT to serve on; port 0 picks a free one (see --port-file). Binds "
-                 "loopback by default: use --token-file (and TLS) before listening on 0.0.0.0")
-      ->capture_default_str();
-  app.add_option("--db", db,
-                 "SQLite database file (WAL mode; created if missing): jobs, workers, layers, "
-                 "every schedule version and the reports. A restart on the same file brings "
-                 "every job and its history back")
-      ->capture_default_str();
-  app.add_option("--token-file", token_file,
-                 "require every call to carry metadata 'authorization: Bearer <token>', the "
-                 "token being this file's first line (whitespace trimmed); wrong or missing -> "
-                 "UNAUTHENTICATED")
-      ->check(CLI::ExistingFile);
-  app.add_option("--tls-cert", tls_cert, "TLS certificate chain (PEM); needs --tls-key")
-      ->check(CLI::ExistingFile);
-  app.add_option("--tls-key", tls_key, "TLS private key (PEM); needs --tls-cert")
-      ->check(CLI::ExistingFile);
-  app.add_option("--port-file", port_file,
-                 "once listening, write the bound port to this file (atomically: temp, fsync, "
-                 "rename)");
-  app.add_option("--max-message-mib", max_message_mib,
-                 "largest request accepted, MiB; larger -> RESOURCE_EXHAUSTED. Also caps one "
-                 "LayerStats answer")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
-  app.add_option("--stale-after", stale_after_s,
-                 "seconds without a report after which a running job shows as 'stale'")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  app.add_option("--keep-full", keep_full,
-                 "retention: the newest N reports of each job stay at full resolution (0: all)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--thin-every", thin_every,
-                 "retention: older reports are thinned to the steps that are multiples of K "
-                 "(end-of-epoch and final reports always stay; 1: no thinning)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  app.add_option("--max-reports-per-job", max_reports,
-                 "retention: hard cap per job; the oldest reports beyond it are deleted (0: no "
-                 "cap)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--retention-every", retention_every_s,
-                 "seconds between retention passes of the writer thread")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  app.add_option("--queue-mib", queue_mib,
-                 "reports waiting for the disk are held in at most this much memory; when full, "
-                 "ReportStats answers RESOURCE_EXHAUSTED")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
-  app.add_option("--watch-buffer", watch_buffer,
-                 "reports buffered per WatchJob stream for a slow reader (the oldest are "
-                 "dropped)")
-      ->capture_default_str()
-      ->check(CLI::Range(size_t(1), size_t(1) << 20));
+  Flags f;
+  AddOptions(&app, &f);
   if (int rc = cpd::launcher::ParseArgs(app, argc, argv, kTool); rc >= 0) return rc;
 
   std::string host;
   int want_port = 0;
-  if (!SplitListen(listen, &host, &want_port)) {
-    Fail("--listen '" + listen + "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
+  if (!SplitListen(f.listen, &host, &want_port)) {
+    Fail("--listen '" + f.listen +
+         "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
   }
-  if (tls_cert.empty() != tls_key.empty()) {
+  if (f.tls_cert.empty() != f.tls_key.empty()) {
     Fail("--tls-cert and --tls-key go together (got only " +
-         std::string(tls_cert.empty() ? "--tls-key" : "--tls-cert") + ")");
+         std::string(f.tls_cert.empty() ? "--tls-key" : "--tls-cert") + ")");
   }
-
-  cpd::coordinator::ServerOptions opt;
-  opt.listen = listen;
-  opt.store.path = db;
-  opt.store.queue_max_bytes = size_t(queue_mib) << 20;
-  opt.store.retention.keep_full = keep_full;
-  opt.store.retention.thin_every = thin_every;
-  opt.store.retention.max_reports_per_job = max_reports;
-  opt.store.retention.interval_ms = int64_t(retention_every_s * 1000);
-  opt.coordinator.stale_after_ms = int64_t(stale_after_s * 1000);
-  opt.coordinator.watch_buffer = watch_buffer;
-  opt.max_receive_bytes = max_message_mib << 20;
-  opt.coordinator.max_response_bytes = size_t(opt.max_receive_bytes);
-  if (!token_file.empty()) opt.coordinator.token = ReadToken(token_file);
-  if (!tls_cert.empty()) {
-    opt.tls_cert_pem = ReadPem("--tls-cert", tls_cert);
-    opt.tls_key_pem = ReadPem("--tls-key", tls_key);
-  }
-
+  const cpd::coordinator::ServerOptions opt = ToServerOptions(f);
   // Debian's Abseil checks every absl::Mutex (used throughout gRPC) for lock-order cycles: ~3% of
   // the coordinator's CPU under load (perf), for a debugging aid.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-
-  // Signals are taken by sigwait below: block them before gRPC and the writer start threads.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-
-  auto started = cpd::coordinator::CoordinatorServer::Start(opt);
-  if (!started.ok()) Fail(started.status().message(), 1);
-  std::unique_ptr<cpd::coordinator::CoordinatorServer> server = std::move(started).value();
-  const int port = server->port();
-  if (!port_file.empty()) {
-    std::string err;
-    if (!WriteFileAtomically(port_file, std::to_string(port) + "\n", &err)) {
-      Fail("--port-file " + err, 1);
-    }
-  }
-  std::printf("%s: listening on %s:%d (db %s)\n", kTool, host.c_str(), port, db.c_str());
-  std::fflush(stdout);
-
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
-  std::fprintf(stderr, "%s: %s received; storing queued reports and stopping\n", kTool,
-               sig == SIGINT ? "SIGINT" : "SIGTERM");
-  server->Shutdown();
-  const cpd::coordinator::StoreStats st = server->store()->stats();
-  std::fprintf(stderr, "%s: stopped; %llu reports stored this run%s\n", kTool,
-               static_cast<unsigned long long>(st.stored),
-               st.lost > 0 ? (", " + std::to_string(st.lost) + " LOST (see above)").c_str() : "");
-  server.reset();
-  return st.lost > 0 ? 1 : 0;
+  return Serve(f, host, opt);
 }

@@ -267,6 +267,10 @@ std::string ScheduleDetails(const PrecisionSchedule& s) {
   for (int i = 0; i < s.keep_fp32_size(); ++i) keep += (i ? "," : "") + s.keep_fp32(i);
   kv.emplace_back("keep fp32", keep.empty() ? "-" : keep);
   kv.emplace_back("hysteresis", s.hysteresis() ? "on" : "off");
+  return KeyValues(kv);
+}
+
+std::string KeyValues(const std::vector<std::pair<std::string, std::string>>& kv) {
   size_t w = 0;
   for (const auto& [k, v] : kv) w = std::max(w, k.size());
   std::string out;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cpd/status.h"
@@ -66,6 +67,8 @@ nlohmann::json ToJson(const google::protobuf::Message& message);
 std::string ScheduleSummary(const cpd::v1::PrecisionSchedule& s);
 // A multi-line description of a schedule, one "key  value" line per part.
 std::string ScheduleDetails(const cpd::v1::PrecisionSchedule& s);
+// One "key  value" line per pair, the values aligned two spaces after the longest key.
+std::string KeyValues(const std::vector<std::pair<std::string, std::string>>& kv);
 
 // One per-layer row of a report.
 struct LayerRow {

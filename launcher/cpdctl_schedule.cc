@@ -1,10 +1,10 @@
 #include "launcher/cpdctl_schedule.h"
 
 #include <algorithm>
-#include <sstream>
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "launcher/common.h"
 #include "launcher/cpdctl_output.h"
 
 namespace cpd::ctl {
@@ -92,14 +92,8 @@ Result<std::pair<std::string, Site>> ParseLayerSite(const std::string& flag,
 }
 
 std::vector<std::string> KeepList(const std::string& arg) {
-  std::vector<std::string> out;
-  if (arg == "none") return out;
-  std::stringstream ss(arg);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
+  if (arg == "none") return {};
+  return cpd::launcher::SplitCommas(arg);
 }
 
 Status CheckBits(const std::string& flag, int v, int lo, int hi) {
@@ -150,17 +144,10 @@ Status ValidateScheduleEdits(const ScheduleEdits& e) {
                                    ": expected >= 1");
   }
   if (e.grad_bits) CPD_RETURN_IF_ERROR(CheckBits("--grad-bits", *e.grad_bits, 2, 16));
-  for (const auto& f : e.formats) {
-    auto r = ParseFormatEdit(f);
-    if (!r.ok()) return r.status();
-  }
-  for (const auto& r : e.roundings) {
-    auto p = ParseRoundingEdit(r);
-    if (!p.ok()) return p.status();
-  }
+  for (const auto& f : e.formats) CPD_RETURN_IF_ERROR(ParseFormatEdit(f).status());
+  for (const auto& r : e.roundings) CPD_RETURN_IF_ERROR(ParseRoundingEdit(r).status());
   for (const auto& d : e.drop_overrides) {
-    auto p = ParseLayerSite("--drop-override", d);
-    if (!p.ok()) return p.status();
+    CPD_RETURN_IF_ERROR(ParseLayerSite("--drop-override", d).status());
   }
   if (e.hysteresis && *e.hysteresis != "on" && *e.hysteresis != "off") {
     return Status::InvalidArgument("--hysteresis '" + *e.hysteresis + "' (accepted: on, off)");
@@ -201,7 +188,7 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
   if (e.grad_bits) s->set_grad_bits(*e.grad_bits);
 
   for (const auto& arg : e.formats) {
-    const FormatEdit f = ParseFormatEdit(arg).value();
+    CPD_ASSIGN_OR_RETURN(const FormatEdit f, ParseFormatEdit(arg));
     if (f.layer.empty()) {
       auto* formats = s->mutable_formats();
       auto it = std::find_if(formats->begin(), formats->end(),
@@ -222,7 +209,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     }
   }
   for (const auto& arg : e.roundings) {
-    const auto [site, mode] = ParseRoundingEdit(arg).value();
+    CPD_ASSIGN_OR_RETURN(const auto rounding, ParseRoundingEdit(arg));
+    const auto& [site, mode] = rounding;
     auto* formats = s->mutable_formats();
     auto it = std::find_if(formats->begin(), formats->end(),
                            [&](const cpd::v1::SiteFormat& x) { return x.site() == site; });
@@ -234,7 +222,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     it->set_rounding(mode);
   }
   for (const auto& arg : e.drop_overrides) {
-    const auto [layer, site] = ParseLayerSite("--drop-override", arg).value();
+    CPD_ASSIGN_OR_RETURN(const auto layer_site, ParseLayerSite("--drop-override", arg));
+    const auto& [layer, site] = layer_site;
     auto* ov = s->mutable_overrides();
     auto it = std::find_if(ov->begin(), ov->end(), [&](const cpd::v1::LayerOverride& x) {
       return x.layer() == layer && x.site() == site;

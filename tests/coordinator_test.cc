@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "launcher/coordinator/service.h"
+#include "launcher/coordinator/server.h"
 #include "tests/coordinator_test_util.h"
 #include "tests/subprocess.h"
 

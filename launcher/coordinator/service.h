@@ -1,4 +1,4 @@
-// The coordinator service (cpd.v1 WorkerService + OperatorService) and the server that hosts it.
+// The coordinator service (cpd.v1 WorkerService + OperatorService); server.h hosts it.
 //
 // The coordinator is CPD's control plane: it pushes each job's precision schedule to the job's
 // workers (WatchSchedule) and keeps their per-layer statistics (ReportStats -> Store). It never
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpd/status.h"
+#include "launcher/common.h"
 #include "launcher/coordinator/store.h"
 #include "launcher/coordinator/validate.h"
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
@@ -62,13 +63,15 @@ class Coordinator {
   size_t open_streams() const;
 
  private:
-  struct Job;
-  class WorkerImpl;
-  class OperatorImpl;
+  struct Job;               // service_internal.h
+  class WorkerImpl;         // worker_service.cc
+  class OperatorImpl;       // operator_service.cc
   friend class StreamBase;  // streams unregister themselves when gRPC is done with them
 
   Coordinator(Store* store, CoordinatorOptions options);
   Status Load();
+  std::unique_ptr<grpc::Service> NewWorkerService();
+  std::unique_ptr<grpc::Service> NewOperatorService();
 
   grpc::Status CheckAuth(const grpc::CallbackServerContext* ctx) const;
   // Auth, then `f`, then Finish: the shape of every unary call.
@@ -100,8 +103,8 @@ class Coordinator {
 
   Store* const store_;
   const CoordinatorOptions options_;
-  std::unique_ptr<WorkerImpl> worker_;
-  std::unique_ptr<OperatorImpl> operator_;
+  std::unique_ptr<grpc::Service> worker_;
+  std::unique_ptr<grpc::Service> operator_;
 
   std::mutex meta_mu_;     // serialises RegisterJob and SetSchedule (version numbers, names)
   mutable std::mutex mu_;  // guards everything below
@@ -112,43 +115,7 @@ class Coordinator {
   bool closing_ = false;
 };
 
-struct ServerOptions {
-  std::string listen = "127.0.0.1:50051";  // host:port; port 0 picks a free one
-  StoreOptions store;                      // store.path is REQUIRED
-  CoordinatorOptions coordinator;
-  // TLS: PEM text of the certificate chain and private key (both or neither).
-  std::string tls_cert_pem;
-  std::string tls_key_pem;
-  // Larger requests are refused by gRPC with RESOURCE_EXHAUSTED.
-  int max_receive_bytes = 4 << 20;
-};
-
-// The store, the coordinator and a started gRPC server.
-class CoordinatorServer {
- public:
-  static Result<std::unique_ptr<CoordinatorServer>> Start(ServerOptions options);
-  // Shutdown() if not done yet.
-  ~CoordinatorServer();
-
-  int port() const { return port_; }
-  Store* store() { return store_.get(); }
-  Coordinator* coordinator() { return coordinator_.get(); }
-
-  // Ends streams, stops accepting calls (in-flight unary calls get up to `grace_ms` to finish),
-  // then stores every accepted report. Idempotent.
-  void Shutdown(int grace_ms = 2000);
-
- private:
-  CoordinatorServer() = default;
-  std::unique_ptr<Store> store_;
-  std::unique_ptr<Coordinator> coordinator_;
-  std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;
-};
-
-// Milliseconds since the Unix epoch.
-int64_t NowMs();
+// Milliseconds since the Unix epoch (one definition for the launcher's programs).
+using cpd::launcher::NowMs;
 
 }  // namespace cpd::coordinator

@@ -1,3 +1,5 @@
+// The store's database: schema, jobs, schedules, the reader pool and report queries. The report
+// queue, its writer thread and retention are in store_writer.cc.
 #include "launcher/coordinator/store.h"
 
 #include <fcntl.h>
@@ -5,149 +7,17 @@
 #include <sys/file.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <deque>
 #include <utility>
+
+#include "launcher/coordinator/sqlite_util.h"
 
 namespace cpd::coordinator {
 namespace {
 
 constexpr int kSchemaVersion = 1;
-
-// The database's own error text, the failing call and where it was made.
-Status SqlError(sqlite3* db, int rc, const char* expr, const char* file, int line) {
-  const char* msg = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-  const char* base = std::strrchr(file, '/');
-  std::string where = std::string(base != nullptr ? base + 1 : file) + ":" + std::to_string(line);
-  std::string text = std::string("database: ") + msg + " (" + expr + " at " + where + ")";
-  if (rc == SQLITE_FULL) text += "; the disk is full: free space or lower --max-reports-per-job";
-  if (rc == SQLITE_BUSY) text += "; another process holds the database";
-  return Status::IoError(std::move(text));
-}
-
-#define CPD_SQL(db, expr)                                                        \
-  do {                                                                           \
-    const int _rc = (expr);                                                      \
-    if (_rc != SQLITE_OK) return SqlError((db), _rc, #expr, __FILE__, __LINE__); \
-  } while (0)
-
-}  // namespace
-
-namespace internal {
-// A prepared statement, finalised on scope exit.
-class Stmt {
- public:
-  Stmt() = default;
-  ~Stmt() { sqlite3_finalize(stmt_); }
-  Stmt(const Stmt&) = delete;
-  Stmt& operator=(const Stmt&) = delete;
-
-  Status Prepare(sqlite3* db, const char* sql) {
-    db_ = db;
-    sqlite3_finalize(stmt_);
-    stmt_ = nullptr;
-    CPD_SQL(db, sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr));
-    return Status::Ok();
-  }
-  sqlite3_stmt* get() const { return stmt_; }
-  void Int(int i, int64_t v) { sqlite3_bind_int64(stmt_, i, v); }
-  void Text(int i, std::string_view s) {
-    sqlite3_bind_text(stmt_, i, s.data(), int(s.size()), SQLITE_TRANSIENT);
-  }
-  void Blob(int i, std::string_view s) {
-    sqlite3_bind_blob(stmt_, i, s.data(), int(s.size()), SQLITE_STATIC);
-  }
-  // SQLITE_ROW -> true, SQLITE_DONE -> false, else the error.
-  Result<bool> Step() {
-    const int rc = sqlite3_step(stmt_);
-    if (rc == SQLITE_ROW) return true;
-    if (rc == SQLITE_DONE) return false;
-    return SqlError(db_, rc, "sqlite3_step", __FILE__, __LINE__);
-  }
-  Status Run() {
-    auto r = Step();
-    if (!r.ok()) return r.status();
-    sqlite3_reset(stmt_);
-    sqlite3_clear_bindings(stmt_);
-    return Status::Ok();
-  }
-  int64_t ColInt(int c) const { return sqlite3_column_int64(stmt_, c); }
-  std::string ColText(int c) const {
-    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(stmt_, c));
-    return p != nullptr ? std::string(p, size_t(sqlite3_column_bytes(stmt_, c))) : std::string();
-  }
-  std::string_view ColBlob(int c) const {
-    const auto* p = static_cast<const char*>(sqlite3_column_blob(stmt_, c));
-    return p != nullptr ? std::string_view(p, size_t(sqlite3_column_bytes(stmt_, c)))
-                        : std::string_view();
-  }
-
- private:
-  sqlite3* db_ = nullptr;
-  sqlite3_stmt* stmt_ = nullptr;
-};
-
-}  // namespace internal
-
-using internal::Stmt;
-
-namespace {
-
-Status Exec(sqlite3* db, const char* sql) {
-  char* err = nullptr;
-  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, &err);
-  if (rc != SQLITE_OK) {
-    std::string msg = std::string("database: ") + (err != nullptr ? err : sqlite3_errstr(rc)) +
-                      " (in: " + sql + ")";
-    sqlite3_free(err);
-    if (rc == SQLITE_FULL) msg += "; the disk is full";
-    return Status::IoError(std::move(msg));
-  }
-  return Status::Ok();
-}
-
-// Rolls back unless Commit() was reached.
-class Transaction {
- public:
-  explicit Transaction(sqlite3* db) : db_(db) {}
-  ~Transaction() {
-    if (open_) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
-  }
-  Status Begin() {
-    CPD_RETURN_IF_ERROR(Exec(db_, "BEGIN IMMEDIATE"));
-    open_ = true;
-    return Status::Ok();
-  }
-  Status Commit() {
-    CPD_RETURN_IF_ERROR(Exec(db_, "COMMIT"));
-    open_ = false;
-    return Status::Ok();
-  }
-
- private:
-  sqlite3* db_;
-  bool open_ = false;
-};
-
-Result<sqlite3*> OpenConnection(const std::string& path, int busy_timeout_ms, bool create) {
-  sqlite3* db = nullptr;
-  const int flags = SQLITE_OPEN_READWRITE | (create ? SQLITE_OPEN_CREATE : 0) | SQLITE_OPEN_NOMUTEX;
-  const int rc = sqlite3_open_v2(path.c_str(), &db, flags, nullptr);
-  if (rc != SQLITE_OK) {
-    std::string msg = "cannot open database '" + path +
-                      "': " + (db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc));
-    sqlite3_close(db);
-    return Status::IoError(msg + " (check that the directory exists and is writable)");
-  }
-  sqlite3_busy_timeout(db, busy_timeout_ms);
-  sqlite3_extended_result_codes(db, 0);
-  return db;
-}
 
 constexpr const char* kSchema = R"sql(
 CREATE TABLE IF NOT EXISTS jobs(
@@ -187,12 +57,6 @@ CREATE TABLE IF NOT EXISTS reports(
   report BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS reports_job_step ON reports(job_id, step);
 )sql";
-
-constexpr const char* kInsertReport =
-    "INSERT INTO reports(job_id, step, rank, has_layers, keep, finished, time_ms, received_ms, "
-    "report) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
-
-size_t RowBytes(const ReportRow& r) { return sizeof(ReportRow) + (r.blob ? r.blob->size() : 0); }
 
 Status WriteWorkersAndLayers(sqlite3* db, int64_t job_id, const v1::RegisterJobRequest& info) {
   if (info.workers_size() > 0) {
@@ -274,9 +138,8 @@ Status Store::Init() {
                                "' is in use by another cpd-coordinator; stop it or use another "
                                "--db");
   }
-  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/true);
-  if (!db.ok()) return db.status();
-  writer_db_ = *db;
+  CPD_ASSIGN_OR_RETURN(writer_db_,
+                       OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/true));
   // A report with 100 layer rows is ~6 KiB: 16 KiB pages keep it in its leaf page. Only takes
   // effect on a new file.
   CPD_RETURN_IF_ERROR(Exec(writer_db_, "PRAGMA page_size = 16384"));
@@ -287,9 +150,8 @@ Status Store::Init() {
       return Status::IoError("'" + options_.path +
                              "' is not a usable SQLite database: " + st.message());
     }
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row || s.ColText(0) != "wal") {
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row || s.ColText(0) != "wal") {
       return Status::IoError("database '" + options_.path +
                              "': cannot switch to WAL mode (is it on a network file system?)");
     }
@@ -300,9 +162,8 @@ Status Store::Init() {
   {
     Stmt s;
     CPD_RETURN_IF_ERROR(s.Prepare(writer_db_, "PRAGMA user_version"));
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    const int64_t v = *row ? s.ColInt(0) : 0;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    const int64_t v = has_row ? s.ColInt(0) : 0;
     if (v > kSchemaVersion) {
       return Status::IoError("database '" + options_.path + "' has schema version " +
                              std::to_string(v) + ", newer than this cpd-coordinator's " +
@@ -322,9 +183,8 @@ Status Store::Init() {
     CPD_RETURN_IF_ERROR(
         s.Prepare(writer_db_, "SELECT job_id, COUNT(*) FROM reports GROUP BY job_id"));
     for (;;) {
-      auto row = s.Step();
-      if (!row.ok()) return row.status();
-      if (!*row) break;
+      CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+      if (!has_row) break;
       stored_per_job_[s.ColInt(0)] = uint64_t(s.ColInt(1));
     }
   }
@@ -344,11 +204,11 @@ Store::~Store() {
     // A clean close checkpoints the WAL into the main file.
     sqlite3_close_v2(writer_db_);
   }
+  // Releases the flock; nothing was written through this descriptor, so there is nothing to lose.
   if (lock_fd_ >= 0) close(lock_fd_);
 }
 
-// ---- Jobs and schedules
-// --------------------------------------------------------------------------
+// ---- Jobs and schedules ---------------------------------------------------------------------
 
 Result<std::vector<JobRecord>> Store::LoadJobs() {
   std::lock_guard<std::mutex> l(write_mu_);
@@ -359,9 +219,8 @@ Result<std::vector<JobRecord>> Store::LoadJobs() {
                                 "start_step, allreduce FROM jobs ORDER BY job_id"));
   std::vector<JobRecord> jobs;
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     JobRecord j;
     j.job_id = s.ColInt(0);
     j.info.set_job_name(s.ColText(1));
@@ -448,14 +307,14 @@ Result<sqlite3*> Store::AcquireReader() {
       return db;
     }
   }
-  auto db = OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/false);
-  if (!db.ok()) return db.status();
-  Status s = Exec(*db, "PRAGMA query_only = 1");
+  CPD_ASSIGN_OR_RETURN(sqlite3 * db,
+                       OpenConnection(options_.path, options_.busy_timeout_ms, /*create=*/false));
+  Status s = Exec(db, "PRAGMA query_only = 1");
   if (!s.ok()) {
-    sqlite3_close(*db);
+    sqlite3_close(db);
     return s;
   }
-  return *db;
+  return db;
 }
 
 void Store::ReleaseReader(sqlite3* db) {
@@ -478,9 +337,7 @@ struct ReaderGuard {
 }  // namespace
 
 #define CPD_WITH_READER(var)                                 \
-  auto var##_r = AcquireReader();                            \
-  if (!var##_r.ok()) return var##_r.status();                \
-  sqlite3* var = *var##_r;                                   \
+  CPD_ASSIGN_OR_RETURN(sqlite3* var, AcquireReader());       \
   auto var##_rel = [this](sqlite3* d) { ReleaseReader(d); }; \
   ReaderGuard<decltype(var##_rel)> var##_guard { var, var##_rel }
 
@@ -491,9 +348,8 @@ Status Store::LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out) {
       w.Prepare(db, "SELECT rank, host, pid FROM workers WHERE job_id = ?1 ORDER BY rank"));
   w.Int(1, job_id);
   for (;;) {
-    auto row = w.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, w.Step());
+    if (!has_row) break;
     auto* wi = out->add_workers();
     wi->set_rank(int32_t(w.ColInt(0)));
     wi->set_host(w.ColText(1));
@@ -505,9 +361,8 @@ Status Store::LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out) {
                                 "WHERE job_id = ?1 ORDER BY idx"));
   l.Int(1, job_id);
   for (;;) {
-    auto row = l.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, l.Step());
+    if (!has_row) break;
     auto* li = out->add_layers();
     li->set_name(l.ColText(0));
     li->set_kind(l.ColText(1));
@@ -525,9 +380,8 @@ Result<std::vector<v1::PrecisionSchedule>> Store::Schedules(int64_t job_id) {
   s.Int(1, job_id);
   std::vector<v1::PrecisionSchedule> out;
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     const std::string_view b = s.ColBlob(0);
     out.emplace_back();
     if (!out.back().ParseFromArray(b.data(), int(b.size()))) {
@@ -544,9 +398,8 @@ Result<std::optional<v1::PrecisionSchedule>> Store::CurrentSchedule(int64_t job_
   CPD_RETURN_IF_ERROR(s.Prepare(
       db, "SELECT schedule FROM schedules WHERE job_id = ?1 ORDER BY version DESC LIMIT 1"));
   s.Int(1, job_id);
-  auto row = s.Step();
-  if (!row.ok()) return row.status();
-  if (!*row) return std::optional<v1::PrecisionSchedule>();
+  CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+  if (!has_row) return std::optional<v1::PrecisionSchedule>();
   const std::string_view b = s.ColBlob(0);
   v1::PrecisionSchedule out;
   if (!out.ParseFromArray(b.data(), int(b.size()))) {
@@ -556,265 +409,7 @@ Result<std::optional<v1::PrecisionSchedule>> Store::CurrentSchedule(int64_t job_
   return std::optional<v1::PrecisionSchedule>(std::move(out));
 }
 
-// ---- Reports
-// -------------------------------------------------------------------------------------
-
-bool Store::Enqueue(ReportRow row) {
-  const size_t bytes = RowBytes(row);
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> l(queue_mu_);
-    if (stop_ || queue_.size() >= options_.queue_max_reports ||
-        queue_bytes_ + bytes > options_.queue_max_bytes) {
-      return false;
-    }
-    queue_.push_back(std::move(row));
-    queue_bytes_ += bytes;
-    ++enqueued_seq_;
-    stats_.queued = queue_.size();
-    // The writer waits for "not empty", then lingers for a batch: wake it only at those two
-    // edges (one futex wake per report cost ~10% of the coordinator's CPU under load).
-    wake = queue_.size() == 1 || queue_.size() == options_.max_batch;
-  }
-  if (wake) queue_cv_.notify_one();
-  return true;
-}
-
-void Store::Flush() {
-  std::unique_lock<std::mutex> l(queue_mu_);
-  const uint64_t target = enqueued_seq_;
-  ++flush_waiters_;
-  queue_cv_.notify_all();
-  flushed_cv_.wait(l, [&] { return done_seq_ >= target; });
-  --flush_waiters_;
-}
-
-Status Store::WriteBatch(const std::vector<ReportRow>& batch) {
-  Transaction t(writer_db_);
-  CPD_RETURN_IF_ERROR(t.Begin());
-  if (insert_report_ == nullptr) {
-    insert_report_ = std::make_unique<Stmt>();
-    Status s = insert_report_->Prepare(writer_db_, kInsertReport);
-    if (!s.ok()) {
-      insert_report_.reset();
-      return s;
-    }
-  }
-  Stmt& ins = *insert_report_;
-  for (const ReportRow& r : batch) {
-    ins.Int(1, r.job_id);
-    ins.Int(2, r.step);
-    ins.Int(3, r.rank);
-    ins.Int(4, r.has_layers ? 1 : 0);
-    ins.Int(5, r.keep ? 1 : 0);
-    ins.Int(6, r.finished ? 1 : 0);
-    ins.Int(7, r.time_ms);
-    ins.Int(8, r.received_ms);
-    ins.Blob(9, r.blob ? std::string_view(*r.blob) : std::string_view());
-    Status s = ins.Run();
-    if (!s.ok()) {
-      sqlite3_reset(ins.get());
-      return s;
-    }
-  }
-  return t.Commit();
-}
-
-void Store::WriterLoop() {
-  using Clock = std::chrono::steady_clock;
-  const auto interval = std::chrono::milliseconds(options_.retention.interval_ms);
-  auto next_retention = Clock::now() + interval;
-  std::deque<int64_t> retention_todo;  // jobs with retention work left in this pass
-  std::vector<ReportRow> batch;
-  for (;;) {
-    size_t batch_bytes = 0;
-    bool stopping = false;
-    {
-      std::unique_lock<std::mutex> l(queue_mu_);
-      auto ready = [&] { return stop_ || !queue_.empty(); };
-      if (!retention_todo.empty()) {
-        // Retention work is pending: do not sleep.
-      } else if (options_.retention.interval_ms > 0) {
-        queue_cv_.wait_until(l, next_retention, ready);
-      } else {
-        queue_cv_.wait(l, ready);
-      }
-      // A few milliseconds' lingering turns a trickle of reports into one transaction.
-      if (!queue_.empty() && queue_.size() < options_.max_batch / 4 && !stop_ &&
-          flush_waiters_ == 0 && retention_todo.empty()) {
-        queue_cv_.wait_for(l, std::chrono::milliseconds(5), [&] {
-          return stop_ || flush_waiters_ > 0 || queue_.size() >= options_.max_batch;
-        });
-      }
-      stopping = stop_;
-      if (queue_.empty() && stop_) break;
-      while (!queue_.empty() && batch.size() < options_.max_batch) {
-        batch_bytes += RowBytes(queue_.front());
-        batch.push_back(std::move(queue_.front()));
-        queue_.pop_front();
-      }
-      stats_.queued = queue_.size();
-    }
-    if (!batch.empty()) {
-      Status s;
-      for (int attempt = 0;; ++attempt) {
-        {
-          std::lock_guard<std::mutex> l(write_mu_);
-          s = WriteBatch(batch);
-        }
-        if (s.ok()) break;
-        {
-          std::lock_guard<std::mutex> l(queue_mu_);
-          ++stats_.write_errors;
-          stopping = stop_;
-        }
-        options_.log("storing " + std::to_string(batch.size()) + " reports failed (attempt " +
-                     std::to_string(attempt + 1) + "): " + s.message());
-        if (stopping && attempt >= 2) break;
-        std::this_thread::sleep_for(std::chrono::seconds(1));
-      }
-      if (s.ok()) {
-        std::lock_guard<std::mutex> l(counts_mu_);
-        for (const ReportRow& r : batch) ++stored_per_job_[r.job_id];
-      }
-      {
-        std::lock_guard<std::mutex> l(queue_mu_);
-        queue_bytes_ -= batch_bytes;
-        done_seq_ += batch.size();
-        if (s.ok()) {
-          stats_.stored += batch.size();
-        } else {
-          stats_.lost += batch.size();
-          options_.log("gave up on " + std::to_string(batch.size()) + " reports at shutdown");
-        }
-      }
-      flushed_cv_.notify_all();
-      batch.clear();
-    }
-    // Retention, one bounded step of one job per round, between batches of inserts.
-    if (options_.retention.interval_ms > 0 && retention_todo.empty() &&
-        Clock::now() >= next_retention) {
-      std::lock_guard<std::mutex> l(counts_mu_);
-      for (const auto& [job, count] : stored_per_job_) retention_todo.push_back(job);
-      next_retention = Clock::now() + interval;
-    }
-    if (!retention_todo.empty()) {
-      const int64_t job = retention_todo.front();
-      retention_todo.pop_front();
-      std::lock_guard<std::mutex> l(write_mu_);
-      auto more = RetainJobLocked(job);
-      if (!more.ok()) {
-        options_.log("retention of job " + std::to_string(job) + ": " + more.status().message());
-      } else if (*more) {
-        retention_todo.push_back(job);
-      }
-    }
-  }
-}
-
-Status Store::ApplyRetention() {
-  std::vector<std::pair<int64_t, uint64_t>> jobs;
-  {
-    std::lock_guard<std::mutex> l(counts_mu_);
-    jobs.assign(stored_per_job_.begin(), stored_per_job_.end());
-  }
-  std::lock_guard<std::mutex> l(write_mu_);
-  for (const auto& [job, count] : jobs) {
-    for (bool more = true; more;) {
-      auto r = RetainJobLocked(job);
-      if (!r.ok()) return r.status();
-      more = *r;
-    }
-  }
-  return Status::Ok();
-}
-
-// One bounded step of retention for one job: at most kRetentionRows rows deleted, in one
-// transaction, so the writer thread returns to inserting within milliseconds even when a long
-// job's first pass (e.g. after a restart with a lower --keep-full) has a million rows to drop.
-Result<bool> Store::RetainJobLocked(int64_t job) {
-  constexpr int64_t kRetentionRows = 4096;
-  const RetentionOptions& r = options_.retention;
-  uint64_t count = ReportsStored(job);
-  uint64_t removed = 0;
-  bool more = false;
-  Transaction t(writer_db_);
-  CPD_RETURN_IF_ERROR(t.Begin());
-  if (r.thin_every > 1 && r.keep_full > 0 && count > uint64_t(r.keep_full)) {
-    // Thin [below, cutoff): cutoff is the step of the keep_full-th newest report.
-    Stmt nth;
-    CPD_RETURN_IF_ERROR(nth.Prepare(writer_db_,
-                                    "SELECT step FROM reports WHERE job_id = ?1 "
-                                    "ORDER BY step DESC, id DESC LIMIT 1 OFFSET ?2"));
-    nth.Int(1, job);
-    nth.Int(2, r.keep_full - 1);
-    auto row = nth.Step();
-    if (!row.ok()) return row.status();
-    int64_t& below = thinned_below_[job];
-    if (*row && nth.ColInt(0) > below) {
-      const int64_t cutoff = nth.ColInt(0);
-      // This transaction's share: up to the step kRetentionRows rows further on.
-      Stmt ahead;
-      CPD_RETURN_IF_ERROR(ahead.Prepare(writer_db_,
-                                        "SELECT step FROM reports WHERE job_id = ?1 AND "
-                                        "step >= ?2 ORDER BY step, id LIMIT 1 OFFSET ?3"));
-      ahead.Int(1, job);
-      ahead.Int(2, below);
-      ahead.Int(3, kRetentionRows);
-      auto a = ahead.Step();
-      if (!a.ok()) return a.status();
-      int64_t end = cutoff;
-      if (*a) end = std::min(cutoff, std::max(ahead.ColInt(0), below + 1));
-      Stmt thin;
-      CPD_RETURN_IF_ERROR(thin.Prepare(writer_db_,
-                                       "DELETE FROM reports WHERE job_id = ?1 AND step >= ?2 "
-                                       "AND step < ?3 AND keep = 0 AND step % ?4 != 0"));
-      thin.Int(1, job);
-      thin.Int(2, below);
-      thin.Int(3, end);
-      thin.Int(4, r.thin_every);
-      CPD_RETURN_IF_ERROR(thin.Run());
-      removed += uint64_t(sqlite3_changes(writer_db_));
-      below = end;
-      more = end < cutoff;
-    }
-  }
-  if (!more && r.max_reports_per_job > 0 && count - removed > uint64_t(r.max_reports_per_job)) {
-    // The oldest rows beyond the cap, at most kRetentionRows of them.
-    const uint64_t excess = count - removed - uint64_t(r.max_reports_per_job);
-    const int64_t k = int64_t(std::min<uint64_t>(excess, kRetentionRows));
-    Stmt kth;
-    CPD_RETURN_IF_ERROR(kth.Prepare(writer_db_,
-                                    "SELECT step, id FROM reports WHERE job_id = ?1 "
-                                    "ORDER BY step, id LIMIT 1 OFFSET ?2"));
-    kth.Int(1, job);
-    kth.Int(2, k - 1);
-    auto row = kth.Step();
-    if (!row.ok()) return row.status();
-    if (*row) {
-      Stmt cap;
-      CPD_RETURN_IF_ERROR(cap.Prepare(writer_db_,
-                                      "DELETE FROM reports WHERE job_id = ?1 AND "
-                                      "(step < ?2 OR (step = ?2 AND id <= ?3))"));
-      cap.Int(1, job);
-      cap.Int(2, kth.ColInt(0));
-      cap.Int(3, kth.ColInt(1));
-      CPD_RETURN_IF_ERROR(cap.Run());
-      removed += uint64_t(sqlite3_changes(writer_db_));
-      more = excess > uint64_t(k);
-    }
-  }
-  CPD_RETURN_IF_ERROR(t.Commit());
-  if (removed > 0) {
-    {
-      std::lock_guard<std::mutex> l(counts_mu_);
-      stored_per_job_[job] -= removed;
-    }
-    std::lock_guard<std::mutex> l(queue_mu_);
-    stats_.thinned += removed;
-  }
-  return more;
-}
+// ---- Reports ---------------------------------------------------------------------------------
 
 Status Store::QueryReports(const ReportQuery& q,
                            const std::function<bool(const StoredReport&)>& visit) {
@@ -838,9 +433,8 @@ Status Store::QueryReports(const ReportQuery& q,
   }
   s.Int(6, q.limit > size_t(INT64_MAX) ? INT64_MAX : int64_t(q.limit));
   for (;;) {
-    auto row = s.Step();
-    if (!row.ok()) return row.status();
-    if (!*row) break;
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) break;
     StoredReport r;
     r.id = s.ColInt(0);
     r.step = s.ColInt(1);

@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "comm/allreduce/plan.h"
 #include "comm/reduce_kernels.h"
 #include "kernels/grid.h"
 #include "kernels/quantize_cpu.h"
@@ -16,10 +17,11 @@
 namespace cpd::comm {
 namespace {
 
-// Chunk boundaries inside a layer, and split points of layers larger than a bucket, fall on
-// multiples of this many elements from the layer's start: MX/bfp blocks (16 or 32) then count
-// from the layer's start, and packed codes of any width start on a byte.
-constexpr size_t kAlign = 64;
+using internal::AllReducePlan;
+using internal::BucketPlan;
+using internal::Piece;
+using internal::Segment;
+
 // Elements per work item of the packed-code pipeline: small enough that a piece's codes, its
 // decoded floats and the partial sums stay in L1; a multiple of 8, so pieces start on a byte.
 constexpr size_t kPiece = 2048;
@@ -36,40 +38,12 @@ enum class Transport {
   kFloats,    // emulate (scaled formats): quantised values as float32
 };
 
-// A layer's part of one chunk: flat [begin, end). `offset` is its position in the chunk's slot:
-// bytes for kSegments, elements for kFloats.
-struct Segment {
-  int layer = 0;
-  size_t begin = 0;
-  size_t end = 0;
-  size_t offset = 0;
+// The transport's layout of one bucket: the bytes of one contribution's slot (a chunk's worth,
+// starting on a cache line) and, for kSegments, each segment's byte offset in its chunk's slot.
+struct Slots {
+  size_t bytes = 0;
+  std::vector<size_t> seg_offset;
 };
-
-// A work item of the kCodes pipeline: flat [begin, end) inside chunk `chunk`, its codes at
-// byte_off in the chunk's slot, and the first segment that overlaps it.
-struct Piece {
-  int chunk = 0;
-  size_t begin = 0;
-  size_t end = 0;
-  size_t byte_off = 0;
-  size_t seg = 0;
-};
-
-struct BucketPlan {
-  GradientBucket pub;
-  std::vector<Segment> segs;        // chunk by chunk, in flat order
-  std::vector<size_t> chunk_seg;    // P + 1: segments of chunk d are [chunk_seg[d], chunk_seg[d+1])
-  std::vector<Piece> pieces;        // kCodes only, chunk by chunk
-  std::vector<size_t> chunk_piece;  // P + 1, as chunk_seg
-  size_t slot_elems = 0;            // the longest chunk
-  size_t slot_bytes = 0;            // one contribution's slot in the transport
-};
-
-// The layer that contains flat position `pos` (offsets non-decreasing, pos < total).
-int LayerAt(const std::vector<size_t>& offsets, size_t pos) {
-  const auto it = std::upper_bound(offsets.begin(), offsets.end(), pos);
-  return int(it - offsets.begin()) - 1;
-}
 
 uint64_t SplitMix(uint64_t z) { return kernels::SplitMix64(z); }
 
@@ -109,17 +83,19 @@ class Reducer final : public GradientAllReducer {
   size_t LayerBegin(int l) const { return layout_.offsets[size_t(l)]; }
   size_t LayerEnd(int l) const { return layout_.offsets[size_t(l) + 1]; }
 
-  void BuildBuckets();
-  void BuildChunks(BucketPlan* b) const;
+  Slots BucketSlots(const BucketPlan& b) const;
   QuantizeOptions Qopts(int64_t stage, int64_t step, size_t index) const;
 
   // Per step: scan, max all-reduce, shifts. Returns false in *finite when a NaN/Inf was seen.
   Status ScanAndShifts(float* const* inputs, bool* finite);
   Status ReduceFp32(float* const* inputs, float* output, bool measure);
   // The all-to-all / reduce / all-gather pipeline of emulate and packed, one bucket.
-  Status BucketCodes(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
-  Status BucketSegments(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
-  Status BucketFloats(const BucketPlan& b, float* const* inputs, float* output, int64_t step);
+  Status BucketCodes(const BucketPlan& b, const Slots& sl, float* const* inputs, float* output,
+                     int64_t step);
+  Status BucketSegments(const BucketPlan& b, const Slots& sl, float* const* inputs, float* output,
+                        int64_t step);
+  Status BucketFloats(const BucketPlan& b, const Slots& sl, float* const* inputs, float* output,
+                      int64_t step);
   // Codes of the piece's values x[0, pc.end - pc.begin) (times 2^s of each layer when `shifted`),
   // rounded with `mode` and the stream of `stage`, packed to dst. stats (2 per layer, or null):
   // flushed, saturated. `shifted` is used for the contributions, which the scan found finite and
@@ -150,7 +126,8 @@ class Reducer final : public GradientAllReducer {
   int bits_ = 32;
   internal::CodeDecoder decoder_;  // kCodes
 
-  std::vector<BucketPlan> plans_;
+  std::unique_ptr<AllReducePlan> plan_;
+  std::vector<Slots> slots_;  // per bucket of plan_
   std::vector<GradientBucket> public_buckets_;
   std::vector<std::pair<int, std::pair<size_t, size_t>>> scan_items_;  // (layer, [begin, end))
 
@@ -187,107 +164,25 @@ QuantizeOptions Reducer::Qopts(int64_t stage, int64_t step, size_t index) const 
   return q;
 }
 
-void Reducer::BuildBuckets() {
-  const double cap_d = std::floor(opts_.bucket_mb * double(1 << 20) / sizeof(float));
-  const size_t cap = cap_d >= 1.0 ? size_t(std::min(cap_d, 1e18)) : 1;
-  std::vector<std::pair<size_t, size_t>> ranges;
-  size_t cur_begin = 0, cur_end = 0;
-  auto flush = [&] {
-    if (cur_end > cur_begin) ranges.emplace_back(cur_begin, cur_end);
-    cur_begin = cur_end = 0;
-  };
-  for (int l = 0; l < Layers(); ++l) {
-    const size_t b = LayerBegin(l), e = LayerEnd(l), len = e - b;
-    if (len == 0) continue;
-    if (len <= cap) {
-      if (cur_end > cur_begin && cur_end == b && cur_end - cur_begin + len <= cap) {
-        cur_end = e;
-      } else {
-        flush();
-        cur_begin = b;
-        cur_end = e;
-      }
-      continue;
-    }
-    // Too large for one bucket: equal pieces, split at multiples of kAlign from the layer start.
-    flush();
-    const size_t align = cap >= kAlign ? kAlign : 1;
-    const size_t pieces = (len + cap - 1) / cap;
-    size_t piece = RoundUp((len + pieces - 1) / pieces, align);
-    if (piece > cap) piece = cap / align * align;
-    for (size_t s = b; s < e; s += piece) ranges.emplace_back(s, std::min(e, s + piece));
-  }
-  flush();
-  for (const auto& [b, e] : ranges) {
-    BucketPlan plan;
-    plan.pub.begin = b;
-    plan.pub.end = e;
-    BuildChunks(&plan);
-    plans_.push_back(std::move(plan));
-  }
-}
-
-void Reducer::BuildChunks(BucketPlan* b) const {
-  const size_t len = b->pub.end - b->pub.begin;
-  std::vector<size_t>& cb = b->pub.chunk_bounds;
-  cb.resize(size_t(p_) + 1);
-  cb[0] = b->pub.begin;
-  cb[size_t(p_)] = b->pub.end;
-  for (int j = 1; j < p_; ++j) {
-    size_t t = b->pub.begin + len * size_t(j) / size_t(p_);
-    const int l = LayerAt(layout_.offsets, t);
-    if (t > LayerBegin(l)) t = LayerBegin(l) + (t - LayerBegin(l)) / kAlign * kAlign;
-    cb[size_t(j)] = std::max(t, cb[size_t(j) - 1]);
-  }
-  const size_t bits = size_t(format_.bits());
-  b->chunk_seg.assign(size_t(p_) + 1, 0);
-  b->chunk_piece.assign(size_t(p_) + 1, 0);
-  for (int d = 0; d < p_; ++d) {
-    const size_t c0 = cb[size_t(d)], c1 = cb[size_t(d) + 1];
-    b->chunk_seg[size_t(d)] = b->segs.size();
-    b->chunk_piece[size_t(d)] = b->pieces.size();
-    b->slot_elems = std::max(b->slot_elems, c1 - c0);
-    size_t offset = 0;
-    if (c1 > c0) {
-      for (int l = LayerAt(layout_.offsets, c0); l < Layers() && LayerBegin(l) < c1; ++l) {
-        Segment s;
-        s.layer = l;
-        s.begin = std::max(c0, LayerBegin(l));
-        s.end = std::min(c1, LayerEnd(l));
-        if (s.end <= s.begin) continue;
-        if (transport_ == Transport::kSegments) {
-          s.offset = offset;
-          offset += PackedSize(format_, s.end - s.begin, 1);
-        } else {
-          s.offset = s.begin - c0;
-        }
-        b->segs.push_back(s);
-      }
-    }
-    if (transport_ == Transport::kSegments) b->slot_bytes = std::max(b->slot_bytes, offset);
-    if (transport_ == Transport::kCodes) {
-      size_t seg = b->chunk_seg[size_t(d)];
-      for (size_t s = c0; s < c1; s += kPiece) {
-        while (b->segs[seg].end <= s) ++seg;
-        Piece pc;
-        pc.chunk = d;
-        pc.begin = s;
-        pc.end = std::min(c1, s + kPiece);
-        pc.byte_off = (s - c0) * bits / 8;
-        pc.seg = seg;
-        b->pieces.push_back(pc);
-      }
-    }
-  }
-  b->chunk_seg[size_t(p_)] = b->segs.size();
-  b->chunk_piece[size_t(p_)] = b->pieces.size();
+Slots Reducer::BucketSlots(const BucketPlan& b) const {
+  Slots sl;
   if (transport_ == Transport::kCodes) {
-    b->slot_bytes = PackedCodeBytes(format_, b->slot_elems);
+    sl.bytes = PackedCodeBytes(format_, b.max_chunk);
   } else if (transport_ == Transport::kFloats) {
-    b->slot_bytes = b->slot_elems * sizeof(float);
+    sl.bytes = b.max_chunk * sizeof(float);
+  } else {
+    for (int d = 0; d < p_; ++d) {
+      size_t offset = 0;
+      for (const Segment& s : b.segments_of(d)) {
+        sl.seg_offset.push_back(offset);
+        offset += PackedSize(format_, s.size(), 1);
+      }
+      sl.bytes = std::max(sl.bytes, offset);
+    }
   }
   // Slots start on a cache line.
-  b->slot_bytes = RoundUp(b->slot_bytes, 64);
+  sl.bytes = RoundUp(sl.bytes, 64);
+  return sl;
 }
 
 Status Reducer::Init() {
@@ -305,8 +200,11 @@ Status Reducer::Init() {
       transport_ = opts_.algo == AllReduceAlgo::kPacked ? Transport::kSegments : Transport::kFloats;
     }
   }
-  BuildBuckets();
-  for (const auto& b : plans_) public_buckets_.push_back(b.pub);
+  plan_ = std::make_unique<AllReducePlan>(layout_, p_, opts_.bucket_mb, kPiece);
+  for (const BucketPlan& b : plan_->buckets()) {
+    public_buckets_.push_back(b.bounds);
+    slots_.push_back(BucketSlots(b));
+  }
   for (int l = 0; l < Layers(); ++l) {
     for (size_t s = LayerBegin(l); s < LayerEnd(l); s += kScanBlock) {
       scan_items_.push_back({l, {s, std::min(LayerEnd(l), s + kScanBlock)}});
@@ -328,11 +226,12 @@ Status Reducer::Init() {
   if (opts_.algo == AllReduceAlgo::kFp32) return Status::Ok();
 
   size_t slot_bytes = 0, slot_elems = 0, seg_bytes = 0;
-  for (const auto& b : plans_) {
-    slot_bytes = std::max(slot_bytes, b.slot_bytes);
-    slot_elems = std::max(slot_elems, b.slot_elems);
-    for (const auto& s : b.segs) {
-      seg_bytes = std::max(seg_bytes, PackedSize(format_, s.end - s.begin, 1));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const BucketPlan& b = plan_->buckets()[i];
+    slot_bytes = std::max(slot_bytes, slots_[i].bytes);
+    slot_elems = std::max(slot_elems, b.max_chunk);
+    for (const Segment& s : b.segments) {
+      seg_bytes = std::max(seg_bytes, PackedSize(format_, s.size(), 1));
     }
   }
   const size_t block = size_t(k_) * slot_bytes;
@@ -439,17 +338,18 @@ Status Reducer::Reduce(float* const* inputs, float* output, int64_t step, bool m
   if (opts_.algo == AllReduceAlgo::kFp32) {
     CPD_RETURN_IF_ERROR(ReduceFp32(inputs, output, measure_error));
   } else {
-    for (const auto& b : plans_) {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const BucketPlan& b = plan_->buckets()[i];
       if (measure_error) CPD_RETURN_IF_ERROR(ExactChunk(b, inputs, k_));
       switch (transport_) {
         case Transport::kCodes:
-          CPD_RETURN_IF_ERROR(BucketCodes(b, inputs, output, step));
+          CPD_RETURN_IF_ERROR(BucketCodes(b, slots_[i], inputs, output, step));
           break;
         case Transport::kSegments:
-          CPD_RETURN_IF_ERROR(BucketSegments(b, inputs, output, step));
+          CPD_RETURN_IF_ERROR(BucketSegments(b, slots_[i], inputs, output, step));
           break;
         case Transport::kFloats:
-          CPD_RETURN_IF_ERROR(BucketFloats(b, inputs, output, step));
+          CPD_RETURN_IF_ERROR(BucketFloats(b, slots_[i], inputs, output, step));
           break;
       }
       if (measure_error) AccumulateError(b, output);
@@ -477,26 +377,30 @@ Status Reducer::ReduceFp32(float* const* inputs, float* output, bool measure) {
       }
     }
   }
-  for (const auto& b : plans_) {
-    const size_t len = b.pub.end - b.pub.begin;
+  for (const BucketPlan& b : plan_->buckets()) {
+    const size_t len = b.size();
     if (measure) {
       // `output` holds this rank's sum of its replicas now, before the all-reduce.
       const float* local[1] = {output};
       CPD_RETURN_IF_ERROR(ExactChunk(b, local, 1));
     }
-    CPD_RETURN_IF_ERROR(comm_->AllReduce(output + b.pub.begin, len, ReduceOp::kSum));
+    CPD_RETURN_IF_ERROR(comm_->AllReduce(output + b.bounds.begin, len, ReduceOp::kSum));
     bytes_sent_ += 2 * uint64_t(p_ - 1) * len * sizeof(float) / uint64_t(p_);
     if (measure) AccumulateError(b, output);
   }
   return Status::Ok();
 }
 
-Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* output,
-                            int64_t step) {
+Status Reducer::BucketCodes(const BucketPlan& b, const Slots& sl, float* const* inputs,
+                            float* output, int64_t step) {
   const size_t layers = size_t(Layers());
-  const size_t slot = b.slot_bytes, block = size_t(k_) * slot;
+  const size_t slot = sl.bytes, block = size_t(k_) * slot;
   const kernels::FloatGrid& g = format_.grid();
   const internal::CodeDecoder& dec = decoder_;
+  // A piece's codes start at this byte of its chunk's slot.
+  auto byte_off = [&](const Piece& pc) {
+    return (pc.begin - b.chunk_begin(pc.chunk)) * size_t(bits_) / 8;
+  };
 
   // 1. Every local contribution, quantised after its layer's shift and packed per destination.
   const long pieces = long(b.pieces.size());
@@ -507,7 +411,7 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     const Piece& pc = b.pieces[size_t(it % pieces)];
     const size_t th = size_t(omp_get_thread_num());
     EncodePiece(inputs[k] + pc.begin, b, pc, /*shifted=*/true, mode_, int64_t(rank_) * k_ + k, step,
-                send_.data() + size_t(pc.chunk) * block + size_t(k) * slot + pc.byte_off,
+                send_.data() + size_t(pc.chunk) * block + size_t(k) * slot + byte_off(pc),
                 &th_counts_[th * 2 * layers]);
   }
   CPD_RETURN_IF_ERROR(comm_->AllToAllBytes(send_.data(), recv_.data(), block));
@@ -515,8 +419,8 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
 
   // 2. This rank's chunk: the W contributions in worker order w = r * K + k.
   const bool packed = opts_.algo == AllReduceAlgo::kPacked;
-  const long first = long(b.chunk_piece[size_t(rank_)]);
-  const long last = long(b.chunk_piece[size_t(rank_) + 1]);
+  const long first = long(b.piece_start[size_t(rank_)]);
+  const long last = long(b.piece_start[size_t(rank_) + 1]);
 #pragma omp parallel for schedule(static) \
     num_threads(threads_) if (threads_ > 1 && last - first > 1)
   for (long pi = first; pi < last; ++pi) {
@@ -527,14 +431,14 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     float *acc = f, *t = f + kPiece, *c = f + 2 * kPiece, *y = f + 3 * kPiece, *u = f + 4 * kPiece,
           *q = f + 5 * kPiece;
     auto src = [&](int w) {
-      return recv_.data() + size_t(w / k_) * block + size_t(w % k_) * slot + pc.byte_off;
+      return recv_.data() + size_t(w / k_) * block + size_t(w % k_) * slot + byte_off(pc);
     };
     internal::DecodeCodes(src(0), n, dec, acc);
     if (packed) {
       // Sum in float32, then one re-quantisation of the sum.
       for (int w = 1; w < w_; ++w) internal::DecodeCodesAdd(src(w), n, dec, acc);
       EncodePiece(acc, b, pc, /*shifted=*/false, mode_, 5 * int64_t(w_), step,
-                  gsend_.data() + pc.byte_off, nullptr);
+                  gsend_.data() + byte_off(pc), nullptr);
     } else if (!opts_.kahan) {
       // acc = Q(acc + q_w): rounded to the format after every addition.
       for (int w = 1; w < w_; ++w) {
@@ -567,7 +471,7 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
     if (!packed) {
       // acc is on the grid: rounding it again only yields its codes.
       EncodePiece(acc, b, pc, /*shifted=*/false, kernels::RoundMode::kNearestEven, 0, 0,
-                  gsend_.data() + pc.byte_off, nullptr);
+                  gsend_.data() + byte_off(pc), nullptr);
     }
   }
   CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(gsend_.data(), grecv_.data(), slot));
@@ -578,9 +482,9 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
 #pragma omp parallel for schedule(static) num_threads(threads_) if (threads_ > 1 && all > 1)
   for (long pi = 0; pi < all; ++pi) {
     const Piece& pc = b.pieces[size_t(pi)];
-    const uint8_t* src = grecv_.data() + size_t(pc.chunk) * slot + pc.byte_off;
+    const uint8_t* src = grecv_.data() + size_t(pc.chunk) * slot + byte_off(pc);
     const size_t n = pc.end - pc.begin;
-    const Segment& first_seg = b.segs[pc.seg];
+    const Segment& first_seg = b.segments[pc.first_segment];
     if (first_seg.end >= pc.end) {
       // One layer: decode and undo its shift in one pass.
       const int sh = shifts_[size_t(first_seg.layer)];
@@ -592,8 +496,9 @@ Status Reducer::BucketCodes(const BucketPlan& b, float* const* inputs, float* ou
       continue;
     }
     internal::DecodeCodes(src, n, dec, output + pc.begin);
-    for (size_t si = pc.seg; si < b.segs.size() && b.segs[si].begin < pc.end; ++si) {
-      const Segment& s = b.segs[si];
+    for (size_t si = pc.first_segment; si < b.segments.size() && b.segments[si].begin < pc.end;
+         ++si) {
+      const Segment& s = b.segments[si];
       const int sh = shifts_[size_t(s.layer)];
       if (sh == 0) continue;
       const float up = kernels::Pow2(-sh);
@@ -626,8 +531,9 @@ void Reducer::EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, 
   if (!shifted) {
     encode(pc.begin, pc.end, 0, nullptr);
   } else {
-    for (size_t si = pc.seg; si < b.segs.size() && b.segs[si].begin < pc.end; ++si) {
-      const Segment& s = b.segs[si];
+    for (size_t si = pc.first_segment; si < b.segments.size() && b.segments[si].begin < pc.end;
+         ++si) {
+      const Segment& s = b.segments[si];
       encode(std::max(s.begin, pc.begin), std::min(s.end, pc.end), shifts_[size_t(s.layer)],
              stats != nullptr ? stats + 2 * size_t(s.layer) : nullptr);
     }
@@ -638,7 +544,7 @@ void Reducer::EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, 
 
 void Reducer::ApplyShiftInPlace(const BucketPlan& b, float* const* inputs) {
   for (int k = 0; k < k_; ++k) {
-    for (const Segment& s : b.segs) {
+    for (const Segment& s : b.segments) {
       const int sh = shifts_[size_t(s.layer)];
       if (sh == 0) continue;
       const float scale = kernels::Pow2(sh);
@@ -649,8 +555,8 @@ void Reducer::ApplyShiftInPlace(const BucketPlan& b, float* const* inputs) {
 }
 
 void Reducer::Unshift(const BucketPlan& b, int chunk, float* output) const {
-  for (size_t si = b.chunk_seg[size_t(chunk)]; si < b.chunk_seg[size_t(chunk) + 1]; ++si) {
-    const Segment& s = b.segs[si];
+  for (size_t si = b.seg_start[size_t(chunk)]; si < b.seg_start[size_t(chunk) + 1]; ++si) {
+    const Segment& s = b.segments[si];
     const int sh = shifts_[size_t(s.layer)];
     if (sh == 0) continue;
     const float up = kernels::Pow2(-sh);
@@ -658,19 +564,19 @@ void Reducer::Unshift(const BucketPlan& b, int chunk, float* output) const {
   }
 }
 
-Status Reducer::BucketSegments(const BucketPlan& b, float* const* inputs, float* output,
-                               int64_t step) {
-  const size_t slot = b.slot_bytes, block = size_t(k_) * slot;
+Status Reducer::BucketSegments(const BucketPlan& b, const Slots& sl, float* const* inputs,
+                               float* output, int64_t step) {
+  const size_t slot = sl.bytes, block = size_t(k_) * slot;
   ApplyShiftInPlace(b, inputs);
   for (int d = 0; d < p_; ++d) {
     for (int k = 0; k < k_; ++k) {
       const int64_t worker = int64_t(rank_) * k_ + k;
-      for (size_t si = b.chunk_seg[size_t(d)]; si < b.chunk_seg[size_t(d) + 1]; ++si) {
-        const Segment& s = b.segs[si];
+      for (size_t si = b.seg_start[size_t(d)]; si < b.seg_start[size_t(d) + 1]; ++si) {
+        const Segment& s = b.segments[si];
         QuantStats qs;
         CPD_RETURN_IF_ERROR(Encode(format_, inputs[k] + s.begin, s.end - s.begin,
                                    Qopts(worker, step, s.begin), &pt_, &qs));
-        std::memcpy(send_.data() + size_t(d) * block + size_t(k) * slot + s.offset,
+        std::memcpy(send_.data() + size_t(d) * block + size_t(k) * slot + sl.seg_offset[si],
                     pt_.bytes.data(), pt_.bytes.size());
         counts_[3 * size_t(s.layer)] += qs.flushed;
         counts_[3 * size_t(s.layer) + 1] += qs.saturated;
@@ -688,14 +594,15 @@ Status Reducer::BucketSegments(const BucketPlan& b, float* const* inputs, float*
     pt_.bytes.assign(src, src + PackedSize(format_, len, 1));
     return Decode(format_, pt_, out, threads_);
   };
-  const size_t c0 = b.pub.chunk_bounds[size_t(rank_)];
-  for (size_t si = b.chunk_seg[size_t(rank_)]; si < b.chunk_seg[size_t(rank_) + 1]; ++si) {
-    const Segment& s = b.segs[si];
+  const size_t c0 = b.bounds.chunk_bounds[size_t(rank_)];
+  for (size_t si = b.seg_start[size_t(rank_)]; si < b.seg_start[size_t(rank_) + 1]; ++si) {
+    const Segment& s = b.segments[si];
     const size_t len = s.end - s.begin, rel = s.begin - c0;
     float* acc = acc_.data() + rel;
     float* tmp = tmp_.data() + rel;
     for (int w = 0; w < w_; ++w) {
-      const uint8_t* src = recv_.data() + size_t(w / k_) * block + size_t(w % k_) * slot + s.offset;
+      const uint8_t* src =
+          recv_.data() + size_t(w / k_) * block + size_t(w % k_) * slot + sl.seg_offset[si];
       CPD_RETURN_IF_ERROR(decode(s, src, w == 0 ? acc : tmp));
       if (w > 0) {
         for (size_t i = 0; i < len; ++i) acc[i] += tmp[i];
@@ -703,23 +610,24 @@ Status Reducer::BucketSegments(const BucketPlan& b, float* const* inputs, float*
     }
     CPD_RETURN_IF_ERROR(
         Encode(format_, acc, len, Qopts(5 * int64_t(w_), step, s.begin), &pt_, nullptr));
-    std::memcpy(gsend_.data() + s.offset, pt_.bytes.data(), pt_.bytes.size());
+    std::memcpy(gsend_.data() + sl.seg_offset[si], pt_.bytes.data(), pt_.bytes.size());
   }
   CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(gsend_.data(), grecv_.data(), slot));
   bytes_sent_ += uint64_t(p_ - 1) * slot;
   for (int d = 0; d < p_; ++d) {
-    for (size_t si = b.chunk_seg[size_t(d)]; si < b.chunk_seg[size_t(d) + 1]; ++si) {
-      const Segment& s = b.segs[si];
-      CPD_RETURN_IF_ERROR(decode(s, grecv_.data() + size_t(d) * slot + s.offset, output + s.begin));
+    for (size_t si = b.seg_start[size_t(d)]; si < b.seg_start[size_t(d) + 1]; ++si) {
+      const Segment& s = b.segments[si];
+      CPD_RETURN_IF_ERROR(
+          decode(s, grecv_.data() + size_t(d) * slot + sl.seg_offset[si], output + s.begin));
     }
     Unshift(b, d, output);
   }
   return Status::Ok();
 }
 
-Status Reducer::BucketFloats(const BucketPlan& b, float* const* inputs, float* output,
-                             int64_t step) {
-  const size_t slot = b.slot_bytes, block = size_t(k_) * slot;
+Status Reducer::BucketFloats(const BucketPlan& b, const Slots& sl, float* const* inputs,
+                             float* output, int64_t step) {
+  const size_t slot = sl.bytes, block = size_t(k_) * slot;
   const size_t slot_f = slot / sizeof(float), block_f = block / sizeof(float);
   ApplyShiftInPlace(b, inputs);
   float* send = reinterpret_cast<float*>(send_.data());
@@ -727,12 +635,13 @@ Status Reducer::BucketFloats(const BucketPlan& b, float* const* inputs, float* o
   for (int d = 0; d < p_; ++d) {
     for (int k = 0; k < k_; ++k) {
       const int64_t worker = int64_t(rank_) * k_ + k;
-      for (size_t si = b.chunk_seg[size_t(d)]; si < b.chunk_seg[size_t(d) + 1]; ++si) {
-        const Segment& s = b.segs[si];
+      for (size_t si = b.seg_start[size_t(d)]; si < b.seg_start[size_t(d) + 1]; ++si) {
+        const Segment& s = b.segments[si];
         QuantStats qs;
-        CPD_RETURN_IF_ERROR(Quantize(format_, inputs[k] + s.begin,
-                                     send + size_t(d) * block_f + size_t(k) * slot_f + s.offset,
-                                     s.end - s.begin, Qopts(worker, step, s.begin), &qs));
+        CPD_RETURN_IF_ERROR(
+            Quantize(format_, inputs[k] + s.begin,
+                     send + size_t(d) * block_f + size_t(k) * slot_f + (s.begin - b.chunk_begin(d)),
+                     s.end - s.begin, Qopts(worker, step, s.begin), &qs));
         counts_[3 * size_t(s.layer)] += qs.flushed;
         counts_[3 * size_t(s.layer) + 1] += qs.saturated;
       }
@@ -741,9 +650,9 @@ Status Reducer::BucketFloats(const BucketPlan& b, float* const* inputs, float* o
   CPD_RETURN_IF_ERROR(comm_->AllToAllBytes(send_.data(), recv_.data(), block));
   bytes_sent_ += uint64_t(p_ - 1) * block;
 
-  for (size_t si = b.chunk_seg[size_t(rank_)]; si < b.chunk_seg[size_t(rank_) + 1]; ++si) {
-    const Segment& s = b.segs[si];
-    const size_t len = s.end - s.begin, rel = s.offset;
+  for (size_t si = b.seg_start[size_t(rank_)]; si < b.seg_start[size_t(rank_) + 1]; ++si) {
+    const Segment& s = b.segments[si];
+    const size_t len = s.end - s.begin, rel = s.begin - b.chunk_begin(rank_);
     auto q = [&](int w) { return recv + size_t(w / k_) * block_f + size_t(w % k_) * slot_f + rel; };
     float* acc = acc_.data() + rel;
     float* tmp = tmp_.data() + rel;
@@ -781,11 +690,11 @@ Status Reducer::BucketFloats(const BucketPlan& b, float* const* inputs, float* o
   bytes_sent_ += uint64_t(p_ - 1) * slot;
   const float* gathered = reinterpret_cast<const float*>(grecv_.data());
   for (int d = 0; d < p_; ++d) {
-    for (size_t si = b.chunk_seg[size_t(d)]; si < b.chunk_seg[size_t(d) + 1]; ++si) {
-      const Segment& s = b.segs[si];
+    for (size_t si = b.seg_start[size_t(d)]; si < b.seg_start[size_t(d) + 1]; ++si) {
+      const Segment& s = b.segments[si];
       const int sh = shifts_[size_t(s.layer)];
       const float up = kernels::Pow2(-sh);
-      const float* src = gathered + size_t(d) * slot_f + s.offset;
+      const float* src = gathered + size_t(d) * slot_f + (s.begin - b.chunk_begin(d));
       for (size_t i = 0; i < s.end - s.begin; ++i) output[s.begin + i] = src[i] * up;
     }
   }
@@ -794,14 +703,14 @@ Status Reducer::BucketFloats(const BucketPlan& b, float* const* inputs, float* o
 
 Status Reducer::ExactChunk(const BucketPlan& b, const float* const* src, int count) {
   size_t max_slot = 0;
-  for (const auto& pl : plans_) max_slot = std::max(max_slot, pl.slot_elems);
+  max_slot = plan_->max_chunk();
   if (exact_.empty()) {
     exact_send_.assign(max_slot * size_t(p_), 0.0f);
     exact_.assign(max_slot, 0.0f);
   }
-  const size_t slot = b.slot_elems;
+  const size_t slot = b.max_chunk;
   for (int d = 0; d < p_; ++d) {
-    const size_t c0 = b.pub.chunk_bounds[size_t(d)], c1 = b.pub.chunk_bounds[size_t(d) + 1];
+    const size_t c0 = b.bounds.chunk_bounds[size_t(d)], c1 = b.bounds.chunk_bounds[size_t(d) + 1];
     float* dst = exact_send_.data() + size_t(d) * slot;
     for (size_t i = c0; i < c1; ++i) {
       float v = src[0][i];
@@ -814,9 +723,9 @@ Status Reducer::ExactChunk(const BucketPlan& b, const float* const* src, int cou
 }
 
 void Reducer::AccumulateError(const BucketPlan& b, const float* output) {
-  const size_t c0 = b.pub.chunk_bounds[size_t(rank_)];
-  for (size_t si = b.chunk_seg[size_t(rank_)]; si < b.chunk_seg[size_t(rank_) + 1]; ++si) {
-    const Segment& s = b.segs[si];
+  const size_t c0 = b.bounds.chunk_bounds[size_t(rank_)];
+  for (size_t si = b.seg_start[size_t(rank_)]; si < b.seg_start[size_t(rank_) + 1]; ++si) {
+    const Segment& s = b.segments[si];
     double e2 = 0.0, r2 = 0.0;
     for (size_t i = s.begin; i < s.end; ++i) {
       const double ref = exact_[i - c0];

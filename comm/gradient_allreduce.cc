@@ -220,10 +220,6 @@ int ApsEmax(const Format& format) {
   }
 }
 
-uint64_t RoundingSeed(uint64_t seed, int64_t stage) {
-  return kernels::SplitMix64(seed ^ kernels::SplitMix64(uint64_t(stage) ^ 0x9c6a1f3e5b7d2481ull));
-}
-
 Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
     Communicator* comm, const GradientAllReduceOptions& opts, GradientLayout layout,
     int local_replicas) {

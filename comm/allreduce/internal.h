@@ -23,12 +23,13 @@ namespace cpd::comm::internal {
 
 // ---- Stochastic rounding ------------------------------------------------------------------------
 // Every rounding of a step has its own stream: the rounding at `stage` uses QuantizeOptions{seed =
-// RoundingSeed(options.seed, stage) (comm/gradient_allreduce.h), step, index_offset = the
-// element's index in the flat buffer}. With W workers:
+// RoundingSeed(options.seed, stage), step, index_offset = the element's index in the flat
+// buffer}. With W workers:
 //   stage w (0 <= w < W)              quantises worker w's contribution;
 //   stage W + 4(w - 1) + j (1 <= w)   emulate's addition of worker w: j = 0 for the plain sum;
 //                                     kahan: j is the KahanOp below;
 //   stage 5W                          packed's re-quantisation of the sum.
+std::uint64_t RoundingSeed(std::uint64_t seed, std::int64_t stage);
 
 enum KahanOp : int {
   kKahanY = 0,     // y = q_w - c

@@ -27,7 +27,7 @@
 // Gradients are fused into buckets of at most bucket_mb (layers are kept whole where they fit;
 // each layer keeps its own shift).
 //
-// Details this implementation fixes (comm/gradient_allreduce.cc):
+// Details this implementation fixes (comm/gradient_allreduce.cc and comm/allreduce/):
 // - bucket_mb counts MiB of float32 (2^20 bytes). A layer larger than a bucket is split into
 //   buckets at multiples of 64 elements from the layer's start.
 // - In a bucket, rank r owns chunk r, [chunk_bounds[r], chunk_bounds[r + 1]) (buckets()): the
@@ -46,11 +46,10 @@
 //   except near the ends of the float32 range, where the shift keeps the float32 sums finite.
 //   Shifts are clamped to [-126, 126], so 2^s and 2^-s are normal floats and scaling is exact
 //   unless a product lands below float32's normal range.
-// - Stochastic rounding: the rounding at `stage` uses QuantizeOptions{seed =
-//   RoundingSeed(opts.seed, stage), step, index_offset = the element's index in the flat
-//   buffer}. Stage w (0 <= w < W) quantises worker w's contribution; emulate's addition of worker
-//   w (1 <= w < W) rounds at stages W + 4(w - 1) + j (j = 0 for the plain sum; kahan: 0 y = q_w -
-//   c, 1 t = sum + y, 2 t - sum, 3 (t - sum) - y); packed re-quantises the sum at stage 5W.
+// - Stochastic rounding: every rounding (of a contribution, of an addition, of a sum) has its own
+//   stream, drawn from opts.seed, the step and each element's index in the flat buffer, so the
+//   results depend neither on threads nor on the split into pieces. comm/allreduce/internal.h
+//   numbers the streams.
 // - last_stats().rel_error compares with a float32 reduce-scatter of the same inputs.
 // - last_bytes_sent() counts what a bandwidth-optimal implementation of each payload collective
 //   sends from this rank: all-to-all (P-1) blocks, all-gather (P-1) blocks, all-reduce
@@ -110,8 +109,6 @@ struct GradientBucket {
 int ApsShift(float max_abs, int workers, int emax);
 // emax(format) as described above. REQUIRED: a format Validate() accepts.
 int ApsEmax(const Format& format);
-// The seed of the stochastic rounding stream of `stage` (see above).
-uint64_t RoundingSeed(uint64_t seed, int64_t stage);
 
 // Per layer, for the last Reduce() (identical on every rank).
 struct LayerCommStats {

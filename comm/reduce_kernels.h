@@ -1,4 +1,4 @@
-// Element loops of the quantised all-reduce (comm/gradient_allreduce.cc): scans for APS and the
+// Element loops of the quantised all-reduce (comm/allreduce/): scans for APS and the
 // non-finite check, decoding of packed codes through a lookup table, statistics of a quantised
 // span. Single-threaded over contiguous spans; the caller splits the work. Internal to comm/.
 #pragma once

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/allreduce/internal.h"
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
@@ -139,7 +140,7 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
   auto q = [&](const float* in, float* o, size_t n, int64_t stage, size_t index) {
     QuantizeOptions qo;
     qo.rounding = c.rounding;
-    qo.seed = RoundingSeed(seed, stage);
+    qo.seed = internal::RoundingSeed(seed, stage);
     qo.step = static_cast<uint64_t>(step);
     qo.index_offset = index;
     ASSERT_TRUE(Quantize(format, in, o, n, qo).ok());

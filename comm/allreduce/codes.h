@@ -1,0 +1,64 @@
+// The packed-code transport of the gradient all-reduce, shared by emulate and packed when the
+// gradient format is a fixed float grid of <= 16 bits: contributions and reduced chunks travel as
+// densely packed codes (exact for such grids), processed piece by piece (kPiece elements, in L1).
+// A bucket's stages, in order:
+//   EncodeContributions    quantise every local contribution after its layer's shift, and pack
+//   ExchangeContributions  all-to-all: this rank receives the W contributions of its chunk
+//   (the algorithm)        decodes and sums them piece by piece (Contribution), then packs its
+//                          chunk's result (EncodeResult)
+//   GatherResults          all-gather of the reduced chunks
+//   DecodeResults          decode every chunk and undo each layer's shift
+// Internal to comm/.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/allreduce/internal.h"
+#include "comm/reduce_kernels.h"
+
+namespace cpd::comm::internal {
+
+class CodeTransport {
+ public:
+  // Whether contributions in `format` can travel as codes.
+  static bool Supports(const Format& format);
+  // Allocates the exchange buffers of ctx and the per-thread code buffers. REQUIRED: Supports().
+  static Result<std::unique_ptr<CodeTransport>> Create(StepContext* ctx);
+
+  const CodeDecoder& decoder() const { return decoder_; }
+
+  void EncodeContributions(const BucketPlan& b, float* const* inputs, std::int64_t step);
+  Status ExchangeContributions(const BucketPlan& b);
+  // Worker w's codes of piece pc (of this rank's chunk), after the exchange.
+  const std::uint8_t* Contribution(const BucketPlan& b, const Piece& pc, int w) const;
+  // Packs sum[0, pc.size()), a piece of this rank's reduced chunk, rounded with `mode` and the
+  // stream of `stage`, into the all-gather's send slot. Called from the algorithm's threads.
+  void EncodeResult(const float* sum, const BucketPlan& b, const Piece& pc, kernels::RoundMode mode,
+                    std::int64_t stage, std::int64_t step);
+  Status GatherResults(const BucketPlan& b);
+  void DecodeResults(const BucketPlan& b, float* output) const;
+
+ private:
+  explicit CodeTransport(StepContext* ctx);
+  std::size_t SlotBytes(const BucketPlan& b) const;
+  // Where piece pc's codes start in its chunk's slot.
+  std::size_t PieceOffset(const BucketPlan& b, const Piece& pc) const;
+  // Codes of x[0, pc.size()) (times 2^s of each segment's layer when `shifted`), rounded with
+  // `mode` and the stream of `stage`, packed to dst. counters (2 per layer, or null): flushed,
+  // saturated. `shifted` is used for the contributions, which the scan found finite and the shift
+  // keeps finite (max * 2^s <= 2^emax); the sums may not be.
+  void EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, bool shifted,
+                   kernels::RoundMode mode, std::int64_t stage, std::int64_t step,
+                   std::uint8_t* dst, std::uint64_t* counters);
+
+  StepContext& ctx_;
+  const ReducerSetup& setup_;
+  const int bits_;
+  CodeDecoder decoder_;
+  std::vector<std::uint16_t> thread_codes_;  // kPiece per thread
+};
+
+}  // namespace cpd::comm::internal

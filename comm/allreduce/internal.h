@@ -1,0 +1,196 @@
+// What the algorithms of the gradient all-reduce (comm/allreduce/{fp32,emulate,packed}.cc) share:
+// the stochastic-rounding stage numbering, the setup fixed at Create, the per-step state (the scan
+// of max|g| with the APS shift all-reduce, the per-layer statistics, the payload collectives and
+// their buffers), and the Algorithm interface that comm/gradient_allreduce.cc dispatches to.
+// Internal to comm/.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/allreduce/plan.h"
+#include "comm/communicator.h"
+#include "comm/gradient_allreduce.h"
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "cpd/status.h"
+#include "kernels/grid.h"
+#include "kernels/quantize_cpu.h"
+
+namespace cpd::comm::internal {
+
+// ---- Stochastic rounding ------------------------------------------------------------------------
+// Every rounding of a step has its own stream: the rounding at `stage` uses QuantizeOptions{seed =
+// RoundingSeed(options.seed, stage), step, index_offset = the element's index in the flat
+// buffer}. With W workers:
+//   stage w (0 <= w < W)              quantises worker w's contribution;
+//   stage W + 4(w - 1) + j (1 <= w)   emulate's addition of worker w: j = 0 for the plain sum;
+//                                     kahan: j is the KahanOp below;
+//   stage 5W                          packed's re-quantisation of the sum.
+std::uint64_t RoundingSeed(std::uint64_t seed, std::int64_t stage);
+
+enum KahanOp : int {
+  kKahanY = 0,     // y = q_w - c
+  kKahanT = 1,     // t = sum + y
+  kKahanHigh = 2,  // t - sum
+  kKahanC = 3,     // c = (t - sum) - y
+};
+constexpr std::int64_t ContributionStage(std::int64_t worker) { return worker; }
+constexpr std::int64_t AdditionStage(int workers, int w, int op = 0) {
+  return workers + 4 * std::int64_t(w - 1) + op;
+}
+constexpr std::int64_t RequantizeStage(int workers) { return 5 * std::int64_t(workers); }
+
+// Elements per work item of the packed-code pipeline: small enough that a piece's codes, its
+// decoded floats and the partial sums stay in L1; a multiple of 8, so pieces start on a byte.
+inline constexpr std::size_t kPiece = 2048;
+
+// ---- Fixed at Create ----------------------------------------------------------------------------
+struct ReducerSetup {
+  Communicator* comm = nullptr;
+  GradientAllReduceOptions options;
+  GradientLayout layout;
+  Format format;           // the gradient format; fp32 for the fp32 algorithm
+  int local_replicas = 1;  // K
+  int world_size = 1;      // P
+  int rank = 0;
+  int workers = 1;  // W = P * K; rank r's replica k is worker r * K + k
+  int threads = 1;  // OpenMP threads of the element loops
+  int emax = 0;     // ApsEmax(format); 0 for fp32
+  kernels::RoundMode round_mode = kernels::RoundMode::kNearestEven;  // options.rounding
+
+  std::size_t layers() const { return layout.layers(); }
+  std::size_t layer_size(std::size_t l) const { return layout.offsets[l + 1] - layout.offsets[l]; }
+  std::int64_t worker(int replica) const { return std::int64_t(rank) * local_replicas + replica; }
+  // cpd::Quantize / cpd::Encode options of the rounding at `stage` for elements from flat `index`;
+  // one channel: a segment is one scale group.
+  QuantizeOptions QuantizeAt(std::int64_t stage, std::int64_t step, std::size_t index) const;
+  // The same stream for the kernels' loops, with rounding `mode`.
+  kernels::LoopParams LoopAt(kernels::RoundMode mode, std::int64_t stage, std::int64_t step,
+                             std::size_t index) const;
+};
+
+// ---- Per-layer statistics -----------------------------------------------------------------------
+class LayerStatistics {
+ public:
+  LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk);
+
+  void Reset();  // at the start of every step
+  void SetNonzero(std::size_t layer, std::uint64_t nonzero) { counts_[3 * layer + 2] = nonzero; }
+  void AddQuantStats(int layer, const QuantStats& qs);
+  // Counters for one OpenMP thread: flushed, saturated per layer (2 per layer).
+  std::uint64_t* ThreadCounters(std::size_t thread) {
+    return &thread_counts_[thread * 2 * setup_.layers()];
+  }
+
+  // measure_error: the float32 reduce-scatter of count local buffers over bucket b (before the
+  // inputs are used as scratch; collective), then the error of this rank's chunk of the output.
+  Status ReduceReference(const BucketPlan& b, const float* const* src, int count);
+  void AccumulateError(const BucketPlan& b, const float* output);
+
+  // Collective: the counters of all ranks give flushed and saturated (quantised algorithms), the
+  // errors rel_error (with measure_error).
+  Status Finish(bool measure_error, std::vector<LayerCommStats>* stats);
+
+ private:
+  const ReducerSetup& setup_;
+  const std::size_t max_chunk_;
+  std::vector<std::uint64_t> counts_;  // flushed, saturated, nonzero per layer (local, then global)
+  std::vector<std::uint64_t> thread_counts_;       // flushed, saturated per layer per thread
+  std::vector<double> error_;                      // squared error, squared reference per layer
+  std::vector<double> error_all_ranks_;            // error_ of every rank
+  std::vector<float> reference_send_, reference_;  // allocated on first use
+};
+
+// ---- Payload buffers ----------------------------------------------------------------------------
+// The buffers of a quantised algorithm's two payload collectives, for its largest slot (one
+// contribution's share of a chunk). The all-to-all sends this rank's K slots for chunk d as block
+// d and receives worker w's slot at w * slot; the all-gather collects every rank's reduced chunk.
+struct ExchangeBuffers {
+  std::vector<std::uint8_t> send, recv;                // P blocks of K slots
+  std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P slots
+  // InvalidArgument when a block exceeds MPI's int count (a smaller bucket_mb helps).
+  Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes);
+};
+
+// ---- The state of a step ------------------------------------------------------------------------
+// What the algorithms share during Reduce(): owned by the reducer, reset at every step.
+struct StepContext {
+  StepContext(const ReducerSetup& setup, const AllReducePlan& plan);
+
+  const ReducerSetup& setup;
+  const AllReducePlan& plan;
+  std::vector<float> max_abs;  // per layer, global max |g| (ScanAndShift)
+  std::vector<int> shifts;     // per layer, the APS shift (0 without APS)
+  LayerStatistics stats;
+  ExchangeBuffers exchange;
+  std::uint64_t bytes_sent = 0;
+
+  void Reset();
+  // The payload collectives, counted as a bandwidth-optimal implementation sends them: all-to-all
+  // and all-gather (P - 1) blocks, all-reduce 2(P - 1)/P of the buffer.
+  Status ExchangeContributions(std::size_t block_bytes);  // exchange.send -> exchange.recv
+  Status GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes);  // -> gather_recv
+  Status AllReduceSum(float* data, std::size_t count);
+  // APS: x *= 2^s of each segment's layer, over every segment of b; output *= 2^-s over chunk's.
+  void ApplyShift(const BucketPlan& b, float* const* inputs) const;
+  void Unshift(const BucketPlan& b, int chunk, float* output) const;
+};
+
+// The scan of max|g| and of non-finite elements over the inputs, then one small MAX all-reduce
+// that gives every rank the per-layer maxima (a NaN/Inf travels as +Inf) and the APS shifts.
+class ShiftScan {
+ public:
+  explicit ShiftScan(const ReducerSetup& setup);
+  // Fills ctx->max_abs, ctx->shifts and the local nonzero counts; *finite = false when some rank
+  // holds NaN/Inf. Collective.
+  Status ScanAndShift(float* const* inputs, StepContext* ctx, bool* finite);
+
+ private:
+  struct Item {
+    int layer = 0;
+    std::size_t begin = 0, end = 0;
+  };
+  const ReducerSetup& setup_;
+  std::vector<Item> items_;  // every layer in blocks
+  std::vector<std::uint32_t> thread_max_;
+  std::vector<std::uint64_t> thread_nonzero_;
+};
+
+// ---- Algorithms ---------------------------------------------------------------------------------
+class Algorithm {
+ public:
+  virtual ~Algorithm() = default;
+  // The sum over all workers into output (GradientAllReducer::Reduce's contract), after the scan
+  // found every input finite; adds to the step's statistics and bytes sent.
+  virtual Status Reduce(float* const* inputs, float* output, std::int64_t step,
+                        bool measure_error) = 0;
+};
+
+// Each allocates its scratch for the plan's largest bucket. ctx outlives the algorithm.
+Result<std::unique_ptr<Algorithm>> MakeFp32(StepContext* ctx);
+Result<std::unique_ptr<Algorithm>> MakeEmulate(StepContext* ctx);
+Result<std::unique_ptr<Algorithm>> MakePacked(StepContext* ctx);
+
+// The quantised algorithms reduce bucket by bucket, in plan order; with measure_error, a bucket's
+// reference is taken from the inputs before they serve as scratch, and its error after.
+class BucketAlgorithm : public Algorithm {
+ public:
+  Status Reduce(float* const* inputs, float* output, std::int64_t step, bool measure_error) final;
+
+ protected:
+  explicit BucketAlgorithm(StepContext* ctx) : ctx_(*ctx), setup_(ctx->setup) {}
+  // Bucket `index` of the plan, b.
+  virtual Status ReduceBucket(std::size_t index, const BucketPlan& b, float* const* inputs,
+                              float* output, std::int64_t step) = 0;
+
+  StepContext& ctx_;
+  const ReducerSetup& setup_;
+};
+
+// The slot of a chunk's worth of payload starts on a cache line.
+inline std::size_t SlotBytes(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+}  // namespace cpd::comm::internal

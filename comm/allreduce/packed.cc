@@ -1,0 +1,210 @@
+// packed, the bandwidth-saving mode: values travel as densely packed b-bit codes with their scale
+// metadata. All-to-all of the packed contributions (reduce-scatter), decode and sum the W
+// contributions of a chunk in float32, one re-quantisation of the sum, all-gather of the packed
+// result. Fixed float grids of <= 16 bits use the piece pipeline of comm/allreduce/codes.h; other
+// formats cpd::Encode each segment (its scale group) with its metadata.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "comm/allreduce/codes.h"
+#include "comm/allreduce/internal.h"
+
+namespace cpd::comm::internal {
+namespace {
+
+// Fixed float grids: packed codes, piece by piece.
+class PackedCodes final : public BucketAlgorithm {
+ public:
+  PackedCodes(StepContext* ctx, std::unique_ptr<CodeTransport> codes)
+      : BucketAlgorithm(ctx), codes_(std::move(codes)) {
+    thread_sums_.assign(std::size_t(setup_.threads) * kPiece, 0.0f);
+  }
+
+ protected:
+  Status ReduceBucket(std::size_t, const BucketPlan& b, float* const* inputs, float* output,
+                      std::int64_t step) override {
+    codes_->EncodeContributions(b, inputs, step);
+    CPD_RETURN_IF_ERROR(codes_->ExchangeContributions(b));
+    SumAndRequantizeOwnChunk(b, step);
+    CPD_RETURN_IF_ERROR(codes_->GatherResults(b));
+    codes_->DecodeResults(b, output);
+    return Status::Ok();
+  }
+
+ private:
+  // This rank's chunk: the W contributions decoded and summed in float32, then one rounding of
+  // the sum to the format, packed for the all-gather.
+  void SumAndRequantizeOwnChunk(const BucketPlan& b, std::int64_t step) {
+    const std::span<const Piece> own = b.pieces_of(setup_.rank);
+    const CodeDecoder& dec = codes_->decoder();
+    const int threads = setup_.threads;
+    const long n = long(own.size());
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
+    for (long i = 0; i < n; ++i) {
+      const Piece& pc = own[std::size_t(i)];
+      float* sum = &thread_sums_[std::size_t(omp_get_thread_num()) * kPiece];
+      DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, sum);
+      for (int w = 1; w < setup_.workers; ++w) {
+        DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, sum);
+      }
+      codes_->EncodeResult(sum, b, pc, setup_.round_mode, RequantizeStage(setup_.workers), step);
+    }
+  }
+
+  std::unique_ptr<CodeTransport> codes_;
+  std::vector<float> thread_sums_;  // kPiece per thread
+};
+
+// Scaled formats: cpd::Encode per segment, codes and scale metadata.
+class PackedSegments final : public BucketAlgorithm {
+ public:
+  explicit PackedSegments(StepContext* ctx) : BucketAlgorithm(ctx) {}
+
+  // Lays out every bucket's slots and allocates the buffers.
+  Status Allocate();
+
+ protected:
+  Status ReduceBucket(std::size_t index, const BucketPlan& b, float* const* inputs, float* output,
+                      std::int64_t step) override {
+    const Slots& slots = slots_[index];
+    ctx_.ApplyShift(b, inputs);
+    CPD_RETURN_IF_ERROR(EncodeContributions(b, slots, inputs, step));
+    CPD_RETURN_IF_ERROR(
+        ctx_.ExchangeContributions(std::size_t(setup_.local_replicas) * slots.bytes));
+    CPD_RETURN_IF_ERROR(SumAndRequantizeOwnChunk(b, slots, step));
+    CPD_RETURN_IF_ERROR(ctx_.GatherChunks(ctx_.exchange.gather_send.data(), slots.bytes));
+    return DecodeResults(b, slots, output);
+  }
+
+ private:
+  // A bucket's transport layout: one contribution's slot holds its chunk's segments, packed one
+  // after the other (offset[i] for the bucket's segment i), padded to the longest chunk.
+  struct Slots {
+    std::size_t bytes = 0;
+    std::vector<std::size_t> offset;
+  };
+
+  std::size_t SegmentBytes(const Segment& s) const {
+    return PackedSize(setup_.format, s.size(), 1);
+  }
+
+  Status EncodeContributions(const BucketPlan& b, const Slots& slots, float* const* inputs,
+                             std::int64_t step);
+  Status SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots& slots, std::int64_t step);
+  Status DecodeResults(const BucketPlan& b, const Slots& slots, float* output);
+  // Decodes the packed segment s at src into out.
+  Status DecodeSegment(const Segment& s, const std::uint8_t* src, float* out);
+
+  std::vector<Slots> slots_;      // per bucket
+  std::vector<float> sum_, tmp_;  // a chunk each
+  PackedTensor packed_;           // one segment, the largest reserved
+};
+
+Status PackedSegments::Allocate() {
+  std::size_t slot = 0, segment = 0;
+  for (const BucketPlan& b : ctx_.plan.buckets()) {
+    Slots slots;
+    for (int d = 0; d < setup_.world_size; ++d) {
+      std::size_t offset = 0;
+      for (const Segment& s : b.segments_of(d)) {
+        slots.offset.push_back(offset);
+        offset += SegmentBytes(s);
+        segment = std::max(segment, SegmentBytes(s));
+      }
+      slots.bytes = std::max(slots.bytes, offset);
+    }
+    slots.bytes = SlotBytes(slots.bytes);
+    slot = std::max(slot, slots.bytes);
+    slots_.push_back(std::move(slots));
+  }
+  CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, slot));
+  const std::size_t chunk = ctx_.plan.max_chunk();
+  sum_.assign(chunk, 0.0f);
+  tmp_.assign(chunk, 0.0f);
+  packed_.bytes.reserve(segment);
+  return Status::Ok();
+}
+
+Status PackedSegments::EncodeContributions(const BucketPlan& b, const Slots& slots,
+                                           float* const* inputs, std::int64_t step) {
+  const std::size_t block = std::size_t(setup_.local_replicas) * slots.bytes;
+  for (int d = 0; d < setup_.world_size; ++d) {
+    for (int k = 0; k < setup_.local_replicas; ++k) {
+      std::uint8_t* dst =
+          ctx_.exchange.send.data() + std::size_t(d) * block + std::size_t(k) * slots.bytes;
+      for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1];
+           ++si) {
+        const Segment& s = b.segments[si];
+        QuantStats qs;
+        CPD_RETURN_IF_ERROR(Encode(
+            setup_.format, inputs[k] + s.begin, s.size(),
+            setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &packed_, &qs));
+        std::memcpy(dst + slots.offset[si], packed_.bytes.data(), packed_.bytes.size());
+        ctx_.stats.AddQuantStats(s.layer, qs);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots& slots,
+                                                std::int64_t step) {
+  const int rank = setup_.rank;
+  const std::size_t c0 = b.chunk_begin(rank);
+  for (std::size_t si = b.seg_start[std::size_t(rank)]; si < b.seg_start[std::size_t(rank) + 1];
+       ++si) {
+    const Segment& s = b.segments[si];
+    float* sum = sum_.data() + (s.begin - c0);
+    float* tmp = tmp_.data() + (s.begin - c0);
+    for (int w = 0; w < setup_.workers; ++w) {
+      const std::uint8_t* src =
+          ctx_.exchange.recv.data() + std::size_t(w) * slots.bytes + slots.offset[si];
+      CPD_RETURN_IF_ERROR(DecodeSegment(s, src, w == 0 ? sum : tmp));
+      if (w > 0) {
+        for (std::size_t i = 0; i < s.size(); ++i) sum[i] += tmp[i];
+      }
+    }
+    CPD_RETURN_IF_ERROR(Encode(setup_.format, sum, s.size(),
+                               setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin),
+                               &packed_, nullptr));
+    std::memcpy(ctx_.exchange.gather_send.data() + slots.offset[si], packed_.bytes.data(),
+                packed_.bytes.size());
+  }
+  return Status::Ok();
+}
+
+Status PackedSegments::DecodeResults(const BucketPlan& b, const Slots& slots, float* output) {
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::uint8_t* chunk = ctx_.exchange.gather_recv.data() + std::size_t(d) * slots.bytes;
+    for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1]; ++si) {
+      const Segment& s = b.segments[si];
+      CPD_RETURN_IF_ERROR(DecodeSegment(s, chunk + slots.offset[si], output + s.begin));
+    }
+    ctx_.Unshift(b, d, output);
+  }
+  return Status::Ok();
+}
+
+Status PackedSegments::DecodeSegment(const Segment& s, const std::uint8_t* src, float* out) {
+  packed_.count = s.size();
+  packed_.channels = 1;
+  packed_.bytes.assign(src, src + SegmentBytes(s));
+  return Decode(setup_.format, packed_, out, setup_.threads);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Algorithm>> MakePacked(StepContext* ctx) {
+  if (CodeTransport::Supports(ctx->setup.format)) {
+    CPD_ASSIGN_OR_RETURN(std::unique_ptr<CodeTransport> codes, CodeTransport::Create(ctx));
+    return std::unique_ptr<Algorithm>(new PackedCodes(ctx, std::move(codes)));
+  }
+  auto segments = std::make_unique<PackedSegments>(ctx);
+  CPD_RETURN_IF_ERROR(segments->Allocate());
+  return std::unique_ptr<Algorithm>(std::move(segments));
+}
+
+}  // namespace cpd::comm::internal

@@ -1,0 +1,277 @@
+// The parts of comm/allreduce/internal.h that every algorithm uses: rounding streams, the scan
+// with the APS shifts, the statistics, and the payload collectives.
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "comm/allreduce/internal.h"
+#include "comm/reduce_kernels.h"
+
+namespace cpd::comm::internal {
+namespace {
+
+// Elements per work item of the max/non-finite scan.
+constexpr std::size_t kScanBlock = std::size_t(1) << 16;
+
+}  // namespace
+
+std::uint64_t RoundingSeed(std::uint64_t seed, std::int64_t stage) {
+  return kernels::SplitMix64(seed ^
+                             kernels::SplitMix64(std::uint64_t(stage) ^ 0x9c6a1f3e5b7d2481ull));
+}
+
+QuantizeOptions ReducerSetup::QuantizeAt(std::int64_t stage, std::int64_t step,
+                                         std::size_t index) const {
+  QuantizeOptions q;
+  q.rounding = options.rounding;
+  q.seed = RoundingSeed(options.seed, stage);
+  q.step = std::uint64_t(step);
+  q.index_offset = index;
+  q.channels = 1;
+  q.threads = threads;
+  return q;
+}
+
+kernels::LoopParams ReducerSetup::LoopAt(kernels::RoundMode mode, std::int64_t stage,
+                                         std::int64_t step, std::size_t index) const {
+  kernels::LoopParams p;
+  p.mode = mode;
+  p.rng_key = kernels::MakeRandomKey(RoundingSeed(options.seed, stage), std::uint64_t(step));
+  p.index_base = index;
+  return p;
+}
+
+// ---- LayerStatistics ----------------------------------------------------------------------------
+
+LayerStatistics::LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk)
+    : setup_(setup), max_chunk_(max_chunk) {
+  const std::size_t layers = setup.layers();
+  counts_.assign(3 * layers, 0);
+  thread_counts_.assign(std::size_t(setup.threads) * 2 * layers, 0);
+  error_.assign(2 * layers, 0.0);
+  error_all_ranks_.assign(2 * layers * std::size_t(setup.world_size), 0.0);
+}
+
+void LayerStatistics::Reset() {
+  std::fill(counts_.begin(), counts_.end(), 0u);
+  std::fill(error_.begin(), error_.end(), 0.0);
+  std::fill(thread_counts_.begin(), thread_counts_.end(), 0u);
+}
+
+void LayerStatistics::AddQuantStats(int layer, const QuantStats& qs) {
+  counts_[3 * std::size_t(layer)] += qs.flushed;
+  counts_[3 * std::size_t(layer) + 1] += qs.saturated;
+}
+
+Status LayerStatistics::ReduceReference(const BucketPlan& b, const float* const* src, int count) {
+  const std::size_t p = std::size_t(setup_.world_size);
+  if (reference_.empty()) {
+    reference_send_.assign(max_chunk_ * p, 0.0f);
+    reference_.assign(max_chunk_, 0.0f);
+  }
+  // Every chunk padded to the longest, so that the reduce-scatter's blocks are equal.
+  const std::size_t slot = b.max_chunk;
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::size_t c0 = b.chunk_begin(d), c1 = b.chunk_end(d);
+    float* dst = reference_send_.data() + std::size_t(d) * slot;
+    for (std::size_t i = c0; i < c1; ++i) {
+      float v = src[0][i];
+      for (int k = 1; k < count; ++k) v += src[k][i];
+      dst[i - c0] = v;
+    }
+    std::fill(dst + (c1 - c0), dst + slot, 0.0f);
+  }
+  return setup_.comm->ReduceScatter(reference_send_.data(), reference_.data(), slot * p);
+}
+
+void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
+  const std::size_t c0 = b.chunk_begin(setup_.rank);
+  for (const Segment& s : b.segments_of(setup_.rank)) {
+    double e2 = 0.0, r2 = 0.0;
+    for (std::size_t i = s.begin; i < s.end; ++i) {
+      const double ref = reference_[i - c0];
+      const double d = double(output[i]) - ref;
+      e2 += d * d;
+      r2 += ref * ref;
+    }
+    error_[2 * std::size_t(s.layer)] += e2;
+    error_[2 * std::size_t(s.layer) + 1] += r2;
+  }
+}
+
+Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* stats) {
+  const std::size_t layers = setup_.layers();
+  if (setup_.options.algo != AllReduceAlgo::kFp32) {
+    for (std::size_t th = 0; th < std::size_t(setup_.threads); ++th) {
+      for (std::size_t l = 0; l < layers; ++l) {
+        counts_[3 * l] += thread_counts_[th * 2 * layers + 2 * l];
+        counts_[3 * l + 1] += thread_counts_[th * 2 * layers + 2 * l + 1];
+      }
+    }
+    CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(counts_.data(), counts_.size(), ReduceOp::kSum));
+    for (std::size_t l = 0; l < layers; ++l) {
+      const std::uint64_t elems =
+          std::uint64_t(setup_.layer_size(l)) * std::uint64_t(setup_.workers);
+      const std::uint64_t nonzero = counts_[3 * l + 2];
+      (*stats)[l].flushed = nonzero > 0 ? double(counts_[3 * l]) / double(nonzero) : 0.0;
+      (*stats)[l].saturated = elems > 0 ? double(counts_[3 * l + 1]) / double(elems) : 0.0;
+    }
+  }
+  if (!measure_error) return Status::Ok();
+  // Every rank sums the per-rank parts in rank order, so the result is identical everywhere.
+  CPD_RETURN_IF_ERROR(setup_.comm->AllGatherBytes(
+      reinterpret_cast<const std::uint8_t*>(error_.data()),
+      reinterpret_cast<std::uint8_t*>(error_all_ranks_.data()), error_.size() * sizeof(double)));
+  for (std::size_t l = 0; l < layers; ++l) {
+    double e2 = 0.0, r2 = 0.0;
+    for (std::size_t r = 0; r < std::size_t(setup_.world_size); ++r) {
+      e2 += error_all_ranks_[r * 2 * layers + 2 * l];
+      r2 += error_all_ranks_[r * 2 * layers + 2 * l + 1];
+    }
+    (*stats)[l].rel_error = r2 > 0.0   ? std::sqrt(e2 / r2)
+                            : e2 > 0.0 ? std::numeric_limits<double>::infinity()
+                                       : 0.0;
+  }
+  return Status::Ok();
+}
+
+// ---- ExchangeBuffers, StepContext ---------------------------------------------------------------
+
+Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+  const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
+  if (block > std::size_t(INT_MAX)) {
+    return Status::InvalidArgument(
+        "GradientAllReducer: bucket_mb " + std::to_string(setup.options.bucket_mb) + " gives " +
+        std::to_string(block) + "-byte blocks per rank, beyond MPI's limit of " +
+        std::to_string(INT_MAX) + "; use a smaller bucket_mb");
+  }
+  const std::size_t p = std::size_t(setup.world_size);
+  send.assign(block * p, 0);
+  recv.assign(block * p, 0);
+  gather_send.assign(slot_bytes, 0);
+  gather_recv.assign(slot_bytes * p, 0);
+  return Status::Ok();
+}
+
+StepContext::StepContext(const ReducerSetup& setup_in, const AllReducePlan& plan_in)
+    : setup(setup_in),
+      plan(plan_in),
+      max_abs(setup_in.layers(), 0.0f),
+      shifts(setup_in.layers(), 0),
+      stats(setup_in, plan_in.max_chunk()) {}
+
+void StepContext::Reset() {
+  bytes_sent = 0;
+  stats.Reset();
+}
+
+Status StepContext::ExchangeContributions(std::size_t block_bytes) {
+  CPD_RETURN_IF_ERROR(
+      setup.comm->AllToAllBytes(exchange.send.data(), exchange.recv.data(), block_bytes));
+  bytes_sent += std::uint64_t(setup.world_size - 1) * block_bytes;
+  return Status::Ok();
+}
+
+Status StepContext::GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes) {
+  CPD_RETURN_IF_ERROR(setup.comm->AllGatherBytes(chunk, exchange.gather_recv.data(), slot_bytes));
+  bytes_sent += std::uint64_t(setup.world_size - 1) * slot_bytes;
+  return Status::Ok();
+}
+
+Status StepContext::AllReduceSum(float* data, std::size_t count) {
+  CPD_RETURN_IF_ERROR(setup.comm->AllReduce(data, count, ReduceOp::kSum));
+  const std::uint64_t p = std::uint64_t(setup.world_size);
+  bytes_sent += 2 * (p - 1) * count * sizeof(float) / p;
+  return Status::Ok();
+}
+
+void StepContext::ApplyShift(const BucketPlan& b, float* const* inputs) const {
+  for (int k = 0; k < setup.local_replicas; ++k) {
+    for (const Segment& s : b.segments) {
+      const int sh = shifts[std::size_t(s.layer)];
+      if (sh == 0) continue;
+      const float scale = kernels::Pow2(sh);
+      float* x = inputs[k];
+      for (std::size_t i = s.begin; i < s.end; ++i) x[i] *= scale;
+    }
+  }
+}
+
+void StepContext::Unshift(const BucketPlan& b, int chunk, float* output) const {
+  for (const Segment& s : b.segments_of(chunk)) {
+    const int sh = shifts[std::size_t(s.layer)];
+    if (sh == 0) continue;
+    const float up = kernels::Pow2(-sh);
+    for (std::size_t i = s.begin; i < s.end; ++i) output[i] *= up;
+  }
+}
+
+// ---- ShiftScan ----------------------------------------------------------------------------------
+
+ShiftScan::ShiftScan(const ReducerSetup& setup) : setup_(setup) {
+  const GradientLayout& layout = setup.layout;
+  for (std::size_t l = 0; l < layout.layers(); ++l) {
+    for (std::size_t s = layout.offsets[l]; s < layout.offsets[l + 1]; s += kScanBlock) {
+      items_.push_back({int(l), s, std::min(layout.offsets[l + 1], s + kScanBlock)});
+    }
+  }
+  thread_max_.assign(std::size_t(setup.threads) * setup.layers(), 0);
+  thread_nonzero_.assign(std::size_t(setup.threads) * setup.layers(), 0);
+}
+
+Status ShiftScan::ScanAndShift(float* const* inputs, StepContext* ctx, bool* finite) {
+  const std::size_t layers = setup_.layers();
+  const int threads = setup_.threads;
+  const std::size_t replicas = std::size_t(setup_.local_replicas);
+  std::fill(thread_max_.begin(), thread_max_.end(), 0u);
+  std::fill(thread_nonzero_.begin(), thread_nonzero_.end(), 0u);
+  const long count = long(items_.size() * replicas);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
+  for (long it = 0; it < count; ++it) {
+    const Item& item = items_[std::size_t(it) / replicas];
+    const std::size_t k = std::size_t(it) % replicas;
+    const std::size_t at = std::size_t(omp_get_thread_num()) * layers + std::size_t(item.layer);
+    ScanAbs(inputs[k] + item.begin, item.end - item.begin, &thread_max_[at], &thread_nonzero_[at]);
+  }
+  for (std::size_t l = 0; l < layers; ++l) {
+    std::uint32_t m = 0;
+    std::uint64_t nonzero = 0;
+    for (std::size_t th = 0; th < std::size_t(threads); ++th) {
+      m = std::max(m, thread_max_[th * layers + l]);
+      nonzero += thread_nonzero_[th * layers + l];
+    }
+    // A non-finite element travels as +Inf in the same MAX all-reduce (NaN would not order).
+    if (m >= 0x7f800000u) m = 0x7f800000u;
+    ctx->max_abs[l] = kernels::BitsFloat(m);
+    ctx->stats.SetNonzero(l, nonzero);
+  }
+  CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(ctx->max_abs.data(), layers, ReduceOp::kMax));
+  const bool aps = setup_.options.aps && setup_.options.algo != AllReduceAlgo::kFp32;
+  *finite = true;
+  for (std::size_t l = 0; l < layers; ++l) {
+    if (!(ctx->max_abs[l] < std::numeric_limits<float>::infinity())) *finite = false;
+    ctx->shifts[l] = aps ? ApsShift(ctx->max_abs[l], setup_.workers, setup_.emax) : 0;
+  }
+  return Status::Ok();
+}
+
+// ---- BucketAlgorithm ----------------------------------------------------------------------------
+
+Status BucketAlgorithm::Reduce(float* const* inputs, float* output, std::int64_t step,
+                               bool measure_error) {
+  const std::vector<BucketPlan>& buckets = ctx_.plan.buckets();
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    if (measure_error) {
+      CPD_RETURN_IF_ERROR(ctx_.stats.ReduceReference(buckets[i], inputs, setup_.local_replicas));
+    }
+    CPD_RETURN_IF_ERROR(ReduceBucket(i, buckets[i], inputs, output, step));
+    if (measure_error) ctx_.stats.AccumulateError(buckets[i], output);
+  }
+  return Status::Ok();
+}
+
+}  // namespace cpd::comm::internal

@@ -22,11 +22,10 @@
 #include "comm/mpi_communicator.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "tests/mpi_test_main.h"
 
 namespace cpd::comm {
 namespace {
-
-MpiCommunicator* g_comm = nullptr;
 
 uint32_t Bits(float f) {
   uint32_t u;
@@ -47,10 +46,10 @@ uint64_t Hash(const std::vector<float>& v) {
 
 // True when every rank holds the same 64-bit value.
 bool SameOnAllRanks(uint64_t h) {
-  const int n = g_comm->size();
+  const int n = test::MpiWorld()->size();
   std::vector<uint64_t> all(static_cast<size_t>(n));
-  const Status s = g_comm->AllGatherBytes(reinterpret_cast<const uint8_t*>(&h),
-                                          reinterpret_cast<uint8_t*>(all.data()), sizeof(h));
+  const Status s = test::MpiWorld()->AllGatherBytes(
+      reinterpret_cast<const uint8_t*>(&h), reinterpret_cast<uint8_t*>(all.data()), sizeof(h));
   EXPECT_TRUE(s.ok()) << s.ToString();
   return std::all_of(all.begin(), all.end(), [h](uint64_t x) { return x == h; });
 }
@@ -193,8 +192,8 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
 void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double bucket_mb,
              uint64_t seed, int spread = 0) {
   SCOPED_TRACE(Name(c, k));
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   const int workers = p * k;
   const GradientLayout layout = MakeLayout(sizes);
   GradientAllReduceOptions opts;
@@ -206,7 +205,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   opts.bucket_mb = bucket_mb;
   opts.seed = seed;
   opts.threads = k == 2 ? 2 : 1;  // results must not depend on it
-  auto created = GradientAllReducer::Create(g_comm, opts, layout, k);
+  auto created = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   std::unique_ptr<GradientAllReducer> red = std::move(created).value();
 
@@ -260,14 +259,14 @@ const std::vector<size_t> kSizes = {0, 1, 7, 1001, 64, 3000, 129, 0, 513};
 constexpr double kSmallBucketMb = 1048.0 * 4.0 / (1 << 20);
 
 TEST(GradientAllReduceTest, Fp32IsExactOnSmallIntegers) {
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (int k : {1, 2, 3}) {
     for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{5001}}) {
       const GradientLayout layout = MakeLayout({n / 3, n - n / 3});
       GradientAllReduceOptions opts;
       opts.bucket_mb = kSmallBucketMb;
-      auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
       ASSERT_TRUE(red.ok()) << red.status().ToString();
       auto value = [](size_t i, int w) {
         return static_cast<float>(static_cast<int>((i * 7 + static_cast<size_t>(w) * 3) % 17) - 8);
@@ -295,12 +294,12 @@ TEST(GradientAllReduceTest, Fp32IsExactOnSmallIntegers) {
 
 TEST(GradientAllReduceTest, Fp32GivesIdenticalBitsOnEveryRank) {
   // Non-integer inputs: a backend summing in a different order on different ranks would show.
-  const int r = g_comm->rank();
+  const int r = test::MpiWorld()->rank();
   for (int k : {1, 3}) {
     const GradientLayout layout = MakeLayout({100003, 17});
     GradientAllReduceOptions opts;
     opts.bucket_mb = 0.1;
-    auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+    auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
     ASSERT_TRUE(red.ok());
     std::vector<std::vector<float>> in;
     std::vector<float*> ptrs;
@@ -360,8 +359,8 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
 // sum are off by at most half a step of the format (relative 2^-(M+1) for normal values, half
 // the smallest subnormal below), plus float32 rounding of the sum.
 TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (const char* f : {"e4m3", "e5m2", "fp16", "bf16"}) {
     for (int k : {1, 3}) {
       SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k));
@@ -372,7 +371,7 @@ TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
       opts.format = f;
       opts.aps = true;
       opts.bucket_mb = kSmallBucketMb;
-      auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
       ASSERT_TRUE(red.ok());
       std::vector<std::vector<float>> x;
       for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, 3, w));
@@ -407,8 +406,8 @@ TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
 }
 
 TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   const int k = 2;
   const int workers = p * k;
   // Per layer, the largest |g| sits on the last worker; the others hold smaller values.
@@ -420,7 +419,7 @@ TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
     opts.algo = AllReduceAlgo::kPacked;
     opts.format = f;
     opts.aps = true;
-    auto red = GradientAllReducer::Create(g_comm, opts, layout, k);
+    auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
     ASSERT_TRUE(red.ok()) << red.status().ToString();
     std::vector<std::vector<float>> in(static_cast<size_t>(k), std::vector<float>(layout.total()));
     std::vector<float*> ptrs;
@@ -459,8 +458,8 @@ TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
 // flushes a layer of tiny gradients to zero and saturates a layer of huge ones; with APS both
 // come through with e4m3's usual relative error.
 TEST(GradientAllReduceTest, ApsFixesUnderflowAndOverflowOfE4m3) {
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   const GradientLayout layout = MakeLayout({4000, 4000});
   for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
     for (bool aps : {false, true}) {
@@ -469,7 +468,7 @@ TEST(GradientAllReduceTest, ApsFixesUnderflowAndOverflowOfE4m3) {
       opts.algo = algo;
       opts.format = "e4m3";
       opts.aps = aps;
-      auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, 1);
       ASSERT_TRUE(red.ok());
       std::vector<float> x = WorkerInput(layout, 99, r);
       for (size_t i = 0; i < 4000; ++i) x[i] *= 1e-5f;    // |g| ~ 1e-5 << 2^-9
@@ -497,8 +496,8 @@ TEST(GradientAllReduceTest, ApsFixesUnderflowAndOverflowOfE4m3) {
 }
 
 TEST(GradientAllReduceTest, NonFiniteOnOneRankIsFlaggedEverywhere) {
-  const int p = g_comm->size();
-  const int r = g_comm->rank();
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   const GradientLayout layout = MakeLayout({1000, 300});
   for (AllReduceAlgo algo :
        {AllReduceAlgo::kFp32, AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
@@ -509,7 +508,7 @@ TEST(GradientAllReduceTest, NonFiniteOnOneRankIsFlaggedEverywhere) {
       opts.algo = algo;
       opts.aps = true;
       opts.bucket_mb = 0.001;
-      auto red = GradientAllReducer::Create(g_comm, opts, layout, 2);
+      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, 2);
       ASSERT_TRUE(red.ok());
       std::vector<float> a = WorkerInput(layout, 1, 2 * r), b = WorkerInput(layout, 1, 2 * r + 1);
       if (r == p - 1) b[1100] = bad;  // the last rank's second replica, second layer
@@ -532,13 +531,13 @@ TEST(GradientAllReduceTest, NonFiniteOnOneRankIsFlaggedEverywhere) {
 }
 
 TEST(GradientAllReduceTest, BucketsCoverTheBufferAndKeepLayersWhole) {
-  const int p = g_comm->size();
+  const int p = test::MpiWorld()->size();
   const GradientLayout layout = MakeLayout(kSizes);
   GradientAllReduceOptions opts;
   opts.algo = AllReduceAlgo::kPacked;
   opts.format = "mxfp4";
   opts.bucket_mb = kSmallBucketMb;
-  auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+  auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, 1);
   ASSERT_TRUE(red.ok());
   const auto& buckets = red.value()->buckets();
   ASSERT_FALSE(buckets.empty());
@@ -581,7 +580,7 @@ TEST(GradientAllReduceTest, BucketsCoverTheBufferAndKeepLayersWhole) {
 }
 
 TEST(GradientAllReduceTest, PackedSendsFewerBytesThanFp32) {
-  const int p = g_comm->size();
+  const int p = test::MpiWorld()->size();
   if (p == 1) GTEST_SKIP() << "nothing is sent at world size 1";
   const GradientLayout layout = MakeLayout({1 << 16});
   uint64_t bytes[3] = {};
@@ -592,9 +591,9 @@ TEST(GradientAllReduceTest, PackedSendsFewerBytesThanFp32) {
     GradientAllReduceOptions opts;
     opts.algo = algos[j];
     opts.format = formats[j];
-    auto red = GradientAllReducer::Create(g_comm, opts, layout, 1);
+    auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, 1);
     ASSERT_TRUE(red.ok());
-    std::vector<float> x = WorkerInput(layout, 2, g_comm->rank());
+    std::vector<float> x = WorkerInput(layout, 2, test::MpiWorld()->rank());
     float* ptrs[1] = {x.data()};
     ASSERT_TRUE(red.value()->Reduce(ptrs, x.data(), 0).ok());
     bytes[j] = red.value()->last_bytes_sent();
@@ -612,7 +611,7 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   const GradientLayout layout = MakeLayout({10, 20});
   auto expect_invalid = [&](const GradientAllReduceOptions& o, const GradientLayout& lay, int k,
                             const std::string& needle) {
-    auto red = GradientAllReducer::Create(g_comm, o, lay, k);
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, lay, k);
     ASSERT_FALSE(red.ok()) << needle;
     EXPECT_EQ(red.status().code(), Status::Code::kInvalidArgument);
     EXPECT_NE(red.status().message().find(needle), std::string::npos) << red.status().ToString();
@@ -653,7 +652,7 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   // fp32 ignores the format.
   GradientAllReduceOptions f;
   f.format = "nonsense";
-  EXPECT_TRUE(GradientAllReducer::Create(g_comm, f, layout, 1).ok());
+  EXPECT_TRUE(GradientAllReducer::Create(test::MpiWorld(), f, layout, 1).ok());
   auto none = GradientAllReducer::Create(nullptr, GradientAllReduceOptions{}, layout, 1);
   EXPECT_EQ(none.status().code(), Status::Code::kInvalidArgument);
 }
@@ -662,7 +661,7 @@ TEST(GradientAllReduceTest, EmptyLayoutAndSelfCommunicator) {
   // Collective on every rank: an empty buffer still runs the per-step collectives.
   GradientAllReduceOptions o;
   o.algo = AllReduceAlgo::kEmulate;
-  auto red = GradientAllReducer::Create(g_comm, o, MakeLayout({0, 0}), 1);
+  auto red = GradientAllReducer::Create(test::MpiWorld(), o, MakeLayout({0, 0}), 1);
   ASSERT_TRUE(red.ok());
   ASSERT_TRUE(red.value()->Reduce(nullptr, nullptr, 0).ok());
   EXPECT_FALSE(red.value()->last_nonfinite());
@@ -690,29 +689,3 @@ TEST(GradientAllReduceTest, EmptyLayoutAndSelfCommunicator) {
 
 }  // namespace
 }  // namespace cpd::comm
-
-int main(int argc, char** argv) {
-  auto created = cpd::comm::MpiCommunicator::Create();
-  if (!created.ok()) {
-    std::fprintf(stderr, "comm_gradient_allreduce_test: %s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
-  cpd::comm::g_comm = comm.get();
-  ::testing::InitGoogleTest(&argc, argv);
-  if (comm->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  const cpd::Status s = comm->AllReduce(&failed, 1, cpd::comm::ReduceOp::kMax);
-  if (!s.ok()) {
-    std::fprintf(stderr, "comm_gradient_allreduce_test: %s\n", s.ToString().c_str());
-    failed = 1;
-  }
-  if (failed != 0 && comm->rank() == 0)
-    std::fprintf(stderr, "comm_gradient_allreduce_test: FAILED on some rank\n");
-  cpd::comm::g_comm = nullptr;
-  comm.reset();
-  return failed;
-}

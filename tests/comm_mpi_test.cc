@@ -14,11 +14,10 @@
 
 #include "comm/communicator.h"
 #include "comm/mpi_communicator.h"
+#include "tests/mpi_test_main.h"
 
 namespace cpd::comm {
 namespace {
-
-MpiCommunicator* g_comm = nullptr;
 
 const std::vector<std::size_t> kCounts = {0, 1, 7, 1023, std::size_t{1} << 20};
 
@@ -26,25 +25,25 @@ const std::vector<std::size_t> kCounts = {0, 1, 7, 1023, std::size_t{1} << 20};
 float Pattern(std::size_t i) { return static_cast<float>(i % 4096); }
 
 TEST(MpiCommunicatorTest, RankAndSize) {
-  ASSERT_NE(g_comm, nullptr);
-  EXPECT_GE(g_comm->size(), 1);
-  EXPECT_GE(g_comm->rank(), 0);
-  EXPECT_LT(g_comm->rank(), g_comm->size());
+  ASSERT_NE(test::MpiWorld(), nullptr);
+  EXPECT_GE(test::MpiWorld()->size(), 1);
+  EXPECT_GE(test::MpiWorld()->rank(), 0);
+  EXPECT_LT(test::MpiWorld()->rank(), test::MpiWorld()->size());
   // Every rank sees the same size and a distinct rank: sum of ranks is n(n-1)/2.
-  std::int32_t v[2] = {g_comm->rank(), 1};
-  ASSERT_TRUE(g_comm->AllReduce(v, 2, ReduceOp::kSum).ok());
-  const int n = g_comm->size();
+  std::int32_t v[2] = {test::MpiWorld()->rank(), 1};
+  ASSERT_TRUE(test::MpiWorld()->AllReduce(v, 2, ReduceOp::kSum).ok());
+  const int n = test::MpiWorld()->size();
   EXPECT_EQ(v[0], n * (n - 1) / 2);
   EXPECT_EQ(v[1], n);
 }
 
 TEST(MpiCommunicatorTest, AllReduceSumFloat) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t count : kCounts) {
     std::vector<float> data(count);
     for (std::size_t i = 0; i < count; ++i) data[i] = Pattern(i) + static_cast<float>(r);
-    Status s = g_comm->AllReduce(data.data(), count, ReduceOp::kSum);
+    Status s = test::MpiWorld()->AllReduce(data.data(), count, ReduceOp::kSum);
     ASSERT_TRUE(s.ok()) << s.ToString();
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < count; ++i) {
@@ -57,15 +56,15 @@ TEST(MpiCommunicatorTest, AllReduceSumFloat) {
 }
 
 TEST(MpiCommunicatorTest, AllReduceMaxFloat) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   auto value = [](std::size_t i, int rank) {
     return static_cast<float>((i * 7 + static_cast<std::size_t>(rank) * 13) % 101) - 50.0f;
   };
   for (std::size_t count : kCounts) {
     std::vector<float> data(count);
     for (std::size_t i = 0; i < count; ++i) data[i] = value(i, r);
-    ASSERT_TRUE(g_comm->AllReduce(data.data(), count, ReduceOp::kMax).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllReduce(data.data(), count, ReduceOp::kMax).ok());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < count; ++i) {
       float expected = value(i, 0);
@@ -77,8 +76,8 @@ TEST(MpiCommunicatorTest, AllReduceMaxFloat) {
 }
 
 TEST(MpiCommunicatorTest, AllReduceIntegers) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{9}}) {
     std::vector<std::int32_t> a(count);
     std::vector<std::uint64_t> b(count);
@@ -88,9 +87,9 @@ TEST(MpiCommunicatorTest, AllReduceIntegers) {
       b[i] = (std::uint64_t{1} << 40) + static_cast<std::uint64_t>(i) * 3 + r;
       m[i] = r == n - 1 ? static_cast<std::int32_t>(i) + 100 : -static_cast<std::int32_t>(i);
     }
-    ASSERT_TRUE(g_comm->AllReduce(a.data(), count, ReduceOp::kSum).ok());
-    ASSERT_TRUE(g_comm->AllReduce(b.data(), count, ReduceOp::kSum).ok());
-    ASSERT_TRUE(g_comm->AllReduce(m.data(), count, ReduceOp::kMax).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllReduce(a.data(), count, ReduceOp::kSum).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllReduce(b.data(), count, ReduceOp::kSum).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllReduce(m.data(), count, ReduceOp::kMax).ok());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < count; ++i) {
       wrong += a[i] != n * static_cast<std::int32_t>(i) - n * (n - 1) / 2;
@@ -103,14 +102,14 @@ TEST(MpiCommunicatorTest, AllReduceIntegers) {
 }
 
 TEST(MpiCommunicatorTest, ReduceScatterBlocks) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{5}, std::size_t{1} << 18}) {
     const std::size_t count = block * static_cast<std::size_t>(n);
     std::vector<float> in(count);
     for (std::size_t j = 0; j < count; ++j) in[j] = Pattern(j) + static_cast<float>(r);
     std::vector<float> out(block, -1.0f);
-    Status s = g_comm->ReduceScatter(in.data(), out.data(), count);
+    Status s = test::MpiWorld()->ReduceScatter(in.data(), out.data(), count);
     ASSERT_TRUE(s.ok()) << s.ToString();
     std::size_t wrong = 0;
     for (std::size_t k = 0; k < block; ++k) {
@@ -124,22 +123,22 @@ TEST(MpiCommunicatorTest, ReduceScatterBlocks) {
 }
 
 TEST(MpiCommunicatorTest, ReduceScatterRejectsIndivisibleCount) {
-  const int n = g_comm->size();
+  const int n = test::MpiWorld()->size();
   if (n == 1) GTEST_SKIP() << "every count is divisible by 1";
   std::vector<float> in(static_cast<std::size_t>(n) + 1, 1.0f);
   std::vector<float> out(2);
-  Status s = g_comm->ReduceScatter(in.data(), out.data(), in.size());
+  Status s = test::MpiWorld()->ReduceScatter(in.data(), out.data(), in.size());
   EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << s.ToString();
 }
 
 TEST(MpiCommunicatorTest, AllGatherPlacesBlocksByRank) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t count : kCounts) {
     std::vector<float> in(count);
     for (std::size_t k = 0; k < count; ++k) in[k] = static_cast<float>(r * 4096) + Pattern(k);
     std::vector<float> out(count * static_cast<std::size_t>(n), -1.0f);
-    ASSERT_TRUE(g_comm->AllGather(in.data(), out.data(), count).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllGather(in.data(), out.data(), count).ok());
     std::size_t wrong = 0;
     for (int s = 0; s < n; ++s) {
       for (std::size_t k = 0; k < count; ++k) {
@@ -152,8 +151,8 @@ TEST(MpiCommunicatorTest, AllGatherPlacesBlocksByRank) {
 }
 
 TEST(MpiCommunicatorTest, AllToAllRoutesBlocks) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   // Element k of the block from rank src to rank dst.
   auto value = [n](int src, int dst, std::size_t k) {
     return static_cast<float>((src * n + dst) * 4096) + Pattern(k);
@@ -166,7 +165,7 @@ TEST(MpiCommunicatorTest, AllToAllRoutesBlocks) {
         in[static_cast<std::size_t>(d) * block + k] = value(r, d, k);
     }
     std::vector<float> out(total, -1.0f);
-    ASSERT_TRUE(g_comm->AllToAll(in.data(), out.data(), block).ok());
+    ASSERT_TRUE(test::MpiWorld()->AllToAll(in.data(), out.data(), block).ok());
     std::size_t wrong = 0;
     for (int s = 0; s < n; ++s) {
       for (std::size_t k = 0; k < block; ++k) {
@@ -178,8 +177,8 @@ TEST(MpiCommunicatorTest, AllToAllRoutesBlocks) {
 }
 
 TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   // The last root is non-zero whenever n > 1.
   for (int root = 0; root < n; ++root) {
     for (std::size_t count : kCounts) {
@@ -187,7 +186,7 @@ TEST(MpiCommunicatorTest, BroadcastFromEveryRoot) {
       for (std::size_t i = 0; i < count; ++i) {
         data[i] = r == root ? Pattern(i) + 0.5f + static_cast<float>(root) : -1.0f;
       }
-      ASSERT_TRUE(g_comm->Broadcast(data.data(), count, root).ok());
+      ASSERT_TRUE(test::MpiWorld()->Broadcast(data.data(), count, root).ok());
       std::size_t wrong = 0;
       for (std::size_t i = 0; i < count; ++i) {
         wrong += data[i] != Pattern(i) + 0.5f + static_cast<float>(root);
@@ -205,8 +204,8 @@ std::uint8_t ByteOf(int src, int dst, std::size_t k) {
 }
 
 TEST(MpiCommunicatorTest, AllToAllBytesRoutesBlocks) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t block : kCounts) {
     const std::size_t total = block * static_cast<std::size_t>(n);
     std::vector<std::uint8_t> in(total);
@@ -215,7 +214,7 @@ TEST(MpiCommunicatorTest, AllToAllBytesRoutesBlocks) {
         in[static_cast<std::size_t>(d) * block + k] = ByteOf(r, d, k);
     }
     std::vector<std::uint8_t> out(total, 0xee);
-    Status s = g_comm->AllToAllBytes(in.data(), out.data(), block);
+    Status s = test::MpiWorld()->AllToAllBytes(in.data(), out.data(), block);
     ASSERT_TRUE(s.ok()) << s.ToString();
     std::size_t wrong = 0;
     for (int src = 0; src < n; ++src) {
@@ -227,13 +226,13 @@ TEST(MpiCommunicatorTest, AllToAllBytesRoutesBlocks) {
 }
 
 TEST(MpiCommunicatorTest, AllGatherBytesPlacesBlocksByRank) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (std::size_t block : kCounts) {
     std::vector<std::uint8_t> in(block);
     for (std::size_t k = 0; k < block; ++k) in[k] = ByteOf(r, 0, k);
     std::vector<std::uint8_t> out(block * static_cast<std::size_t>(n), 0xee);
-    Status s = g_comm->AllGatherBytes(in.data(), out.data(), block);
+    Status s = test::MpiWorld()->AllGatherBytes(in.data(), out.data(), block);
     ASSERT_TRUE(s.ok()) << s.ToString();
     std::size_t wrong = 0;
     for (int src = 0; src < n; ++src) {
@@ -245,13 +244,13 @@ TEST(MpiCommunicatorTest, AllGatherBytesPlacesBlocksByRank) {
 }
 
 TEST(MpiCommunicatorTest, BroadcastBytesFromEveryRoot) {
-  const int n = g_comm->size();
-  const int r = g_comm->rank();
+  const int n = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
   for (int root = 0; root < n; ++root) {
     for (std::size_t count : kCounts) {
       std::vector<std::uint8_t> data(count);
       for (std::size_t k = 0; k < count; ++k) data[k] = r == root ? ByteOf(root, 1, k) : 0xee;
-      ASSERT_TRUE(g_comm->BroadcastBytes(data.data(), count, root).ok());
+      ASSERT_TRUE(test::MpiWorld()->BroadcastBytes(data.data(), count, root).ok());
       std::size_t wrong = 0;
       for (std::size_t k = 0; k < count; ++k) wrong += data[k] != ByteOf(root, 1, k);
       EXPECT_EQ(wrong, 0u) << "root " << root << " count " << count;
@@ -262,9 +261,9 @@ TEST(MpiCommunicatorTest, BroadcastBytesFromEveryRoot) {
 // Beyond MPI's int count the broadcast travels in pieces; the last root and the bytes on both
 // sides of the 2^31 boundary are checked. 2 GiB per rank, so only at world sizes 1 and 2.
 TEST(MpiCommunicatorTest, BroadcastBytesBeyondIntMax) {
-  const int n = g_comm->size();
+  const int n = test::MpiWorld()->size();
   if (n > 2) GTEST_SKIP() << "needs 2 GiB per rank; run at world size 1 or 2";
-  const int r = g_comm->rank();
+  const int r = test::MpiWorld()->rank();
   const int root = n - 1;
   const std::size_t count = static_cast<std::size_t>(INT_MAX) + 7;
   std::vector<std::uint8_t> data(count, r == root ? 0x5a : 0x00);
@@ -272,7 +271,7 @@ TEST(MpiCommunicatorTest, BroadcastBytesBeyondIntMax) {
     for (std::size_t k = count - 64; k < count; ++k) data[k] = ByteOf(root, 2, k);
     data[0] = 0x11;
   }
-  ASSERT_TRUE(g_comm->BroadcastBytes(data.data(), count, root).ok());
+  ASSERT_TRUE(test::MpiWorld()->BroadcastBytes(data.data(), count, root).ok());
   std::size_t wrong = data[0] != 0x11;
   for (std::size_t k = 1; k < count - 64; k += 4093) wrong += data[k] != 0x5a;
   for (std::size_t k = count - 64; k < count; ++k) wrong += data[k] != ByteOf(root, 2, k);
@@ -284,30 +283,33 @@ TEST(MpiCommunicatorTest, ByteCollectivesRejectBadArguments) {
   std::uint8_t b[16] = {};
   const std::size_t too_many = static_cast<std::size_t>(INT_MAX) + 1;
   // Rejected before MPI sees the (small) buffers.
-  Status s = g_comm->AllToAllBytes(a, b, too_many);
+  Status s = test::MpiWorld()->AllToAllBytes(a, b, too_many);
   EXPECT_EQ(s.code(), Status::Code::kInvalidArgument);
   EXPECT_NE(s.message().find("AllToAllBytes"), std::string::npos) << s.ToString();
-  EXPECT_NE(s.message().find("rank " + std::to_string(g_comm->rank())), std::string::npos)
+  EXPECT_NE(s.message().find("rank " + std::to_string(test::MpiWorld()->rank())), std::string::npos)
       << s.ToString();
-  EXPECT_EQ(g_comm->AllGatherBytes(a, b, too_many).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->AllGatherBytes(nullptr, b, 1).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->AllToAllBytes(a, nullptr, 1).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->BroadcastBytes(a, 4, g_comm->size()).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->BroadcastBytes(a, 4, -1).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->BroadcastBytes(nullptr, 4, 0).code(), Status::Code::kInvalidArgument);
-  EXPECT_TRUE(g_comm->BroadcastBytes(nullptr, 0, 0).ok());
-  EXPECT_TRUE(g_comm->Barrier().ok());
+  EXPECT_EQ(test::MpiWorld()->AllGatherBytes(a, b, too_many).code(),
+            Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->AllGatherBytes(nullptr, b, 1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->AllToAllBytes(a, nullptr, 1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->BroadcastBytes(a, 4, test::MpiWorld()->size()).code(),
+            Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->BroadcastBytes(a, 4, -1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->BroadcastBytes(nullptr, 4, 0).code(), Status::Code::kInvalidArgument);
+  EXPECT_TRUE(test::MpiWorld()->BroadcastBytes(nullptr, 0, 0).ok());
+  EXPECT_TRUE(test::MpiWorld()->Barrier().ok());
 }
 
 TEST(MpiCommunicatorTest, InvalidArgumentsAreRejectedBeforeMpi) {
   float x = 0.0f;
-  EXPECT_EQ(g_comm->Broadcast(&x, 1, g_comm->size()).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->Broadcast(&x, 1, -1).code(), Status::Code::kInvalidArgument);
-  EXPECT_EQ(g_comm->AllReduce(static_cast<float*>(nullptr), 4, ReduceOp::kSum).code(),
+  EXPECT_EQ(test::MpiWorld()->Broadcast(&x, 1, test::MpiWorld()->size()).code(),
+            Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->Broadcast(&x, 1, -1).code(), Status::Code::kInvalidArgument);
+  EXPECT_EQ(test::MpiWorld()->AllReduce(static_cast<float*>(nullptr), 4, ReduceOp::kSum).code(),
             Status::Code::kInvalidArgument);
   // Null buffers are fine with a count of 0.
-  EXPECT_TRUE(g_comm->AllReduce(static_cast<float*>(nullptr), 0, ReduceOp::kSum).ok());
-  EXPECT_TRUE(g_comm->Barrier().ok());
+  EXPECT_TRUE(test::MpiWorld()->AllReduce(static_cast<float*>(nullptr), 0, ReduceOp::kSum).ok());
+  EXPECT_TRUE(test::MpiWorld()->Barrier().ok());
 }
 
 TEST(MpiCommunicatorTest, CreateAgainSharesTheInitialisedMpi) {
@@ -315,13 +317,13 @@ TEST(MpiCommunicatorTest, CreateAgainSharesTheInitialisedMpi) {
   auto second = MpiCommunicator::Create();
   ASSERT_TRUE(second.ok()) << second.status().ToString();
   std::unique_ptr<MpiCommunicator> c = std::move(second).value();
-  EXPECT_EQ(c->size(), g_comm->size());
-  EXPECT_EQ(c->rank(), g_comm->rank());
+  EXPECT_EQ(c->size(), test::MpiWorld()->size());
+  EXPECT_EQ(c->rank(), test::MpiWorld()->rank());
   float v = 1.0f;
   ASSERT_TRUE(c->AllReduce(&v, 1, ReduceOp::kSum).ok());
   EXPECT_EQ(v, static_cast<float>(c->size()));
   c.reset();
-  EXPECT_TRUE(g_comm->Barrier().ok());
+  EXPECT_TRUE(test::MpiWorld()->Barrier().ok());
 }
 
 TEST(SelfCommunicatorTest, WorldOfOne) {
@@ -376,30 +378,3 @@ TEST(SelfCommunicatorTest, WorldOfOne) {
 
 }  // namespace
 }  // namespace cpd::comm
-
-int main(int argc, char** argv) {
-  auto created = cpd::comm::MpiCommunicator::Create();
-  if (!created.ok()) {
-    std::fprintf(stderr, "comm_mpi_test: %s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
-  cpd::comm::g_comm = comm.get();
-  ::testing::InitGoogleTest(&argc, argv);
-  if (comm->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  // Every rank returns the same result: failed if any rank failed.
-  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  const cpd::Status s = comm->AllReduce(&failed, 1, cpd::comm::ReduceOp::kMax);
-  if (!s.ok()) {
-    std::fprintf(stderr, "comm_mpi_test: %s\n", s.ToString().c_str());
-    failed = 1;
-  }
-  if (failed != 0 && comm->rank() == 0)
-    std::fprintf(stderr, "comm_mpi_test: FAILED on some rank\n");
-  cpd::comm::g_comm = nullptr;
-  comm.reset();  // Finalises MPI.
-  return failed;
-}

@@ -13,14 +13,10 @@
 #include "comm/gradient_allreduce.h"
 #include "comm/nccl_communicator.h"
 #include "cpd/config.h"
-#if CPD_WITH_MPI
-#include "comm/mpi_communicator.h"
-#endif
+#include "tests/mpi_test_main.h"
 
 namespace cpd::comm {
 namespace {
-
-Communicator* g_bootstrap = nullptr;
 
 // The NCCL communicator shared by the tests, or null (with the reason) when this machine cannot
 // run one: no device, or fewer devices than ranks. Every rank decides the same way.
@@ -33,10 +29,10 @@ NcclCommunicator* Nccl(std::string* why) {
     int devices = 0;
     if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
       reason = "no CUDA device";
-    } else if (devices < g_bootstrap->size()) {
+    } else if (devices < test::World()->size()) {
       reason = "fewer GPUs than ranks";
     } else {
-      auto created = NcclCommunicator::Create(g_bootstrap);
+      auto created = NcclCommunicator::Create(test::World());
       if (created.ok()) {
         comm = std::move(created).value();
       } else {
@@ -91,8 +87,8 @@ float Pattern(size_t i) { return static_cast<float>(i % 4096); }
 TEST(NcclCommunicatorTest, DeviceMemoryAndRanks) {
   NCCL_OR_SKIP(c);
   EXPECT_EQ(c->memory(), MemorySpace::kDevice);
-  EXPECT_EQ(c->size(), g_bootstrap->size());
-  EXPECT_EQ(c->rank(), g_bootstrap->rank());
+  EXPECT_EQ(c->size(), test::World()->size());
+  EXPECT_EQ(c->rank(), test::World()->rank());
   EXPECT_TRUE(c->Barrier().ok());
 }
 
@@ -243,32 +239,10 @@ TEST(NcclCommunicatorTest, CreateWithoutADeviceIsUnavailable) {
   if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
     GTEST_SKIP() << "this machine has a GPU";
   }
-  auto c = NcclCommunicator::Create(g_bootstrap);
+  auto c = NcclCommunicator::Create(test::World());
   ASSERT_FALSE(c.ok());
   EXPECT_EQ(c.status().code(), Status::Code::kUnavailable) << c.status().ToString();
 }
 
 }  // namespace
 }  // namespace cpd::comm
-
-int main(int argc, char** argv) {
-#if CPD_WITH_MPI
-  auto created = cpd::comm::MpiCommunicator::Create();
-  if (!created.ok()) {
-    std::fprintf(stderr, "comm_nccl_test: %s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<cpd::comm::Communicator> bootstrap = std::move(created).value();
-#else
-  auto bootstrap = std::make_unique<cpd::comm::SelfCommunicator>();
-#endif
-  cpd::comm::g_bootstrap = bootstrap.get();
-  ::testing::InitGoogleTest(&argc, argv);
-  if (bootstrap->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  std::int32_t failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
-  if (!bootstrap->AllReduce(&failed, 1, cpd::comm::ReduceOp::kMax).ok()) failed = 1;
-  return failed;
-}

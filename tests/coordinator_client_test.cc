@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/temp_dir.h"
 
 namespace cpd::runtime {
 namespace {
@@ -92,14 +93,11 @@ class Coordinator {
 class CoordinatorClientTest : public ::testing::Test {
  protected:
   CoordinatorClientTest() {
-    char tmpl[] = "/tmp/cpd_coord_client_test_XXXXXX";
-    dir_ = mkdtemp(tmpl);
     port_ = FreePort();
     address_ = "127.0.0.1:" + std::to_string(port_);
     ops_ = v1::OperatorService::NewStub(
         grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   }
-  ~CoordinatorClientTest() override { std::filesystem::remove_all(dir_); }
 
   CoordinatorOptions Options(const std::string& job) const {
     CoordinatorOptions o;
@@ -157,7 +155,9 @@ class CoordinatorClientTest : public ::testing::Test {
     return ops_->JobStatus(&ctx, ref, out).ok();
   }
 
-  std::string dir_, address_;
+  cpd::test::TempDir temp_{"cpd_coord_client_test"};
+  const std::string dir_ = temp_.path();
+  std::string address_;
   int port_ = 0;
   std::unique_ptr<v1::OperatorService::Stub> ops_;
 };

@@ -12,28 +12,9 @@
 #include <string>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/temp_dir.h"
 
 namespace cpd::test {
-
-// A directory under /tmp, removed with everything in it when the object goes.
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/cpd_coord_test_XXXXXX";
-    const char* d = mkdtemp(tmpl);
-    EXPECT_NE(d, nullptr);
-    path_ = d != nullptr ? d : "/tmp";
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // Every call in the tests has a deadline, so a bug fails a test instead of hanging it.
 inline std::unique_ptr<grpc::ClientContext> Ctx(int seconds = 10, const std::string& token = "") {

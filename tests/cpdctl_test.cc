@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/temp_dir.h"
 
 #if !defined(CPDCTL_PATH) || !defined(CPD_COORDINATOR_PATH) || !defined(CPDCTL_PYTHON)
 #error "CPDCTL_PATH, CPD_COORDINATOR_PATH and CPDCTL_PYTHON must be defined"
@@ -254,9 +255,9 @@ v1::StatsReport MakeReport(int64_t job_id, int64_t step, bool with_layers, bool 
 class CpdctlTest : public testing::Test {
  protected:
   void SetUp() override {
-    char tmpl[] = "/tmp/cpdctl_test_XXXXXX";
-    ASSERT_NE(mkdtemp(tmpl), nullptr);
-    dir_ = tmpl;
+    temp_ = std::make_unique<cpd::test::TempDir>("cpdctl_test");
+    dir_ = temp_->path();
+    ASSERT_FALSE(dir_.empty());
     port_ = StartCoordinator(&coord_, "", "db.sqlite");
     ASSERT_GT(port_, 0);
     addr_ = "127.0.0.1:" + std::to_string(port_);
@@ -266,7 +267,7 @@ class CpdctlTest : public testing::Test {
   void TearDown() override {
     coord_.reset();
     token_coord_.reset();
-    if (!dir_.empty()) std::system(("rm -rf '" + dir_ + "'").c_str());
+    temp_.reset();
   }
 
   // Starts cpd-coordinator (with --token-file when `token_file` is set); returns its port.
@@ -408,6 +409,7 @@ class CpdctlTest : public testing::Test {
     }
   }
 
+  std::unique_ptr<cpd::test::TempDir> temp_;
   std::string dir_, addr_;
   int port_ = 0;
   int64_t job_id_ = 0;
@@ -876,8 +878,8 @@ TEST_F(CpdctlTest, WatchRedrawsInPlaceOnATerminal) {
   EXPECT_GE(draws, 2u) << screen;
   const std::string last = screen.substr(screen.rfind(clear));
   for (const char* want :
-       {"cpdctl watch ctl-test on ", "step         10 (11 / 100 done, 11%)", "LAYER", "block1.conv1", "COMM",
-        "job ctl-test  step 10", "2 reports received by this watch"}) {
+       {"cpdctl watch ctl-test on ", "step         10 (11 / 100 done, 11%)", "LAYER",
+        "block1.conv1", "COMM", "job ctl-test  step 10", "2 reports received by this watch"}) {
     EXPECT_NE(last.find(want), std::string::npos) << want << " in\n" << last;
   }
 }

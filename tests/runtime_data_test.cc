@@ -18,11 +18,13 @@
 #include <vector>
 
 #include "runtime/data.h"
+#include "tests/temp_dir.h"
 
 namespace cpd::runtime {
 namespace {
 
 namespace fs = std::filesystem;
+using test::TempDir;
 
 const std::string kFashionDir = kFashionMnistDefaultDir;
 
@@ -33,27 +35,6 @@ bool HaveFashionMnist() {
   }
   return true;
 }
-
-// A scratch directory removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("cpd_data_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-  std::string path() const { return path_.string(); }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
 
 std::vector<uint8_t> ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

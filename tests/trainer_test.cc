@@ -14,24 +14,13 @@
 #include <string>
 
 #include "runtime/checkpoint.h"
+#include "tests/temp_dir.h"
 
 namespace cpd::runtime {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/cpd_trainer_test.XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::TempDir;
 
 TrainOptions SmallRun() {
   TrainOptions o;

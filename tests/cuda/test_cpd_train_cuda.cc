@@ -11,6 +11,7 @@
 
 #include "tests/cuda/cuda_test_util.h"
 #include "tests/subprocess.h"
+#include "tests/temp_dir.h"
 
 #ifndef CPD_TRAIN_PATH
 #error "CPD_TRAIN_PATH must name the cpd-train binary"
@@ -46,8 +47,8 @@ TEST(CpdTrainCuda, AutoPicksTheGpu) {
 
 TEST(CpdTrainCuda, QuantisedResNetWithMetricsAndCheckpoint) {
   CPD_REQUIRE_CUDA();
-  char tmpl[] = "/tmp/cpd_train_cuda.XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
+  cpd::test::TempDir temp("cpd_train_cuda");
+  const std::string dir = temp.path();
   const std::string metrics = dir + "/m.jsonl", ck = dir + "/ck";
   const RunResult r = Train(
       {"--device",         "cuda",    "--dataset",     "synthetic", "--arch",        "resnet8",
@@ -66,7 +67,6 @@ TEST(CpdTrainCuda, QuantisedResNetWithMetricsAndCheckpoint) {
     found |= e.path().filename().string().rfind("ckpt-", 0) == 0;
   }
   EXPECT_TRUE(found) << "no checkpoint in " << ck;
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

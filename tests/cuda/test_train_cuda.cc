@@ -25,11 +25,13 @@
 
 #include "runtime/trainer.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/temp_dir.h"
 
 namespace cpd::runtime::test {
 namespace {
 
 namespace fs = std::filesystem;
+using cpd::test::TempDir;
 
 TrainOptions Options(const std::string& arch, DeviceChoice device = DeviceChoice::kAuto) {
   TrainOptions o;
@@ -165,19 +167,6 @@ TEST(CudaTraining, GpuRunsRepeatBitForBit) {
     EXPECT_EQ(a.param_hash, b.param_hash) << arch;
   }
 }
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/cpd_cuda_train_test.XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 TEST(CudaTraining, CheckpointedRunResumesBitIdentically) {
   CPD_REQUIRE_CUDA();

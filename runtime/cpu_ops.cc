@@ -117,13 +117,6 @@ void ParallelSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, 
 
 // ---- Convolution ------------------------------------------------------------------------------
 
-bool ConvShape::ComputeOutput() {
-  if (k < 1 || stride < 1 || pad < 0 || h + 2 * pad < k || w + 2 * pad < k) return false;
-  oh = (h + 2 * pad - k) / stride + 1;
-  ow = (w + 2 * pad - k) / stride + 1;
-  return true;
-}
-
 namespace {
 
 // Output columns ox whose input column ox * stride - pad + kj lies inside [0, w): [lo, hi).

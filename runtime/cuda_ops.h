@@ -45,7 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "runtime/cpu_ops.h"
+#include "runtime/conv_shape.h"
 
 namespace cpd::runtime::cuda {
 

@@ -1,7 +1,7 @@
 // The CPU convolution front end (part of runtime/cpu_ops.h, which includes it): im2col/col2im,
-// the choice between the three ways of computing a convolution (im2col + OpenBLAS, CPD's
-// direct AVX-512 kernels, oneDNN in runtime/dnnl_conv.h) and Conv2dForward/Backward, which run
-// the chosen one. Defined in cpu_ops.cc. Threading, determinism and layout as in
+// the choice between the three ways of computing a convolution (im2col + OpenBLAS here, CPD's
+// direct AVX-512 kernels in cpu_conv_direct.cc, oneDNN in runtime/dnnl_conv.h) and
+// Conv2dForward/Backward, which run the chosen one. Threading, determinism and layout as in
 // runtime/cpu_ops.h.
 #pragma once
 
@@ -39,7 +39,7 @@ const char* ConvPathName(ConvPath p);  // "im2col", "direct", "onednn"
 //    the register tile, on a CPU with AVX-512F and FMA;
 //  * onednn: otherwise, in a build with oneDNN, outside an OpenMP parallel region, for the
 //    shapes where it measured faster than im2col (the rule and its measurements:
-//    DnnlConvPreferred in cpu_ops.cc, benchmarks/RESULTS.md);
+//    DnnlConvPreferred in cpu_conv.cc, benchmarks/RESULTS.md);
 //  * im2col: everything else (and where oneDNN has only its reference code for a shape).
 ConvPath Conv2dPath(const ConvShape& s);
 // Whether `p` can compute `s` here (CPU, build, shape; onednn also needs n >= 1 and a call from

@@ -30,15 +30,6 @@ namespace {
 #define CPD_DISPATCH(device, call) cpu::call
 #endif
 
-std::string ShapeStr(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 std::string Where(const Layer& layer) { return layer.name() + " (" + layer.kind() + ")"; }
 
 // A layer computes where its parameters live: `t` must be on the same device.
@@ -52,7 +43,7 @@ void RequireDevice(const Layer& layer, const Tensor& t, const char* what, Device
 
 [[noreturn]] void Misfit(const Layer& layer, const std::vector<int64_t>& in,
                          const std::string& expected) {
-  throw std::invalid_argument(Where(layer) + ": input of shape " + ShapeStr(in) +
+  throw std::invalid_argument(Where(layer) + ": input of shape " + ShapeString(in) +
                               " does not fit; expected " + expected);
 }
 
@@ -70,7 +61,7 @@ void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_
   RequireDevice(layer, dy, "the output gradient", device);
   if (dy.shape() != expected) {
     throw std::invalid_argument(Where(layer) + ": output gradient of shape " + dy.ShapeString() +
-                                " does not match the forward output " + ShapeStr(expected));
+                                " does not match the forward output " + ShapeString(expected));
   }
 }
 
@@ -620,7 +611,7 @@ Tensor Flatten::Backward(const Tensor& dy) {
   if (dy.shape() != OutputShape(in_shape_)) {
     throw std::invalid_argument(Where(*this) + ": output gradient of shape " + dy.ShapeString() +
                                 " does not match the forward output " +
-                                ShapeStr(OutputShape(in_shape_)));
+                                ShapeString(OutputShape(in_shape_)));
   }
   return dy.Reshaped(in_shape_);
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "runtime/cuda_internal.h"
 #include "runtime/cuda_kernels.cuh"
@@ -180,6 +181,29 @@ int32_t SplitsFor(int32_t count) {
   return s < 1 ? 1 : (s > 1024 ? 1024 : s);
 }
 
+// The two-step reduction of BatchNormTrainForward and BatchNormBackward over each channel's
+// count = n * hw values: `splits` blocks of `per` values, and scratch for their partial sums.
+// Checks the sizes first; `op` names the caller in the messages.
+struct ChannelReduction {
+  int32_t count, splits, per;
+  double* partial;
+};
+
+ChannelReduction PlanChannelReduction(const char* op, int64_t n, int64_t c, int64_t hw) {
+  if (n * hw < 1) {
+    throw std::invalid_argument(std::string("cuda ") + op + ": no values per channel");
+  }
+  RequireIndex32("BatchNorm", n * c * hw);
+  if (c > 65535) throw std::invalid_argument("cuda BatchNorm: more than 65535 channels");
+  ChannelReduction r;
+  r.count = int32_t(n * hw);
+  r.splits = SplitsFor(r.count);
+  r.per = int32_t(CEIL_DIV(int64_t(r.count), int64_t(r.splits)));
+  r.partial = static_cast<double*>(internal::ScratchMemory(
+      Scratch::kPartials, size_t(c) * size_t(r.splits) * 2 * sizeof(double)));
+  return r;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -190,20 +214,13 @@ void BatchNormTrainForward(int64_t n, int64_t c, int64_t hw, const float* x, con
                            float* var, float* invstd) {
   const int64_t total = n * c * hw;
   if (c == 0) return;
-  if (n * hw < 1) throw std::invalid_argument("cuda BatchNormTrainForward: no values per channel");
-  RequireIndex32("BatchNorm", total);
-  if (c > 65535) throw std::invalid_argument("cuda BatchNorm: more than 65535 channels");
+  const ChannelReduction r = PlanChannelReduction("BatchNormTrainForward", n, c, hw);
   cudaStream_t stream = StreamHandle();
-  const int32_t count = int32_t(n * hw);
-  const int32_t splits = SplitsFor(count);
-  const int32_t per = int32_t(CEIL_DIV(int64_t(count), int64_t(splits)));
-  auto* partial = static_cast<double*>(
-      internal::ScratchMemory(Scratch::kPartials, size_t(c) * size_t(splits) * 2 * sizeof(double)));
-  bn_stats_partial_kernel<<<dim3(unsigned(splits), unsigned(c)), kThreads, 0, stream>>>(
-      int32_t(n), int32_t(c), int32_t(hw), per, x, partial);
+  bn_stats_partial_kernel<<<dim3(unsigned(r.splits), unsigned(c)), kThreads, 0, stream>>>(
+      int32_t(n), int32_t(c), int32_t(hw), r.per, x, r.partial);
   CPD_CHECK_LAUNCH();
   bn_stats_finalize_kernel<<<unsigned(CEIL_DIV(c, int64_t(kThreads))), kThreads, 0, stream>>>(
-      int32_t(c), int32_t(hw), splits, double(count), eps, x, partial, mean, var, invstd);
+      int32_t(c), int32_t(hw), r.splits, double(r.count), eps, x, r.partial, mean, var, invstd);
   CPD_CHECK_LAUNCH();
   bn_apply_kernel<<<BlocksFor(size_t(total)), kThreads, 0, stream>>>(
       int32_t(total), int32_t(c), int32_t(hw), x, gamma, beta, mean, invstd, relu, y);
@@ -236,22 +253,15 @@ void BatchNormBackward(int64_t n, int64_t c, int64_t hw, const float* x, const f
                        const float* invstd, float* dx, float* dgamma, float* dbeta) {
   const int64_t total = n * c * hw;
   if (c == 0) return;
-  if (n * hw < 1) throw std::invalid_argument("cuda BatchNormBackward: no values per channel");
-  RequireIndex32("BatchNorm", total);
-  if (c > 65535) throw std::invalid_argument("cuda BatchNorm: more than 65535 channels");
+  const ChannelReduction r = PlanChannelReduction("BatchNormBackward", n, c, hw);
   cudaStream_t stream = StreamHandle();
-  const int32_t count = int32_t(n * hw);
-  const int32_t splits = SplitsFor(count);
-  const int32_t per = int32_t(CEIL_DIV(int64_t(count), int64_t(splits)));
-  auto* partial = static_cast<double*>(
-      internal::ScratchMemory(Scratch::kPartials, size_t(c) * size_t(splits) * 2 * sizeof(double)));
   auto* coef = static_cast<float*>(
       internal::ScratchMemory(Scratch::kCoefficients, size_t(c) * 3 * sizeof(float)));
-  bn_backward_partial_kernel<<<dim3(unsigned(splits), unsigned(c)), kThreads, 0, stream>>>(
-      int32_t(n), int32_t(c), int32_t(hw), per, x, dy, relu_y, mean, partial);
+  bn_backward_partial_kernel<<<dim3(unsigned(r.splits), unsigned(c)), kThreads, 0, stream>>>(
+      int32_t(n), int32_t(c), int32_t(hw), r.per, x, dy, relu_y, mean, r.partial);
   CPD_CHECK_LAUNCH();
   bn_backward_finalize_kernel<<<unsigned(CEIL_DIV(c, int64_t(kThreads))), kThreads, 0, stream>>>(
-      int32_t(c), splits, double(count), partial, gamma, invstd, coef, dgamma, dbeta);
+      int32_t(c), r.splits, double(r.count), r.partial, gamma, invstd, coef, dgamma, dbeta);
   CPD_CHECK_LAUNCH();
   bn_backward_apply_kernel<<<BlocksFor(size_t(total)), kThreads, 0, stream>>>(
       int32_t(total), int32_t(c), int32_t(hw), x, dy, relu_y, mean, coef, dx);

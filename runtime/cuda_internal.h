@@ -1,6 +1,7 @@
-// Internal to the runtime's CUDA back end (runtime/cuda_ops.cu, runtime/cuda_context.cc): the
-// error-check macro, the stream and the reusable scratch memory of the process-wide context.
-// Not part of the public interface (see runtime/cuda_ops.h).
+// Internal to the runtime's CUDA back end (runtime/cuda_ops.cu, runtime/cuda_kernels_*.cu,
+// runtime/cuda_context.cc, and Tensor's CUDA memory in runtime/tensor.cc): the error-check
+// macro, the stream and the reusable scratch memory of the process-wide context. Not part of the
+// public interface (see runtime/cuda_ops.h).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// The oneDNN path of cpu::Conv2dForward / Conv2dBackward (runtime/cpu_ops.h): fp32 convolution
+// The oneDNN path of cpu::Conv2dForward / Conv2dBackward (runtime/cpu_conv.h): fp32 convolution
 // primitives (forward, backward-data, backward-weights with the bias gradient) on NCHW user
 // tensors. oneDNN picks its own (blocked) layouts (format_tag::any); the user tensors are
 // reordered into them and the results back, and every reorder is part of the call's time.
@@ -21,7 +21,7 @@
 
 #include <string>
 
-#include "runtime/cpu_ops.h"
+#include "runtime/conv_shape.h"
 
 namespace cpd::runtime::cpu::onednn {
 

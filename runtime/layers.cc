@@ -1,3 +1,7 @@
+// The layers of runtime/layers.h that own parameters (Linear, Conv2d, BatchNorm), their
+// initialisation and MoveToDevice, and the checks every layer shares (runtime/layers_internal.h).
+// The parameter-free layers and the loss are in layers_parameter_free.cc, the composites in
+// layers_composite.cc.
 #include "runtime/layers.h"
 
 #include <algorithm>
@@ -7,41 +11,14 @@
 
 #include "cpd/config.h"
 #include "kernels/grid.h"
-#if CPD_WITH_CUDA
-#include "runtime/cuda_ops.h"
-#endif
+#include "runtime/layers_internal.h"
 
 namespace cpd::runtime {
 
-namespace {
-
-// Runs cpu::CALL, or cuda::CALL (the same function over device pointers, runtime/cuda_ops.h)
-// when `device` is Device::kCuda. A build without CUDA cannot make CUDA tensors, so there it is
-// the CPU call alone.
-#if CPD_WITH_CUDA
-#define CPD_DISPATCH(device, call) \
-  do {                             \
-    if ((device) == Device::kCuda) \
-      cuda::call;                  \
-    else                           \
-      cpu::call;                   \
-  } while (0)
-#else
-#define CPD_DISPATCH(device, call) cpu::call
-#endif
-
-std::string ShapeStr(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
+namespace internal {
 
 std::string Where(const Layer& layer) { return layer.name() + " (" + layer.kind() + ")"; }
 
-// A layer computes where its parameters live: `t` must be on the same device.
 void RequireDevice(const Layer& layer, const Tensor& t, const char* what, Device device) {
   if (t.device() != device) {
     throw std::invalid_argument(Where(layer) + ": " + what + " is a " + DeviceName(t.device()) +
@@ -52,7 +29,7 @@ void RequireDevice(const Layer& layer, const Tensor& t, const char* what, Device
 
 [[noreturn]] void Misfit(const Layer& layer, const std::vector<int64_t>& in,
                          const std::string& expected) {
-  throw std::invalid_argument(Where(layer) + ": input of shape " + ShapeStr(in) +
+  throw std::invalid_argument(Where(layer) + ": input of shape " + ShapeString(in) +
                               " does not fit; expected " + expected);
 }
 
@@ -64,15 +41,31 @@ void RequireReady(const Layer& layer, bool ready) {
   }
 }
 
-// dy must match the last training forward's output: its shape and its device.
 void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_t>& expected,
                   Device device) {
   RequireDevice(layer, dy, "the output gradient", device);
   if (dy.shape() != expected) {
     throw std::invalid_argument(Where(layer) + ": output gradient of shape " + dy.ShapeString() +
-                                " does not match the forward output " + ShapeStr(expected));
+                                " does not match the forward output " + ShapeString(expected));
   }
 }
+
+std::string FormatFloat(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+
+}  // namespace internal
+
+using internal::FormatFloat;
+using internal::Misfit;
+using internal::RequireDevice;
+using internal::RequireReady;
+using internal::RequireShape;
+using internal::Where;
+
+namespace {
 
 // A hook may rewrite a tensor's values, not its shape or device.
 void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>& shape,
@@ -122,12 +115,6 @@ Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight
   p.grad = Tensor(std::move(shape));
   p.weight_decay = weight_decay;
   return p;
-}
-
-std::string FormatFloat(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", v);
-  return buf;
 }
 
 // Leaf layers' records: one row.
@@ -466,455 +453,6 @@ Tensor BatchNorm::Backward(const Tensor& dy) {
   CPD_DISPATCH(dev, AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data()));
   CPD_DISPATCH(dev, AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data()));
   return dx_;
-}
-
-// ---- ReLU ---------------------------------------------------------------------------------------
-
-std::vector<int64_t> ReLU::OutputShape(const std::vector<int64_t>& in) const { return in; }
-
-Tensor ReLU::Forward(const Tensor& x, bool train) {
-  ResizeOn(&y_, x.shape(), x.device());
-  CPD_DISPATCH(x.device(), Relu(x.numel(), x.data(), y_.data()));
-  ready_ = train;
-  return y_;
-}
-
-Tensor ReLU::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&dx_, dy.shape(), dev);
-  CPD_DISPATCH(dev, ReluBackward(dy.numel(), y_.data(), dy.data(), dx_.data()));
-  return dx_;
-}
-
-// ---- Pooling ------------------------------------------------------------------------------------
-
-Pool2d::Pool2d(std::string name, const char* kind, int64_t kernel, int64_t stride)
-    : ShapedLayer(std::move(name)), k_(kernel), stride_(stride == 0 ? kernel : stride) {
-  if (k_ < 1 || stride_ < 1) {
-    throw std::invalid_argument(this->name() + " (" + kind +
-                                "): kernel and stride must be >= 1, got " + std::to_string(k_) +
-                                " and " + std::to_string(stride_));
-  }
-}
-
-std::string Pool2d::Describe() const {
-  return std::string(kind()) + "(kernel " + std::to_string(k_) + ", stride " +
-         std::to_string(stride_) + ")";
-}
-
-std::vector<int64_t> Pool2d::OutputShape(const std::vector<int64_t>& in) const {
-  if (in.size() != 4 || in[2] < k_ || in[3] < k_) {
-    Misfit(*this, in, "[N, C, H, W] with H, W >= " + std::to_string(k_));
-  }
-  return {in[0], in[1], (in[2] - k_) / stride_ + 1, (in[3] - k_) / stride_ + 1};
-}
-
-MaxPool2d::MaxPool2d(std::string name, int64_t kernel, int64_t stride)
-    : Pool2d(std::move(name), "MaxPool2d", kernel, stride) {}
-
-Tensor MaxPool2d::Forward(const Tensor& x, bool train) {
-  const std::vector<int64_t> out = OutputShape(x.shape());
-  ResizeOn(&y_, out, x.device());
-#if CPD_WITH_CUDA
-  if (x.device() == Device::kCuda) {
-    argmax_dev_.Reserve(y_.numel() * sizeof(int32_t), Device::kCuda);
-    cuda::MaxPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3],
-                           x.data(), y_.data(), static_cast<int32_t*>(argmax_dev_.data()));
-    in_shape_ = x.shape();
-    ready_ = train;
-    return y_;
-  }
-#endif
-  argmax_.resize(y_.numel());
-  cpu::MaxPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_, out[2], out[3], x.data(),
-                        y_.data(), argmax_.data());
-  in_shape_ = x.shape();
-  ready_ = train;
-  return y_;
-}
-
-Tensor MaxPool2d::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&dx_, in_shape_, dev);
-#if CPD_WITH_CUDA
-  if (dev == Device::kCuda) {
-    cuda::MaxPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_, stride_,
-                            dy.dim(2), dy.dim(3), dy.data(),
-                            static_cast<const int32_t*>(argmax_dev_.data()), dx_.data());
-    return dx_;
-  }
-#endif
-  cpu::MaxPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], dy.dim(2), dy.dim(3),
-                         dy.data(), argmax_.data(), dx_.data());
-  return dx_;
-}
-
-AvgPool2d::AvgPool2d(std::string name, int64_t kernel, int64_t stride)
-    : Pool2d(std::move(name), "AvgPool2d", kernel, stride) {}
-
-Tensor AvgPool2d::Forward(const Tensor& x, bool train) {
-  const std::vector<int64_t> out = OutputShape(x.shape());
-  ResizeOn(&y_, out, x.device());
-  CPD_DISPATCH(x.device(), AvgPool2dForward(out[0] * out[1], x.dim(2), x.dim(3), k_, stride_,
-                                            out[2], out[3], x.data(), y_.data()));
-  in_shape_ = x.shape();
-  ready_ = train;
-  return y_;
-}
-
-Tensor AvgPool2d::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&dx_, in_shape_, dev);
-  CPD_DISPATCH(dev, AvgPool2dBackward(dy.dim(0) * dy.dim(1), in_shape_[2], in_shape_[3], k_,
-                                      stride_, dy.dim(2), dy.dim(3), dy.data(), dx_.data()));
-  return dx_;
-}
-
-std::vector<int64_t> GlobalAvgPool::OutputShape(const std::vector<int64_t>& in) const {
-  if (in.size() != 4 || in[2] < 1 || in[3] < 1) Misfit(*this, in, "[N, C, H, W]");
-  return {in[0], in[1]};
-}
-
-Tensor GlobalAvgPool::Forward(const Tensor& x, bool train) {
-  ResizeOn(&y_, OutputShape(x.shape()), x.device());
-  CPD_DISPATCH(x.device(),
-               GlobalAvgPoolForward(x.dim(0) * x.dim(1), x.dim(2) * x.dim(3), x.data(), y_.data()));
-  in_shape_ = x.shape();
-  ready_ = train;
-  return y_;
-}
-
-Tensor GlobalAvgPool::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&dx_, in_shape_, dev);
-  CPD_DISPATCH(
-      dev, GlobalAvgPoolBackward(dy.numel(), in_shape_[2] * in_shape_[3], dy.data(), dx_.data()));
-  return dx_;
-}
-
-// ---- Flatten ------------------------------------------------------------------------------------
-
-std::vector<int64_t> Flatten::OutputShape(const std::vector<int64_t>& in) const {
-  if (in.empty()) Misfit(*this, in, "[N, ...]");
-  int64_t rest = 1;
-  for (size_t i = 1; i < in.size(); ++i) rest *= in[i];
-  return {in[0], rest};
-}
-
-Tensor Flatten::Forward(const Tensor& x, bool train) {
-  in_shape_ = x.shape();
-  ready_ = train;
-  return x.Reshaped(OutputShape(x.shape()));
-}
-
-Tensor Flatten::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  if (dy.shape() != OutputShape(in_shape_)) {
-    throw std::invalid_argument(Where(*this) + ": output gradient of shape " + dy.ShapeString() +
-                                " does not match the forward output " +
-                                ShapeStr(OutputShape(in_shape_)));
-  }
-  return dy.Reshaped(in_shape_);
-}
-
-// ---- Dropout ------------------------------------------------------------------------------------
-
-Dropout::Dropout(std::string name, double p, uint64_t seed)
-    : ShapedLayer(std::move(name)), p_(p), seed_(seed) {
-  if (!(p >= 0.0 && p < 1.0)) {
-    throw std::invalid_argument(this->name() + " (Dropout): p must be in [0, 1), got " +
-                                FormatFloat(p));
-  }
-  threshold_ = uint32_t(std::min(std::llround(p * 0x1p32), 0xffffffffll));
-  scale_ = float(1.0 / (1.0 - p));
-}
-
-std::string Dropout::Describe() const { return "Dropout(p " + FormatFloat(p_) + ")"; }
-
-Tensor Dropout::Forward(const Tensor& x, bool train) {
-  ready_ = train;
-  identity_ = !train || threshold_ == 0;
-  if (identity_) return x;
-  key_ = kernels::MakeRandomKey(seed_, step_);
-  ResizeOn(&y_, x.shape(), x.device());
-  CPD_DISPATCH(x.device(), DropoutApply(x.numel(), key_, threshold_, scale_, x.data(), y_.data()));
-  return y_;
-}
-
-Tensor Dropout::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  if (identity_) return dy;
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&dx_, dy.shape(), dev);
-  CPD_DISPATCH(dev, DropoutApply(dy.numel(), key_, threshold_, scale_, dy.data(), dx_.data()));
-  return dx_;
-}
-
-// ---- Sequential ---------------------------------------------------------------------------------
-
-Layer* Sequential::Add(std::unique_ptr<Layer> layer) {
-  if (layer == nullptr) throw std::invalid_argument(Where(*this) + ": Add(nullptr)");
-  layer->SetQuantHooks(hooks_);
-  children_.push_back(std::move(layer));
-  return children_.back().get();
-}
-
-std::string Sequential::Describe() const {
-  return "Sequential(" + std::to_string(children_.size()) + " layers)";
-}
-
-Tensor Sequential::Forward(const Tensor& x, bool train) {
-  Tensor h = x;
-  for (auto& c : children_) h = c->Forward(h, train);
-  return h;
-}
-
-Tensor Sequential::Backward(const Tensor& dy) {
-  Tensor g = dy;
-  for (auto it = children_.rbegin(); it != children_.rend(); ++it) g = (*it)->Backward(g);
-  return g;
-}
-
-std::vector<Param*> Sequential::Params() {
-  std::vector<Param*> out;
-  for (auto& c : children_) {
-    for (Param* p : c->Params()) out.push_back(p);
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, Tensor*>> Sequential::Buffers() {
-  std::vector<std::pair<std::string, Tensor*>> out;
-  for (auto& c : children_) {
-    for (auto& b : c->Buffers()) out.push_back(b);
-  }
-  return out;
-}
-
-void Sequential::SetQuantHooks(QuantHooks* hooks) {
-  hooks_ = hooks;
-  for (auto& c : children_) c->SetQuantHooks(hooks);
-}
-
-std::vector<Layer*> Sequential::Flatten() {
-  std::vector<Layer*> out = {this};
-  for (auto& c : children_) {
-    for (Layer* l : c->Flatten()) out.push_back(l);
-  }
-  return out;
-}
-
-void Sequential::SetStep(uint64_t step) {
-  for (auto& c : children_) c->SetStep(step);
-}
-
-namespace {
-
-ShapedLayer* AsShaped(const Layer& parent, Layer* child) {
-  auto* s = dynamic_cast<ShapedLayer*>(child);
-  if (s == nullptr) {
-    throw std::invalid_argument(Where(parent) + ": child " + Where(*child) +
-                                " cannot infer shapes (not a ShapedLayer)");
-  }
-  return s;
-}
-
-}  // namespace
-
-std::vector<int64_t> Sequential::OutputShape(const std::vector<int64_t>& in) const {
-  std::vector<int64_t> shape = in;
-  for (const auto& c : children_) shape = AsShaped(*this, c.get())->OutputShape(shape);
-  return shape;
-}
-
-std::vector<int64_t> Sequential::TraceShapes(const std::vector<int64_t>& in,
-                                             std::vector<LayerShapeRecord>* out) {
-  const size_t self = out->size();
-  out->push_back({this, in, {}, 0});
-  std::vector<int64_t> shape = in;
-  for (auto& c : children_) shape = AsShaped(*this, c.get())->TraceShapes(shape, out);
-  double macs = 0;
-  for (size_t i = self + 1; i < out->size(); ++i) {
-    if ((*out)[i].layer->Quantizable()) macs += (*out)[i].macs;
-  }
-  (*out)[self].output = shape;
-  (*out)[self].macs = macs;
-  return shape;
-}
-
-// ---- BasicBlock ---------------------------------------------------------------------------------
-
-BasicBlock::BasicBlock(std::string name, int64_t in_channels, int64_t out_channels, int64_t stride,
-                       uint64_t seed)
-    : ShapedLayer(std::move(name)), in_(in_channels), out_(out_channels), stride_(stride) {
-  const std::string& n = this->name();
-  conv1_ = std::make_unique<Conv2d>(n + ".conv1", in_, out_, 3, stride_, 1, false,
-                                    LayerSeed(seed, n + ".conv1"));
-  bn1_ = std::make_unique<BatchNorm>(n + ".bn1", out_);
-  bn1_->set_fused_relu(true);
-  conv2_ = std::make_unique<Conv2d>(n + ".conv2", out_, out_, 3, 1, 1, false,
-                                    LayerSeed(seed, n + ".conv2"));
-  bn2_ = std::make_unique<BatchNorm>(n + ".bn2", out_);
-  if (stride_ != 1 || in_ != out_) {
-    sc_conv_ = std::make_unique<Conv2d>(n + ".shortcut.conv", in_, out_, 1, stride_, 0, false,
-                                        LayerSeed(seed, n + ".shortcut.conv"));
-    sc_bn_ = std::make_unique<BatchNorm>(n + ".shortcut.bn", out_);
-  }
-}
-
-std::string BasicBlock::Describe() const {
-  return "BasicBlock(" + std::to_string(in_) + " -> " + std::to_string(out_) + ", stride " +
-         std::to_string(stride_) + (sc_conv_ ? ", projection shortcut)" : ", identity shortcut)");
-}
-
-std::vector<ShapedLayer*> BasicBlock::Children() const {
-  std::vector<ShapedLayer*> c = {conv1_.get(), bn1_.get(), conv2_.get(), bn2_.get()};
-  if (sc_conv_) {
-    c.push_back(sc_conv_.get());
-    c.push_back(sc_bn_.get());
-  }
-  return c;
-}
-
-std::vector<Param*> BasicBlock::Params() {
-  std::vector<Param*> out;
-  for (ShapedLayer* c : Children()) {
-    for (Param* p : c->Params()) out.push_back(p);
-  }
-  return out;
-}
-
-std::vector<std::pair<std::string, Tensor*>> BasicBlock::Buffers() {
-  std::vector<std::pair<std::string, Tensor*>> out;
-  for (ShapedLayer* c : Children()) {
-    for (auto& b : c->Buffers()) out.push_back(b);
-  }
-  return out;
-}
-
-void BasicBlock::SetQuantHooks(QuantHooks* hooks) {
-  hooks_ = hooks;
-  for (ShapedLayer* c : Children()) c->SetQuantHooks(hooks);
-}
-
-std::vector<Layer*> BasicBlock::Flatten() {
-  std::vector<Layer*> out = {this};
-  for (ShapedLayer* c : Children()) out.push_back(c);
-  return out;
-}
-
-std::vector<int64_t> BasicBlock::OutputShape(const std::vector<int64_t>& in) const {
-  if (in.size() != 4 || in[1] != in_) {
-    Misfit(*this, in, "[N, " + std::to_string(in_) + ", H, W]");
-  }
-  return conv1_->OutputShape(in);
-}
-
-std::vector<int64_t> BasicBlock::TraceShapes(const std::vector<int64_t>& in,
-                                             std::vector<LayerShapeRecord>* out) {
-  const std::vector<int64_t> shape = OutputShape(in);
-  const size_t self = out->size();
-  out->push_back({this, in, shape, 0});
-  std::vector<int64_t> h = conv1_->TraceShapes(in, out);
-  h = bn1_->TraceShapes(h, out);
-  h = conv2_->TraceShapes(h, out);
-  bn2_->TraceShapes(h, out);
-  if (sc_conv_) sc_bn_->TraceShapes(sc_conv_->TraceShapes(in, out), out);
-  for (size_t i = self + 1; i < out->size(); ++i) (*out)[self].macs += (*out)[i].macs;
-  return shape;
-}
-
-Tensor BasicBlock::Forward(const Tensor& x, bool train) {
-  OutputShape(x.shape());
-  const Tensor h = bn1_->Forward(conv1_->Forward(x, train), train);  // ReLU fused in bn1
-  const Tensor b = bn2_->Forward(conv2_->Forward(h, train), train);
-  const Tensor s = sc_conv_ ? sc_bn_->Forward(sc_conv_->Forward(x, train), train) : x;
-  ResizeOn(&y_, b.shape(), b.device());
-  CPD_DISPATCH(b.device(), AddRelu(b.numel(), b.data(), s.data(), y_.data()));
-  ready_ = train;
-  return y_;
-}
-
-Tensor BasicBlock::Backward(const Tensor& dy) {
-  RequireReady(*this, ready_);
-  const Device dev = y_.device();
-  RequireShape(*this, dy, y_.shape(), dev);
-  ResizeOn(&g_, dy.shape(), dev);
-  CPD_DISPATCH(dev, ReluBackward(dy.numel(), y_.data(), dy.data(), g_.data()));
-  const Tensor dh = conv2_->Backward(bn2_->Backward(g_));
-  const Tensor dx_main = conv1_->Backward(bn1_->Backward(dh));
-  const Tensor dx_short = sc_conv_ ? sc_conv_->Backward(sc_bn_->Backward(g_)) : g_;
-  ResizeOn(&dx_, dx_main.shape(), dev);
-  CPD_DISPATCH(dev, Add(dx_main.numel(), dx_main.data(), dx_short.data(), dx_.data()));
-  return dx_;
-}
-
-// ---- SoftmaxCrossEntropy ------------------------------------------------------------------------
-
-namespace {
-
-void CheckLogits(const Tensor& logits, const std::vector<int32_t>& labels) {
-  if (logits.ndim() != 2 || logits.dim(0) < 1 || logits.dim(1) < 1) {
-    throw std::invalid_argument("SoftmaxCrossEntropy: logits must be [N >= 1, classes >= 1], got " +
-                                logits.ShapeString());
-  }
-  if (int64_t(labels.size()) != logits.dim(0)) {
-    throw std::invalid_argument("SoftmaxCrossEntropy: " + std::to_string(labels.size()) +
-                                " labels for logits " + logits.ShapeString());
-  }
-}
-
-}  // namespace
-
-float SoftmaxCrossEntropy::Forward(const Tensor& logits, const std::vector<int32_t>& labels,
-                                   Tensor* dlogits) {
-  CheckLogits(logits, labels);
-  const int64_t n = logits.dim(0), k = logits.dim(1);
-  for (size_t i = 0; i < labels.size(); ++i) {
-    if (labels[i] < 0 || labels[i] >= k) {
-      throw std::invalid_argument("SoftmaxCrossEntropy: label " + std::to_string(labels[i]) +
-                                  " at row " + std::to_string(i) + " is outside [0, " +
-                                  std::to_string(k) + ")");
-    }
-  }
-  float* d = nullptr;
-  if (dlogits != nullptr) {
-    ResizeOn(dlogits, logits.shape(), logits.device());
-    d = dlogits->data();
-  }
-#if CPD_WITH_CUDA
-  if (logits.device() == Device::kCuda) {
-    // The labels stay in host memory; the CUDA loss uploads them.
-    return float(cuda::SoftmaxCrossEntropy(n, k, logits.data(), labels.data(), d));
-  }
-#endif
-  return float(cpu::SoftmaxCrossEntropy(n, k, logits.data(), labels.data(), d));
-}
-
-int64_t SoftmaxCrossEntropy::CountCorrect(const Tensor& logits,
-                                          const std::vector<int32_t>& labels) {
-  CheckLogits(logits, labels);
-  if (logits.device() != Device::kCpu) return CountCorrect(logits.To(Device::kCpu), labels);
-  const int64_t n = logits.dim(0), k = logits.dim(1);
-  int64_t correct = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = logits.data() + i * k;
-    int64_t best = 0;
-    for (int64_t j = 1; j < k; ++j) {
-      if (row[j] > row[best]) best = j;
-    }
-    correct += best == labels[size_t(i)];
-  }
-  return correct;
 }
 
 }  // namespace cpd::runtime

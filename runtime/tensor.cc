@@ -8,25 +8,13 @@
 #include "cpd/config.h"
 #if CPD_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "runtime/cuda_internal.h"
 #endif
 
 namespace cpd::runtime {
 
 namespace {
-
-#if CPD_WITH_CUDA
-// Throws std::runtime_error naming the failing CUDA call, where it is, and CUDA's error text.
-#define CPD_TENSOR_CUDA_CHECK(expr)                                             \
-  do {                                                                          \
-    const cudaError_t cpd_err_ = (expr);                                        \
-    if (cpd_err_ != cudaSuccess) {                                              \
-      throw std::runtime_error(std::string("CUDA error at ") + __FILE__ + ":" + \
-                               std::to_string(__LINE__) + ": " + #expr + ": " + \
-                               cudaGetErrorString(cpd_err_) + " (" +            \
-                               std::to_string(int(cpd_err_)) + ")");            \
-    }                                                                           \
-  } while (0)
-#endif
 
 #if !CPD_WITH_CUDA
 [[noreturn]] void NoCuda() {
@@ -52,7 +40,7 @@ std::shared_ptr<float> Allocate(size_t n, Device device) {
                              " bytes): " + cudaGetErrorString(err));
   }
   std::shared_ptr<float> owned(static_cast<float*>(p), [](float* q) { cudaFree(q); });
-  CPD_TENSOR_CUDA_CHECK(cudaMemset(p, 0, n * sizeof(float)));
+  CPD_CUDA_CHECK(cudaMemset(p, 0, n * sizeof(float)));
   return owned;
 #else
   NoCuda();
@@ -116,10 +104,10 @@ bool CudaAvailable(std::string* why) {
 int SelectCudaDevice(int hint) {
 #if CPD_WITH_CUDA
   int count = 0;
-  CPD_TENSOR_CUDA_CHECK(cudaGetDeviceCount(&count));
+  CPD_CUDA_CHECK(cudaGetDeviceCount(&count));
   if (count < 1) throw std::runtime_error("SelectCudaDevice: no CUDA device");
   const int device = (hint < 0 ? 0 : hint) % count;
-  CPD_TENSOR_CUDA_CHECK(cudaSetDevice(device));
+  CPD_CUDA_CHECK(cudaSetDevice(device));
   return device;
 #else
   (void)hint;
@@ -183,7 +171,7 @@ void Tensor::Zero() {
     return;
   }
 #if CPD_WITH_CUDA
-  CPD_TENSOR_CUDA_CHECK(cudaMemset(data_, 0, numel_ * sizeof(float)));
+  CPD_CUDA_CHECK(cudaMemset(data_, 0, numel_ * sizeof(float)));
 #endif
 }
 
@@ -217,7 +205,7 @@ void Tensor::CopyFrom(const Tensor& src) {
       src.device_ == Device::kCpu
           ? (device_ == Device::kCpu ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
           : (device_ == Device::kCpu ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
-  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_, src.data_, numel_ * sizeof(float), kind));
+  CPD_CUDA_CHECK(cudaMemcpy(data_, src.data_, numel_ * sizeof(float), kind));
 #else
   throw std::runtime_error("CUDA tensors need a CUDA build");
 #endif
@@ -236,7 +224,7 @@ void Tensor::CopyToHost(float* dst) const {
     return;
   }
 #if CPD_WITH_CUDA
-  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(dst, data_, numel_ * sizeof(float), cudaMemcpyDeviceToHost));
+  CPD_CUDA_CHECK(cudaMemcpy(dst, data_, numel_ * sizeof(float), cudaMemcpyDeviceToHost));
 #endif
 }
 
@@ -247,15 +235,17 @@ void Tensor::CopyFromHost(const float* src) {
     return;
   }
 #if CPD_WITH_CUDA
-  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_, src, numel_ * sizeof(float), cudaMemcpyHostToDevice));
+  CPD_CUDA_CHECK(cudaMemcpy(data_, src, numel_ * sizeof(float), cudaMemcpyHostToDevice));
 #endif
 }
 
-std::string Tensor::ShapeString() const {
+std::string Tensor::ShapeString() const { return runtime::ShapeString(shape_); }
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < shape_.size(); ++i) {
+  for (size_t i = 0; i < shape.size(); ++i) {
     if (i > 0) s += ", ";
-    s += std::to_string(shape_[i]);
+    s += std::to_string(shape[i]);
   }
   return s + "]";
 }
@@ -284,7 +274,7 @@ void RawBuffer::CopyFromHost(const void* src, size_t bytes) {
     return;
   }
 #if CPD_WITH_CUDA
-  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(data_.get(), src, bytes, cudaMemcpyHostToDevice));
+  CPD_CUDA_CHECK(cudaMemcpy(data_.get(), src, bytes, cudaMemcpyHostToDevice));
 #endif
 }
 
@@ -296,7 +286,7 @@ void RawBuffer::CopyToHost(void* dst, size_t bytes) const {
     return;
   }
 #if CPD_WITH_CUDA
-  CPD_TENSOR_CUDA_CHECK(cudaMemcpy(dst, data_.get(), bytes, cudaMemcpyDeviceToHost));
+  CPD_CUDA_CHECK(cudaMemcpy(dst, data_.get(), bytes, cudaMemcpyDeviceToHost));
 #endif
 }
 

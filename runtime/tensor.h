@@ -87,6 +87,8 @@ class Tensor {
 };
 
 size_t NumelOf(const std::vector<int64_t>& shape);
+// "[128, 1, 28, 28]" (Tensor::ShapeString, and the layers' shape messages).
+std::string ShapeString(const std::vector<int64_t>& shape);
 
 // Shapes `t` as `shape` on `device`: like Resize, but a tensor on another device is replaced
 // by a new (zero-filled) one there. The layers keep their workspaces with it, so that a model

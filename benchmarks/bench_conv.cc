@@ -1,5 +1,5 @@
 // bench_conv: every CPU convolution path on every convolution shape of the cpd-train models,
-// the measurements behind cpu::Conv2dPath's choice (runtime/cpu_ops.cc, DnnlConvPreferred).
+// the measurements behind cpu::Conv2dPath's choice (runtime/engine/cpu_ops.cc, DnnlConvPreferred).
 //
 //   bench_conv [--models resnet20,lenet5] [--batch 128] [--threads 2] [--steps 15]
 //              [--shapes C:H:W:OC:K:STRIDE:PAD[:b],...]
@@ -26,10 +26,10 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
-#include "runtime/cpu_ops.h"
-#include "runtime/dnnl_conv.h"
-#include "runtime/layers.h"
-#include "runtime/models.h"
+#include "runtime/engine/cpu_ops.h"
+#include "runtime/engine/dnnl_conv.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// bench_layers: CPU training-step time of the cpd-train models (runtime/layers.h).
+// bench_layers: CPU training-step time of the cpd-train models (runtime/nn/layers.h).
 //
 //   bench_layers [--models lenet5,resnet20] [--batch 128] [--threads 2] [--steps 20]
 //                [--profile] [--baseline] [--paths auto,im2col,onednn,direct]
@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
-#include "runtime/cpu_ops.h"
-#include "runtime/layers.h"
-#include "runtime/models.h"
-#include "runtime/optimizer.h"
+#include "runtime/engine/cpu_ops.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
+#include "runtime/nn/optimizer.h"
 
 namespace {
 

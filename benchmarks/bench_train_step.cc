@@ -22,13 +22,13 @@
 #include <sstream>
 
 #include "cpd/config.h"
-#include "runtime/layers.h"
-#include "runtime/models.h"
-#include "runtime/optimizer.h"
-#include "runtime/quant_sites.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
+#include "runtime/nn/optimizer.h"
+#include "runtime/nn/quant_sites.h"
 #if CPD_WITH_CUDA
 #include "benchmarks/bench_util.h"
-#include "runtime/cuda_ops.h"
+#include "runtime/engine/cuda_ops.h"
 #endif
 
 extern "C" void openblas_set_num_threads(int num_threads);

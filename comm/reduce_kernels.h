@@ -36,7 +36,7 @@ void PackSmallCodes(const std::uint16_t* codes, std::size_t n, int bits, std::ui
 
 // How to turn a code of a fixed float grid back into its value with integer arithmetic (no table
 // lookups: they do not vectorise, and gathers are slow). Equal to kernels::DecodeFloatGrid for
-// every code (tests/comm_reduce_kernels_test.cc checks all of them).
+// every code (tests/comm/reduce_kernels_test.cc checks all of them).
 struct CodeDecoder {
   int bits = 8;             // code width, 1..16
   std::uint32_t mbits = 3;  // mantissa bits

@@ -16,7 +16,7 @@
 #include "cpd/format.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
-#include "runtime/trainer.h"
+#include "runtime/train/trainer.h"
 #if CPD_WITH_MPI
 #include "comm/mpi_communicator.h"
 #endif

@@ -29,11 +29,12 @@ LIMIT_BYTES=$((64 * 1024 * 1024))
 
 # What the GPU machine runs: the CUDA tests, the CPU tests that need neither MPI nor gRPC (the
 # dry run's evidence that the bundle works), the benchmarks and the tools.
-CUDA_TESTS=(test_quantize_cuda test_layers_cuda test_train_cuda test_cpd_train_cuda comm_nccl_test)
-CPU_TESTS=(format_test codec_test properties_test hysteresis_test ieee_oracle_test
-           cuda_oracle_test schedule_test optimizer_test trainer_test runtime_layers_test
-           runtime_models_test runtime_data_test quant_sites_test comm_reduce_kernels_test
-           cli_test cpd_train_cli_test)
+CUDA_TESTS=(quantize_cuda_test layers_cuda_test train_cuda_test cpd_train_cuda_test
+            nccl_communicator_test)
+CPU_TESTS=(status_test format_test codec_test properties_test hysteresis_test ieee_oracle_test
+           cuda_oracle_test schedule_test reduce_kernels_test layers_test models_test
+           optimizer_test quant_sites_test trainer_test data_test cpd_quant_cli_test
+           cpd_train_cli_test)
 TOOLS=(cpd-train cpd-quant bench_quantize_cuda bench_quantize bench_train_step bench_layers)
 
 echo "gpu_bundle: [1/4] packages"

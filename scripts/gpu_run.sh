@@ -98,8 +98,8 @@ cmd_env() {
   echo "  torch python: ${TORCH_PY:-none}"
   echo "# libraries (LD_LIBRARY_PATH)"
   tr ':' '\n' <<<"$LD_LIBRARY_PATH" | sed 's/^/  /'
-  echo "# resolved by cpd-train and comm_nccl_test"
-  { ldd "$HOME_DIR/bin/cpd-train"; ldd "$HOME_DIR/bin/comm_nccl_test"; } |
+  echo "# resolved by cpd-train and nccl_communicator_test"
+  { ldd "$HOME_DIR/bin/cpd-train"; ldd "$HOME_DIR/bin/nccl_communicator_test"; } |
     grep -E '=>.*(cudart|cublas|cudnn|nccl|gomp)' | sed 's/ (0x.*//; s/^\s*/  /' | sort -u
   echo "# executables whose libraries are missing"
   if check_libraries; then echo "  none"; else return 1; fi

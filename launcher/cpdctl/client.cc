@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "launcher/cli.h"
-#include "launcher/cpdctl_output.h"
+#include "launcher/cpdctl/output.h"
 
 namespace cpd::ctl {
 

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "launcher/cpdctl/client.h"
-#include "launcher/cpdctl_output.h"
-#include "launcher/cpdctl_schedule.h"
+#include "launcher/cpdctl/output.h"
+#include "launcher/cpdctl/schedule_edits.h"
 
 namespace cpd::ctl {
 

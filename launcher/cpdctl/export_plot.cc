@@ -18,7 +18,7 @@
 
 #include "launcher/cpdctl/atomic_file.h"
 #include "launcher/cpdctl/commands.h"
-#include "launcher/cpdctl_output.h"
+#include "launcher/cpdctl/output.h"
 
 extern char** environ;
 

@@ -6,7 +6,7 @@
 
 #include "launcher/common.h"
 #include "launcher/cpdctl/commands.h"
-#include "launcher/cpdctl_output.h"
+#include "launcher/cpdctl/output.h"
 
 namespace cpd::ctl {
 namespace {

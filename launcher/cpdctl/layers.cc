@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "launcher/cpdctl/commands.h"
-#include "launcher/cpdctl_output.h"
+#include "launcher/cpdctl/output.h"
 
 namespace cpd::ctl {
 

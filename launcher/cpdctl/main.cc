@@ -20,8 +20,8 @@
 #include "launcher/cli.h"
 #include "launcher/cpdctl/client.h"
 #include "launcher/cpdctl/commands.h"
-#include "launcher/cpdctl_output.h"
-#include "launcher/cpdctl_schedule.h"
+#include "launcher/cpdctl/output.h"
+#include "launcher/cpdctl/schedule_edits.h"
 
 namespace cpd::ctl {
 namespace {

@@ -7,8 +7,8 @@
 #include <string>
 
 #include "launcher/cpdctl/commands.h"
-#include "launcher/cpdctl_output.h"
-#include "launcher/cpdctl_schedule.h"
+#include "launcher/cpdctl/output.h"
+#include "launcher/cpdctl/schedule_edits.h"
 
 namespace cpd::ctl {
 

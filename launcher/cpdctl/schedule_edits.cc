@@ -1,0 +1,254 @@
+#include "launcher/cpdctl/schedule_edits.h"
+
+#include <algorithm>
+
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "launcher/common.h"
+#include "launcher/cpdctl/output.h"
+
+namespace cpd::ctl {
+
+using cpd::v1::LayerInfo;
+using cpd::v1::PrecisionSchedule;
+using cpd::v1::Site;
+
+namespace {
+
+constexpr const char* kSites = "W, A, E, G";
+
+// "W" .. "G" (COMM carries statistics only and has no format).
+std::optional<Site> ParseFormatSite(std::string_view s) {
+  auto site = ParseSite(s);
+  if (!site || *site == cpd::v1::SITE_COMM) return std::nullopt;
+  return site;
+}
+
+struct FormatEdit {
+  std::string layer;  // empty: the site's global format
+  Site site = cpd::v1::SITE_UNSPECIFIED;
+  std::string spec;  // canonical spelling
+};
+
+Result<FormatEdit> ParseFormatEdit(const std::string& arg) {
+  const std::string flag = "--format " + arg;
+  const size_t eq = arg.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == arg.size()) {
+    return Status::InvalidArgument(flag + ": expected SITE=SPEC or LAYER.SITE=SPEC (SITE one of " +
+                                   kSites + ")");
+  }
+  const std::string lhs = arg.substr(0, eq), spec = arg.substr(eq + 1);
+  FormatEdit e;
+  if (auto site = ParseFormatSite(lhs)) {
+    e.site = *site;
+  } else {
+    const size_t dot = lhs.rfind('.');
+    if (dot == std::string::npos) {
+      return Status::InvalidArgument(flag + ": '" + lhs + "' is not a site (accepted: " + kSites +
+                                     ", or LAYER.SITE)");
+    }
+    auto site2 = ParseFormatSite(lhs.substr(dot + 1));
+    if (!site2) {
+      return Status::InvalidArgument(flag + ": site '" + lhs.substr(dot + 1) +
+                                     "' (accepted: " + kSites + ")");
+    }
+    if (dot == 0) return Status::InvalidArgument(flag + ": the layer name is empty");
+    e.layer = lhs.substr(0, dot);
+    e.site = *site2;
+  }
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) return Status::InvalidArgument(flag + ": " + f.status().message());
+  e.spec = f->spec();
+  return e;
+}
+
+Result<std::pair<Site, std::string>> ParseRoundingEdit(const std::string& arg) {
+  const std::string flag = "--rounding " + arg;
+  const size_t eq = arg.find('=');
+  if (eq == std::string::npos) {
+    return Status::InvalidArgument(flag + ": expected SITE=MODE (SITE one of " + kSites +
+                                   "; MODE nearest, stochastic or zero)");
+  }
+  auto site = ParseFormatSite(arg.substr(0, eq));
+  if (!site) {
+    return Status::InvalidArgument(flag + ": site '" + arg.substr(0, eq) +
+                                   "' (accepted: " + kSites + ")");
+  }
+  auto mode = cpd::ParseRounding(arg.substr(eq + 1));
+  if (!mode.ok()) return Status::InvalidArgument(flag + ": " + mode.status().message());
+  return std::pair<Site, std::string>{*site, cpd::RoundingName(*mode)};
+}
+
+Result<std::pair<std::string, Site>> ParseLayerSite(const std::string& flag,
+                                                    const std::string& arg) {
+  const size_t dot = arg.rfind('.');
+  std::optional<Site> site;
+  if (dot != std::string::npos && dot > 0) site = ParseFormatSite(arg.substr(dot + 1));
+  if (!site) {
+    return Status::InvalidArgument(flag + " " + arg + ": expected LAYER.SITE (SITE one of " +
+                                   kSites + ")");
+  }
+  return std::pair<std::string, Site>{arg.substr(0, dot), *site};
+}
+
+std::vector<std::string> KeepList(const std::string& arg) {
+  if (arg == "none") return {};
+  return cpd::launcher::SplitCommas(arg);
+}
+
+Status CheckBits(const std::string& flag, int v, int lo, int hi) {
+  if (v < lo || v > hi) {
+    return Status::InvalidArgument(flag + " " + std::to_string(v) + ": expected " +
+                                   std::to_string(lo) + ".." + std::to_string(hi));
+  }
+  return Status::Ok();
+}
+
+// The job's layer `name`, or an error listing the layers.
+Status CheckLayer(const std::string& flag,
+                  const google::protobuf::RepeatedPtrField<LayerInfo>* layers,
+                  const std::string& name, bool need_quantizable) {
+  if (layers == nullptr || layers->empty()) return Status::Ok();
+  std::string names;
+  for (const LayerInfo& l : *layers) {
+    if (l.name() == name) {
+      if (need_quantizable && !l.quantizable()) {
+        return Status::InvalidArgument(flag + ": layer '" + name + "' (" + l.kind() +
+                                       ") has no quantisation sites");
+      }
+      return Status::Ok();
+    }
+    if (!need_quantizable || l.quantizable()) names += (names.empty() ? "" : ", ") + l.name();
+  }
+  return Status::InvalidArgument(flag + ": the job has no layer '" + name + "' (layers: " + names +
+                                 ")");
+}
+
+}  // namespace
+
+Status ValidateScheduleEdits(const ScheduleEdits& e) {
+  if (e.make_static && (e.cyclic_bits || e.cyclic_periods || e.grad_bits)) {
+    return Status::InvalidArgument(
+        "--static drops CPT; it excludes --cyclic-bits, --cyclic-periods and --grad-bits");
+  }
+  if (e.cyclic_bits) {
+    const auto [lo, hi] = *e.cyclic_bits;
+    CPD_RETURN_IF_ERROR(CheckBits("--cyclic-bits MIN", lo, 2, 16));
+    if (hi < lo || hi > 16) {
+      return Status::InvalidArgument("--cyclic-bits " + std::to_string(lo) + " " +
+                                     std::to_string(hi) + ": expected MIN <= MAX <= 16");
+    }
+  }
+  if (e.cyclic_periods && *e.cyclic_periods < 1) {
+    return Status::InvalidArgument("--cyclic-periods " + std::to_string(*e.cyclic_periods) +
+                                   ": expected >= 1");
+  }
+  if (e.grad_bits) CPD_RETURN_IF_ERROR(CheckBits("--grad-bits", *e.grad_bits, 2, 16));
+  for (const auto& f : e.formats) CPD_RETURN_IF_ERROR(ParseFormatEdit(f).status());
+  for (const auto& r : e.roundings) CPD_RETURN_IF_ERROR(ParseRoundingEdit(r).status());
+  for (const auto& d : e.drop_overrides) {
+    CPD_RETURN_IF_ERROR(ParseLayerSite("--drop-override", d).status());
+  }
+  if (e.hysteresis && *e.hysteresis != "on" && *e.hysteresis != "off") {
+    return Status::InvalidArgument("--hysteresis '" + *e.hysteresis + "' (accepted: on, off)");
+  }
+  if (e.from_step && *e.from_step < 0) {
+    return Status::InvalidArgument("--from-step " + std::to_string(*e.from_step) +
+                                   ": expected a step >= 0");
+  }
+  if (e.empty()) {
+    return Status::InvalidArgument(
+        "schedule set: nothing to change (give --cyclic-bits, --cyclic-periods, --grad-bits, "
+        "--static, --format, --rounding, --drop-override, --keep-fp32 or --hysteresis)");
+  }
+  return Status::Ok();
+}
+
+Status ApplyScheduleEdits(const ScheduleEdits& e,
+                          const google::protobuf::RepeatedPtrField<LayerInfo>* layers,
+                          PrecisionSchedule* s) {
+  CPD_RETURN_IF_ERROR(ValidateScheduleEdits(e));
+  if (e.make_static) {
+    s->clear_cyclic();
+    s->set_grad_bits(0);
+  }
+  if (e.cyclic_bits) {
+    const int periods = s->has_cyclic() ? s->cyclic().periods() : 32;
+    s->mutable_cyclic()->set_min_bits(e.cyclic_bits->first);
+    s->mutable_cyclic()->set_max_bits(e.cyclic_bits->second);
+    s->mutable_cyclic()->set_periods(periods);
+  }
+  if (e.cyclic_periods) {
+    if (!s->has_cyclic()) {
+      return Status::InvalidArgument("--cyclic-periods " + std::to_string(*e.cyclic_periods) +
+                                     ": the schedule has no CPT; give --cyclic-bits MIN MAX too");
+    }
+    s->mutable_cyclic()->set_periods(*e.cyclic_periods);
+  }
+  if (e.grad_bits) s->set_grad_bits(*e.grad_bits);
+
+  for (const auto& arg : e.formats) {
+    CPD_ASSIGN_OR_RETURN(const FormatEdit f, ParseFormatEdit(arg));
+    if (f.layer.empty()) {
+      auto* formats = s->mutable_formats();
+      auto it = std::find_if(formats->begin(), formats->end(),
+                             [&](const cpd::v1::SiteFormat& x) { return x.site() == f.site; });
+      cpd::v1::SiteFormat* target = it != formats->end() ? &*it : s->add_formats();
+      target->set_site(f.site);
+      target->set_spec(f.spec);
+    } else {
+      CPD_RETURN_IF_ERROR(CheckLayer("--format " + arg, layers, f.layer, true));
+      auto* ov = s->mutable_overrides();
+      auto it = std::find_if(ov->begin(), ov->end(), [&](const cpd::v1::LayerOverride& x) {
+        return x.layer() == f.layer && x.site() == f.site;
+      });
+      cpd::v1::LayerOverride* target = it != ov->end() ? &*it : s->add_overrides();
+      target->set_layer(f.layer);
+      target->set_site(f.site);
+      target->set_spec(f.spec);
+    }
+  }
+  for (const auto& arg : e.roundings) {
+    CPD_ASSIGN_OR_RETURN(const auto rounding, ParseRoundingEdit(arg));
+    const auto& [site, mode] = rounding;
+    auto* formats = s->mutable_formats();
+    auto it = std::find_if(formats->begin(), formats->end(),
+                           [&](const cpd::v1::SiteFormat& x) { return x.site() == site; });
+    if (it == formats->end()) {
+      return Status::InvalidArgument("--rounding " + arg + ": site " + SiteName(site) +
+                                     " has no format in the schedule (it is fp32); give --format " +
+                                     SiteName(site) + "=SPEC too");
+    }
+    it->set_rounding(mode);
+  }
+  for (const auto& arg : e.drop_overrides) {
+    CPD_ASSIGN_OR_RETURN(const auto layer_site, ParseLayerSite("--drop-override", arg));
+    const auto& [layer, site] = layer_site;
+    auto* ov = s->mutable_overrides();
+    auto it = std::find_if(ov->begin(), ov->end(), [&](const cpd::v1::LayerOverride& x) {
+      return x.layer() == layer && x.site() == site;
+    });
+    if (it == ov->end()) {
+      return Status::InvalidArgument("--drop-override " + arg +
+                                     ": the schedule has no such override");
+    }
+    ov->erase(it);
+  }
+  if (e.keep_fp32) {
+    const auto keep = KeepList(*e.keep_fp32);
+    for (const auto& name : keep) {
+      if (name == "first" || name == "last") continue;
+      CPD_RETURN_IF_ERROR(CheckLayer("--keep-fp32 " + *e.keep_fp32, layers, name, false));
+    }
+    s->clear_keep_fp32();
+    for (const auto& name : keep) s->add_keep_fp32(name);
+  }
+  if (e.hysteresis) s->set_hysteresis(*e.hysteresis == "on");
+  s->set_effective_from_step(e.from_step.value_or(0));
+  s->set_version(0);
+  s->set_set_at_ms(0);
+  s->clear_set_by();
+  return Status::Ok();
+}
+
+}  // namespace cpd::ctl

@@ -1,0 +1,343 @@
+// The process-wide CUDA context of the runtime (stream, cuBLAS and cuDNN handles, scratch) and
+// the library-backed operations: GEMMs through cuBLAS, convolutions through cuDNN.
+//
+// cuDNN 9 keeps the legacy convolution API (cudnnConvolutionForward and friends, in
+// libcudnn_cnn) next to the graph API; the legacy calls are used here because they take plain
+// descriptors and deterministic, per-shape algorithm choices are easy to pin down with them.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "runtime/engine/cuda_internal.h"
+#include "runtime/engine/cuda_ops.h"
+
+namespace cpd::runtime::cuda {
+
+namespace internal {
+
+[[noreturn]] void ThrowError(const char* file, int line, const char* expr, const char* text,
+                             int code) {
+  throw std::runtime_error(std::string("CUDA error at ") + file + ":" + std::to_string(line) +
+                           ": " + expr + ": " + (text != nullptr ? text : "?") + " (" +
+                           std::to_string(code) + ")");
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::Scratch;
+
+#define CPD_CUBLAS_CHECK(expr)                                                                \
+  do {                                                                                        \
+    const cublasStatus_t cpd_blas_st_ = (expr);                                               \
+    if (cpd_blas_st_ != CUBLAS_STATUS_SUCCESS) {                                              \
+      ::cpd::runtime::cuda::internal::ThrowError(                                             \
+          __FILE__, __LINE__, #expr, cublasGetStatusString(cpd_blas_st_), int(cpd_blas_st_)); \
+    }                                                                                         \
+  } while (0)
+
+#define CPD_CUDNN_CHECK(expr)                                                             \
+  do {                                                                                    \
+    const cudnnStatus_t cpd_dnn_st_ = (expr);                                             \
+    if (cpd_dnn_st_ != CUDNN_STATUS_SUCCESS) {                                            \
+      ::cpd::runtime::cuda::internal::ThrowError(                                         \
+          __FILE__, __LINE__, #expr, cudnnGetErrorString(cpd_dnn_st_), int(cpd_dnn_st_)); \
+    }                                                                                     \
+  } while (0)
+
+// The largest cuDNN workspace an algorithm may ask for; algorithms that need more are passed
+// over for the next deterministic one.
+constexpr size_t kMaxWorkspaceBytes = size_t(512) << 20;
+
+// Descriptors and algorithm choices of one convolution shape.
+struct ConvPlan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  cudnnConvolutionFwdAlgo_t fwd{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+  size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
+
+  ConvPlan() = default;
+  ConvPlan(const ConvPlan&) = delete;
+  ConvPlan& operator=(const ConvPlan&) = delete;
+  ~ConvPlan() {
+    // Plans live as long as the context; this runs when PlanFor fails half-way (a destructor
+    // cannot report errors, so they are ignored).
+    if (conv != nullptr) cudnnDestroyConvolutionDescriptor(conv);
+    if (w != nullptr) cudnnDestroyFilterDescriptor(w);
+    if (y != nullptr) cudnnDestroyTensorDescriptor(y);
+    if (x != nullptr) cudnnDestroyTensorDescriptor(x);
+  }
+};
+
+using ConvKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+struct Context {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  cudnnHandle_t cudnn = nullptr;
+  std::array<void*, size_t(Scratch::kCount)> scratch{};
+  std::array<size_t, size_t(Scratch::kCount)> scratch_bytes{};
+  std::map<ConvKey, std::unique_ptr<ConvPlan>> plans;
+
+  Context() {
+    CPD_CUDA_CHECK(cudaGetDevice(&device));
+    // Blocking (no cudaStreamNonBlocking): ordered against the legacy default stream, on which
+    // Tensor's cudaMemcpy/cudaMemset run.
+    CPD_CUDA_CHECK(cudaStreamCreate(&stream));
+    CPD_CUBLAS_CHECK(cublasCreate(&cublas));
+    CPD_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+    // CUBLAS_DEFAULT_MATH with CUBLAS_COMPUTE_32F in every call: float32 FMAs, no TF32 (only
+    // CUBLAS_TF32_TENSOR_OP_MATH or CUBLAS_COMPUTE_32F_FAST_TF32 would allow it).
+    CPD_CUBLAS_CHECK(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));
+    CPD_CUDNN_CHECK(cudnnCreate(&cudnn));
+    CPD_CUDNN_CHECK(cudnnSetStream(cudnn, stream));
+  }
+  // Never destroyed: the context lives until the process exits, when the driver releases it
+  // (destroying handles from a static destructor races the CUDA runtime's own teardown).
+
+  void* Get(Scratch which, size_t bytes) {
+    const size_t i = size_t(which);
+    if (bytes <= scratch_bytes[i] && scratch[i] != nullptr) return scratch[i];
+    if (scratch[i] != nullptr) {
+      CPD_CUDA_CHECK(cudaFree(scratch[i]));  // waits for the device: nothing still uses it
+      scratch[i] = nullptr;
+      scratch_bytes[i] = 0;
+    }
+    const size_t grown = std::max<size_t>(bytes, 256);
+    CPD_CUDA_CHECK(cudaMalloc(&scratch[i], grown));
+    scratch_bytes[i] = grown;
+    return scratch[i];
+  }
+};
+
+Context& Ctx() {
+  static Context* ctx = new Context();
+  return *ctx;
+}
+
+// ---- cuBLAS: row-major GEMMs as column-major ones ---------------------------------------------
+// A row-major [r, c] matrix is the column-major [c, r] matrix with the same leading dimension,
+// so C = op(A) op(B) (row-major) is C^T = op(B)^T op(A)^T (column-major): the operands swap.
+void GemmRowMajor(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t kMax = int64_t(0x7fffffff);
+  if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax) {
+    throw std::invalid_argument("cuda GEMM: a dimension exceeds 2^31 - 1");
+  }
+  const float one = 1.f, zero = 0.f;
+  Context& ctx = Ctx();
+  if (k <= 0) {
+    CPD_CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * sizeof(float), 0, size_t(n) * sizeof(float),
+                                     size_t(m), ctx.stream));
+    return;
+  }
+  CPD_CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &one,
+                                b, CUDA_R_32F, int(ldb), a, CUDA_R_32F, int(lda), &zero, c,
+                                CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// ---- cuDNN: convolution plans ------------------------------------------------------------------
+
+bool IsTensorOpMath(cudnnMathType_t m) { return m != CUDNN_DEFAULT_MATH && m != CUDNN_FMA_MATH; }
+
+std::string ShapeText(const cpu::ConvShape& s) {
+  return "[" + std::to_string(s.n) + ", " + std::to_string(s.c) + ", " + std::to_string(s.h) +
+         ", " + std::to_string(s.w) + "] -> " + std::to_string(s.oc) + " channels, kernel " +
+         std::to_string(s.k) + ", stride " + std::to_string(s.stride) + ", padding " +
+         std::to_string(s.pad);
+}
+
+// Picks the first algorithm of cuDNN's heuristic ranking that is deterministic, needs no tensor
+// cores (TF32) and fits kMaxWorkspaceBytes; `fallback` (an algorithm cuDNN documents as
+// deterministic) when none qualifies.
+template <typename Perf, typename Algo, typename QueryFn, typename SizeFn>
+void ChooseAlgo(const char* what, const cpu::ConvShape& s, QueryFn query, SizeFn size_of,
+                Algo fallback, Algo* algo, size_t* bytes) {
+  constexpr int kMaxAlgos = 16;
+  Perf perf[kMaxAlgos];
+  int returned = 0;
+  CPD_CUDNN_CHECK(query(kMaxAlgos, &returned, perf));
+  for (int i = 0; i < returned; ++i) {
+    const Perf& p = perf[i];
+    if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC ||
+        IsTensorOpMath(p.mathType) || p.memory > kMaxWorkspaceBytes) {
+      continue;
+    }
+    // The workspace the size query gives for the algorithm, if larger than the heuristic's.
+    size_t need = 0;
+    if (size_of(p.algo, &need) != CUDNN_STATUS_SUCCESS) continue;
+    *algo = p.algo;
+    *bytes = std::max(p.memory, need);
+    return;
+  }
+  size_t need = 0;
+  const cudnnStatus_t st = size_of(fallback, &need);
+  if (st != CUDNN_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("cuDNN offers no deterministic float32 ") + what +
+                             " algorithm for the convolution " + ShapeText(s) + " (" +
+                             cudnnGetErrorString(st) + ")");
+  }
+  *algo = fallback;
+  *bytes = need;
+}
+
+ConvPlan& PlanFor(const cpu::ConvShape& s) {
+  Context& ctx = Ctx();
+  const ConvKey key{s.n, s.c, s.h, s.w, s.oc, s.k, s.stride, s.pad};
+  auto it = ctx.plans.find(key);
+  if (it != ctx.plans.end()) return *it->second;
+  const int64_t kMax = int64_t(0x7fffffff);
+  for (int64_t d : {s.n, s.c, s.h, s.w, s.oc, s.k, s.stride, s.pad}) {
+    if (d > kMax) throw std::invalid_argument("cuda Conv2d: a dimension exceeds 2^31 - 1");
+  }
+  auto plan = std::make_unique<ConvPlan>();
+  ConvPlan& p = *plan;
+  CPD_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p.x));
+  CPD_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p.y));
+  CPD_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p.w));
+  CPD_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p.conv));
+  CPD_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, int(s.n),
+                                             int(s.c), int(s.h), int(s.w)));
+  CPD_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, int(s.oc),
+                                             int(s.c), int(s.k), int(s.k)));
+  CPD_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p.conv, int(s.pad), int(s.pad), int(s.stride),
+                                                  int(s.stride), 1, 1, CUDNN_CROSS_CORRELATION,
+                                                  CUDNN_DATA_FLOAT));
+  // FMA math only: cuDNN's default lets float32 convolutions use TF32 tensor cores on A100 and
+  // later, which would round the inputs to 10 mantissa bits.
+  CPD_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, CUDNN_FMA_MATH));
+  int on = 0, oc = 0, oh = 0, ow = 0;
+  CPD_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p.conv, p.x, p.w, &on, &oc, &oh, &ow));
+  if (on != s.n || oc != s.oc || oh != s.oh || ow != s.ow) {
+    throw std::logic_error("cuDNN computes the output of the convolution " + ShapeText(s) +
+                           " as [" + std::to_string(on) + ", " + std::to_string(oc) + ", " +
+                           std::to_string(oh) + ", " + std::to_string(ow) + "], the CPU as [" +
+                           std::to_string(s.n) + ", " + std::to_string(s.oc) + ", " +
+                           std::to_string(s.oh) + ", " + std::to_string(s.ow) + "]");
+  }
+  CPD_CUDNN_CHECK(
+      cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, on, oc, oh, ow));
+  cudnnHandle_t h = ctx.cudnn;
+  ChooseAlgo<cudnnConvolutionFwdAlgoPerf_t>(
+      "forward", s,
+      [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* perf) {
+        return cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, p.conv, p.y, req, ret, perf);
+      },
+      [&](cudnnConvolutionFwdAlgo_t a, size_t* b) {
+        return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, p.conv, p.y, a, b);
+      },
+      CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, &p.fwd, &p.fwd_bytes);
+  ChooseAlgo<cudnnConvolutionBwdDataAlgoPerf_t>(
+      "backward-data", s,
+      [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+        return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, p.conv, p.x, req, ret,
+                                                           perf);
+      },
+      [&](cudnnConvolutionBwdDataAlgo_t a, size_t* b) {
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, p.conv, p.x, a, b);
+      },
+      CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, &p.bwd_data, &p.bwd_data_bytes);
+  ChooseAlgo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+      "backward-filter", s,
+      [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+        return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, p.conv, p.w, req, ret,
+                                                             perf);
+      },
+      [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* b) {
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, p.conv, p.w, a, b);
+      },
+      CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, &p.bwd_filter, &p.bwd_filter_bytes);
+  return *ctx.plans.emplace(key, std::move(plan)).first->second;
+}
+
+}  // namespace
+
+namespace internal {
+
+cudaStream_t StreamHandle() { return Ctx().stream; }
+
+void* ScratchMemory(Scratch which, size_t bytes) { return Ctx().Get(which, bytes); }
+
+}  // namespace internal
+
+void* Stream() { return Ctx().stream; }
+
+void Synchronize() { CPD_CUDA_CHECK(cudaStreamSynchronize(Ctx().stream)); }
+
+// ---- Fully connected (cuBLAS GEMMs; bias kernels in cuda_ops.cu) -------------------------------
+
+void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
+                   const float* bias, float* y) {
+  // y [n, out] = x [n, in] w^T, then + bias per row (the CPU's order: product first).
+  GemmRowMajor(false, true, n, out, in, x, in, w, in, y, out);
+  if (bias != nullptr) internal::AddRowBias(n, out, bias, y);
+}
+
+void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
+                    const float* dy, float* dx, float* dw, float* db) {
+  GemmRowMajor(true, false, out, in, n, dy, out, x, in, dw, in);  // dw = dy^T x
+  if (db != nullptr) internal::ColumnSums(n, out, dy, db);
+  if (dx != nullptr) GemmRowMajor(false, false, n, in, out, dy, out, w, in, dx, in);  // dy w
+}
+
+// ---- Convolution (cuDNN) ------------------------------------------------------------------------
+
+void Conv2dForward(const cpu::ConvShape& s, const float* x, const float* w, const float* bias,
+                   float* y) {
+  if (s.n == 0 || s.oc == 0 || s.ohw() == 0) return;
+  ConvPlan& p = PlanFor(s);
+  Context& ctx = Ctx();
+  void* ws =
+      p.fwd_bytes > 0 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.fwd_bytes) : nullptr;
+  const float one = 1.f, zero = 0.f;
+  CPD_CUDNN_CHECK(cudnnConvolutionForward(ctx.cudnn, &one, p.x, x, p.w, w, p.conv, p.fwd, ws,
+                                          p.fwd_bytes, &zero, p.y, y));
+  if (bias != nullptr) internal::AddChannelBias(s.n, s.oc, s.ohw(), bias, y);
+}
+
+void Conv2dBackward(const cpu::ConvShape& s, const float* x, const float* w, const float* dy,
+                    float* dx, float* dw, float* db) {
+  Context& ctx = Ctx();
+  if (s.n == 0 || s.oc == 0 || s.ohw() == 0) {  // an empty batch: the gradients are zero
+    if (s.oc > 0) {
+      CPD_CUDA_CHECK(cudaMemsetAsync(dw, 0, size_t(s.oc * s.ckk()) * sizeof(float), ctx.stream));
+      if (db != nullptr) {
+        CPD_CUDA_CHECK(cudaMemsetAsync(db, 0, size_t(s.oc) * sizeof(float), ctx.stream));
+      }
+    }
+    return;
+  }
+  ConvPlan& p = PlanFor(s);
+  const float one = 1.f, zero = 0.f;
+  if (dx != nullptr) {
+    void* ws = p.bwd_data_bytes > 0
+                   ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.bwd_data_bytes)
+                   : nullptr;
+    CPD_CUDNN_CHECK(cudnnConvolutionBackwardData(ctx.cudnn, &one, p.w, w, p.y, dy, p.conv,
+                                                 p.bwd_data, ws, p.bwd_data_bytes, &zero, p.x, dx));
+  }
+  void* ws = p.bwd_filter_bytes > 0
+                 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.bwd_filter_bytes)
+                 : nullptr;
+  CPD_CUDNN_CHECK(cudnnConvolutionBackwardFilter(ctx.cudnn, &one, p.x, x, p.y, dy, p.conv,
+                                                 p.bwd_filter, ws, p.bwd_filter_bytes, &zero, p.w,
+                                                 dw));
+  if (db != nullptr) internal::ChannelSums(s.n, s.oc, s.ohw(), dy, db);
+}
+
+}  // namespace cpd::runtime::cuda

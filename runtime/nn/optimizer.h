@@ -1,0 +1,131 @@
+// First-order optimisers over fp32 master weights: SGD with (Nesterov) momentum and coupled
+// weight decay, and LARS for large batches. The update reads Param::grad and writes
+// Param::value in place; gradients stay as they are until ZeroGrad().
+//
+// Determinism: every element is updated by the same fixed sequence of float operations (the
+// build forbids FMA contraction), and LARS's norms are summed in a fixed order (float within
+// 64-element blocks, double across blocks and across fixed 16 Ki-element chunks, chunks merged in
+// order), so results are bit-identical for any thread count and across runs. Thread-safety: one
+// Optimizer must not be used from two threads at once; Step itself runs on OpenMP threads when
+// there is enough work.
+//
+// Devices: all params must be on one device. On the GPU (CUDA build), Step runs the same update
+// rules in CUDA kernels (runtime/engine/cuda_ops.h: one launch over all params, in the CPU's 16 Ki
+// chunks) with the same float operations and the same LARS summation order, so a GPU step
+// equals a CPU step bit for bit; LARS copies its per-chunk norms to the host (one wait per
+// step). Momentum buffers live with the params; State() points at them there (copy a CUDA
+// buffer to the host before reading it: Tensor::To/CopyToHost); LoadState copies in.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "cpd/status.h"
+#include "runtime/nn/layer.h"
+#include "runtime/engine/tensor.h"
+
+namespace cpd::runtime {
+
+// The update rule (below).
+enum class OptimizerKind { kSgd, kLars };
+// "sgd" | "lars"; else InvalidArgument "optimizer 'NAME' (accepted: sgd, lars)".
+Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
+const char* OptimizerKindName(OptimizerKind kind);
+
+struct OptimizerOptions {
+  double momentum = 0.9;      // >= 0; 0 keeps no momentum buffers
+  double weight_decay = 0.0;  // >= 0; coupled L2, only for params with Param::weight_decay
+  bool nesterov = false;      // REQUIRES momentum > 0 (as torch.optim.SGD)
+  OptimizerKind kind = OptimizerKind::kSgd;
+  double lars_eta = 0.001;  // LARS trust coefficient, > 0
+  int threads = 0;          // OpenMP threads for Step; 0 = the OpenMP default
+
+  // OK, or InvalidArgument naming the field, its value and what is accepted.
+  Status Validate() const;
+};
+
+// Update rules, per parameter tensor w with gradient g, learning rate lr (the argument of Step),
+// momentum m, weight decay wd (wd = 0 for params with weight_decay == false):
+//
+// SGD, exactly torch.optim.SGD (dampening 0), in float32:
+//   d = g + wd * w
+//   buf = m * buf + d            (buf starts at 0, so the first step gives buf = d as in torch)
+//   d = nesterov ? d + m * buf : buf
+//   w = w - lr * d
+// With m = 0 there is no buffer: w = w - lr * (g + wd * w).
+//
+// LARS (You, Gitman, Ginsburg, "Large Batch Training of Convolutional Networks", 2017,
+// Algorithm 1, in the form of the MLPerf reference LARS optimiser):
+//   trust = eta * ||w|| / (||g|| + wd * ||w||)     (per tensor; L2 norms, ratio in double)
+//   trust = 1 when the param has weight_decay == false (biases, BatchNorm), or ||w|| = 0, or
+//           ||g|| = 0: those tensors get plain momentum SGD at lr and no decay
+//   d = g + wd * w
+//   v = m * v + (lr * trust) * d   (the velocity v includes the learning rate)
+//   w = w - (nesterov ? m * v + (lr * trust) * d : v)
+//
+// Optimiser state (for checkpoints) is one buffer per param, shaped like it, under the key
+// "momentum/<param name>" (SGD) or "lars_momentum/<param name>" (LARS, whose buffer includes lr):
+// the two are not interchangeable. With momentum 0 there is no state.
+class Optimizer {
+ public:
+  // Validates the options and the params: non-null, unique non-empty names, values and
+  // gradients all on one device, grad.numel() == value.numel().
+  static Result<std::unique_ptr<Optimizer>> Create(std::vector<Param*> params,
+                                                   const OptimizerOptions& options);
+  // As Create; throws std::invalid_argument with the same message where Create fails.
+  // The Params must outlive the Optimizer and keep their element counts.
+  Optimizer(std::vector<Param*> params, OptimizerOptions options);
+  ~Optimizer();
+
+  // One update of every param from its current gradient at learning rate lr (REQUIRES finite,
+  // >= 0). Cost: one pass over value, grad and buffer (20 bytes per element); LARS adds a read
+  // pass over value and grad for the norms. Runs on OpenMP threads from 32 Ki elements in all.
+  void Step(double lr);
+  // Sets every gradient to zero.
+  void ZeroGrad();
+
+  // (key, buffer) for every piece of state, in param order; the pointers stay valid while the
+  // Optimizer lives and see later steps.
+  std::vector<std::pair<std::string, const Tensor*>> State() const;
+  // Restores what State() exported (key -> values). Every key must be present with the right
+  // element count and no other key may appear; otherwise returns InvalidArgument naming the key
+  // and changes nothing. After it, Step continues bit-identically to the saved optimiser.
+  Status LoadState(const std::map<std::string, std::vector<float>>& state);
+
+  const OptimizerOptions& options() const { return options_; }
+  const std::vector<Param*>& params() const { return params_; }
+  // Per param, the LARS trust ratio used by the last Step (1 for SGD and skipped params).
+  const std::vector<double>& last_trust_ratios() const { return trust_; }
+
+ private:
+  struct Chunk {
+    size_t param;
+    size_t begin, end;
+  };
+  bool lars() const { return options_.kind == OptimizerKind::kLars; }
+  static Status Check(const std::vector<Param*>& params, const OptimizerOptions& options);
+  std::string StateKey(size_t i) const;
+  void ComputeTrustRatios(int threads);
+  // Derives trust_ from per-chunk sums of squares (partial_), as ComputeTrustRatios does.
+  void TrustFromPartials();
+  void StepCuda(double lr);
+
+  struct CudaState;  // the GPU's chunk table and coefficients (optimizer.cc)
+  std::unique_ptr<CudaState> cuda_;
+
+  std::vector<Param*> params_;
+  OptimizerOptions options_;
+  std::vector<Tensor> momentum_;  // per param; empty when options_.momentum == 0
+  std::vector<Chunk> chunks_;     // every param cut into <= kChunk-element pieces
+  std::vector<double> partial_;   // LARS: per chunk, sum w^2 and sum g^2
+  std::vector<double> trust_;
+  size_t total_elements_ = 0;
+};
+
+}  // namespace cpd::runtime

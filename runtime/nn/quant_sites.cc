@@ -1,0 +1,438 @@
+#include "runtime/nn/quant_sites.h"
+
+#include <algorithm>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "cpd/config.h"
+#include "kernels/grid.h"
+#if CPD_WITH_CUDA
+#include "cpd/quantize_cuda.h"
+#include "runtime/engine/cuda_ops.h"
+#endif
+
+namespace cpd::runtime {
+
+const char* SiteName(Site s) {
+  switch (s) {
+    case Site::kWeight:
+      return "W";
+    case Site::kActivation:
+      return "A";
+    case Site::kError:
+      return "E";
+    case Site::kWeightGrad:
+      return "G";
+  }
+  return "?";
+}
+
+Result<Site> ParseSite(const std::string& s) {
+  if (s == "W" || s == "w") return Site::kWeight;
+  if (s == "A" || s == "a") return Site::kActivation;
+  if (s == "E" || s == "e") return Site::kError;
+  if (s == "G" || s == "g") return Site::kWeightGrad;
+  return Status::InvalidArgument("bad quantisation site '" + s + "' (accepted: W, A, E, G)");
+}
+
+Status AddLayerOverride(const std::string& text, PrecisionConfig* config) {
+  const size_t eq = text.find('=');
+  const size_t dot = eq == std::string::npos ? std::string::npos : text.rfind('.', eq);
+  if (eq == std::string::npos || dot == std::string::npos || dot == 0 || eq + 1 >= text.size()) {
+    return Status::InvalidArgument("bad --layer-format '" + text +
+                                   "' (expected NAME.SITE=SPEC, e.g. conv1.W=e4m3)");
+  }
+  auto site = ParseSite(text.substr(dot + 1, eq - dot - 1));
+  if (!site.ok())
+    return Status::InvalidArgument("--layer-format '" + text + "': " + site.status().message());
+  const std::string spec = text.substr(eq + 1);
+  auto f = Format::Parse(spec);
+  if (!f.ok())
+    return Status::InvalidArgument("--layer-format '" + text + "': " + f.status().message());
+  config->overrides[text.substr(0, dot)][*site] = f->spec();
+  return Status::Ok();
+}
+
+std::string PrecisionConfigToJson(const PrecisionConfig& c) {
+  using nlohmann::json;
+  json sites = json::object();
+  for (int i = 0; i < kNumSites; ++i) {
+    sites[SiteName(Site(i))] = {{"spec", c.global[i].spec},
+                                {"rounding", RoundingName(c.global[i].rounding)}};
+  }
+  json overrides = json::object();
+  for (const auto& [layer, by_site] : c.overrides) {
+    for (const auto& [site, spec] : by_site) overrides[layer][SiteName(site)] = spec;
+  }
+  json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
+            {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
+  if (c.cpt) {
+    j["cpt"] = {{"min_bits", c.cpt->min_bits},
+                {"max_bits", c.cpt->max_bits},
+                {"periods", c.cpt->periods},
+                {"total_iters", c.cpt->total_iters}};
+  }
+  return j.dump();
+}
+
+std::string DescribePrecision(const PrecisionConfig& c) {
+  std::string out;
+  auto add = [&out](const std::string& part) { out += (out.empty() ? "" : ", ") + part; };
+  if (c.cpt) {
+    add("CPT " + std::to_string(c.cpt->min_bits) + "-" + std::to_string(c.cpt->max_bits) + "/" +
+        std::to_string(c.grad_bits) + " x" + std::to_string(c.cpt->periods));
+  }
+  std::string sites;
+  for (int i = 0; i < kNumSites; ++i) {
+    if (c.global[i].spec == "fp32") continue;
+    sites += std::string(sites.empty() ? "" : " ") + SiteName(Site(i)) + "=" + c.global[i].spec;
+    if (c.global[i].rounding != Rounding::kNearest) {
+      sites += std::string("/") + RoundingName(c.global[i].rounding);
+    }
+  }
+  if (!sites.empty()) add(sites);
+  size_t overrides = 0;
+  for (const auto& [layer, by_site] : c.overrides) overrides += by_site.size();
+  if (overrides > 0) add(std::to_string(overrides) + " layer override(s)");
+  if (!c.keep_fp32.empty()) {
+    std::string keep;
+    for (const auto& k : c.keep_fp32) keep += (keep.empty() ? "" : ",") + k;
+    add("fp32: " + keep);
+  }
+  if (c.hysteresis) add("hysteresis");
+  return out.empty() ? "fp32" : out;
+}
+
+Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
+  using nlohmann::json;
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::InvalidArgument("precision config: not a JSON object");
+  PrecisionConfig c;
+  try {
+    for (const auto& [site_name, v] : j.at("sites").items()) {
+      CPD_ASSIGN_OR_RETURN(const Site site, ParseSite(site_name));
+      CPD_ASSIGN_OR_RETURN(const Format f, Format::Parse(v.at("spec").get<std::string>()));
+      CPD_ASSIGN_OR_RETURN(const Rounding r, ParseRounding(v.at("rounding").get<std::string>()));
+      c.global[int(site)] = {f.spec(), r};
+    }
+    for (const auto& [layer, by_site] : j.at("overrides").items()) {
+      for (const auto& [site_name, spec] : by_site.items()) {
+        CPD_ASSIGN_OR_RETURN(const Site site, ParseSite(site_name));
+        CPD_ASSIGN_OR_RETURN(const Format f, Format::Parse(spec.get<std::string>()));
+        c.overrides[layer][site] = f.spec();
+      }
+    }
+    c.keep_fp32 = j.at("keep_fp32").get<std::vector<std::string>>();
+    c.grad_bits = j.at("grad_bits").get<int>();
+    c.hysteresis = j.at("hysteresis").get<bool>();
+    c.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("cpt")) {
+      const json& p = j["cpt"];
+      CyclicPrecision cpt;
+      cpt.min_bits = p.at("min_bits").get<int>();
+      cpt.max_bits = p.at("max_bits").get<int>();
+      cpt.periods = p.at("periods").get<int>();
+      cpt.total_iters = p.at("total_iters").get<int64_t>();
+      CPD_RETURN_IF_ERROR(cpt.Validate());
+      c.cpt = cpt;
+    }
+  } catch (const json::exception& e) {
+    return Status::InvalidArgument(std::string("precision config: ") + e.what());
+  }
+  return c;
+}
+
+Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig config,
+                                                             const std::vector<Layer*>& layers) {
+  std::unique_ptr<SiteQuantizer> q(new SiteQuantizer());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LayerState st;
+    st.index = int(i);
+    q->layers_[layers[i]->name()] = st;
+  }
+  if (!layers.empty()) {
+    q->first_layer_ = layers.front()->name();
+    q->last_layer_ = layers.back()->name();
+  }
+  CPD_RETURN_IF_ERROR(q->Reconfigure(std::move(config)));
+  return q;
+}
+
+Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::string>* keep) const {
+  for (const std::string& k : config.keep_fp32) {
+    std::string name = k;
+    if (k == "first" || k == "last") {
+      if (layers_.empty()) continue;
+      name = k == "first" ? first_layer_ : last_layer_;
+    }
+    if (layers_.count(name) == 0) {
+      return Status::InvalidArgument("--keep-fp32: no quantisable layer named '" + k +
+                                     "' (see --print-model)");
+    }
+    keep->push_back(name);
+  }
+  for (const auto& [name, sites] : config.overrides) {
+    if (layers_.count(name) == 0) {
+      return Status::InvalidArgument("--layer-format: no quantisable layer named '" + name +
+                                     "' (see --print-model)");
+    }
+    for (const auto& [site, spec] : sites) CPD_RETURN_IF_ERROR(Format::Parse(spec).status());
+  }
+  for (const SiteFormat& sf : config.global) CPD_RETURN_IF_ERROR(Format::Parse(sf.spec).status());
+  if (config.cpt) CPD_RETURN_IF_ERROR(config.cpt->Validate());
+  return Status::Ok();
+}
+
+Status SiteQuantizer::Reconfigure(PrecisionConfig config) {
+  std::vector<std::string> keep;
+  CPD_RETURN_IF_ERROR(Check(config, &keep));
+  for (auto& [name, st] : layers_) {
+    st.keep_fp32 = std::find(keep.begin(), keep.end(), name) != keep.end();
+  }
+  config_ = std::move(config);
+  return Status::Ok();
+}
+
+bool SiteQuantizer::Quantizes(const std::string& layer) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end() || it->second.keep_fp32) return false;
+  if (config_.cpt || config_.overrides.count(layer) > 0) return true;
+  for (const SiteFormat& sf : config_.global) {
+    if (sf.spec != "fp32") return true;
+  }
+  return false;
+}
+
+void SiteQuantizer::InstallHooks(const std::vector<Layer*>& layers) {
+  for (Layer* l : layers) l->SetQuantHooks(Quantizes(l->name()) ? this : nullptr);
+}
+
+int SiteQuantizer::CurrentBits() const {
+  if (!config_.cpt) return 0;
+  return eval_ ? config_.cpt->max_bits : config_.cpt->BitsAt(step_);
+}
+
+std::string SiteQuantizer::SpecFor(const std::string& layer, Site site) const {
+  auto it = layers_.find(layer);
+  if (it == layers_.end() || it->second.keep_fp32) return "fp32";
+  std::string spec = config_.global[int(site)].spec;
+  if (config_.cpt) {
+    const int b = CurrentBits();
+    if (site == Site::kWeight) spec = "uint" + std::to_string(b) + ":minmax:ch";
+    if (site == Site::kActivation) spec = "uint" + std::to_string(b) + ":minmax";
+    if (site == Site::kError) spec = "uint" + std::to_string(config_.grad_bits) + ":minmax";
+  }
+  auto ov = config_.overrides.find(layer);
+  if (ov != config_.overrides.end()) {
+    auto s = ov->second.find(site);
+    if (s != ov->second.end()) spec = s->second;
+  }
+  return spec;
+}
+
+const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
+                                       Rounding* rounding) const {
+  const std::string spec = SpecFor(layer, site);
+  if (spec == "fp32") return nullptr;
+  *rounding = config_.global[int(site)].rounding;
+  if (config_.cpt && site == Site::kError &&
+      spec == "uint" + std::to_string(config_.grad_bits) + ":minmax") {
+    *rounding = Rounding::kStochastic;  // CPT's backward quantiser rounds stochastically
+  }
+  auto it = format_cache_.find(spec);
+  if (it == format_cache_.end()) {
+    auto f = Format::Parse(spec);
+    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
+    it = format_cache_.emplace(spec, *f).first;
+  }
+  return &it->second;
+}
+
+QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Rounding r,
+                                          size_t channels) const {
+  QuantizeOptions opts;
+  opts.rounding = r;
+  // Each (worker, layer, site) draws from its own stochastic-rounding stream.
+  const uint64_t base = worker_ == 0
+                            ? config_.seed
+                            : kernels::SplitMix64(config_.seed + 0x9E3779B97F4A7C15ull * worker_);
+  opts.seed = kernels::SplitMix64(base ^ (uint64_t(st.index) << 8 | uint64_t(site)));
+  opts.step = uint64_t(step_);
+  opts.channels = channels;
+  return opts;
+}
+
+void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out,
+                          size_t channels) {
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer.name(), site, &r);
+  if (f == nullptr) {
+    if (out->data() != in.data()) out->CopyFrom(in);
+    return;
+  }
+  if (in.empty()) return;
+  if (out->device() != in.device()) {
+    throw std::logic_error(layer.name() + "." + SiteName(site) + ": input on " +
+                           DeviceName(in.device()) + ", output on " + DeviceName(out->device()));
+  }
+  const LayerState& st = layers_.at(layer.name());
+  QuantStats stats;
+  const QuantizeOptions opts = OptionsFor(st, site, r, channels);
+  Status s;
+#if CPD_WITH_CUDA
+  if (in.device() == Device::kCuda) {
+    s = QuantizeCuda(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr,
+                     cuda::Stream());
+  } else {
+    s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+  }
+#else
+  s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+#endif
+  if (!s.ok()) throw std::runtime_error(layer.name() + "." + SiteName(site) + ": " + s.message());
+  if (collect_) records_.push_back({layer.name(), site, f->spec(), stats});
+}
+
+void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) {
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer.name(), Site::kWeight, &r);
+  if (f == nullptr) {
+    w_used->CopyFrom(w_master);
+    return;
+  }
+  LayerState& st = layers_.at(layer.name());
+  if (w_master.device() != Device::kCpu) {
+    QuantizeWeightCuda(layer, st, *f, r, w_master, w_used);
+    return;
+  }
+  if (st.hyst_on_device) {  // the layer ran on the GPU before: its newest state is there
+    st.hyst_prev.resize(st.hyst_dev.numel());
+    st.hyst_dev.CopyToHost(st.hyst_prev.data());
+    st.hyst_on_device = false;
+  }
+  const size_t n = w_master.numel();
+  const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
+  const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
+  QuantStats stats;
+  QuantStats* sp = collect_ ? &stats : nullptr;
+  Status s;
+  if (config_.hysteresis && st.hyst_prev.size() == n && st.hyst_spec == f->spec()) {
+    std::memcpy(w_used->data(), st.hyst_prev.data(), n * sizeof(float));
+    uint64_t flips = 0;
+    s = QuantizeHysteresis(*f, w_master.data(), w_used->data(), n, opts, sp, &flips);
+    st.flips += flips;
+  } else {
+    s = Quantize(*f, w_master.data(), w_used->data(), n, opts, sp);
+  }
+  if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
+  if (config_.hysteresis) {
+    st.hyst_prev.assign(w_used->data(), w_used->data() + n);
+    st.hyst_spec = f->spec();
+  }
+  if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
+}
+
+void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f,
+                                       Rounding r, const Tensor& w_master, Tensor* w_used) {
+#if CPD_WITH_CUDA
+  if (w_used->device() != w_master.device()) {
+    throw std::logic_error(layer.name() + ".W: master on " + DeviceName(w_master.device()) +
+                           ", weights as used on " + DeviceName(w_used->device()));
+  }
+  const size_t n = w_master.numel();
+  const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
+  const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
+  QuantStats stats;
+  QuantStats* sp = collect_ ? &stats : nullptr;
+  if (config_.hysteresis && !st.hyst_on_device && st.hyst_prev.size() == n) {
+    // State from a CPU run or a checkpoint: continue from it on the GPU.
+    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
+    st.hyst_dev.CopyFromHost(st.hyst_prev.data());
+    st.hyst_on_device = true;
+  }
+  Status s;
+  if (config_.hysteresis && st.hyst_on_device && st.hyst_dev.numel() == n &&
+      st.hyst_spec == f.spec()) {
+    w_used->CopyFrom(st.hyst_dev);
+    uint64_t flips = 0;
+    s = QuantizeHysteresisCuda(f, w_master.data(), w_used->data(), n, opts, sp, &flips,
+                               cuda::Stream());
+    st.flips += flips;
+  } else {
+    s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, sp, cuda::Stream());
+  }
+  if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
+  if (config_.hysteresis) {
+    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
+    st.hyst_dev.CopyFrom(*w_used);
+    st.hyst_on_device = true;
+    st.hyst_spec = f.spec();
+  }
+  if (collect_) records_.push_back({layer.name(), Site::kWeight, f.spec(), stats});
+#else
+  (void)st;
+  (void)f;
+  (void)r;
+  (void)w_used;
+  throw std::logic_error(layer.name() + ".W: a " + DeviceName(w_master.device()) +
+                         " tensor in a build without CUDA");
+#endif
+}
+
+void SiteQuantizer::QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) {
+  Apply(layer, Site::kActivation, x, x_used, 1);
+}
+
+void SiteQuantizer::QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) {
+  Apply(layer, Site::kError, dy, dy_used, 1);
+}
+
+void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {
+  Apply(layer, Site::kWeightGrad, *dw, dw, dw->ndim() > 0 ? size_t(dw->dim(0)) : 1);
+}
+
+std::vector<SiteRecord> SiteQuantizer::TakeRecords() {
+  std::vector<SiteRecord> out;
+  out.swap(records_);
+  return out;
+}
+
+std::map<std::string, uint64_t> SiteQuantizer::TakeFlips() {
+  std::map<std::string, uint64_t> out;
+  for (auto& [name, st] : layers_) {
+    out[name] = st.flips;
+    st.flips = 0;
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> SiteQuantizer::Flips() const {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, st] : layers_) out[name] = st.flips;
+  return out;
+}
+
+std::map<std::string, const std::vector<float>*> SiteQuantizer::HysteresisState() const {
+  std::map<std::string, const std::vector<float>*> out;
+  for (const auto& [name, st] : layers_) {
+    if (st.hyst_on_device) {  // copy the GPU's newest state back (it stays the newest there)
+      st.hyst_prev.resize(st.hyst_dev.numel());
+      st.hyst_dev.CopyToHost(st.hyst_prev.data());
+    }
+    if (!st.hyst_prev.empty()) out[name] = &st.hyst_prev;
+  }
+  return out;
+}
+
+void SiteQuantizer::RestoreHysteresisState(const std::string& layer, std::vector<float> q) {
+  auto it = layers_.find(layer);
+  if (it == layers_.end()) return;
+  it->second.hyst_prev = std::move(q);
+  it->second.hyst_on_device = false;  // the restored state replaces whatever the GPU held
+  Rounding r = Rounding::kNearest;
+  const Format* f = FormatFor(layer, Site::kWeight, &r);
+  it->second.hyst_spec = f != nullptr ? f->spec() : "";
+}
+
+}  // namespace cpd::runtime

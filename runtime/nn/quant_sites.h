@@ -1,0 +1,160 @@
+// The precision policy of a training run and the hooks that apply it at the four quantisation
+// sites of every quantisable layer (Lee et al., ICLR 2022): W weights as used in forward,
+// A input activations, E errors (gradient w.r.t. the output), G weight gradients.
+//
+// Resolution for layer L, site S, step t (later rules win):
+//   1. the global --w/a/e/g-format (default fp32);
+//   2. CPT (--cyclic-bits MIN MAX): W = uint<b_t>:minmax:ch and A = uint<b_t>:minmax, nearest;
+//      E = uint<grad_bits>:minmax with stochastic rounding (Fu et al., ICLR 2021);
+//   3. per-layer overrides NAME.SITE=SPEC;
+//   4. layers listed in keep_fp32 ("first", "last", or a layer name) stay fp32 at every site.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpd/format.h"
+#include "cpd/quantize.h"
+#include "cpd/schedule.h"
+#include "runtime/nn/layer.h"
+
+namespace cpd::runtime {
+
+enum class Site { kWeight = 0, kActivation = 1, kError = 2, kWeightGrad = 3 };
+constexpr int kNumSites = 4;
+const char* SiteName(Site s);  // "W", "A", "E", "G"
+Result<Site> ParseSite(const std::string& s);
+
+struct SiteFormat {
+  std::string spec = "fp32";  // "fp32": the site is not quantised
+  Rounding rounding = Rounding::kNearest;
+};
+
+struct PrecisionConfig {
+  SiteFormat global[kNumSites];                                  // indexed by int(Site)
+  std::map<std::string, std::map<Site, std::string>> overrides;  // layer -> site -> spec
+  std::vector<std::string> keep_fp32;  // "first", "last" (quantisable layers) or layer names
+  std::optional<CyclicPrecision> cpt;
+  int grad_bits = 8;  // CPT's fixed backward precision
+  bool hysteresis = false;
+  uint64_t seed = 0;
+};
+
+// Parses "NAME.SITE=SPEC" (NAME may contain dots) into config->overrides, checking the spec.
+Status AddLayerOverride(const std::string& text, PrecisionConfig* config);
+
+// The policy as one JSON object (sites, rounding, overrides, keep_fp32, CPT, grad bits,
+// hysteresis, seed) and back; used to hand a schedule from rank 0 to every rank, to record the
+// schedule in force in checkpoints and metrics. FromJson checks every spec and value it reads.
+std::string PrecisionConfigToJson(const PrecisionConfig& config);
+// One line describing a policy: "CPT 3-8/8, W=e4m3 ..., 2 overrides, fp32: last, hysteresis".
+std::string DescribePrecision(const PrecisionConfig& config);
+Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text);
+
+// Devices: the hooks quantise where the layer's tensors are: cpd::Quantize /
+// cpd::QuantizeHysteresis for CPU tensors, cpd::QuantizeCuda / cpd::QuantizeHysteresisCuda
+// (cpd/quantize_cuda.h: bit-identical results and statistics counts) for CUDA tensors, queued
+// on the runtime's CUDA stream (runtime/engine/cuda_ops.h). Collecting statistics, or counting
+// hysteresis flips, waits for that stream.
+
+// Statistics of one site of one layer at one step.
+struct SiteRecord {
+  std::string layer;
+  Site site;
+  std::string format;
+  QuantStats stats;
+};
+
+class SiteQuantizer : public QuantHooks {
+ public:
+  // `layers`: every quantisable layer of the model, in model order (the first and last of them
+  // are "first" and "last"). Fails on unknown layer names in overrides or keep_fp32, or on bad
+  // specs.
+  static Result<std::unique_ptr<SiteQuantizer>> Create(PrecisionConfig config,
+                                                       const std::vector<Layer*>& layers);
+  // Replaces the policy mid-run (a schedule pushed by the coordinator), checked as Create checks
+  // it; on error nothing changes. Hysteresis state is kept: a layer whose W format changed
+  // starts its hysteresis afresh at its next forward. Callers re-install the hooks afterwards
+  // (Quantizes() may have changed).
+  Status Reconfigure(PrecisionConfig config);
+
+  // The step about to run (selects CPT bits; part of the stochastic-rounding stream).
+  void SetStep(int64_t step) { step_ = step; }
+  // The logical data-parallel worker whose micro-batch runs next (0 for single-process runs):
+  // each worker draws its own stochastic-rounding stream, as separate ranks would. Worker 0
+  // keeps the single-process stream, so a one-worker run is unchanged.
+  void SetWorker(uint64_t worker) { worker_ = worker; }
+  // While on, every site records its statistics (TakeRecords() hands them over).
+  void SetCollectStats(bool on) { collect_ = on; }
+  std::vector<SiteRecord> TakeRecords();
+  // Weight flips under hysteresis per layer since the last call.
+  std::map<std::string, uint64_t> TakeFlips();
+  // The same counts without resetting them.
+  std::map<std::string, uint64_t> Flips() const;
+
+  // The format spec in force for a layer and site at the current step ("fp32" if none).
+  std::string SpecFor(const std::string& layer, Site site) const;
+  // Whether any site of `layer` can be quantised at some step (layers that never are need no
+  // hooks, which saves the layer a copy of its input and incoming gradient).
+  bool Quantizes(const std::string& layer) const;
+  // Installs this quantiser as the hooks of each layer that Quantizes() (null on the others);
+  // called at the start and again after Reconfigure.
+  void InstallHooks(const std::vector<Layer*>& layers);
+  // CPT forward bits at the current step (0 without CPT); MAX bits in evaluation mode.
+  int CurrentBits() const;
+  // Evaluation: CPT evaluates at its highest precision, as the model is deployed.
+  void SetEval(bool eval) { eval_ = eval; }
+  const PrecisionConfig& config() const { return config_; }
+
+  // Hysteresis state (previous quantised weights) for checkpoints, in host memory (state kept
+  // on the GPU is copied back first). The pointers stay valid until the next hook call.
+  std::map<std::string, const std::vector<float>*> HysteresisState() const;
+  void RestoreHysteresisState(const std::string& layer, std::vector<float> q);
+
+  // QuantHooks.
+  void QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) override;
+  void QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) override;
+  void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) override;
+  void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override;
+
+ private:
+  struct LayerState {
+    int index = 0;
+    bool keep_fp32 = false;
+    // Previous quantised weights (hysteresis), in host memory, or on the GPU while the layer
+    // runs there: hyst_on_device means hyst_dev holds the newest copy and hyst_prev may be stale.
+    mutable std::vector<float> hyst_prev;
+    Tensor hyst_dev;
+    bool hyst_on_device = false;
+    std::string hyst_spec;  // the format the previous weights were quantised to
+    uint64_t flips = 0;
+  };
+
+  SiteQuantizer() = default;
+  // Resolves keep_fp32 and checks overrides and specs against this model's layers; fills
+  // `keep` with the layers kept fp32.
+  Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
+  const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
+  // Quantises `in` into `out` (which may be `in` itself) at one site.
+  void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
+  // QuantizeWeight for CUDA tensors.
+  void QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f, Rounding r,
+                          const Tensor& w_master, Tensor* w_used);
+  QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
+
+  PrecisionConfig config_;
+  std::map<std::string, LayerState> layers_;
+  std::string first_layer_, last_layer_;
+  mutable std::map<std::string, Format> format_cache_;
+  int64_t step_ = 0;
+  uint64_t worker_ = 0;
+  bool collect_ = false;
+  bool eval_ = false;
+  std::vector<SiteRecord> records_;
+};
+
+}  // namespace cpd::runtime

@@ -1,0 +1,77 @@
+// When a run writes checkpoints and what they hold; resuming from one.
+//
+// A checkpoint (runtime/train/checkpoint.h: atomic, CRC-checked) holds everything a step depends on:
+// parameters, BatchNorm buffers, optimiser state, hysteresis state, the iterator's position,
+// the step, and the schedule in force (when a coordinator pushed one), plus metadata that must
+// match the resuming run (arch, dataset, global batch). Rank 0 writes; every rank learns whether
+// it worked (Replicas::AgreeOn), so that none goes on alone; every rank reads on resume. Since
+// all randomness is counter-based, a resumed run is bit-identical to one that never stopped.
+//
+// When: every --checkpoint-every steps; with --checkpoint-every 0, at the end of every complete
+// epoch; and once more at the end of a run that stopped between checkpoints (--max-steps).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cpd/status.h"
+#include "runtime/train/data.h"
+#include "runtime/control/job_control.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/optimizer.h"
+#include "runtime/nn/quant_sites.h"
+#include "runtime/train/replicas.h"
+#include "runtime/train/trainer.h"
+
+namespace cpd::runtime {
+
+// What a checkpoint saves and restores. REQUIRED: all but `control` (null: no schedule).
+struct TrainingState {
+  Sequential* model = nullptr;
+  Optimizer* optimizer = nullptr;
+  SiteQuantizer* quant = nullptr;
+  BatchIterator* iterator = nullptr;
+  const JobControl* control = nullptr;
+};
+
+// Where a resumed run continues.
+struct ResumePoint {
+  int64_t step = 0;
+  int epoch = 0;              // the epoch recorded (0-based; see Checkpointer::Restore)
+  std::string schedule_json;  // the schedule in force then ("" if none was recorded)
+};
+
+class Checkpointer {
+ public:
+  // `options`, `replicas` and what `state` points to must outlive the checkpointer.
+  Checkpointer(const TrainOptions& options, int64_t global_batch, int64_t batches_per_epoch,
+               TrainingState state, const Replicas* replicas);
+
+  void set_control(const JobControl* control) { state_.control = control; }
+
+  // Restores what `path` holds into the state; checks that the checkpoint's run matches this
+  // one. The returned epoch is the one the checkpoint recorded.
+  Result<ResumePoint> Restore(const std::string& path);
+
+  // After step `step` (steps done) of 0-based epoch `epoch`: a checkpoint every
+  // --checkpoint-every steps.
+  Status AfterStep(int64_t step, int epoch);
+  // After a complete epoch (`epochs_done` of them), with --checkpoint-every 0.
+  Status AfterEpoch(int64_t step, int epochs_done);
+  // At the end of the run: one more when the last step is not saved yet.
+  Status AtEnd(int64_t step);
+
+ private:
+  bool enabled() const { return !o_.checkpoint_dir.empty(); }
+  // Rank 0 writes, every rank learns the outcome.
+  Status SaveEverywhere(int64_t step, int epoch);
+  Status Write(int64_t step, int epoch) const;
+
+  const TrainOptions& o_;
+  int64_t global_batch_, batches_per_epoch_;
+  TrainingState state_;
+  const Replicas* replicas_;
+  int64_t last_saved_step_ = -1;
+};
+
+}  // namespace cpd::runtime

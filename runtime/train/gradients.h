@@ -1,0 +1,34 @@
+// The gradients of one batch under a precision policy: the one forward/backward entry point,
+// shared by training (each worker's part of a step) and by tools that need gradients without an
+// optimiser step (the format-quality search of Lee et al.).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/nn/layers.h"
+#include "runtime/train/replicas.h"
+#include "runtime/engine/tensor.h"
+
+namespace cpd::runtime {
+
+class GradientPass {
+ public:
+  // `model` (REQUIRED) must outlive the pass; its parameter list is taken now.
+  explicit GradientPass(Sequential* model);
+
+  // Zeroes every Param::grad, runs the training forward pass on `x` (on the model's device),
+  // softmax cross-entropy against `y` and the backward pass: afterwards each Param::grad holds
+  // the gradient of the batch's mean loss, computed through whatever quantisation hooks are
+  // installed on the layers (a SiteQuantizer's policy at its current step and worker).
+  // Returns the batch's loss sum (mean x samples), correct predictions and sample count.
+  BatchTotals Run(const Tensor& x, const std::vector<int32_t>& y);
+
+ private:
+  Sequential* model_;
+  std::vector<Param*> params_;
+  SoftmaxCrossEntropy loss_;
+  Tensor dlogits_;
+};
+
+}  // namespace cpd::runtime

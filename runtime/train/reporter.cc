@@ -1,0 +1,266 @@
+#include "runtime/train/reporter.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "cpd/format.h"
+
+namespace cpd::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+json StatsJson(const std::vector<SiteRecord>& records) {
+  json layers = json::array();
+  for (const SiteRecord& r : records) {
+    const double n = r.stats.count > 0 ? double(r.stats.count) : 1.0;
+    layers.push_back({{"layer", r.layer},
+                      {"site", SiteName(r.site)},
+                      {"format", r.format},
+                      {"max_abs", r.stats.max_abs},
+                      {"saturated", double(r.stats.saturated) / n},
+                      {"flushed", double(r.stats.flushed) / n},
+                      {"nonfinite", r.stats.nonfinite},
+                      {"rel_error", r.stats.relative_error()}});
+  }
+  return layers;
+}
+
+json CommStatsJson(const std::vector<comm::LayerCommStats>& stats) {
+  json layers = json::array();
+  for (const auto& s : stats) {
+    json j = {{"layer", s.layer},
+              {"shift", s.shift},
+              {"max_abs", s.max_abs},
+              {"flushed", s.flushed},
+              {"saturated", s.saturated}};
+    if (s.rel_error >= 0) j["rel_error"] = s.rel_error;
+    layers.push_back(j);
+  }
+  return layers;
+}
+
+// Storage bits of a format spec (0 for fp32, which is not quantised).
+int FormatBits(const std::string& spec) {
+  if (spec == "fp32") return 0;
+  auto f = Format::Parse(spec);
+  return f.ok() ? f->bits() : 0;
+}
+
+// The per-layer rows of a coordinator report: the quantisation sites (reduced over the ranks),
+// hysteresis flips since the last report, and the all-reduce's per-layer statistics.
+std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
+                                      const std::map<std::string, uint64_t>& flips,
+                                      const std::vector<comm::LayerCommStats>& comm_stats,
+                                      const std::string& comm_format) {
+  std::vector<LayerReport> out;
+  for (const SiteRecord& r : records) {
+    const double n = r.stats.count > 0 ? double(r.stats.count) : 1.0;
+    LayerReport l;
+    l.layer = r.layer;
+    l.site = SiteName(r.site);
+    l.format = r.format;
+    l.bits = FormatBits(r.format);
+    l.max_abs = r.stats.max_abs;
+    l.saturated = double(r.stats.saturated) / n;
+    l.flushed = double(r.stats.flushed) / n;
+    l.rel_error = r.stats.relative_error();
+    l.nonfinite = r.stats.nonfinite;
+    if (r.site == Site::kWeight) {
+      auto f = flips.find(r.layer);
+      if (f != flips.end()) l.flips = f->second;
+    }
+    out.push_back(l);
+  }
+  const int comm_bits = FormatBits(comm_format);
+  for (const auto& c : comm_stats) {
+    LayerReport l;
+    l.layer = c.layer;
+    l.site = "comm";
+    l.format = comm_format;
+    l.bits = comm_bits;
+    l.aps_shift = c.shift;
+    l.max_abs = c.max_abs;
+    l.saturated = c.saturated;
+    l.flushed = c.flushed;
+    l.rel_error = c.rel_error;
+    out.push_back(l);
+  }
+  return out;
+}
+
+}  // namespace
+
+Reporter::Reporter(ReporterSetup setup)
+    : setup_(setup),
+      o_(*setup.options),
+      quiet_(o_.quiet || setup.rank != 0),
+      progress_(o_.progress && !quiet_, isatty(STDOUT_FILENO) != 0) {}
+
+Result<std::unique_ptr<Reporter>> Reporter::Create(ReporterSetup setup) {
+  std::unique_ptr<Reporter> r(new Reporter(setup));
+  const std::string& requested = r->o_.metrics_out;
+  if (requested.empty()) return r;
+  std::string path = requested;
+  const size_t at = path.find("{rank}");
+  if (at != std::string::npos) path.replace(at, 6, std::to_string(setup.rank));
+  if (at != std::string::npos || setup.rank == 0) {
+    r->metrics_.open(path, std::ios::out | std::ios::app);
+    if (!r->metrics_) return Status::IoError("--metrics-out: cannot open " + path + " for writing");
+  }
+  return r;
+}
+
+void Reporter::Say(const std::string& line) {
+  if (quiet_) return;
+  progress_.EndLine();
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+void Reporter::Log(const json& record) {
+  if (!metrics_.is_open()) return;
+  metrics_ << record.dump() << '\n';
+  metrics_.flush();
+}
+
+void Reporter::BeginEpoch() {
+  epoch_start_ = Clock::now();
+  loss_sum_ = 0;
+  correct_ = seen_ = epoch_steps_ = 0;
+}
+
+void Reporter::StepSkipped(int64_t step) {
+  if (!quiet_) {
+    progress_.EndLine();
+    std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks\n",
+                static_cast<long long>(step));
+  }
+  Log({{"type", "skip"}, {"step", step}, {"reason", "nonfinite gradient"}});
+}
+
+StepReport Reporter::MakeStepReport(int epoch, int64_t step, double loss, double lr,
+                                    double images_per_s, int64_t skipped_steps) const {
+  StepReport r;
+  r.step = step;
+  r.epoch = epoch;
+  r.loss = loss;
+  r.lr = lr;
+  r.bits = setup_.quant->CurrentBits();
+  r.images_per_s = images_per_s;
+  r.ranks_alive = setup_.world;
+  r.skipped_steps = uint64_t(skipped_steps);
+  return r;
+}
+
+Status Reporter::AfterStep(const StepDone& s) {
+  loss_sum_ += double(s.batch.loss) * double(s.batch.count);
+  correct_ += s.batch.correct;
+  seen_ += s.batch.count;
+  ++epoch_steps_;
+  const bool comm_stats = setup_.workers > 1 && !s.skipped;
+  std::vector<SiteRecord> records;
+  if (s.statistics) {
+    setup_.quant->SetCollectStats(false);
+    records = setup_.quant->TakeRecords();
+    CPD_RETURN_IF_ERROR(setup_.replicas->ReduceSiteRecords(&records));
+    json j = {{"type", "step"},       {"step", s.step},
+              {"epoch", s.epoch},     {"loss", s.batch.loss},
+              {"lr", s.lr},           {"bits", setup_.quant->CurrentBits()},
+              {"skipped", s.skipped}, {"layers", StatsJson(records)}};
+    if (comm_stats) j["comm"] = CommStatsJson(setup_.reducer->last_stats());
+    Log(j);
+  }
+  const double elapsed = SecondsSince(epoch_start_);
+  const double ips = elapsed > 0 ? double(seen_) / elapsed : 0.0;
+  const double eta =
+      ips > 0 ? double((setup_.batches_per_epoch - s.next_batch) * setup_.global_batch) / ips : 0.0;
+  progress_.Update(s.epoch, o_.epochs, s.next_batch, setup_.batches_per_epoch, s.batch.loss, ips,
+                   eta, setup_.quant->CurrentBits());
+  if (control_ && (s.statistics || control_->SummaryDue())) {
+    StepReport r = MakeStepReport(s.epoch, s.step, s.batch.loss, s.lr, ips, s.skipped_steps);
+    if (s.statistics) {
+      std::map<std::string, uint64_t> flips = setup_.quant->Flips();
+      std::map<std::string, uint64_t> delta;
+      for (const auto& [name, f] : flips) delta[name] = f - flips_reported_[name];
+      flips_reported_ = std::move(flips);
+      const std::string& ar_format =
+          o_.allreduce.algo == comm::AllReduceAlgo::kFp32 ? "fp32" : o_.allreduce.format;
+      r.layers = LayerReports(
+          records, delta,
+          comm_stats ? setup_.reducer->last_stats() : std::vector<comm::LayerCommStats>{},
+          ar_format);
+    }
+    control_->Report(std::move(r));
+  }
+  return Status::Ok();
+}
+
+EpochTotals Reporter::Totals() const {
+  EpochTotals t;
+  const double seconds = SecondsSince(epoch_start_);
+  t.steps = epoch_steps_;
+  t.train_accuracy = seen_ > 0 ? double(correct_) / double(seen_) : 0.0;
+  t.train_loss = seen_ > 0 ? loss_sum_ / double(seen_) : 0.0;
+  t.images_per_s = seconds > 0 ? double(seen_) / seconds : 0.0;
+  t.ms_per_step = epoch_steps_ > 0 ? 1e3 * seconds / double(epoch_steps_) : 0.0;
+  return t;
+}
+
+void Reporter::AfterEpoch(const EpochDone& e) {
+  progress_.EndLine();
+  const auto flips = setup_.quant->TakeFlips();
+  flips_reported_.clear();
+  uint64_t total_flips = 0;
+  json flips_json = json::object();
+  for (const auto& [name, f] : flips) {
+    if (o_.precision.hysteresis) flips_json[name] = f;
+    total_flips += f;
+  }
+  const PrecisionConfig& pc = *e.precision;
+  if (!quiet_) {
+    std::string extra;
+    if (pc.cpt) {
+      char buf[96];
+      std::snprintf(buf, sizeof(buf), " bits %d-%d/%d cost %+.2f%%", pc.cpt->min_bits,
+                    pc.cpt->max_bits, pc.grad_bits, 100.0 * e.relative_cost);
+      extra += buf;
+    }
+    if (o_.precision.hysteresis) extra += " flips " + std::to_string(total_flips);
+    if (e.skipped_steps > 0) extra += " skipped " + std::to_string(e.skipped_steps);
+    std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
+                e.epoch, o_.epochs, e.totals.train_loss, 100 * e.totals.train_accuracy,
+                100 * e.test_accuracy, e.totals.images_per_s, e.totals.ms_per_step, extra.c_str());
+    std::fflush(stdout);
+  }
+  Log({{"type", "epoch"},
+       {"epoch", e.epoch},
+       {"step", e.step},
+       {"loss", e.totals.train_loss},
+       {"train_accuracy", e.totals.train_accuracy},
+       {"test_accuracy", e.test_accuracy},
+       {"test_loss", e.test_loss},
+       {"bits", pc.cpt ? pc.cpt->max_bits : 0},
+       {"images_per_s", e.totals.images_per_s},
+       {"relative_cost", e.relative_cost},
+       {"skipped_steps", e.skipped_steps},
+       {"flips", flips_json}});
+  if (control_) {
+    StepReport r = MakeStepReport(e.epoch, e.step - 1, e.totals.train_loss, e.lr,
+                                  e.totals.images_per_s, e.skipped_steps);
+    r.train_accuracy = e.totals.train_accuracy;
+    r.test_accuracy = e.test_accuracy;
+    r.finished = e.finished;
+    control_->Report(std::move(r));
+  }
+}
+
+}  // namespace cpd::runtime

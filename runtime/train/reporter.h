@@ -1,0 +1,108 @@
+// What a run tells the world, in one place: the console (rank 0: header, progress, skipped
+// steps, one line per epoch), the metrics file (JSON lines: "step" records with per-layer
+// statistics, "skip" and "epoch" records) and the coordinator's reports (through JobControl).
+// It also keeps the running totals of the epoch (loss, accuracy, images/s).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "comm/gradient_allreduce.h"
+#include "cpd/status.h"
+#include "runtime/control/job_control.h"
+#include "runtime/train/progress.h"
+#include "runtime/nn/quant_sites.h"
+#include "runtime/train/replicas.h"
+#include "runtime/train/trainer.h"
+
+namespace cpd::runtime {
+
+struct ReporterSetup {
+  const TrainOptions* options = nullptr;  // REQUIRED; outlives the reporter
+  int rank = 0, world = 1, workers = 1;
+  int64_t global_batch = 0, batches_per_epoch = 0;
+  SiteQuantizer* quant = nullptr;                     // REQUIRED
+  const Replicas* replicas = nullptr;                 // REQUIRED
+  const comm::GradientAllReducer* reducer = nullptr;  // REQUIRED
+};
+
+// A step just done, as the reporter needs it.
+struct StepDone {
+  int epoch = 0;      // 1-based
+  int64_t step = 0;   // its index
+  GlobalBatch batch;  // the global batch's loss and accuracy
+  double lr = 0;
+  bool skipped = false;       // NaN/Inf somewhere: no update
+  bool statistics = false;    // its site statistics were recorded (or the error measured)
+  int64_t next_batch = 0;     // the iterator's position in the epoch
+  int64_t skipped_steps = 0;  // in the run so far
+};
+
+// The epoch's totals over the global batches it ran.
+struct EpochTotals {
+  double train_loss = 0, train_accuracy = 0, images_per_s = 0, ms_per_step = 0;
+  int64_t steps = 0;
+};
+
+// An epoch just done, as the reporter needs it.
+struct EpochDone {
+  int epoch = 0;     // 1-based
+  int64_t step = 0;  // steps done in the run
+  EpochTotals totals;
+  double test_accuracy = 0, test_loss = 0;
+  const PrecisionConfig* precision = nullptr;  // the policy in force
+  double relative_cost = 0;
+  int64_t skipped_steps = 0;
+  double lr = 0;          // of the epoch's last step
+  bool finished = false;  // the run's last epoch
+};
+
+class Reporter {
+ public:
+  // Opens the metrics file (rank 0, or every rank when the path holds "{rank}").
+  static Result<std::unique_ptr<Reporter>> Create(ReporterSetup setup);
+
+  // The coordinator's reports go through `control` (null: none).
+  void set_control(JobControl* control) { control_ = control; }
+  bool quiet() const { return quiet_; }
+
+  // A line on rank 0's console (unless quiet), after clearing the progress bar.
+  void Say(const std::string& line);
+  // One metrics record (every rank that keeps metrics).
+  void Log(const nlohmann::json& record);
+
+  void BeginEpoch();
+  // The step's gradient held NaN/Inf on some rank: the console and a "skip" record.
+  void StepSkipped(int64_t step);
+  // Epoch totals, the "step" record (with the site statistics, reduced over the ranks, when the
+  // step recorded them: a collective then), the progress bar and the coordinator's report.
+  Status AfterStep(const StepDone& step);
+  // The epoch so far (call before evaluating, so that the rate leaves evaluation out).
+  EpochTotals Totals() const;
+  // The epoch line, the "epoch" record (with hysteresis flips) and the coordinator's report.
+  void AfterEpoch(const EpochDone& epoch);
+
+ private:
+  explicit Reporter(ReporterSetup setup);
+  StepReport MakeStepReport(int epoch, int64_t step, double loss, double lr, double images_per_s,
+                            int64_t skipped_steps) const;
+
+  ReporterSetup setup_;
+  const TrainOptions& o_;
+  bool quiet_;
+  JobControl* control_ = nullptr;
+  std::ofstream metrics_;
+  Progress progress_;
+  std::map<std::string, uint64_t> flips_reported_;  // hysteresis flips already reported
+  std::chrono::steady_clock::time_point epoch_start_;
+  double loss_sum_ = 0;
+  int64_t correct_ = 0, seen_ = 0, epoch_steps_ = 0;
+};
+
+}  // namespace cpd::runtime

@@ -1,0 +1,46 @@
+// ValidateTrainOptions (runtime/train/trainer.h): the one check of a run's options, before any work.
+#include <unistd.h>
+
+#include <cmath>
+#include <string>
+
+#include "runtime/train/trainer.h"
+
+namespace cpd::runtime {
+
+Status ValidateTrainOptions(const TrainOptions& o) {
+  auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
+  if (o.batch_size < 1) return bad("--batch-size must be >= 1");
+  if (o.global_batch < 0) return bad("--global-batch must be >= 1 (or 0: batch-size x workers)");
+  if (o.emulate_ranks < 1 || o.emulate_ranks > 4096) {
+    return bad("--emulate-ranks must be in 1..4096, got " + std::to_string(o.emulate_ranks));
+  }
+  if (o.measure_error_every < 0) return bad("--measure-error must be >= 0");
+  if (o.debug_step_sleep_ms < 0) return bad("--debug-step-sleep-ms must be >= 0");
+  CPD_RETURN_IF_ERROR(o.allreduce.Validate());
+  if (o.lr <= 0 || !std::isfinite(o.lr)) return bad("--lr must be a positive number");
+  if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
+  if (o.weight_decay < 0) return bad("--weight-decay must be >= 0");
+  if (o.stats_every < 0) return bad("--stats-every must be >= 0");
+  if (o.checkpoint_every < 0) return bad("--checkpoint-every must be >= 0");
+  if (!o.resume.empty() && o.resume != "auto" && access(o.resume.c_str(), R_OK) != 0) {
+    return bad("--resume: cannot read checkpoint '" + o.resume + "'");
+  }
+  if (o.resume == "auto" && o.checkpoint_dir.empty()) {
+    return bad("--resume auto needs --checkpoint-dir");
+  }
+  if (o.precision.cpt) {
+    const auto& c = *o.precision.cpt;
+    if (c.min_bits < 2 || c.max_bits > 16 || c.min_bits > c.max_bits) {
+      return bad("--cyclic-bits MIN MAX needs 2 <= MIN <= MAX <= 16");
+    }
+    if (c.periods < 1) return bad("--cyclic-periods must be >= 1");
+    if (o.precision.grad_bits < 2 || o.precision.grad_bits > 16) {
+      return bad("--grad-bits must be in 2..16");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace cpd::runtime

@@ -1,0 +1,527 @@
+#include "runtime/train/trainer.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <memory>
+#include <thread>
+
+#include "runtime/train/checkpoint.h"
+#include "runtime/train/checkpointer.h"
+#include "runtime/train/cost_plan.h"
+#include "runtime/train/data.h"
+#include "runtime/train/evaluate.h"
+#include "runtime/control/job_control.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
+#include "runtime/train/replicas.h"
+#include "runtime/train/reporter.h"
+#include "runtime/train/workers.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace cpd::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// "<arch>-<dataset>-<UTC yyyymmdd-hhmmss>": a job name when the user gives none.
+std::string DefaultJobName(const TrainOptions& o) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y%m%d-%H%M%S", &tm);
+  return o.arch + "-" + o.dataset + "-" + when;
+}
+
+// Groups the params into the all-reducer's layers: consecutive params whose names share the
+// prefix before the last '.' ("conv1.weight", "conv1.bias") form one layer (one APS shift).
+comm::GradientLayout LayoutOf(const std::vector<Param*>& params) {
+  comm::GradientLayout layout;
+  layout.offsets.push_back(0);
+  size_t offset = 0;
+  for (const Param* p : params) {
+    const size_t dot = p->name.rfind('.');
+    const std::string layer = dot == std::string::npos ? p->name : p->name.substr(0, dot);
+    if (layout.layer_names.empty() || layout.layer_names.back() != layer) {
+      if (!layout.layer_names.empty()) layout.offsets.push_back(offset);
+      layout.layer_names.push_back(layer);
+    }
+    offset += p->grad.numel();
+  }
+  if (!layout.layer_names.empty()) layout.offsets.push_back(offset);
+  return layout;
+}
+
+std::string AllReduceDescription(const comm::GradientAllReduceOptions& ar) {
+  std::string out = comm::AllReduceAlgoName(ar.algo);
+  if (ar.algo != comm::AllReduceAlgo::kFp32) {
+    out += " " + ar.format + (ar.aps ? " +APS" : "") + (ar.kahan ? " +Kahan" : "");
+  }
+  return out;
+}
+
+// One training run: set up in Create (one short phase per part), then Run: epochs of steps.
+class Trainer {
+ public:
+  static Result<std::unique_ptr<Trainer>> Create(const TrainOptions& o, comm::Communicator* comm);
+  Result<TrainResult> Run();
+
+ private:
+  Trainer(const TrainOptions& o, comm::Communicator* comm)
+      : o_(o), comm_(comm != nullptr ? comm : &self_), replicas_(comm_) {}
+
+  // Set-up, in this order.
+  Status CheckOptions();
+  Status PlaceWorkers();
+  Status LoadData();
+  Status BuildNetwork();
+  Status BuildIterator();
+  Status BuildPrecision();
+  Status BuildOptimizer();
+  Status BuildReducer();
+  Status BuildOutputs();
+  Status ResumeOrStart();
+  Status StartControl();
+  void Announce();
+
+  // The loop.
+  Status RunEpoch(int epoch);
+  Status Step(int epoch, const Tensor& x, const std::vector<int32_t>& y);
+  Status ApplyDueSchedule();
+  Status EndEpoch(int epoch);
+  Result<TrainResult> Finish();
+
+  const TrainOptions& o_;
+  comm::SelfCommunicator self_;
+  comm::Communicator* comm_;
+  Replicas replicas_;
+  Device device_ = Device::kCpu;
+  int threads_ = 1;
+  WorkerGroup group_;
+  int64_t global_batch_ = 0, batches_per_epoch_ = 0, total_steps_ = 0;
+  CoordinatorOptions coordinator_;
+  Dataset train_, test_;
+  std::unique_ptr<Sequential> model_;
+  std::vector<Layer*> quant_layers_;
+  Tensor flat_gradients_;  // on a GPU: every parameter's gradient, as views
+  std::unique_ptr<BatchIterator> iterator_;
+  PrecisionConfig precision_;  // the policy in force
+  std::unique_ptr<SiteQuantizer> quant_;
+  std::unique_ptr<Optimizer> optimizer_;
+  LrSchedule lr_;
+  comm::GradientAllReduceOptions allreduce_;
+  std::unique_ptr<comm::GradientAllReducer> reducer_;
+  std::unique_ptr<LocalWorkers> workers_;
+  std::unique_ptr<Reporter> reporter_;
+  std::unique_ptr<Checkpointer> checkpointer_;
+  std::unique_ptr<CostPlan> cost_;
+  std::unique_ptr<JobControl> control_;
+  std::string resumed_schedule_;  // the schedule a checkpoint recorded ("" if none)
+  int64_t step_ = 0;
+  int start_epoch_ = 0;
+  int64_t steps_this_run_ = 0;
+  bool stop_ = false;
+  TrainResult result_;
+};
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& o, comm::Communicator* comm) {
+  std::unique_ptr<Trainer> t(new Trainer(o, comm));
+  CPD_RETURN_IF_ERROR(t->CheckOptions());
+  CPD_RETURN_IF_ERROR(t->PlaceWorkers());
+  CPD_RETURN_IF_ERROR(t->LoadData());
+  CPD_RETURN_IF_ERROR(t->BuildNetwork());
+  if (o.print_model) return t;
+  CPD_RETURN_IF_ERROR(t->BuildIterator());
+  CPD_RETURN_IF_ERROR(t->BuildPrecision());
+  CPD_RETURN_IF_ERROR(t->BuildOptimizer());
+  CPD_RETURN_IF_ERROR(t->BuildReducer());
+  CPD_RETURN_IF_ERROR(t->BuildOutputs());
+  CPD_RETURN_IF_ERROR(t->ResumeOrStart());
+  // Identical replicas from the start: rank 0's parameters and buffers everywhere.
+  CPD_RETURN_IF_ERROR(t->replicas_.BroadcastFromRank0(t->model_->Params(), t->model_->Buffers()));
+  t->Announce();
+  CPD_RETURN_IF_ERROR(t->StartControl());
+  return t;
+}
+
+Status Trainer::CheckOptions() {
+  CPD_RETURN_IF_ERROR(ValidateTrainOptions(o_));
+  coordinator_ = o_.coordinator;
+  if (!coordinator_.address.empty()) {
+    if (coordinator_.job_name.empty()) coordinator_.job_name = DefaultJobName(o_);
+    CPD_RETURN_IF_ERROR(CheckCoordinatorOptions(coordinator_));
+    if (!(o_.report_interval_s > 0)) {
+      return Status::InvalidArgument("--report-interval must be a positive number of seconds");
+    }
+  }
+  CPD_ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
+  return Status::Ok();
+}
+
+// Ranks, workers, batch sizes, threads and the GPU of this rank.
+Status Trainer::PlaceWorkers() {
+  if (device_ == Device::kCuda && comm_->size() > 1) {
+    // The ranks of a node take its GPUs in turn (before any CUDA tensor exists).
+    const int local = comm::LocalRankFromEnv();
+    SelectCudaDevice(local >= 0 ? local : comm_->rank());
+  }
+  threads_ = o_.threads > 0 ? o_.threads : omp_get_num_procs();
+  omp_set_num_threads(threads_);
+  openblas_set_num_threads(threads_);
+  group_.rank = comm_->rank();
+  group_.local_workers = o_.emulate_ranks;
+  group_.workers = comm_->size() * group_.local_workers;
+  int64_t worker_batch = o_.batch_size;
+  if (o_.global_batch > 0) {
+    if (o_.global_batch % group_.workers != 0) {
+      return Status::InvalidArgument(
+          "--global-batch " + std::to_string(o_.global_batch) + " does not split evenly over " +
+          std::to_string(group_.workers) + " workers (" + std::to_string(comm_->size()) +
+          " ranks x " + std::to_string(group_.local_workers) + " emulated)");
+    }
+    worker_batch = o_.global_batch / group_.workers;
+  }
+  global_batch_ = worker_batch * group_.workers;
+  return Status::Ok();
+}
+
+Status Trainer::LoadData() {
+  CPD_ASSIGN_OR_RETURN(auto data, LoadDatasetPair(o_.dataset, o_.data_dir, o_.seed));
+  train_ = std::move(data.first);
+  test_ = std::move(data.second);
+  const ChannelStats norm = ComputeChannelStats(train_);
+  Normalize(&train_, norm);
+  Normalize(&test_, norm);
+  return Status::Ok();
+}
+
+// The model for the dataset's shapes, on its device, and its quantisable layers.
+Status Trainer::BuildNetwork() {
+  const int in_ch = o_.in_channels > 0 ? o_.in_channels : train_.channels;
+  const int size = o_.image_size > 0 ? o_.image_size : train_.height;
+  const int classes = o_.classes > 0 ? o_.classes : train_.classes;
+  if (in_ch != train_.channels || size != train_.height || classes < train_.classes) {
+    return Status::InvalidArgument(
+        "--in-channels/--image-size/--classes (" + std::to_string(in_ch) + ", " +
+        std::to_string(size) + ", " + std::to_string(classes) + ") do not fit dataset '" +
+        o_.dataset + "' (" + std::to_string(train_.channels) + ", " +
+        std::to_string(train_.height) + ", " + std::to_string(train_.classes) + ")");
+  }
+  CPD_ASSIGN_OR_RETURN(model_, BuildModel(o_.arch, in_ch, size, classes, o_.seed));
+  if (device_ != Device::kCpu && !o_.print_model) {
+    MoveToDevice(model_.get(), device_);
+    flat_gradients_ = UseFlatGradients(model_.get(), device_);
+  }
+  for (Layer* l : model_->Flatten()) {
+    if (l->Quantizable()) quant_layers_.push_back(l);
+  }
+  return Status::Ok();
+}
+
+// One iterator per rank over the shared permutation: a step takes a global batch, this rank
+// gets its K workers' slices in one piece. Several workers drop the last partial batch, so that
+// every worker's gradient is a mean over the same number of samples.
+Status Trainer::BuildIterator() {
+  const bool augment = o_.augment_set ? o_.augment : o_.dataset.rfind("cifar", 0) == 0;
+  iterator_ = std::make_unique<BatchIterator>(train_, global_batch_ / comm_->size(),
+                                              /*shuffle=*/true, augment, o_.seed,
+                                              /*drop_last=*/group_.workers > 1);
+  CPD_RETURN_IF_ERROR(iterator_->SetShard(comm_->rank(), comm_->size()));
+  batches_per_epoch_ = iterator_->batches_per_epoch();
+  if (batches_per_epoch_ < 1) {
+    return Status::InvalidArgument("global batch " + std::to_string(global_batch_) +
+                                   " exceeds the " + std::to_string(train_.count) +
+                                   " training samples");
+  }
+  total_steps_ = batches_per_epoch_ * o_.epochs;
+  return Status::Ok();
+}
+
+Status Trainer::BuildPrecision() {
+  precision_ = o_.precision;
+  if (precision_.cpt) {
+    precision_.cpt->total_iters = total_steps_;
+    CPD_RETURN_IF_ERROR(precision_.cpt->Validate());
+  }
+  precision_.seed = kernels::SplitMix64(o_.seed ^ 0x51u);
+  CPD_ASSIGN_OR_RETURN(quant_, SiteQuantizer::Create(precision_, quant_layers_));
+  quant_->InstallHooks(quant_layers_);
+  return Status::Ok();
+}
+
+Status Trainer::BuildOptimizer() {
+  OptimizerOptions oo;
+  oo.momentum = o_.momentum;
+  oo.weight_decay = o_.weight_decay;
+  oo.nesterov = o_.nesterov;
+  oo.kind = o_.optimizer;
+  oo.lars_eta = o_.lars_eta;
+  oo.threads = threads_;
+  CPD_RETURN_IF_ERROR(oo.Validate());
+  optimizer_ = std::make_unique<Optimizer>(model_->Params(), oo);
+  std::vector<int64_t> milestones;
+  for (int64_t e : o_.lr_milestones) milestones.push_back(e * batches_per_epoch_);
+  CPD_ASSIGN_OR_RETURN(lr_, MakeLrSchedule(o_.lr_schedule, o_.lr, total_steps_, o_.warmup_steps,
+                                           milestones, o_.lr_gamma));
+  return Status::Ok();
+}
+
+// The gradient all-reducer over the flat gradients of the K local workers.
+Status Trainer::BuildReducer() {
+  allreduce_ = o_.allreduce;
+  allreduce_.seed = kernels::SplitMix64(o_.seed ^ 0xA11u);
+  allreduce_.threads = threads_;
+  CPD_ASSIGN_OR_RETURN(
+      reducer_, comm::GradientAllReducer::Create(comm_, allreduce_, LayoutOf(model_->Params()),
+                                                 group_.local_workers));
+  workers_ = std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_,
+                                            flat_gradients_, o_.debug_nan_step);
+  return Status::Ok();
+}
+
+// The reporter (console, metrics, coordinator reports), checkpoints and the cost model.
+Status Trainer::BuildOutputs() {
+  ReporterSetup rs;
+  rs.options = &o_;
+  rs.rank = comm_->rank();
+  rs.world = comm_->size();
+  rs.workers = group_.workers;
+  rs.global_batch = global_batch_;
+  rs.batches_per_epoch = batches_per_epoch_;
+  rs.quant = quant_.get();
+  rs.replicas = &replicas_;
+  rs.reducer = reducer_.get();
+  CPD_ASSIGN_OR_RETURN(reporter_, Reporter::Create(rs));
+  TrainingState state;
+  state.model = model_.get();
+  state.optimizer = optimizer_.get();
+  state.quant = quant_.get();
+  state.iterator = iterator_.get();
+  checkpointer_ =
+      std::make_unique<Checkpointer>(o_, global_batch_, batches_per_epoch_, state, &replicas_);
+  cost_ = std::make_unique<CostPlan>(total_steps_, precision_);
+  return Status::Ok();
+}
+
+Status Trainer::ResumeOrStart() {
+  const std::string path = o_.resume == "auto" ? LatestCheckpoint(o_.checkpoint_dir) : o_.resume;
+  if (path.empty()) {
+    iterator_->StartEpoch(0);
+    return Status::Ok();
+  }
+  CPD_ASSIGN_OR_RETURN(const ResumePoint point, checkpointer_->Restore(path));
+  step_ = point.step;
+  quant_->SetStep(step_);
+  resumed_schedule_ = point.schedule_json;
+  start_epoch_ = point.epoch;
+  // A checkpoint taken after the last batch of an epoch continues with the next epoch.
+  const IteratorState it = iterator_->state();
+  if (it.epoch == start_epoch_ && it.next_batch >= batches_per_epoch_) ++start_epoch_;
+  if (!reporter_->quiet()) {
+    std::printf("resumed from %s at step %lld (epoch %d)\n", path.c_str(),
+                static_cast<long long>(step_), start_epoch_ + 1);
+  }
+  return Status::Ok();
+}
+
+void Trainer::Announce() {
+  std::string parallel;
+  if (group_.workers > 1) {
+    parallel = ", " + std::to_string(comm_->size()) + " rank(s) x " +
+               std::to_string(group_.local_workers) + " worker(s), all-reduce " +
+               AllReduceDescription(allreduce_);
+  }
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "cpd-train: %s on %s (%lld train / %lld test), %s, %d threads, batch %lld (%lld "
+                "per worker)%s, %d epochs x %lld steps",
+                o_.arch.c_str(), o_.dataset.c_str(), static_cast<long long>(train_.count),
+                static_cast<long long>(test_.count), DeviceName(device_), threads_,
+                static_cast<long long>(global_batch_),
+                static_cast<long long>(global_batch_ / group_.workers), parallel.c_str(), o_.epochs,
+                static_cast<long long>(batches_per_epoch_));
+  reporter_->Say(line);
+}
+
+// The control plane: the coordinator's schedules (same step on every rank) and reports.
+Status Trainer::StartControl() {
+  result_.world_size = comm_->size();
+  result_.workers = group_.workers;
+  result_.relative_cost = cost_->relative_cost();
+  if (coordinator_.address.empty()) return Status::Ok();
+  JobControl::Setup cs;
+  cs.comm = comm_;
+  cs.quant = quant_.get();
+  cs.quant_layers = quant_layers_;
+  cs.total_steps = total_steps_;
+  cs.seed = precision_.seed;
+  cs.report_interval_s = o_.report_interval_s;
+  cs.log = [this](const nlohmann::json& record) { reporter_->Log(record); };
+  JobDescription job;
+  job.arch = o_.arch;
+  job.dataset = o_.dataset;
+  job.allreduce = AllReduceDescription(allreduce_);
+  job.world_size = comm_->size();
+  job.emulate_ranks = group_.local_workers;
+  job.epochs = o_.epochs;
+  job.total_steps = total_steps_;
+  job.start_step = step_;
+  job.layers = LayerInfos(model_->Flatten());
+  job.schedule.precision = precision_;
+  job.schedule.set_by = "command line";
+  CPD_ASSIGN_OR_RETURN(control_,
+                       JobControl::Start(coordinator_, cs, std::move(job), 1, resumed_schedule_));
+  reporter_->set_control(control_.get());
+  checkpointer_->set_control(control_.get());
+  if (!resumed_schedule_.empty()) {
+    precision_ = quant_->config();
+    cost_->Replan(step_, precision_);
+    result_.relative_cost = cost_->relative_cost();
+  }
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "coordinator %s: job '%s' (reports every %lld steps and at least every %.1f s)",
+                coordinator_.address.c_str(), coordinator_.job_name.c_str(),
+                static_cast<long long>(o_.stats_every), o_.report_interval_s);
+  reporter_->Say(line);
+  return Status::Ok();
+}
+
+Result<TrainResult> Trainer::Run() {
+  if (o_.print_model) {
+    if (comm_->rank() == 0) std::printf("%s", DescribeModel(*model_).c_str());
+    return TrainResult{};
+  }
+  const auto start = Clock::now();
+  for (int epoch = start_epoch_; epoch < o_.epochs && !stop_; ++epoch) {
+    CPD_RETURN_IF_ERROR(RunEpoch(epoch));
+  }
+  CPD_RETURN_IF_ERROR(checkpointer_->AtEnd(step_));
+  if (control_) control_->Finish(/*max_wait_ms=*/3000);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  result_.ms_per_step = steps_this_run_ > 0 ? 1e3 * seconds / double(steps_this_run_) : 0.0;
+  return Finish();
+}
+
+Status Trainer::RunEpoch(int epoch) {
+  if (iterator_->state().epoch != epoch) iterator_->StartEpoch(epoch);
+  reporter_->BeginEpoch();
+  Tensor x;
+  std::vector<int32_t> y;
+  while (!stop_ && iterator_->Next(&x, &y)) CPD_RETURN_IF_ERROR(Step(epoch, x, y));
+  return EndEpoch(epoch);
+}
+
+// One training step, the whole algorithm: every phase is one call.
+Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) {
+  CPD_RETURN_IF_ERROR(ApplyDueSchedule());  // the coordinator's, at the same step everywhere
+  quant_->SetStep(step_);
+  const bool collect = o_.stats_every > 0 && step_ % o_.stats_every == 0;
+  const bool measure = o_.measure_error_every > 0 && step_ % o_.measure_error_every == 0;
+  const BatchTotals local = workers_->ForwardBackward(x, y, step_, collect);
+  CPD_RETURN_IF_ERROR(reducer_->Reduce(workers_->gradients(), workers_->sum(), step_, measure));
+  const double lr = lr_.At(step_);
+  const bool skipped = reducer_->last_nonfinite();  // NaN/Inf on some rank: skip everywhere
+  if (skipped) {
+    ++result_.skipped_steps;
+    reporter_->StepSkipped(step_);
+  } else {
+    workers_->LoadAveragedGradients();
+    optimizer_->Step(lr);
+  }
+  if (workers_->averages_buffers()) {
+    CPD_RETURN_IF_ERROR(replicas_.AverageBuffers(workers_->buffers_after(), group_.local_workers,
+                                                 group_.workers, workers_->buffers()));
+  }
+  CPD_ASSIGN_OR_RETURN(const GlobalBatch batch, replicas_.Combine(local));
+  result_.step_losses.push_back(batch.loss);
+  ++step_;
+  ++steps_this_run_;
+  CPD_RETURN_IF_ERROR(
+      reporter_->AfterStep({epoch + 1, step_ - 1, batch, lr, skipped, collect || measure,
+                            iterator_->state().next_batch, result_.skipped_steps}));
+  if (o_.debug_step_sleep_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(o_.debug_step_sleep_ms));
+  }
+  CPD_RETURN_IF_ERROR(checkpointer_->AfterStep(step_, epoch));
+  if (o_.max_steps > 0 && step_ >= o_.max_steps) stop_ = true;
+  return Status::Ok();
+}
+
+// A schedule the coordinator pushed that is due now takes effect on every rank (a collective).
+Status Trainer::ApplyDueSchedule() {
+  if (!control_) return Status::Ok();
+  bool switched = false;
+  std::vector<std::string> messages;
+  CPD_RETURN_IF_ERROR(control_->BeforeStep(step_, &switched, &messages));
+  for (const std::string& m : messages) reporter_->Say(m);
+  if (switched) {
+    precision_ = quant_->config();
+    result_.schedule_switches.emplace_back(step_, control_->version());
+    cost_->Replan(step_, precision_);
+    result_.relative_cost = cost_->relative_cost();
+  }
+  return Status::Ok();
+}
+
+Status Trainer::EndEpoch(int epoch) {
+  const EpochTotals totals = reporter_->Totals();
+  const bool complete = iterator_->state().next_batch >= batches_per_epoch_;
+  Evaluation eval;
+  if (o_.eval_each_epoch || epoch + 1 == o_.epochs || stop_) {
+    CPD_ASSIGN_OR_RETURN(eval,
+                         Evaluate(model_.get(), quant_.get(), test_, device_, replicas_, o_.seed));
+  }
+  EpochDone done;
+  done.epoch = epoch + 1;
+  done.step = step_;
+  done.totals = totals;
+  done.test_accuracy = eval.accuracy;
+  done.test_loss = eval.loss;
+  done.precision = &precision_;
+  done.relative_cost = result_.relative_cost;
+  done.skipped_steps = result_.skipped_steps;
+  done.lr = lr_.At(std::max<int64_t>(step_ - 1, 0));
+  done.finished = stop_ || epoch + 1 == o_.epochs;
+  reporter_->AfterEpoch(done);
+  result_.final_loss = totals.train_loss;
+  result_.train_accuracy = totals.train_accuracy;
+  result_.test_accuracy = eval.accuracy;
+  if (!complete) return Status::Ok();
+  result_.epochs_done = epoch + 1;
+  return checkpointer_->AfterEpoch(step_, epoch + 1);
+}
+
+// Replicas must have stayed bit-identical: the ranks compare their parameter hashes.
+Result<TrainResult> Trainer::Finish() {
+  result_.steps = step_;
+  result_.param_hash = Replicas::HashParams(model_->Params());
+  CPD_RETURN_IF_ERROR(replicas_.CheckIdentical(result_.param_hash));
+  if (group_.workers > 1) {
+    reporter_->Say("replicas bit-identical on " + std::to_string(comm_->size()) + " rank(s); " +
+                   std::to_string(result_.skipped_steps) + " step(s) skipped for NaN/Inf");
+  }
+  return result_;
+}
+
+}  // namespace
+
+Result<TrainResult> Train(const TrainOptions& o, comm::Communicator* comm) {
+  // The layers report CUDA failures (and misuse) by exceptions; the trainer's callers get them
+  // as a Status, like every other failure.
+  try {
+    CPD_ASSIGN_OR_RETURN(auto trainer, Trainer::Create(o, comm));
+    return trainer->Run();
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("training failed: ") + e.what());
+  }
+}
+
+}  // namespace cpd::runtime

@@ -1,0 +1,111 @@
+// The trainer behind cpd-train: data, model, precision policy, optimiser, schedules,
+// statistics, metrics, checkpoints and bit-identical resume, on one process or data-parallel
+// over a Communicator (one rank per process, each running K logical workers).
+//
+// Data parallelism: there are W = world_size * emulate_ranks logical workers; worker
+// w = rank * K + k takes its slice of every global batch (global_batch / W samples), computes
+// its gradient, and the W gradients are summed by a GradientAllReducer (fp32, or CPD's emulated
+// low-precision sum, or packed low-bit codes, with or without APS) and averaged. Parameters are
+// broadcast from rank 0 at the start; BatchNorm running statistics are averaged over the W
+// workers every step; so all replicas stay bit-identical (checked at the end of the run). A
+// gradient with NaN/Inf on any rank skips the step on every rank. Rank 0 prints and writes
+// checkpoints; every rank reads them, so a run can resume at another world size with the same
+// global batch.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/gradient_allreduce.h"
+#include "cpd/schedule.h"
+#include "cpd/status.h"
+#include "runtime/control/coordinator_client.h"
+#include "runtime/nn/optimizer.h"
+#include "runtime/nn/quant_sites.h"
+#include "runtime/engine/tensor.h"
+
+namespace cpd::runtime {
+
+struct TrainOptions {
+  // Data and model.
+  std::string dataset = "fashion-mnist";  // fashion-mnist | mnist | cifar10 | cifar100 | synthetic
+  std::string data_dir;                   // default per dataset (see runtime/train/data.h)
+  std::string arch = "lenet5";            // mlp | lenet5 | resnet<6n+2>
+  int in_channels = 0, image_size = 0, classes = 0;  // 0: from the dataset
+  bool augment = false;                              // random crop + flip (default on for CIFAR)
+  bool augment_set = false;
+  // Optimisation.
+  int epochs = 10;
+  int64_t max_steps = 0;  // stop after this many steps in total (0: run all epochs)
+  int batch_size = 128;   // per logical worker, unless global_batch is set
+  int global_batch = 0;   // > 0: split evenly over the W workers (must divide)
+  int emulate_ranks = 1;  // K logical workers in this process (CPD's --emulate_node)
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  double lr = 0.05, momentum = 0.9, weight_decay = 5e-4;
+  bool nesterov = false;
+  double lars_eta = 0.001;
+  LrSchedule::Kind lr_schedule = LrSchedule::kCosine;
+  int64_t warmup_steps = 0;
+  std::vector<int64_t> lr_milestones;  // epochs, for "step"
+  double lr_gamma = 0.1;
+  uint64_t seed = 1;
+  int threads = 0;  // 0: all cores
+  // Precision.
+  PrecisionConfig precision;
+  // Gradient all-reduce (see comm/gradient_allreduce.h).
+  comm::GradientAllReduceOptions allreduce;
+  int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
+  int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient
+  int debug_step_sleep_ms = 0;      // testing aid: every rank sleeps this long after each step
+  // Output.
+  int64_t stats_every = 100;  // per-layer statistics every N steps (0: never)
+  std::string metrics_out;    // JSONL; rank 0 only, unless the path contains "{rank}"
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // steps (0: only at the end of each epoch when a dir is set)
+  std::string resume;            // "" | "auto" | a checkpoint path
+  DeviceChoice device = DeviceChoice::kAuto;
+  // Control plane: with coordinator.address set, rank 0 registers the job with the coordinator
+  // (job_name default: <arch>-<dataset>-<UTC time>), applies the schedules it pushes on every
+  // rank at the same step, and reports per-layer statistics (every stats_every steps, at each
+  // epoch's end, and a summary at least every report_interval_s seconds). Without it, the
+  // command line's schedule holds for the whole run.
+  CoordinatorOptions coordinator;
+  double report_interval_s = 1.0;
+  bool print_model = false;
+  bool progress = true;  // a bar on a terminal; plain lines otherwise
+  bool quiet = false;
+  bool eval_each_epoch = true;
+};
+
+// The outcome of a run (for tests and callers).
+struct TrainResult {
+  int64_t steps = 0;
+  int epochs_done = 0;
+  double final_loss = 0;
+  double train_accuracy = 0;
+  double test_accuracy = 0;
+  double ms_per_step = 0;
+  std::vector<double> step_losses;  // every step's training loss, in order
+  double relative_cost = 0;         // CPT cost model vs static max bits (0 without CPT)
+  int world_size = 1;               // ranks
+  int workers = 1;                  // logical workers W
+  int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient
+  uint64_t param_hash = 0;          // of the final parameters (FNV-1a of their bytes)
+  bool replicas_identical = true;   // every rank ended with the same param_hash
+  // Schedules applied during the run: (step at which it took effect, coordinator version).
+  std::vector<std::pair<int64_t, uint64_t>> schedule_switches;
+};
+
+// OK, or InvalidArgument naming the flag, its value and what is accepted (ranges of the numeric
+// options, the CPT bits, --resume's file, option combinations). Train() calls it first.
+Status ValidateTrainOptions(const TrainOptions& options);
+
+// Validates options (clear messages naming the flag); then trains. Prints to stdout unless
+// quiet (rank 0 only). Writes metrics/checkpoints when asked. `comm` (null: world size 1) must be
+// the same kind of communicator on every rank, and every rank calls Train with the same options.
+Result<TrainResult> Train(const TrainOptions& opts, comm::Communicator* comm = nullptr);
+
+}  // namespace cpd::runtime

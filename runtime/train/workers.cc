@@ -1,0 +1,139 @@
+#include "runtime/train/workers.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace cpd::runtime {
+
+namespace {
+
+// Rows [begin, end) of a batch tensor, as a new tensor.
+Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
+  std::vector<int64_t> shape = x.shape();
+  shape[0] = end - begin;
+  Tensor out(shape);
+  const size_t row = x.numel() / size_t(x.dim(0));
+  std::copy(x.data() + size_t(begin) * row, x.data() + size_t(end) * row, out.data());
+  return out;
+}
+
+// `x` itself on the CPU; else `x` copied into *staging on `device` (reused across calls).
+Tensor ToDevice(const Tensor& x, Device device, Tensor* staging) {
+  if (device == Device::kCpu) return x;
+  ResizeOn(staging, x.shape(), device);
+  staging->CopyFrom(x);
+  return *staging;
+}
+
+void SnapshotBuffers(const NamedBuffers& buffers, float* out) {
+  for (const auto& b : buffers) {
+    b.second->CopyToHost(out);
+    out += b.second->numel();
+  }
+}
+
+void RestoreBuffers(const float* in, const NamedBuffers& buffers) {
+  for (const auto& b : buffers) {
+    b.second->CopyFromHost(in);
+    in += b.second->numel();
+  }
+}
+
+}  // namespace
+
+Tensor UseFlatGradients(Sequential* model, Device device) {
+  size_t total = 0;
+  for (Param* p : model->Params()) total += p->grad.numel();
+  Tensor flat({int64_t(total)}, device);
+  size_t offset = 0;
+  for (Param* p : model->Params()) {
+    p->grad = flat.Slice(offset, p->grad.shape());
+    offset += p->grad.numel();
+  }
+  return flat;
+}
+
+LocalWorkers::LocalWorkers(Sequential* model, SiteQuantizer* quant, Device device,
+                           WorkerGroup group, Tensor flat_gradients, int64_t debug_nan_step)
+    : model_(model),
+      quant_(quant),
+      device_(device),
+      group_(group),
+      flat_gradients_(std::move(flat_gradients)),
+      debug_nan_step_(debug_nan_step),
+      params_(model->Params()),
+      pass_(model),
+      buffers_(model->Buffers()) {
+  size_t total = 0;
+  for (const Param* p : params_) total += p->grad.numel();
+  gradients_.assign(size_t(group_.local_workers), std::vector<float>(total));
+  for (auto& g : gradients_) gradient_ptrs_.push_back(g.data());
+  for (const auto& b : buffers_) buffer_floats_ += b.second->numel();
+  average_buffers_ = group_.workers > 1 && buffer_floats_ > 0;
+  buffers_before_.resize(average_buffers_ ? buffer_floats_ : 0);
+}
+
+BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int32_t>& y,
+                                          int64_t step, bool collect_stats) {
+  const int K = group_.local_workers;
+  if (average_buffers_) {
+    SnapshotBuffers(buffers_, buffers_before_.data());
+    buffers_after_.assign(buffer_floats_ * size_t(K), 0.0f);
+  }
+  const int64_t n = int64_t(y.size());
+  BatchTotals totals;
+  for (int k = 0; k < K; ++k) {
+    const uint64_t worker = uint64_t(group_.rank) * uint64_t(K) + uint64_t(k);
+    const int64_t begin = n * k / K, end = n * (k + 1) / K;
+    const Tensor xk = ToDevice(K == 1 ? x : SliceRows(x, begin, end), device_, &x_device_);
+    const std::vector<int32_t> yk(y.begin() + begin, y.begin() + end);
+    quant_->SetWorker(worker);
+    // Dropout masks: a stream per (step, worker); worker 0 of a 1-worker run keeps `step`.
+    model_->SetStep(uint64_t(step) * uint64_t(group_.workers) + worker);
+    quant_->SetCollectStats(collect_stats && k == 0);
+    if (average_buffers_ && k > 0) RestoreBuffers(buffers_before_.data(), buffers_);
+    const BatchTotals t = pass_.Run(xk, yk);
+    totals.loss_sum += t.loss_sum;
+    totals.correct += t.correct;
+    totals.count += t.count;
+    CopyGradientsOut(k);
+    if (step == debug_nan_step_ && worker == 0 && !gradients_[0].empty()) {
+      gradients_[0][0] = std::numeric_limits<float>::quiet_NaN();
+    }
+    if (average_buffers_) {
+      SnapshotBuffers(buffers_, buffers_after_.data() + buffer_floats_ * size_t(k));
+    }
+  }
+  quant_->SetWorker(0);
+  return totals;
+}
+
+void LocalWorkers::CopyGradientsOut(int k) {
+  float* out = gradients_[size_t(k)].data();
+  if (device_ != Device::kCpu) {
+    flat_gradients_.CopyToHost(out);  // every gradient in one copy
+    return;
+  }
+  for (const Param* p : params_) {
+    std::copy(p->grad.data(), p->grad.data() + p->grad.numel(), out);
+    out += p->grad.numel();
+  }
+}
+
+void LocalWorkers::LoadAveragedGradients() {
+  const float inv_workers = 1.0f / float(group_.workers);
+  float* sum = gradients_[0].data();
+  if (device_ != Device::kCpu) {
+    // The same float products as on the CPU, then one copy into the gradient views.
+    for (size_t i = 0; i < gradients_[0].size(); ++i) sum[i] = sum[i] * inv_workers;
+    flat_gradients_.CopyFromHost(sum);
+    return;
+  }
+  for (Param* p : params_) {
+    float* g = p->grad.data();
+    for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = sum[i] * inv_workers;
+    sum += p->grad.numel();
+  }
+}
+
+}  // namespace cpd::runtime

@@ -1,0 +1,377 @@
+// SGD (torch.optim.SGD semantics), Nesterov, coupled weight decay and LARS, against values worked
+// out by hand from the formulas in runtime/nn/optimizer.h; state export/import for bit-identical
+// resume; determinism across thread counts.
+#include "runtime/nn/optimizer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace cpd::runtime {
+namespace {
+
+std::unique_ptr<Param> MakeParam(const std::string& name, std::vector<float> values,
+                                 bool weight_decay = true) {
+  auto p = std::make_unique<Param>();
+  p->name = name;
+  p->value = Tensor({int64_t(values.size())});
+  p->grad = Tensor({int64_t(values.size())});
+  for (size_t i = 0; i < values.size(); ++i) p->value.data()[i] = values[i];
+  p->weight_decay = weight_decay;
+  return p;
+}
+
+void SetGrad(Param* p, std::vector<float> g) {
+  ASSERT_EQ(g.size(), p->grad.numel());
+  for (size_t i = 0; i < g.size(); ++i) p->grad.data()[i] = g[i];
+}
+
+// float32 arithmetic against exact decimal values: a few ulps.
+void ExpectClose(float actual, double expected, const std::string& what) {
+  EXPECT_NEAR(actual, expected, 4e-7 * std::max(1.0, std::abs(expected))) << what;
+}
+
+OptimizerOptions Sgd(double momentum, double wd, bool nesterov) {
+  OptimizerOptions o;
+  o.momentum = momentum;
+  o.weight_decay = wd;
+  o.nesterov = nesterov;
+  return o;
+}
+
+// w0 = 1, gradient 0.5 at every step, lr 0.1, momentum 0.9. Expected (w, buf) after steps 1..3,
+// from torch.optim.SGD's rule: d = g + wd w; buf = m buf + d (buf = d at step 1);
+// d = nesterov ? d + m buf : buf; w -= lr d.
+struct Trajectory {
+  const char* name;
+  double wd;
+  bool nesterov;
+  bool decay_flag;
+  double w[3], buf[3];
+};
+
+TEST(Sgd, ThreeStepsMatchTorchSemantics) {
+  const Trajectory cases[] = {
+      // buf: 0.5, 0.9*0.5+0.5 = 0.95, 0.9*0.95+0.5 = 1.355; w: 1-0.05, 0.95-0.095, 0.855-0.1355
+      {"momentum", 0.0, false, true, {0.95, 0.855, 0.7195}, {0.5, 0.95, 1.355}},
+      // d = 0.5 + 0.9 buf: 0.95, 1.355, 1.7195; w: 1-0.095, 0.905-0.1355, 0.7695-0.17195
+      {"nesterov", 0.0, true, true, {0.905, 0.7695, 0.59755}, {0.5, 0.95, 1.355}},
+      // d = 0.5 + 0.1 w: 0.6, 0.594, 0.58266; buf: 0.6, 1.134, 1.60326;
+      // w: 1-0.06 = 0.94, 0.94-0.1134 = 0.8266, 0.8266-0.160326 = 0.666274
+      {"weight decay", 0.1, false, true, {0.94, 0.8266, 0.666274}, {0.6, 1.134, 1.60326}},
+      // d: 0.6, 0.5886, 0.5725566; buf: 0.6, 1.1286, 1.5882966;
+      // step d: 1.14, 1.60434, 2.00202354; w: 0.886, 0.725566, 0.525363646
+      {"nesterov + weight decay",
+       0.1,
+       true,
+       true,
+       {0.886, 0.725566, 0.525363646},
+       {0.6, 1.1286, 1.5882966}},
+      // weight_decay = false on the param: no decay term, so the plain momentum trajectory.
+      {"decay flag off", 0.1, false, false, {0.95, 0.855, 0.7195}, {0.5, 0.95, 1.355}},
+  };
+  for (const Trajectory& c : cases) {
+    auto p = MakeParam("w", {1.0f}, c.decay_flag);
+    Optimizer opt({p.get()}, Sgd(0.9, c.wd, c.nesterov));
+    ASSERT_EQ(opt.State().size(), 1u);
+    EXPECT_EQ(opt.State()[0].first, "momentum/w");
+    for (int s = 0; s < 3; ++s) {
+      SetGrad(p.get(), {0.5f});
+      opt.Step(0.1);
+      ExpectClose(p->value.data()[0], c.w[s], std::string(c.name) + " w step " + std::to_string(s));
+      ExpectClose(opt.State()[0].second->data()[0], c.buf[s],
+                  std::string(c.name) + " buf step " + std::to_string(s));
+    }
+  }
+}
+
+TEST(Sgd, NoMomentumKeepsNoState) {
+  // d = 0.5 + 0.1 w, w -= 0.1 d: 1 - 0.06 = 0.94; 0.94 - 0.0594 = 0.8806; 0.8806 - 0.058806.
+  auto p = MakeParam("w", {1.0f});
+  Optimizer opt({p.get()}, Sgd(0.0, 0.1, false));
+  EXPECT_TRUE(opt.State().empty());
+  const double expected[] = {0.94, 0.8806, 0.821794};
+  for (int s = 0; s < 3; ++s) {
+    SetGrad(p.get(), {0.5f});
+    opt.Step(0.1);
+    ExpectClose(p->value.data()[0], expected[s], "step " + std::to_string(s));
+  }
+  EXPECT_TRUE(opt.LoadState({}).ok());
+  EXPECT_FALSE(opt.LoadState({{"momentum/w", {0.0f}}}).ok());
+}
+
+TEST(Sgd, ElementwiseOnVectorsAndZeroGrad) {
+  // Two elements with different gradients follow independent trajectories; a bias without decay.
+  auto w = MakeParam("fc.weight", {1.0f, -2.0f});
+  auto b = MakeParam("fc.bias", {0.5f}, /*weight_decay=*/false);
+  Optimizer opt({w.get(), b.get()}, Sgd(0.9, 0.1, false));
+  SetGrad(w.get(), {0.5f, 0.0f});
+  SetGrad(b.get(), {-1.0f});
+  opt.Step(0.1);
+  ExpectClose(w->value.data()[0], 0.94, "w0");  // as the weight-decay trajectory
+  // d = 0 + 0.1 * -2 = -0.2; buf = -0.2; w = -2 + 0.02 = -1.98
+  ExpectClose(w->value.data()[1], -1.98, "w1");
+  ExpectClose(b->value.data()[0], 0.6, "bias");  // 0.5 - 0.1 * -1
+  opt.ZeroGrad();
+  EXPECT_EQ(w->grad.data()[0], 0.0f);
+  EXPECT_EQ(b->grad.data()[0], 0.0f);
+  // With zero gradients momentum still carries: w1: d = -0.198, buf = -0.18 - 0.198 = -0.378,
+  // w = -1.98 + 0.0378 = -1.9422. bias: buf = 0.9 * -1 = -0.9, w = 0.6 + 0.09 = 0.69.
+  opt.Step(0.1);
+  ExpectClose(w->value.data()[1], -1.9422, "w1 step 2");
+  ExpectClose(b->value.data()[0], 0.69, "bias step 2");
+}
+
+// ---- LARS ------------------------------------------------------------------------------------
+
+TEST(Lars, TrustRatioAndThreeSteps) {
+  // w = [3, 4] (||w|| = 5), g = [0.3, 0.4] (||g|| = 0.5) at every step, wd 0.01, eta 0.001,
+  // lr 1, momentum 0.9. Step 1: trust = 0.001 * 5 / (0.5 + 0.05) = 1/110;
+  // d = g + 0.01 w = [0.33, 0.44] = 0.55 [0.6, 0.8]; v = trust d = [0.003, 0.004];
+  // w = [2.997, 3.996] = 0.999 [3, 4].
+  // Step 2: ||w|| = 4.995, trust = 0.004995 / 0.54995; d = 0.54995 [0.6, 0.8];
+  // trust d = [0.002997, 0.003996]; v = 0.9 [0.003, 0.004] + that = [0.005697, 0.007596];
+  // w = [2.991303, 3.988404] = 0.997101 [3, 4].
+  // Step 3: ||w|| = 4.985505, trust = 0.004985505 / 0.54985505; trust d = [0.002991303,
+  // 0.003988404]; v = [0.008118603, 0.010824804]; w = [2.983184397, 3.977579196].
+  auto w = MakeParam("conv.weight", {3.0f, 4.0f});
+  auto b = MakeParam("conv.bias", {1.0f}, /*weight_decay=*/false);
+  auto z = MakeParam("zero.weight", {0.0f, 0.0f});
+  OptimizerOptions o = Sgd(0.9, 0.01, false);
+  o.kind = OptimizerKind::kLars;
+  o.lars_eta = 0.001;
+  Optimizer opt({w.get(), b.get(), z.get()}, o);
+  ASSERT_EQ(opt.State().size(), 3u);
+  EXPECT_EQ(opt.State()[0].first, "lars_momentum/conv.weight");
+
+  const double trust[] = {1.0 / 110.0, 0.004995 / 0.54995, 0.004985505 / 0.54985505};
+  const double v[3][2] = {{0.003, 0.004}, {0.005697, 0.007596}, {0.008118603, 0.010824804}};
+  const double wv[3][2] = {{2.997, 3.996}, {2.991303, 3.988404}, {2.983184397, 3.977579196}};
+  // The bias (no weight decay) skips LARS: plain momentum at lr 1 with g = -0.5:
+  // v = -0.5, -0.95, -1.355; w = 1.5, 2.45, 3.805.
+  const double bias_w[] = {1.5, 2.45, 3.805};
+  for (int s = 0; s < 3; ++s) {
+    SetGrad(w.get(), {0.3f, 0.4f});
+    SetGrad(b.get(), {-0.5f});
+    SetGrad(z.get(), {0.25f, -0.5f});
+    opt.Step(1.0);
+    const std::string at = " step " + std::to_string(s);
+    EXPECT_NEAR(opt.last_trust_ratios()[0], trust[s], 1e-6 * trust[s]) << at;
+    EXPECT_EQ(opt.last_trust_ratios()[1], 1.0) << at;
+    for (int i = 0; i < 2; ++i) {
+      ExpectClose(w->value.data()[i], wv[s][i], "w" + at);
+      EXPECT_NEAR(opt.State()[0].second->data()[i], v[s][i], 2e-6 * v[s][i]) << "v" << at;
+    }
+    ExpectClose(b->value.data()[0], bias_w[s], "bias" + at);
+    if (s == 0) {
+      // ||w|| = 0 for the zero tensor: trust 1, so w = -lr (g + wd * 0) = [-0.25, 0.5].
+      EXPECT_EQ(opt.last_trust_ratios()[2], 1.0);
+      ExpectClose(z->value.data()[0], -0.25, "zero tensor");
+      ExpectClose(z->value.data()[1], 0.5, "zero tensor");
+    }
+  }
+}
+
+TEST(Lars, NesterovAndZeroGradient) {
+  // Nesterov LARS, step 1: v = trust d = [0.003, 0.004], w -= m v + trust d = 1.9 v:
+  // w = [3 - 0.0057, 4 - 0.0076].
+  auto w = MakeParam("w", {3.0f, 4.0f});
+  OptimizerOptions o = Sgd(0.9, 0.01, true);
+  o.kind = OptimizerKind::kLars;
+  Optimizer opt({w.get()}, o);
+  SetGrad(w.get(), {0.3f, 0.4f});
+  opt.Step(1.0);
+  ExpectClose(w->value.data()[0], 2.9943, "w0");
+  ExpectClose(w->value.data()[1], 3.9924, "w1");
+  // A zero gradient gives trust 1 (skipped); d = 0.01 w is then applied at the full lr 0.1:
+  // v = 0.9 [0.003, 0.004] + 0.1 * 0.01 * [2.9943, 3.9924] = [0.0056943, 0.0075924]
+  // w -= 0.9 v + 0.1 * 0.01 * w.
+  opt.ZeroGrad();
+  opt.Step(0.1);
+  EXPECT_EQ(opt.last_trust_ratios()[0], 1.0);
+  ExpectClose(w->value.data()[0], 2.9943 - (0.9 * 0.0056943 + 0.0029943), "w0 step 2");
+  ExpectClose(w->value.data()[1], 3.9924 - (0.9 * 0.0075924 + 0.0039924), "w1 step 2");
+}
+
+// ---- State, determinism, validation ----------------------------------------------------------
+
+// A small model: a big weight (several chunks, parallel path), a small one, a bias.
+struct Model {
+  std::vector<std::unique_ptr<Param>> params;
+  std::vector<Param*> Ptrs() {
+    std::vector<Param*> out;
+    for (auto& p : params) out.push_back(p.get());
+    return out;
+  }
+};
+
+Model MakeModel(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Model m;
+  const size_t sizes[] = {100003, 257, 16};
+  const char* names[] = {"l1.weight", "l2.weight", "l2.bias"};
+  for (int i = 0; i < 3; ++i) {
+    std::vector<float> v(sizes[i]);
+    for (float& x : v) x = nd(rng);
+    m.params.push_back(MakeParam(names[i], v, /*weight_decay=*/i < 2));
+  }
+  return m;
+}
+
+void RandomGrads(Model* m, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.1f);
+  for (auto& p : m->params) {
+    for (size_t i = 0; i < p->grad.numel(); ++i) p->grad.data()[i] = nd(rng);
+  }
+}
+
+bool SameBits(const Model& a, const Model& b) {
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const Tensor& x = a.params[i]->value;
+    const Tensor& y = b.params[i]->value;
+    if (x.numel() != y.numel() || std::memcmp(x.data(), y.data(), x.numel() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+class StateRoundTrip : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
+  OptimizerOptions o = Sgd(0.9, 5e-4, /*nesterov=*/true);
+  o.kind = GetParam() ? OptimizerKind::kLars : OptimizerKind::kSgd;
+  // Uninterrupted: 6 steps.
+  Model a = MakeModel(1);
+  Optimizer oa(a.Ptrs(), o);
+  for (int s = 0; s < 6; ++s) {
+    RandomGrads(&a, 100 + s);
+    oa.Step(0.05 * (s + 1));
+  }
+  // Interrupted after 3: export, then a fresh model + optimiser loaded from the copies.
+  Model b = MakeModel(1);
+  Optimizer ob(b.Ptrs(), o);
+  for (int s = 0; s < 3; ++s) {
+    RandomGrads(&b, 100 + s);
+    ob.Step(0.05 * (s + 1));
+  }
+  std::map<std::string, std::vector<float>> saved;
+  for (const auto& [key, t] : ob.State()) saved[key].assign(t->data(), t->data() + t->numel());
+  EXPECT_EQ(saved.size(), 3u);
+  Model c = MakeModel(999);
+  for (size_t i = 0; i < c.params.size(); ++i) c.params[i]->value.CopyFrom(b.params[i]->value);
+  Optimizer oc(c.Ptrs(), o);
+  ASSERT_TRUE(oc.LoadState(saved).ok());
+  for (int s = 3; s < 6; ++s) {
+    RandomGrads(&c, 100 + s);
+    oc.Step(0.05 * (s + 1));
+  }
+  EXPECT_TRUE(SameBits(a, c));
+  for (size_t i = 0; i < oa.State().size(); ++i) {
+    const Tensor* x = oa.State()[i].second;
+    const Tensor* y = oc.State()[i].second;
+    EXPECT_EQ(std::memcmp(x->data(), y->data(), x->numel() * 4), 0) << oa.State()[i].first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(SgdAndLars, StateRoundTrip, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Lars" : "Sgd"; });
+
+TEST(OptimizerState, LoadStateRejectsMismatchesAndChangesNothing) {
+  auto w = MakeParam("w", {1.0f, 2.0f});
+  auto b = MakeParam("b", {3.0f}, false);
+  Optimizer opt({w.get(), b.get()}, Sgd(0.9, 0, false));
+  const std::map<std::string, std::vector<float>> good{{"momentum/w", {1, 2}}, {"momentum/b", {3}}};
+  auto expect = [&](const std::map<std::string, std::vector<float>>& s, const std::string& part) {
+    const Status st = opt.LoadState(s);
+    EXPECT_EQ(st.code(), Status::Code::kInvalidArgument) << part;
+    EXPECT_NE(st.message().find(part), std::string::npos) << st.message();
+    EXPECT_EQ(opt.State()[0].second->data()[0], 0.0f);  // untouched
+  };
+  expect({{"momentum/w", {1, 2}}}, "missing 'momentum/b'");
+  expect({{"momentum/w", {1}}, {"momentum/b", {3}}}, "'momentum/w' has 1 values");
+  auto extra = good;
+  extra["momentum/c"] = {0};
+  expect(extra, "unexpected entry 'momentum/c'");
+  expect({{"lars_momentum/w", {1, 2}}, {"momentum/b", {3}}}, "unexpected entry 'lars_momentum/w'");
+  ASSERT_TRUE(opt.LoadState(good).ok());
+  EXPECT_EQ(opt.State()[0].second->data()[1], 2.0f);
+  EXPECT_EQ(opt.State()[1].second->data()[0], 3.0f);
+}
+
+TEST(Optimizer, ResultsDoNotDependOnTheThreadCount) {
+  for (bool lars : {false, true}) {
+    OptimizerOptions o = Sgd(0.9, 1e-3, false);
+    o.kind = lars ? OptimizerKind::kLars : OptimizerKind::kSgd;
+    for (int threads : {2, 3, 8}) {
+      Model m = MakeModel(7);
+      o.threads = threads;
+      Optimizer many(m.Ptrs(), o);
+      Model r = MakeModel(7);
+      OptimizerOptions o1 = o;
+      o1.threads = 1;
+      Optimizer single(r.Ptrs(), o1);
+      for (int s = 0; s < 3; ++s) {
+        RandomGrads(&m, s);
+        RandomGrads(&r, s);
+        many.Step(0.1);
+        single.Step(0.1);
+      }
+      EXPECT_TRUE(SameBits(m, r)) << "lars=" << lars << " threads=" << threads;
+    }
+  }
+}
+
+TEST(Optimizer, ParallelPathMatchesAScalarReference) {
+  // The big tensor runs on OpenMP chunks; each element must follow the float32 rule exactly.
+  Model m = MakeModel(3);
+  std::vector<float> w(m.params[0]->value.data(),
+                       m.params[0]->value.data() + m.params[0]->value.numel());
+  std::vector<float> buf(w.size(), 0.0f);
+  Optimizer opt(m.Ptrs(), Sgd(0.9, 5e-4, true));
+  const float lr = 0.1f, wd = 5e-4f, mom = 0.9f;
+  for (int s = 0; s < 3; ++s) {
+    RandomGrads(&m, 50 + s);
+    const float* g = m.params[0]->grad.data();
+    for (size_t i = 0; i < w.size(); ++i) {
+      const float d = g[i] + wd * w[i];
+      buf[i] = mom * buf[i] + d;
+      w[i] = w[i] - lr * (d + mom * buf[i]);
+    }
+    opt.Step(0.1);
+  }
+  EXPECT_EQ(std::memcmp(w.data(), m.params[0]->value.data(), w.size() * 4), 0);
+}
+
+TEST(Optimizer, ValidationNamesTheProblem) {
+  auto w = MakeParam("w", {1.0f});
+  auto w2 = MakeParam("w", {1.0f});
+  auto bad_grad = MakeParam("g", {1.0f, 2.0f});
+  bad_grad->grad = Tensor({3});
+  auto expect = [](Result<std::unique_ptr<Optimizer>> r, const std::string& part) {
+    ASSERT_FALSE(r.ok()) << part;
+    EXPECT_NE(r.status().message().find(part), std::string::npos) << r.status().message();
+  };
+  expect(Optimizer::Create({w.get(), w2.get()}, {}), "two params are named 'w'");
+  expect(Optimizer::Create({bad_grad.get()}, {}), "has value [2] but grad [3]");
+  expect(Optimizer::Create({nullptr}, {}), "param #0 is null");
+  expect(Optimizer::Create({w.get()}, Sgd(0.0, 0, true)), "Nesterov momentum needs momentum > 0");
+  expect(Optimizer::Create({w.get()}, Sgd(-0.1, 0, false)), "momentum -0.1");
+  expect(Optimizer::Create({w.get()}, Sgd(0.9, -1, false)), "weight decay -1");
+  OptimizerOptions o;
+  o.lars_eta = 0;
+  expect(Optimizer::Create({w.get()}, o), "LARS eta 0");
+  EXPECT_THROW(Optimizer({w.get(), w2.get()}, OptimizerOptions{}), std::invalid_argument);
+  EXPECT_TRUE(Optimizer::Create({w.get()}, {}).ok());
+}
+
+}  // namespace
+}  // namespace cpd::runtime

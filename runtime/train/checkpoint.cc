@@ -105,22 +105,30 @@ Status WriteCheckpoint(const std::string& path, const Checkpoint& ckpt) {
   }
   ok = ok && WriteAll(fd, reinterpret_cast<const char*>(tail), 4);
   ok = ok && ::fsync(fd) == 0;
-  const std::string write_error = ok ? "" : Errno();
-  ::close(fd);
+  std::string write_error = ok ? "" : Errno();
+  // close() can report a deferred write error (NFS); then the file is not known to be whole.
+  if (::close(fd) != 0 && ok) {
+    ok = false;
+    write_error = Errno();
+  }
   if (!ok) {
-    ::unlink(tmp.c_str());
+    ::unlink(tmp.c_str());  // best effort: the temporary name is never read
     return Status::IoError("writing " + tmp + ": " + write_error);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string err = Errno();
-    ::unlink(tmp.c_str());
+    ::unlink(tmp.c_str());  // best effort, as above
     return Status::IoError("renaming " + tmp + " to " + path + ": " + err);
   }
-  // Make the rename itself durable.
+  // Make the rename itself durable. File systems that cannot sync a directory say EINVAL; the
+  // file itself is durable then, and that is all they offer.
   const int dfd = ::open(DirOf(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
+  if (dfd < 0) return Status::IoError("opening the directory of " + path + ": " + Errno());
+  const bool synced = ::fsync(dfd) == 0 || errno == EINVAL;
+  const std::string sync_error = synced ? "" : Errno();
+  if (::close(dfd) != 0 || !synced) {
+    return Status::IoError("syncing the directory of " + path + ": " +
+                           (synced ? Errno() : sync_error));
   }
   return Status::Ok();
 }
@@ -133,7 +141,7 @@ Result<Checkpoint> ReadCheckpoint(const std::string& path) {
   size_t got;
   while ((got = std::fread(buf, 1, sizeof(buf), f)) > 0) bytes.append(buf, got);
   const bool read_error = std::ferror(f) != 0;
-  std::fclose(f);
+  std::fclose(f);  // read only: nothing is lost if closing fails
   if (read_error) return Status::IoError("reading checkpoint " + path + ": " + Errno());
 
   auto corrupt = [&](const std::string& why) {

@@ -115,6 +115,15 @@ int SelectCudaDevice(int hint) {
 #endif
 }
 
+Tensor OnHost(const Tensor& t) { return t.device() == Device::kCpu ? t : t.To(Device::kCpu); }
+
+Tensor StagedOn(const Tensor& x, Device device, Tensor* staging) {
+  if (device == Device::kCpu) return x;
+  ResizeOn(staging, x.shape(), device);
+  staging->CopyFrom(x);
+  return *staging;
+}
+
 size_t NumelOf(const std::vector<int64_t>& shape) {
   size_t n = 1;
   for (int64_t d : shape) {

@@ -87,6 +87,13 @@ class Tensor {
 };
 
 size_t NumelOf(const std::vector<int64_t>& shape);
+
+// `t` itself when it is in host memory, else a host copy (for code that reads values on the CPU:
+// checkpoints, hashes, collectives over host memory).
+Tensor OnHost(const Tensor& t);
+// `x` itself on the CPU; else `x` copied into *staging on `device` (reshaped there as needed, so
+// a caller that keeps `staging` reuses its memory from call to call).
+Tensor StagedOn(const Tensor& x, Device device, Tensor* staging);
 // "[128, 1, 28, 28]" (Tensor::ShapeString, and the layers' shape messages).
 std::string ShapeString(const std::vector<int64_t>& shape);
 

@@ -18,9 +18,6 @@ using nlohmann::json;
 
 constexpr int kCheckpointVersion = 1;
 
-// `t` itself when it is in host memory, else a host copy.
-Tensor OnHost(const Tensor& t) { return t.device() == Device::kCpu ? t : t.To(Device::kCpu); }
-
 Status MakeDirectory(const std::string& dir) {
   if (::mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST) return Status::Ok();
   return Status::IoError("--checkpoint-dir: cannot create " + dir + ": " + std::strerror(errno));

@@ -17,13 +17,7 @@ Result<Evaluation> Evaluate(Sequential* model, SiteQuantizer* quant, const Datas
   int64_t correct = 0, seen = 0;
   while (it.Next(&x, &y)) {
     if (y.empty()) continue;  // this rank's share of the last batch
-    Tensor input = x;
-    if (device != Device::kCpu) {
-      ResizeOn(&x_device, x.shape(), device);
-      x_device.CopyFrom(x);
-      input = x_device;
-    }
-    const Tensor logits = model->Forward(input, /*train=*/false);
+    const Tensor logits = model->Forward(StagedOn(x, device, &x_device), /*train=*/false);
     loss_sum += double(ce.Forward(logits, y, &dlogits)) * double(y.size());
     correct += SoftmaxCrossEntropy::CountCorrect(logits, y);
     seen += int64_t(y.size());

@@ -4,13 +4,6 @@
 
 namespace cpd::runtime {
 
-namespace {
-
-// `t` itself when it is in host memory, else a host copy.
-Tensor OnHost(const Tensor& t) { return t.device() == Device::kCpu ? t : t.To(Device::kCpu); }
-
-}  // namespace
-
 Result<std::vector<float>> Replicas::SumInRankOrder(const std::vector<float>& local) const {
   if (comm_->size() == 1) return local;
   std::vector<float> all(local.size() * size_t(comm_->size()));

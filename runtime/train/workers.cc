@@ -17,14 +17,6 @@ Tensor SliceRows(const Tensor& x, int64_t begin, int64_t end) {
   return out;
 }
 
-// `x` itself on the CPU; else `x` copied into *staging on `device` (reused across calls).
-Tensor ToDevice(const Tensor& x, Device device, Tensor* staging) {
-  if (device == Device::kCpu) return x;
-  ResizeOn(staging, x.shape(), device);
-  staging->CopyFrom(x);
-  return *staging;
-}
-
 void SnapshotBuffers(const NamedBuffers& buffers, float* out) {
   for (const auto& b : buffers) {
     b.second->CopyToHost(out);
@@ -85,7 +77,7 @@ BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int
   for (int k = 0; k < K; ++k) {
     const uint64_t worker = uint64_t(group_.rank) * uint64_t(K) + uint64_t(k);
     const int64_t begin = n * k / K, end = n * (k + 1) / K;
-    const Tensor xk = ToDevice(K == 1 ? x : SliceRows(x, begin, end), device_, &x_device_);
+    const Tensor xk = StagedOn(K == 1 ? x : SliceRows(x, begin, end), device_, &x_device_);
     const std::vector<int32_t> yk(y.begin() + begin, y.begin() + end);
     quant_->SetWorker(worker);
     // Dropout masks: a stream per (step, worker); worker 0 of a 1-worker run keeps `step`.

@@ -16,10 +16,8 @@
 #include "cpd/format.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
+#include "launcher/world.h"
 #include "runtime/train/trainer.h"
-#if CPD_WITH_MPI
-#include "comm/mpi_communicator.h"
-#endif
 
 namespace {
 
@@ -72,14 +70,6 @@ cpd::runtime::SiteFormat CheckSite(const std::string& flag, const std::string& s
   auto r = cpd::ParseRounding(rounding);
   if (!r.ok()) Fail(flag + " rounding: " + r.status().message());
   return {f->spec(), *r};
-}
-
-// Whether a parallel launcher (Open MPI's mpirun, Slurm's srun with PMIx or PMI-2) started us.
-bool LaunchedByMpi() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"}) {
-    if (std::getenv(var) != nullptr) return true;
-  }
-  return false;
 }
 
 using cpd::runtime::TrainOptions;
@@ -321,43 +311,6 @@ void ApplyFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
 }
 
 // --comm: MPI when asked for or started by a parallel launcher, else this process alone.
-std::unique_ptr<cpd::comm::Communicator> MakeCommunicator(const std::string& comm_kind) {
-  std::unique_ptr<cpd::comm::Communicator> comm;
-  if (comm_kind == "mpi" || (comm_kind == "auto" && LaunchedByMpi())) {
-#if CPD_WITH_MPI
-    auto c = cpd::comm::MpiCommunicator::Create();
-    if (!c.ok()) Fail("--comm mpi: " + c.status().message(), 1);
-    comm = std::move(c.value());
-#else
-    if (comm_kind == "mpi") Fail("--comm mpi: this build has no MPI (CPD_WITH_MPI=OFF)");
-#endif
-  } else if (comm_kind != "auto" && comm_kind != "self") {
-    Fail("--comm '" + comm_kind + "' (accepted: auto, self, mpi)");
-  }
-  if (comm == nullptr) comm = std::make_unique<cpd::comm::SelfCommunicator>();
-  return comm;
-}
-
-// The exit code of a failed run, after saying why.
-int TrainingFailed(const cpd::Status& s, std::unique_ptr<cpd::comm::Communicator> comm) {
-  const bool usage = s.code() == cpd::Status::Code::kInvalidArgument;
-  if (comm->size() == 1) Fail(s.message(), usage ? kUsageError : 1);
-  // Option errors are found alike by every rank: rank 0 reports them and all exit. Any other
-  // failure may be one rank's alone, and its peers would wait forever: abort the job.
-  if (usage) {
-    if (comm->rank() == 0) std::fprintf(stderr, "cpd-train: %s\n", s.message().c_str());
-    comm.reset();
-    return kUsageError;
-  }
-  std::fprintf(stderr, "cpd-train: rank %d: %s\n", comm->rank(), s.message().c_str());
-#if CPD_WITH_MPI
-  if (auto* mpi = dynamic_cast<cpd::comm::MpiCommunicator*>(comm.get())) {
-    MPI_Abort(mpi->mpi_comm(), 1);
-  }
-#endif
-  return 1;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -386,8 +339,14 @@ int main(int argc, char** argv) {
   }
   if (!f.config_path.empty()) ApplyConfig(app, f.config_path);
   ApplyFlags(app, &f, &o);
-  std::unique_ptr<cpd::comm::Communicator> comm = MakeCommunicator(f.comm_kind);
+  auto world = cpd::launcher::MakeWorld(f.comm_kind);
+  if (!world.ok()) {
+    Fail(world.status().message(),
+         world.status().code() == cpd::Status::Code::kInvalidArgument ? kUsageError : 1);
+  }
+  std::unique_ptr<cpd::comm::Communicator> comm = std::move(world).value();
   auto result = cpd::runtime::Train(o, comm.get());
-  if (!result.ok()) return TrainingFailed(result.status(), std::move(comm));
+  if (!result.ok())
+    return cpd::launcher::EndFailedJob("cpd-train", result.status(), std::move(comm));
   return 0;
 }

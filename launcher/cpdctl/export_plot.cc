@@ -1,9 +1,5 @@
 // cpdctl export (the stored history as CSV) and cpdctl plot (as a PNG, drawn by
 // scripts/cpdctl_plot.py on Debian's matplotlib).
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +15,7 @@
 #include "launcher/cpdctl/atomic_file.h"
 #include "launcher/cpdctl/commands.h"
 #include "launcher/cpdctl/output.h"
+#include "launcher/files.h"
 
 extern char** environ;
 
@@ -115,34 +112,14 @@ int RunExport(const Globals& g, const RangeArgs& a) {
 
 namespace {
 
-bool IsFile(const std::string& p) {
-  struct stat sb;
-  return stat(p.c_str(), &sb) == 0 && S_ISREG(sb.st_mode);
-}
-
-std::string ExecutableDir() {
-  char buf[4096];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  std::string p(buf, size_t(n));
-  return p.substr(0, p.rfind('/'));
-}
-
 // The plot script: $CPD_PLOT_SCRIPT, the source tree's (compiled in), next to the executable.
 std::string FindPlotScript() {
-  std::vector<std::string> tried;
-  if (const char* env = std::getenv("CPD_PLOT_SCRIPT"); env != nullptr && *env) {
-    if (IsFile(env)) return env;
-    Fail(std::string("plot: CPD_PLOT_SCRIPT=") + env + " is not a file");
-  }
-  for (const std::string& p : {std::string(CPDCTL_PLOT_SCRIPT), ExecutableDir() + "/cpdctl_plot.py",
-                               ExecutableDir() + "/../share/cpd/cpdctl_plot.py"}) {
-    if (IsFile(p)) return p;
-    tried.push_back(p);
-  }
-  std::string list;
-  for (const auto& t : tried) list += (list.empty() ? "" : ", ") + t;
-  Fail("plot: cannot find cpdctl_plot.py (looked at " + list + "; or set CPD_PLOT_SCRIPT)");
+  auto script =
+      launcher::FindScript("cpdctl_plot.py", "CPD_PLOT_SCRIPT",
+                           {CPDCTL_PLOT_SCRIPT, launcher::ExecutableDir() + "/cpdctl_plot.py",
+                            launcher::ExecutableDir() + "/../share/cpd/cpdctl_plot.py"});
+  if (!script.ok()) Fail("plot: " + script.status().message());
+  return *script;
 }
 
 // What the script plots: the job's status, its schedules and its reports.
@@ -181,77 +158,6 @@ std::string WritePlotInput(const nlohmann::json& doc) {
   return data_path;
 }
 
-// The environment of the script: ours, with matplotlib's non-interactive backend.
-std::vector<std::string> PlotEnvironment() {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "MPLBACKEND=", 11) != 0) env.emplace_back(*e);
-  }
-  env.emplace_back("MPLBACKEND=Agg");
-  return env;
-}
-
-std::vector<char*> Pointers(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  for (auto& s : strings) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
-void CheckSpawnSetup(int rc) {
-  if (rc != 0) Fail(std::string("plot: cannot prepare to run the script: ") + std::strerror(rc));
-}
-
-// Runs `args` (args[0] is the interpreter) with stdin and stdout on /dev/null and stderr into
-// `err_path`; returns its wait status.
-int RunScript(std::vector<std::string> args, const std::string& err_path) {
-  std::vector<std::string> env = PlotEnvironment();
-  const std::vector<char*> argv = Pointers(args);
-  const std::vector<char*> envp = Pointers(env);
-  posix_spawn_file_actions_t fa;
-  CheckSpawnSetup(posix_spawn_file_actions_init(&fa));
-  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0));
-  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, "/dev/null", O_WRONLY, 0));
-  CheckSpawnSetup(posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, err_path.c_str(),
-                                                   O_WRONLY | O_CREAT | O_TRUNC, 0600));
-  pid_t pid = -1;
-  const int rc = posix_spawnp(&pid, args[0].c_str(), &fa, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    Fail("plot: cannot run " + args[0] + ": " + std::strerror(rc) +
-         " (it needs python3 and python3-matplotlib: scripts/install_deps.sh)");
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) Fail("plot: waiting for " + args[0] + ": " + std::strerror(errno));
-  }
-  return status;
-}
-
-std::string Trim(const std::string& s) {
-  const size_t b = s.find_first_not_of(" \t\r\n");
-  if (b == std::string::npos) return "";
-  const size_t e = s.find_last_not_of(" \t\r\n");
-  return s.substr(b, e - b + 1);
-}
-
-// Fails with why the script failed: the last line it wrote (a missing matplotlib, a bad input).
-[[noreturn]] void ScriptFailed(const std::string& python, const std::string& script,
-                               const std::string& err_path, int status) {
-  std::ifstream in(err_path);
-  std::string line, last;
-  while (std::getline(in, line)) {
-    if (!Trim(line).empty()) last = Trim(line);
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 127) {
-    Fail("plot: cannot run " + python + " (it needs python3 and python3-matplotlib)");
-  }
-  Fail("plot: " + script + " failed" +
-       (WIFEXITED(status) ? " (exit " + std::to_string(WEXITSTATUS(status)) + ")"
-                          : std::string(" (killed by a signal)")) +
-       (last.empty() ? "" : ": " + last));
-}
-
 }  // namespace
 
 int RunPlot(const Globals& g, const RangeArgs& a) {
@@ -268,15 +174,10 @@ int RunPlot(const Globals& g, const RangeArgs& a) {
   Connection c(g);
   const PlotData data = ReadPlotData(c, a);
   const std::string data_path = WritePlotInput(data.doc);
-  const std::string err_path = data_path.substr(0, data_path.size() - 5) + ".err";
-  AddTempFile(err_path);
-
   AtomicFile png(a.out, ".png");
-  const int status =
-      RunScript({python, script, "--in", data_path, "--out", png.temp_path()}, err_path);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    ScriptFailed(python, script, err_path, status);
-  }
+  const Status plotted =
+      launcher::RunPythonScript(python, script, {"--in", data_path, "--out", png.temp_path()});
+  if (!plotted.ok()) Fail("plot: " + plotted.message());
   png.Commit();
   if (g.json) {
     PrintJson({{"file", a.out}, {"reports", data.reports}});

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -134,6 +135,45 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
   CPD_RETURN_IF_ERROR(state_.iterator->Restore(st));
   point.epoch = meta.value("epoch", 0);
   return point;
+}
+
+Result<int64_t> LoadModelFromCheckpoint(const std::string& path, const std::string& arch,
+                                        const std::string& dataset, Sequential* model) {
+  CPD_ASSIGN_OR_RETURN(const Checkpoint ck, ReadCheckpoint(path));
+  const json meta = json::parse(ck.meta_json, nullptr, false);
+  if (!meta.is_object() || meta.value("version", 0) != kCheckpointVersion) {
+    return Status::Corruption("checkpoint " + path + ": unsupported version");
+  }
+  const json& saved_arch = meta.contains("arch") ? meta["arch"] : json();
+  const json& saved_dataset = meta.contains("dataset") ? meta["dataset"] : json();
+  if (!saved_arch.is_string() || !saved_dataset.is_string() || saved_arch != arch ||
+      saved_dataset != dataset) {
+    return Status::InvalidArgument(
+        "checkpoint " + path + " was written for --arch " +
+        (saved_arch.is_string() ? saved_arch.get<std::string>() : "?") + " --dataset " +
+        (saved_dataset.is_string() ? saved_dataset.get<std::string>() : "?") +
+        "; this run has --arch " + arch + " --dataset " + dataset);
+  }
+  auto take = [&](const std::string& key, Tensor* t) -> Status {
+    if (!ck.Has(key)) return Status::Corruption("checkpoint " + path + ": missing " + key);
+    const std::vector<float>& v = ck.data.at(key);
+    if (v.size() != t->numel()) {
+      return Status::Corruption("checkpoint " + path + ": " + key + " has " +
+                                std::to_string(v.size()) + " values, the model needs " +
+                                std::to_string(t->numel()));
+    }
+    for (float x : v) {
+      if (!std::isfinite(x)) {
+        return Status::Corruption("checkpoint " + path + ": " + key + " holds NaN or Inf");
+      }
+    }
+    t->CopyFromHost(v.data());  // any device
+    return Status::Ok();
+  };
+  for (Param* p : model->Params()) CPD_RETURN_IF_ERROR(take("param/" + p->name, &p->value));
+  for (auto& [name, t] : model->Buffers()) CPD_RETURN_IF_ERROR(take("buffer/" + name, t));
+  const json& step = meta.contains("step") ? meta["step"] : json();
+  return step.is_number_integer() ? step.get<int64_t>() : int64_t(0);
 }
 
 }  // namespace cpd::runtime

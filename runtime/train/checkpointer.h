@@ -1,7 +1,7 @@
 // When a run writes checkpoints and what they hold; resuming from one.
 //
-// A checkpoint (runtime/train/checkpoint.h: atomic, CRC-checked) holds everything a step depends on:
-// parameters, BatchNorm buffers, optimiser state, hysteresis state, the iterator's position,
+// A checkpoint (runtime/train/checkpoint.h: atomic, CRC-checked) holds everything a step depends
+// on: parameters, BatchNorm buffers, optimiser state, hysteresis state, the iterator's position,
 // the step, and the schedule in force (when a coordinator pushed one), plus metadata that must
 // match the resuming run (arch, dataset, global batch). Rank 0 writes; every rank learns whether
 // it worked (Replicas::AgreeOn), so that none goes on alone; every rank reads on resume. Since
@@ -15,11 +15,11 @@
 #include <string>
 
 #include "cpd/status.h"
-#include "runtime/train/data.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/data.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/trainer.h"
 
@@ -73,5 +73,13 @@ class Checkpointer {
   const Replicas* replicas_;
   int64_t last_saved_step_ = -1;
 };
+
+// The parameters and BatchNorm buffers of a cpd-train checkpoint, loaded into `model` (on any
+// device), for tools that use a trained model (the format search). Checks that the checkpoint
+// was written for `arch` and `dataset` and that every tensor the model needs is there with its
+// size and finite values; InvalidArgument or Corruption naming the file otherwise. Returns the
+// checkpoint's step.
+Result<int64_t> LoadModelFromCheckpoint(const std::string& path, const std::string& arch,
+                                        const std::string& dataset, Sequential* model);
 
 }  // namespace cpd::runtime

@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "runtime/engine/tensor.h"
 #include "runtime/nn/layers.h"
 #include "runtime/train/replicas.h"
-#include "runtime/engine/tensor.h"
 
 namespace cpd::runtime {
 
@@ -23,6 +23,15 @@ class GradientPass {
   // installed on the layers (a SiteQuantizer's policy at its current step and worker).
   // Returns the batch's loss sum (mean x samples), correct predictions and sample count.
   BatchTotals Run(const Tensor& x, const std::vector<int32_t>& y);
+
+  // Run() in two halves, for callers that reuse one forward pass under several backward
+  // policies: Forward runs the training forward pass and the loss and keeps dL/dlogits;
+  // Backward zeroes the gradients and runs the backward pass from them. The layers keep what
+  // their backward needs from the last training forward, and their backward only reads it, so
+  // Backward may run several times after one Forward, each time through the hooks installed
+  // then (the error and weight-gradient sites; the activation site acts in Forward).
+  BatchTotals Forward(const Tensor& x, const std::vector<int32_t>& y);
+  void Backward();
 
  private:
   Sequential* model_;

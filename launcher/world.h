@@ -1,0 +1,27 @@
+// The processes of a job, for the tools that run on several ranks (cpd-train,
+// cpd-format-search): the communicator they share and how a failed job ends.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/communicator.h"
+#include "cpd/status.h"
+
+namespace cpd::launcher {
+
+// Whether a parallel launcher (Open MPI's mpirun, Slurm's srun with PMIx or PMI-2) started us.
+bool LaunchedByMpi();
+
+// `kind`: "auto" (MPI when a launcher started us, else one process), "self" or "mpi".
+// InvalidArgument for another kind or "mpi" in a build without MPI; Unavailable when MPI cannot
+// start.
+Result<std::unique_ptr<comm::Communicator>> MakeWorld(const std::string& kind);
+
+// Ends a job after `s` (not OK) and returns the exit code. One process: "<tool>: message".
+// Several: an option error (InvalidArgument, found alike by every rank) is reported once by rank
+// 0 and every rank exits 2; any other failure may be one rank's alone, and its peers would wait
+// forever in the next collective, so the rank reports it and aborts the whole job.
+int EndFailedJob(const char* tool, const Status& s, std::unique_ptr<comm::Communicator> comm);
+
+}  // namespace cpd::launcher

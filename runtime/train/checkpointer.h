@@ -1,7 +1,7 @@
 // When a run writes checkpoints and what they hold; resuming from one.
 //
-// A checkpoint (runtime/train/checkpoint.h: atomic, CRC-checked) holds everything a step depends on:
-// parameters, BatchNorm buffers, optimiser state, hysteresis state, the iterator's position,
+// A checkpoint (runtime/train/checkpoint.h: atomic, CRC-checked) holds everything a step depends
+// on: parameters, BatchNorm buffers, optimiser state, hysteresis state, the iterator's position,
 // the step, and the schedule in force (when a coordinator pushed one), plus metadata that must
 // match the resuming run (arch, dataset, global batch). Rank 0 writes; every rank learns whether
 // it worked (Replicas::AgreeOn), so that none goes on alone; every rank reads on resume. Since
@@ -15,11 +15,11 @@
 #include <string>
 
 #include "cpd/status.h"
-#include "runtime/train/data.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/data.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/trainer.h"
 
@@ -49,8 +49,14 @@ class Checkpointer {
 
   void set_control(const JobControl* control) { state_.control = control; }
 
-  // Restores what `path` holds into the state; checks that the checkpoint's run matches this
-  // one. The returned epoch is the one the checkpoint recorded.
+  // With --checkpoint-dir: creates it and proves rank 0 can write a file there, at start-up
+  // rather than at the first checkpoint (a collective: every rank learns the outcome).
+  Status CheckDirectory() const;
+
+  // Restores what `path` holds into the state after checking every field against this run and
+  // this model (types, ranges, shapes, finiteness: a bad file is CorruptCheckpoint, a file of
+  // another run InvalidArgument); nothing is changed unless all of it fits. The returned epoch
+  // is the one the checkpoint recorded. That checkpoint counts as this run's latest.
   Result<ResumePoint> Restore(const std::string& path);
 
   // After step `step` (steps done) of 0-based epoch `epoch`: a checkpoint every

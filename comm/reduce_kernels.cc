@@ -33,7 +33,7 @@ CPD_INLINE float DecodeOne(std::uint32_t c, const CodeDecoder& d) {
   const std::uint32_t special = (mag & d.mant_mask) == 0 ? 0x7f800000u : 0x7fc00000u;
   b = d.ieee && exp_code == d.top_exp ? special : b;
   b = d.nan_only && mag == d.mag_mask ? 0x7fc00000u : b;
-  b |= (c >> d.sign_shift) << 31;
+  b |= b > 0x7f800000u ? 0u : (c >> d.sign_shift) << 31;  // NaN stays the canonical one
   float f;
   std::memcpy(&f, &b, 4);
   return f;

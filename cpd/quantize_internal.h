@@ -1,6 +1,7 @@
 // Pieces shared by the CPU (quantize.cc) and CUDA (quantize_cuda.cc) drivers. Not public API.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 
@@ -25,6 +26,14 @@ inline kernels::RoundMode RoundModeFor(Rounding r) {
 // The argument checks every quantiser applies before any work.
 inline Status ValidateSpan(const Format& format, size_t n, const QuantizeOptions& opts) {
   if (opts.channels == 0) return Status::InvalidArgument("channels must be >= 1");
+  // Per-channel storage is sized by the channel count: every channel holds at least one
+  // element, so it never exceeds the data (an empty span is one empty channel).
+  if (format.scope() == ScaleScope::kChannel && opts.channels > std::max<size_t>(n, 1)) {
+    return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
+                                   std::to_string(opts.channels) + " channels exceed the " +
+                                   std::to_string(n) +
+                                   " elements (accepted: 1 up to the element count)");
+  }
   if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
     return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
                                    std::to_string(n) + " elements do not split into " +

@@ -210,18 +210,23 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   mag_code = overflow ? (to_max ? g.max_code : g.overflow_code) : mag_code;
   res = is_nan ? g.nan_bits : res;
   mag_code = is_nan ? g.nan_code : mag_code;
-  const uint32_t out_sign = is_nan ? 0u : sign;
+  // What a NaN input becomes carries no sign. A NaN value is the one canonical NaN whatever made
+  // it, an overflow that becomes NaN (e4m3:inf) too: -1000 must not give a negative NaN that,
+  // quantised again, gives a positive one. Its code keeps the sign, as OCP's (and CUDA's)
+  // conversions write it; every NaN code decodes to the canonical NaN.
+  const uint32_t code_sign = is_nan ? 0u : sign;
+  const uint32_t out_sign = res > 0x7f800000u ? 0u : code_sign;
   if (flags != nullptr) {
     flags->saturated = is_inf || (!is_nan && a > g.max_bits);
     flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
     flags->nonfinite = is_nan || is_inf;
   }
-  if (code != nullptr) *code = mag_code | (out_sign >> 31 << (g.ebits + m));
+  if (code != nullptr) *code = mag_code | (code_sign >> 31 << (g.ebits + m));
   return res | out_sign;
 }
 
-// Value of a code on grid g (the inverse of RoundToFloatGrid's code). NaN codes decode to the
-// canonical quiet NaN with the code's sign.
+// Value of a code on grid g (the inverse of RoundToFloatGrid's code). Every NaN code, of either
+// sign, decodes to the canonical quiet NaN 0x7fc00000.
 CPD_HD float DecodeFloatGrid(uint32_t code, const FloatGrid& g) {
   const int32_t m = g.mbits;
   const uint32_t sign = (code >> (g.ebits + m)) & 1u;
@@ -238,7 +243,7 @@ CPD_HD float DecodeFloatGrid(uint32_t code, const FloatGrid& g) {
   } else {
     bits = (mag << (23 - m)) + (uint32_t(g.emin + 127 - 1) << 23);
   }
-  return BitsFloat(bits | (sign << 31));
+  return BitsFloat(bits > 0x7f800000u ? bits : bits | (sign << 31));
 }
 
 // Builds a grid of 1 sign, `ebits` exponent and `mbits` mantissa bits with exponent bias `bias`.

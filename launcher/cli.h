@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +22,38 @@ constexpr int kUsageError = 2;
                                   int code = kUsageError) {
   std::fprintf(stderr, "%s: %s\n", tool, msg.c_str());
   std::exit(code);
+}
+
+// Validators for numeric flags whose messages say in words what is accepted ("--channels: 0 is
+// not accepted: a whole number >= 1"), where CLI11's own print both bounds of a double range
+// ("Value 0 not in range 0.000000 to 1797693134862..."). `what` names the accepted values.
+inline CLI::Validator NumberValidator(std::string what, bool integer, long double lo,
+                                      long double hi) {
+  return CLI::Validator(
+      [what, integer, lo, hi](std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long double v = std::strtold(text.c_str(), &end);
+        const bool parsed = !text.empty() && end == text.c_str() + text.size() && errno == 0;
+        if (!parsed || !(v >= lo && v <= hi) || (integer && v != std::floor(v))) {
+          return "'" + text + "' is not accepted: " + what;
+        }
+        return std::string();
+      },
+      what);
+}
+// A whole number >= lo (up to 2^63).
+inline CLI::Validator IntegerAtLeast(long long lo) {
+  return NumberValidator("a whole number >= " + std::to_string(lo), true, lo, 9.2e18L);
+}
+// A whole number in lo..hi.
+inline CLI::Validator IntegerIn(long long lo, long long hi) {
+  return NumberValidator("a whole number from " + std::to_string(lo) + " to " + std::to_string(hi),
+                         true, lo, hi);
+}
+// A number > 0 (seconds, rates).
+inline CLI::Validator PositiveNumber() {
+  return NumberValidator("a number > 0", false, 4.9e-324L, 1.7976931348623157e308L);
 }
 
 // Parses argv into `app`. Returns -1 to go on, or the exit code for --help/--version.

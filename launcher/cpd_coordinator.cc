@@ -5,8 +5,9 @@
 //                   [--tls-cert F --tls-key F] [--port-file F] [retention flags ...]
 //
 // Prints "cpd-coordinator: listening on HOST:PORT (db FILE)" once serving; SIGINT/SIGTERM stop
-// it after every accepted report is stored. Bad flags: one line on stderr, exit 2; a database
-// or address that cannot be used: one line, exit 1.
+// it after every accepted report is stored. Bad flags: one line on stderr, exit 2 (a
+// non-loopback --listen without --token-file too, unless --allow-unauthenticated); a database
+// or address that cannot be used, or reports lost at shutdown: one line, exit 1.
 #include <absl/synchronization/mutex.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -22,6 +23,7 @@
 
 #include "cpd/config.h"
 #include "launcher/cli.h"
+#include "launcher/common.h"
 #include "launcher/coordinator/server.h"
 
 namespace {
@@ -77,22 +79,11 @@ bool WriteFileAtomically(const std::string& path, const std::string& text, std::
   return true;
 }
 
-// "HOST:PORT" -> HOST (brackets of an IPv6 literal kept); false when malformed.
-bool SplitListen(const std::string& listen, std::string* host, int* port) {
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) return false;
-  const std::string p = listen.substr(colon + 1);
-  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos) return false;
-  *port = std::stoi(p);
-  if (*port > 65535) return false;
-  *host = listen.substr(0, colon);
-  return true;
-}
-
 // The command line as parsed.
 struct Flags {
   std::string listen = "127.0.0.1:50051", db = "cpd-coordinator.db", token_file, tls_cert, tls_key,
               port_file;
+  bool allow_unauthenticated = false;
   int max_message_mib = 4, queue_mib = 64;
   double stale_after_s = 60, retention_every_s = 30;
   int64_t keep_full = 10000, thin_every = 10, max_reports = 100000;
@@ -118,6 +109,9 @@ void AddOptions(CLI::App* app, Flags* f) {
       ->check(CLI::ExistingFile);
   app->add_option("--tls-key", f->tls_key, "TLS private key (PEM); needs --tls-cert")
       ->check(CLI::ExistingFile);
+  app->add_flag("--allow-unauthenticated", f->allow_unauthenticated,
+                "serve a non-loopback --listen address without --token-file (anyone who can reach "
+                "it may read every job and change its schedule); refused without this flag");
   app->add_option("--port-file", f->port_file,
                   "once listening, write the bound port to this file (atomically: temp, fsync, "
                   "rename)");
@@ -125,39 +119,39 @@ void AddOptions(CLI::App* app, Flags* f) {
                   "largest request accepted, MiB; larger -> RESOURCE_EXHAUSTED. Also caps one "
                   "LayerStats answer")
       ->capture_default_str()
-      ->check(CLI::Range(1, 1024));
+      ->check(cpd::launcher::IntegerIn(1, 1024));
   app->add_option("--stale-after", f->stale_after_s,
                   "seconds without a report after which a running job shows as 'stale'")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::PositiveNumber());
   app->add_option("--keep-full", f->keep_full,
                   "retention: the newest N reports of each job stay at full resolution (0: all)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(cpd::launcher::IntegerAtLeast(0));
   app->add_option("--thin-every", f->thin_every,
                   "retention: older reports are thinned to the steps that are multiples of K "
                   "(end-of-epoch and final reports always stay; 1: no thinning)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::IntegerAtLeast(1));
   app->add_option("--max-reports-per-job", f->max_reports,
                   "retention: hard cap per job; the oldest reports beyond it are deleted (0: no "
                   "cap)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(cpd::launcher::IntegerAtLeast(0));
   app->add_option("--retention-every", f->retention_every_s,
                   "seconds between retention passes of the writer thread")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::PositiveNumber());
   app->add_option("--queue-mib", f->queue_mib,
                   "reports waiting for the disk are held in at most this much memory; when full, "
                   "ReportStats answers RESOURCE_EXHAUSTED")
       ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
+      ->check(cpd::launcher::IntegerIn(1, 65536));
   app->add_option("--watch-buffer", f->watch_buffer,
                   "reports buffered per WatchJob stream for a slow reader (the oldest are "
                   "dropped)")
       ->capture_default_str()
-      ->check(CLI::Range(size_t(1), size_t(1) << 20));
+      ->check(cpd::launcher::IntegerIn(1, 1 << 20));
 }
 
 // The server's options from the flags, with the token and the TLS files read (exit 2 when they
@@ -253,9 +247,22 @@ int main(int argc, char** argv) {
 
   std::string host;
   int want_port = 0;
-  if (!SplitListen(f.listen, &host, &want_port)) {
+  if (!cpd::launcher::SplitHostPort(f.listen, &host, &want_port)) {
     Fail("--listen '" + f.listen +
          "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
+  }
+  // Anyone who reaches a non-loopback address could read every job and change its schedule.
+  if (!cpd::launcher::IsLoopbackHost(host) && f.token_file.empty()) {
+    if (!f.allow_unauthenticated) {
+      Fail("--listen " + f.listen +
+           " is not a loopback address and there is no --token-file: anyone who can reach it "
+           "could change every job's schedule. Give --token-file FILE (and --tls-cert/--tls-key), "
+           "or --allow-unauthenticated on a trusted network");
+    }
+    std::fprintf(stderr,
+                 "%s: WARNING: serving %s WITHOUT AUTHENTICATION (--allow-unauthenticated): "
+                 "anyone who can reach it can read every job and change its schedule\n",
+                 kTool, f.listen.c_str());
   }
   if (f.tls_cert.empty() != f.tls_key.empty()) {
     Fail("--tls-cert and --tls-key go together (got only " +

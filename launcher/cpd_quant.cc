@@ -150,8 +150,10 @@ int main(int argc, char** argv) {
       ->add_option("--channels", channels,
                    "View the input as this many equal rows (for :ch formats and log<b>)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  quant->add_option("--threads", threads, "Worker threads (0 = all cores)")->capture_default_str();
+      ->check(cpd::launcher::IntegerAtLeast(1));
+  quant->add_option("--threads", threads, "Worker threads (0 = all cores)")
+      ->capture_default_str()
+      ->check(cpd::launcher::IntegerIn(0, 4096));
   quant->add_flag("--stats", stats,
                   "Print statistics (max|x|, saturated, flushed, error) to stderr");
 

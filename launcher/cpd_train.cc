@@ -2,8 +2,6 @@
 // srun (one rank per process, MPI found from the launcher's environment). Every flag can also be
 // set in --config FILE.yaml under the same name without the leading dashes; flags on the command
 // line win.
-#include <yaml-cpp/yaml.h>
-
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +14,7 @@
 #include "cpd/format.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
+#include "launcher/train_flags.h"
 #include "launcher/world.h"
 #include "runtime/train/trainer.h"
 
@@ -27,318 +26,34 @@ using cpd::launcher::kUsageError;
   cpd::launcher::FailWith("cpd-train", msg, code);
 }
 
-// Applies the keys of a YAML mapping to options not given on the command line.
-void ApplyConfig(CLI::App& app, const std::string& path) {
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const std::exception& e) {
-    Fail("--config " + path + ": " + e.what());
-  }
-  if (!root.IsMap()) Fail("--config " + path + ": expected a mapping of option: value");
-  for (const auto& kv : root) {
-    const std::string key = kv.first.as<std::string>();
-    CLI::Option* opt = nullptr;
-    try {
-      opt = app.get_option("--" + key);
-    } catch (const CLI::OptionNotFound&) {
-      Fail("--config " + path + ": unknown key '" + key + "' (keys are the long flag names)");
-    }
-    if (key == "config") Fail("--config " + path + ": 'config' cannot be nested");
-    if (opt->count() > 0) continue;  // the command line wins
-    std::vector<std::string> values;
-    if (kv.second.IsSequence()) {
-      for (const auto& v : kv.second) values.push_back(v.as<std::string>());
-    } else if (kv.second.IsScalar()) {
-      values.push_back(kv.second.as<std::string>());
-    } else {
-      Fail("--config " + path + ": key '" + key + "' must be a scalar or a list");
-    }
-    try {
-      for (const auto& v : values) opt->add_result(v);
-      opt->run_callback();
-    } catch (const CLI::Error& e) {
-      Fail("--config " + path + ": key '" + key + "': " + e.what());
-    }
-  }
-}
-
-cpd::runtime::SiteFormat CheckSite(const std::string& flag, const std::string& spec,
-                                   const std::string& rounding) {
-  auto f = cpd::Format::Parse(spec);
-  if (!f.ok()) Fail(flag + ": " + f.status().message());
-  auto r = cpd::ParseRounding(rounding);
-  if (!r.ok()) Fail(flag + " rounding: " + r.status().message());
-  return {f->spec(), *r};
-}
-
-using cpd::runtime::TrainOptions;
-
-// The flags that are not fields of TrainOptions, as parsed; ApplyFlags turns them into options.
-struct TrainFlags {
-  std::string config_path, preset;
-  bool augment = false, no_augment = false;
-  std::string wf = "fp32", af = "fp32", ef = "fp32", gf = "fp32";
-  std::string wr = "nearest", ar = "nearest", er = "nearest", gr = "nearest";
-  std::vector<std::string> layer_formats;
-  std::string keep_fp32;
-  std::vector<int> cyclic_bits;
-  int cyclic_periods = 32;
-  std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
-  std::string token_file, tls_ca;
-  bool no_progress = false;
-  std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
-};
-
-void AddDataAndModelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--dataset", o->dataset, "fashion-mnist | mnist | cifar10 | cifar100 | synthetic")
-      ->capture_default_str();
-  app->add_option("--data-dir", o->data_dir,
-                  "Dataset directory (default for fashion-mnist: "
-                  "/usr/share/datasets/fashion-mnist)");
-  app->add_option("--arch", o->arch, "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...)")
-      ->capture_default_str();
-  app->add_option("--in-channels", o->in_channels, "Input channels (default: the dataset's)");
-  app->add_option("--image-size", o->image_size, "Input height/width (default: the dataset's)");
-  app->add_option("--classes", o->classes, "Output classes (default: the dataset's)");
-  app->add_flag("--augment", f->augment, "Random crop (pad 4) + horizontal flip (default: CIFAR)");
-  app->add_flag("--no-augment", f->no_augment, "No augmentation");
-  app->add_flag("--print-model", o->print_model,
-                "Print the layers (names for --layer-format) and exit");
-}
-
-void AddOptimisationOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--epochs", o->epochs, "Training epochs")->capture_default_str();
-  app->add_option("--max-steps", o->max_steps, "Stop after this many steps in total (0: all)")
-      ->capture_default_str();
-  app->add_option("--batch-size", o->batch_size, "Batch size per worker (see --global-batch)")
-      ->capture_default_str();
-  app->add_option("--global-batch", o->global_batch,
-                  "Global batch, split evenly over ranks x --emulate-ranks workers (default: "
-                  "--batch-size per worker)");
-  app->add_option("--optimizer", f->optimizer, "sgd | lars")->capture_default_str();
-  app->add_option("--lr", o->lr, "Base learning rate")->capture_default_str();
-  app->add_option("--momentum", o->momentum, "SGD momentum")->capture_default_str();
-  app->add_option("--weight-decay", o->weight_decay, "L2 weight decay (not on biases/BatchNorm)")
-      ->capture_default_str();
-  app->add_flag("--nesterov", o->nesterov, "Nesterov momentum");
-  app->add_option("--lars-eta", o->lars_eta, "LARS trust coefficient")->capture_default_str();
-  app->add_option("--lr-schedule", f->lr_schedule, "constant | step | cosine (per step)")
-      ->capture_default_str();
-  app->add_option("--warmup-steps", o->warmup_steps, "Linear warm-up steps")->capture_default_str();
-  app->add_option("--lr-milestones", o->lr_milestones,
-                  "Epochs at which 'step' multiplies by gamma");
-  app->add_option("--lr-gamma", o->lr_gamma, "Factor of the 'step' schedule")
-      ->capture_default_str();
-  app->add_option("--seed", o->seed, "Seed of initialisation, shuffling and rounding")
-      ->capture_default_str();
-  app->add_option("--threads", o->threads, "Threads (0: all cores)")->capture_default_str();
-}
-
-void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--w-format", f->wf, "Format of W (weights in forward)")->capture_default_str();
-  app->add_option("--a-format", f->af, "Format of A (input activations)")->capture_default_str();
-  app->add_option("--e-format", f->ef, "Format of E (errors)")->capture_default_str();
-  app->add_option("--g-format", f->gf, "Format of G (weight gradients)")->capture_default_str();
-  app->add_option("--w-rounding", f->wr, "nearest | stochastic | zero")->capture_default_str();
-  app->add_option("--a-rounding", f->ar, "nearest | stochastic | zero")->capture_default_str();
-  app->add_option("--e-rounding", f->er, "nearest | stochastic | zero")->capture_default_str();
-  app->add_option("--g-rounding", f->gr, "nearest | stochastic | zero")->capture_default_str();
-  app->add_option("--layer-format", f->layer_formats,
-                  "Per-layer override NAME.SITE=SPEC, e.g. conv1.W=fp32 (repeatable)");
-  app->add_option("--keep-fp32", f->keep_fp32,
-                  "Comma-separated layers kept in fp32: first, last, or names (CPT preset: last)");
-  app->add_option("--cyclic-bits", f->cyclic_bits, "CPT: MIN MAX forward bits")->expected(2);
-  app->add_option("--cyclic-periods", f->cyclic_periods, "CPT: cycles over the run")
-      ->capture_default_str();
-  app->add_option("--grad-bits", o->precision.grad_bits, "CPT: backward (E) bits")
-      ->capture_default_str();
-  app->add_flag("--hysteresis", o->precision.hysteresis,
-                "Hysteresis rounding of W (Lee et al.); counts weight flips");
-}
-
-void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--comm", f->comm_kind,
-                  "auto (mpi when started by mpirun/srun, else one process) | self | mpi")
-      ->capture_default_str();
-  app->add_option("--emulate-ranks", o->emulate_ranks,
-                  "Logical workers per process, summed with the same quantised semantics as ranks")
-      ->capture_default_str();
-  app->add_option("--allreduce", f->algo,
-                  "Gradient all-reduce: fp32 (the backend's) | emulate (CPD: every addition "
-                  "rounded to --allreduce-format) | packed (low-bit codes on the wire)")
-      ->capture_default_str();
-  app->add_option("--allreduce-format", f->ar_format, "Gradient format of emulate/packed")
-      ->capture_default_str();
-  app->add_option("--allreduce-rounding", f->ar_rounding, "nearest | stochastic | zero")
-      ->capture_default_str();
-  app->add_flag("--aps", o->allreduce.aps,
-                "Auto-precision scaling: per-layer power-of-two shift from the global max");
-  app->add_flag("--kahan", o->allreduce.kahan, "emulate: Kahan-compensated sum");
-  app->add_option("--bucket-mb", o->allreduce.bucket_mb, "Gradient bucket size in MiB")
-      ->capture_default_str();
-  app->add_option("--measure-error", o->measure_error_every,
-                  "Every N steps, the all-reduce error against exact fp32 (0: never)")
-      ->capture_default_str();
-  app->add_option("--debug-nan-step", o->debug_nan_step,
-                  "Testing aid: rank 0 puts a NaN into its gradient at this step (-1: never)")
-      ->capture_default_str();
-  app->add_option("--debug-step-sleep-ms", o->debug_step_sleep_ms,
-                  "Testing aid: sleep this long after every step (paces integration tests)")
-      ->capture_default_str();
-}
-
-void AddControlPlaneOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--coordinator", o->coordinator.address,
-                  "HOST:PORT of a cpd-coordinator: rank 0 registers the job, takes the precision "
-                  "schedules it pushes (every rank switches at the same step) and reports "
-                  "per-layer statistics; training never waits for it (default: none, the "
-                  "command line's schedule holds)");
-  app->add_option("--job-name", o->coordinator.job_name,
-                  "Job name at the coordinator, [A-Za-z0-9._-]{1,128}; a resumed run with the "
-                  "same name continues the same job (default: <arch>-<dataset>-<UTC time>)");
-  app->add_option("--token-file", f->token_file,
-                  "File whose first line is the coordinator's token (sent as a bearer token)");
-  app->add_option("--tls-ca", f->tls_ca, "PEM root certificates: talk TLS to the coordinator");
-  app->add_option("--report-interval", o->report_interval_s,
-                  "Seconds between summary reports to the coordinator (statistics steps and "
-                  "epoch ends are reported as well)")
-      ->capture_default_str();
-}
-
-void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--stats-every", o->stats_every, "Per-layer statistics every N steps (0: off)")
-      ->capture_default_str();
-  app->add_option("--metrics-out", o->metrics_out, "Append JSON lines (steps, epochs) to FILE");
-  app->add_option("--checkpoint-dir", o->checkpoint_dir, "Directory for checkpoints");
-  app->add_option("--checkpoint-every", o->checkpoint_every,
-                  "Checkpoint every N steps (0: at the end of each epoch)")
-      ->capture_default_str();
-  app->add_option("--resume", o->resume, "auto (newest in --checkpoint-dir) or a checkpoint file");
-  app->add_option("--device", f->device,
-                  "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
-      ->capture_default_str();
-  app->add_flag("--no-progress", f->no_progress, "No progress bar");
-  app->add_flag("--quiet", o->quiet, "Print nothing but errors");
-}
-
-// --preset: defaults for the flags the command line did not give.
-void ApplyPreset(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
-  auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
-  if (f->preset == "cpt") {
-    if (!given("--cyclic-bits")) f->cyclic_bits = {3, 8};
-    if (!given("--keep-fp32")) f->keep_fp32 = "last";
-  } else if (f->preset == "lee2022") {
-    if (!given("--w-format")) f->wf = "log4";
-    if (!given("--a-format")) f->af = "fp134";
-    if (!given("--e-format")) f->ef = "fp134";
-    if (!given("--keep-fp32")) f->keep_fp32 = "first,last";
-    o->precision.hysteresis = true;
-  } else {
-    Fail("--preset '" + f->preset + "' (accepted: cpt, lee2022)");
-  }
-}
-
-// The precision policy: the four sites' global formats, per-layer overrides, fp32 layers, CPT.
-void ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
-  using cpd::runtime::Site;
-  o->precision.global[int(Site::kWeight)] = CheckSite("--w-format", f.wf, f.wr);
-  o->precision.global[int(Site::kActivation)] = CheckSite("--a-format", f.af, f.ar);
-  o->precision.global[int(Site::kError)] = CheckSite("--e-format", f.ef, f.er);
-  o->precision.global[int(Site::kWeightGrad)] = CheckSite("--g-format", f.gf, f.gr);
-  for (const auto& lf : f.layer_formats) {
-    const cpd::Status s = cpd::runtime::AddLayerOverride(lf, &o->precision);
-    if (!s.ok()) Fail(s.message());
-  }
-  o->precision.keep_fp32 = cpd::launcher::SplitCommas(f.keep_fp32);
-  if (!f.cyclic_bits.empty()) {
-    cpd::CyclicPrecision c;
-    c.min_bits = f.cyclic_bits[0];
-    c.max_bits = f.cyclic_bits[1];
-    c.periods = f.cyclic_periods;
-    c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
-    o->precision.cpt = c;
-  }
-}
-
-// Everything the flags say beyond the options they set directly; exit 2 on a bad value.
-void ApplyFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
-  if (!f->preset.empty()) ApplyPreset(app, f, o);
-  if (f->augment && f->no_augment) Fail("--augment and --no-augment exclude each other");
-  if (!f->token_file.empty()) {
-    auto token = cpd::launcher::ReadTokenFile(f->token_file);
-    if (!token.ok()) Fail("--token-file: " + token.status().message());
-    o->coordinator.token = *token;
-  }
-  if (!f->tls_ca.empty()) {
-    auto pem = cpd::launcher::ReadWholeFile(f->tls_ca);
-    if (!pem.ok()) Fail("--tls-ca: " + pem.status().message());
-    o->coordinator.tls_ca_pem = *pem;
-  }
-  if ((!f->token_file.empty() || !f->tls_ca.empty() || !o->coordinator.job_name.empty()) &&
-      o->coordinator.address.empty()) {
-    Fail("--job-name, --token-file and --tls-ca need --coordinator HOST:PORT");
-  }
-  // Names become enums here, at the edge; the trainer sees only valid values.
-  if (auto k = cpd::runtime::ParseOptimizerKind(f->optimizer); k.ok()) {
-    o->optimizer = *k;
-  } else {
-    Fail("--" + k.status().message());
-  }
-  if (auto k = cpd::ParseLrScheduleKind(f->lr_schedule); k.ok()) {
-    o->lr_schedule = *k;
-  } else {
-    Fail("--lr-schedule: " + k.status().message());
-  }
-  if (auto d = cpd::runtime::ParseDeviceChoice(f->device); d.ok()) {
-    o->device = *d;
-  } else {
-    Fail("--" + d.status().message());
-  }
-  o->augment_set = f->augment || f->no_augment;
-  o->augment = f->augment;
-  o->progress = !f->no_progress;
-  ApplyPrecisionFlags(*f, o);
-  auto a = cpd::comm::ParseAllReduceAlgo(f->algo);
-  if (!a.ok()) Fail("--allreduce: " + a.status().message());
-  o->allreduce.algo = *a;
-  auto fmt = cpd::Format::Parse(f->ar_format);
-  if (!fmt.ok()) Fail("--allreduce-format: " + fmt.status().message());
-  o->allreduce.format = fmt->spec();
-  auto r = cpd::ParseRounding(f->ar_rounding);
-  if (!r.ok()) Fail("--allreduce-rounding: " + r.status().message());
-  o->allreduce.rounding = *r;
-}
-
-// --comm: MPI when asked for or started by a parallel launcher, else this process alone.
 }  // namespace
 
 int main(int argc, char** argv) {
-  TrainOptions o;
-  TrainFlags f;
+  cpd::runtime::TrainOptions o;
+  cpd::launcher::TrainFlags f;
   CLI::App app{
       "cpd-train: train a model with every data flow held in a CPD number format.\n"
       "Quantisation sites of each Linear/Conv2d layer: W weights, A input activations, "
       "E errors (output gradients), G weight gradients.\n" +
       std::string(cpd::FormatSpecHelp())};
   app.set_version_flag("--version", std::string("cpd-train ") + CPD_VERSION);
-  app.add_option("--config", f.config_path, "YAML file with the same keys as the flags");
-  app.add_option("--preset", f.preset,
-                 "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
-                 "lee2022: FP134 activations and errors, log4 weights with hysteresis, first and "
-                 "last layers fp32");
-  AddDataAndModelOptions(&app, &o, &f);
-  AddOptimisationOptions(&app, &o, &f);
-  AddPrecisionOptions(&app, &o, &f);
-  AddParallelOptions(&app, &o, &f);
-  AddControlPlaneOptions(&app, &o, &f);
-  AddOutputOptions(&app, &o, &f);
+  app.footer(
+      "Exit codes: 0 done; 1 failure (data, checkpoint, I/O, MPI); 2 usage error (bad flag or "
+      "value, a checkpoint of another run); 3 training diverged (NaN/Inf loss or parameter, or "
+      "--max-skipped-steps consecutive skipped steps).");
+  cpd::launcher::AddTrainOptions(&app, &o, &f);
 
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, "cpd-train"); code >= 0) {
     return code;
   }
-  if (!f.config_path.empty()) ApplyConfig(app, f.config_path);
-  ApplyFlags(app, &f, &o);
+  if (!f.config_path.empty()) {
+    if (const cpd::Status s = cpd::launcher::ApplyConfigFile(app, f.config_path); !s.ok()) {
+      Fail(s.message());
+    }
+  }
+  if (const cpd::Status s = cpd::launcher::ApplyTrainFlags(app, &f, &o); !s.ok()) {
+    Fail(s.message());
+  }
   auto world = cpd::launcher::MakeWorld(f.comm_kind);
   if (!world.ok()) {
     Fail(world.status().message(),
@@ -346,7 +61,8 @@ int main(int argc, char** argv) {
   }
   std::unique_ptr<cpd::comm::Communicator> comm = std::move(world).value();
   auto result = cpd::runtime::Train(o, comm.get());
-  if (!result.ok())
+  if (!result.ok()) {
     return cpd::launcher::EndFailedJob("cpd-train", result.status(), std::move(comm));
+  }
   return 0;
 }

@@ -38,14 +38,16 @@ Result<std::unique_ptr<comm::Communicator>> MakeWorld(const std::string& kind) {
 
 int EndFailedJob(const char* tool, const Status& s, std::unique_ptr<comm::Communicator> comm) {
   const bool usage = s.code() == Status::Code::kInvalidArgument;
+  const bool diverged = s.code() == Status::Code::kOutOfRange;
+  const int code = usage ? kUsageError : diverged ? kDivergedRun : 1;
   if (comm == nullptr || comm->size() == 1) {
     std::fprintf(stderr, "%s: %s\n", tool, s.message().c_str());
-    return usage ? kUsageError : 1;
+    return code;
   }
-  if (usage) {
+  if (usage || diverged) {
     if (comm->rank() == 0) std::fprintf(stderr, "%s: %s\n", tool, s.message().c_str());
     comm.reset();
-    return kUsageError;
+    return code;
   }
   std::fprintf(stderr, "%s: rank %d: %s\n", tool, comm->rank(), s.message().c_str());
 #if CPD_WITH_MPI

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "launcher/cli.h"
+#include "launcher/common.h"
 #include "launcher/cpdctl/output.h"
 
 namespace cpd::ctl {
@@ -96,7 +97,7 @@ void AddGlobals(CLI::App* app, Globals* g) {
   app->add_option("--timeout", g->timeout_s,
                   "Deadline of each call in seconds; the history streams of export and plot "
                   "have none unless --timeout is given, the watch stream never has one")
-      ->check(CLI::PositiveNumber)
+      ->check(cpd::launcher::PositiveNumber())
       ->capture_default_str();
 }
 
@@ -104,6 +105,13 @@ Connection::Connection(const Globals& g) : g_(g) {
   if (g_.coordinator.empty()) {
     const char* env = std::getenv("CPD_COORDINATOR");
     g_.coordinator = (env != nullptr && *env != '\0') ? env : kDefaultCoordinator;
+  }
+  {
+    std::string host;
+    int port = 0;
+    if (!cpd::launcher::SplitHostPort(g_.coordinator, &host, &port)) {
+      Usage("--coordinator '" + g_.coordinator + "': expected HOST:PORT, e.g. 127.0.0.1:50051");
+    }
   }
   if (g_.token_file.empty()) {
     const char* env = std::getenv("CPD_TOKEN_FILE");

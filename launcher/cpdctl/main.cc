@@ -41,9 +41,9 @@ CLI::App* AddLayersCommand(CLI::App* app, LayersArgs* la) {
                                       "STEP column)");
   auto* to_opt = layers->add_option("--to", la->to, "Last step of a range (default: the end)");
   step_opt->excludes(from_opt)->excludes(to_opt);
-  step_opt->check(CLI::NonNegativeNumber);
-  from_opt->check(CLI::NonNegativeNumber);
-  to_opt->check(CLI::NonNegativeNumber);
+  step_opt->check(cpd::launcher::IntegerAtLeast(0));
+  from_opt->check(cpd::launcher::IntegerAtLeast(0));
+  to_opt->check(cpd::launcher::IntegerAtLeast(0));
   layers
       ->add_option("--sort", la->sort,
                    "Order rows by: layer (name, then site), site, or largest first: max, "
@@ -54,11 +54,11 @@ CLI::App* AddLayersCommand(CLI::App* app, LayersArgs* la) {
         return ParseSite(s) ? std::string() : "expected W, A, E, G or COMM";
       });
   layers->add_option("--top", la->top, "At most K rows per report (after --sort)")
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::IntegerAtLeast(1));
   layers
       ->add_option("--limit", la->limit,
                    "At most this many reports of a range (default: the coordinator's cap)")
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::IntegerAtLeast(1));
   return layers;
 }
 
@@ -71,11 +71,11 @@ CLI::App* AddWatchCommand(CLI::App* app, WatchArgs* wa) {
   watch->add_option("JOB", wa->job, "Job name or id")->required();
   watch->add_flag("--layers", wa->layers, "Also receive and show the per-layer table");
   watch->add_option("--count", wa->count, "Stop after N reports (default: never)")
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::IntegerAtLeast(1));
   watch
       ->add_option("--interval", wa->interval_s,
                    "On a terminal, redraw at least every S seconds (the report age ticks)")
-      ->check(CLI::PositiveNumber)
+      ->check(cpd::launcher::PositiveNumber())
       ->capture_default_str();
   return watch;
 }
@@ -142,11 +142,11 @@ CLI::App* AddScheduleSetCommand(CLI::App* schedule, ScheduleSetFlags* f) {
           ->check(CLI::IsMember({"on", "off"}));
   f->from_step_opt = sset->add_option("--from-step", f->from_step,
                                       "First step of the new schedule (default: the next step)")
-                         ->check(CLI::NonNegativeNumber);
+                         ->check(cpd::launcher::IntegerAtLeast(0));
   sset->add_option("--expect-version", f->expect_version,
                    "Refuse unless the job's schedule is at this version (default: the version "
                    "just read)")
-      ->check(CLI::PositiveNumber);
+      ->check(cpd::launcher::IntegerAtLeast(1));
   return sset;
 }
 
@@ -156,8 +156,10 @@ CLI::App* AddRangeCommand(CLI::App* app, const char* name, const std::string& de
   auto* cmd = app->add_subcommand(name, description);
   cmd->add_option("JOB", a->job, "Job name or id")->required();
   cmd->add_option(out_flag, a->out, out_help)->required();
-  cmd->add_option("--from", a->from, "First step (default: 0)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--to", a->to, "Last step (default: the end)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--from", a->from, "First step (default: 0)")
+      ->check(cpd::launcher::IntegerAtLeast(0));
+  cmd->add_option("--to", a->to, "Last step (default: the end)")
+      ->check(cpd::launcher::IntegerAtLeast(0));
   return cmd;
 }
 

@@ -159,9 +159,7 @@ void ReportToProto(const StepReport& r, int64_t job_id, uint64_t dropped, v1::St
   out->set_train_accuracy(r.train_accuracy);
   out->set_test_accuracy(r.test_accuracy);
   out->set_finished(r.finished);
-  out->set_time_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
-                       std::chrono::system_clock::now().time_since_epoch())
-                       .count());
+  out->set_time_ms(r.time_ms);
   for (const LayerReport& l : r.layers) {
     v1::LayerStat* s = out->add_layers();
     s->set_layer(l.layer);
@@ -212,6 +210,11 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
   ~GrpcCoordinatorClient() override { Finish(0); }
 
   bool Report(StepReport report) override {
+    if (report.time_ms == 0) {
+      report.time_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ || queue_.size() >= o_.queue_capacity) {
       ++dropped_;

@@ -94,6 +94,9 @@ struct StepReport {
   double train_accuracy = -1, test_accuracy = -1;  // end of an epoch; < 0: not measured
   std::vector<LayerReport> layers;
   bool finished = false;  // the run's last report
+  // When the report was made: wall-clock ms since the Unix epoch. Report() stamps a report that
+  // has none (0), so that reports queued through an outage keep the times they were made at.
+  int64_t time_ms = 0;
 };
 
 class CoordinatorClient {
@@ -103,7 +106,8 @@ class CoordinatorClient {
                                                           JobDescription job);
   virtual ~CoordinatorClient() = default;
 
-  // Queues a report; false when the queue was full (the report is dropped and counted).
+  // Queues a report (stamping its time_ms when 0); false when the queue was full (the report is
+  // dropped and counted).
   virtual bool Report(StepReport report) = 0;
   // The newest schedule pushed since the last call (older unread ones are superseded).
   virtual std::optional<ScheduleUpdate> TakeSchedule() = 0;

@@ -5,10 +5,12 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 namespace cpd::runtime {
 
@@ -42,12 +44,65 @@ bool WriteAll(int fd, const char* data, size_t n) {
   return true;
 }
 
+// zlib's CRC-32 over n bytes (crc32 takes uInt lengths: large buffers go in pieces).
+uint32_t Crc32(const unsigned char* p, size_t n, uLong crc = crc32(0L, Z_NULL, 0)) {
+  while (n > 0) {
+    const uInt piece = uInt(std::min<size_t>(n, 1u << 30));
+    crc = crc32(crc, p, piece);
+    p += piece;
+    n -= piece;
+  }
+  return uint32_t(crc);
+}
+
+// Whether `path` exists and holds exactly head, the tensors and tail; an error when it exists
+// with other contents (or cannot be read).
+Result<bool> SameAsExisting(const std::string& path, const std::string& head, const Checkpoint& ck,
+                            const unsigned char tail[4]) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    if (errno == ENOENT) return false;
+    return Status::IoError("checkpoint " + path + " exists but cannot be read: " + Errno());
+  }
+  auto same_next = [f](const void* data, size_t n) {
+    std::vector<char> buf(std::min<size_t>(n, 1 << 20));
+    const char* want = static_cast<const char*>(data);
+    while (n > 0) {
+      const size_t piece = std::min(n, buf.size());
+      if (std::fread(buf.data(), 1, piece, f) != piece || std::memcmp(buf.data(), want, piece)) {
+        return false;
+      }
+      want += piece;
+      n -= piece;
+    }
+    return true;
+  };
+  bool same = same_next(head.data(), head.size());
+  for (size_t i = 0; same && i < ck.order.size(); ++i) {
+    const auto& values = ck.data.at(ck.order[i]);
+    same = same_next(values.data(), values.size() * sizeof(float));
+  }
+  same = same && same_next(tail, 4) && std::fgetc(f) == EOF;
+  std::fclose(f);  // read only: nothing is lost if closing fails
+  if (!same) {
+    return Status::IoError("checkpoint " + path +
+                           " already exists with other contents (another run's, or an earlier "
+                           "one's); refusing to overwrite it: move it away or use another "
+                           "--checkpoint-dir");
+  }
+  return true;
+}
+
 std::string DirOf(const std::string& path) {
   const size_t slash = path.find_last_of('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
 }
 
 }  // namespace
+
+Status CorruptCheckpoint(const std::string& path, const std::string& why) {
+  return Status::Corruption("checkpoint " + path + " is corrupt: " + why + "; refusing it");
+}
 
 void Checkpoint::Put(const std::string& name, std::vector<int64_t> shape, const float* values,
                      size_t n) {
@@ -77,22 +132,19 @@ Status WriteCheckpoint(const std::string& path, const Checkpoint& ckpt) {
   AppendU64(&head, header_text.size());
   head += header_text;
 
-  uLong crc = crc32(0L, Z_NULL, 0);
-  crc = crc32(crc, reinterpret_cast<const Bytef*>(head.data()), uInt(head.size()));
+  uint32_t crc = Crc32(reinterpret_cast<const unsigned char*>(head.data()), head.size());
   for (const auto& name : ckpt.order) {
     const auto& values = ckpt.data.at(name);
-    // crc32 takes uInt lengths: feed large tensors in pieces.
-    const auto* p = reinterpret_cast<const Bytef*>(values.data());
-    size_t left = values.size() * sizeof(float);
-    while (left > 0) {
-      const uInt piece = uInt(std::min<size_t>(left, 1u << 30));
-      crc = crc32(crc, p, piece);
-      p += piece;
-      left -= piece;
-    }
+    crc = Crc32(reinterpret_cast<const unsigned char*>(values.data()),
+                values.size() * sizeof(float), crc);
   }
   unsigned char tail[4];
-  for (int i = 0; i < 4; ++i) tail[i] = (uint32_t(crc) >> (8 * i)) & 0xff;
+  for (int i = 0; i < 4; ++i) tail[i] = (crc >> (8 * i)) & 0xff;
+
+  // A file of this name that holds anything else belongs to another run (or to this run's past
+  // with other results): it is never replaced. The same bytes again need no writing.
+  CPD_ASSIGN_OR_RETURN(const bool same, SameAsExisting(path, head, ckpt, tail));
+  if (same) return Status::Ok();
 
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -144,49 +196,82 @@ Result<Checkpoint> ReadCheckpoint(const std::string& path) {
   std::fclose(f);  // read only: nothing is lost if closing fails
   if (read_error) return Status::IoError("reading checkpoint " + path + ": " + Errno());
 
-  auto corrupt = [&](const std::string& why) {
-    return Status::Corruption("checkpoint " + path + " is corrupt (" + why + "); refusing it");
-  };
+  auto corrupt = [&](const std::string& why) { return CorruptCheckpoint(path, why); };
   if (bytes.size() < sizeof(kMagic) + 8 + 4 ||
       std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return corrupt("not a CPD checkpoint: bad magic or too short");
   }
   const auto* u = reinterpret_cast<const unsigned char*>(bytes.data());
   const size_t body = bytes.size() - 4;
-  uLong crc = crc32(0L, Z_NULL, 0);
-  for (size_t at = 0; at < body;) {
-    const uInt piece = uInt(std::min<size_t>(body - at, 1u << 30));
-    crc = crc32(crc, u + at, piece);
-    at += piece;
-  }
   uint32_t stored = 0;
   for (int i = 3; i >= 0; --i) stored = (stored << 8) | u[body + i];
-  if (uint32_t(crc) != stored) return corrupt("CRC-32 mismatch");
+  if (Crc32(u, body) != stored) return corrupt("CRC-32 mismatch");
 
   const uint64_t header_bytes = ReadU64(u + sizeof(kMagic));
-  const size_t payload_start = sizeof(kMagic) + 8 + header_bytes;
-  if (header_bytes > body || payload_start > body) return corrupt("header length out of range");
-  nlohmann::json header = nlohmann::json::parse(
+  if (header_bytes > body - sizeof(kMagic) - 8) return corrupt("header length out of range");
+  const size_t payload_start = sizeof(kMagic) + 8 + size_t(header_bytes);
+  // A valid CRC only says the file is as written: every field is still checked for its type and
+  // range here, and nothing in it throws.
+  const nlohmann::json header = nlohmann::json::parse(
       bytes.begin() + sizeof(kMagic) + 8, bytes.begin() + long(payload_start), nullptr, false);
-  if (header.is_discarded() || !header.contains("tensors") || !header.contains("meta")) {
-    return corrupt("bad header");
+  if (header.is_discarded()) return corrupt("the header is not JSON");
+  if (!header.is_object()) return corrupt("the header is not a JSON object");
+  const auto meta = header.find("meta");
+  const auto tensors = header.find("tensors");
+  if (meta == header.end() || !meta->is_object()) return corrupt("'meta' is not an object");
+  if (tensors == header.end() || !tensors->is_array()) {
+    return corrupt("'tensors' is not an array");
   }
   Checkpoint ckpt;
-  ckpt.meta_json = header["meta"].dump();
-  const size_t payload = body - payload_start;
-  for (const auto& t : header["tensors"]) {
-    const std::string name = t.value("name", "");
-    const uint64_t offset = t.value("offset", uint64_t(0));
-    const uint64_t count = t.value("count", uint64_t(0));
-    if (name.empty() || offset > payload || count > (payload - offset) / sizeof(float)) {
-      return corrupt("tensor '" + name + "' lies outside the payload");
+  ckpt.meta_json = meta->dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  const uint64_t payload = body - payload_start;
+  uint64_t next_offset = 0;  // the writer puts the tensors back to back, in order
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    const nlohmann::json& t = (*tensors)[i];
+    const std::string entry = "tensor entry " + std::to_string(i);
+    if (!t.is_object()) return corrupt(entry + " is not an object");
+    const auto name = t.find("name"), shape = t.find("shape"), offset = t.find("offset"),
+               count = t.find("count");
+    if (name == t.end() || !name->is_string() || name->get_ref<const std::string&>().empty()) {
+      return corrupt(entry + ": 'name' is not a non-empty string");
     }
-    std::vector<int64_t> shape = t.value("shape", std::vector<int64_t>{});
-    std::vector<float> values(count);
-    if (count > 0) std::memcpy(values.data(), bytes.data() + payload_start + offset, count * 4);
-    ckpt.order.push_back(name);
-    ckpt.shapes[name] = std::move(shape);
-    ckpt.data[name] = std::move(values);
+    const std::string& n = name->get_ref<const std::string&>();
+    if (ckpt.data.count(n) > 0) return corrupt("tensor '" + n + "' appears twice");
+    if (offset == t.end() || !offset->is_number_unsigned() || count == t.end() ||
+        !count->is_number_unsigned()) {
+      return corrupt("tensor '" + n + "': 'offset' and 'count' must be non-negative integers");
+    }
+    if (shape == t.end() || !shape->is_array()) {
+      return corrupt("tensor '" + n + "': 'shape' is not an array");
+    }
+    std::vector<int64_t> dims;
+    unsigned __int128 elements = 1;  // dimensions <= 2^40, capped at 2^63: never wraps
+    for (const nlohmann::json& d : *shape) {
+      // A dimension beyond 2^40 cannot be a tensor in memory.
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 40)) {
+        return corrupt("tensor '" + n + "': 'shape' holds " + d.dump() +
+                       ", not a dimension (an integer in 0..2^40)");
+      }
+      dims.push_back(int64_t(d.get<uint64_t>()));
+      elements = std::min<unsigned __int128>(elements * uint64_t(dims.back()), uint64_t(1) << 63);
+    }
+    const uint64_t c = count->get<uint64_t>(), o = offset->get<uint64_t>();
+    if (elements != c) {
+      return corrupt("tensor '" + n + "': shape " + shape->dump() + " does not hold " +
+                     std::to_string(c) + " values");
+    }
+    if (o != next_offset || c > (payload - o) / sizeof(float)) {
+      return corrupt("tensor '" + n + "' lies outside its place in the payload");
+    }
+    next_offset = o + c * sizeof(float);
+    std::vector<float> values(c);
+    if (c > 0) std::memcpy(values.data(), bytes.data() + payload_start + o, c * sizeof(float));
+    ckpt.order.push_back(n);
+    ckpt.shapes[n] = std::move(dims);
+    ckpt.data[n] = std::move(values);
+  }
+  if (next_offset != payload) {
+    return corrupt(std::to_string(payload - next_offset) + " payload bytes belong to no tensor");
   }
   return ckpt;
 }

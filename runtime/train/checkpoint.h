@@ -31,10 +31,17 @@ struct Checkpoint {
   bool Has(const std::string& name) const { return data.count(name) > 0; }
 };
 
-// Writes `ckpt` to `path` atomically. The directory must exist.
+// Writes `ckpt` to `path` atomically. The directory must exist. A file already at `path` is
+// never replaced: when it holds these very bytes there is nothing to do; otherwise IoError
+// ("already exists with other contents ... refusing to overwrite it").
 Status WriteCheckpoint(const std::string& path, const Checkpoint& ckpt);
-// Reads and verifies a checkpoint; any inconsistency is a Corruption status naming the file.
+// Reads and verifies a checkpoint: the CRC, then every header field's type and range (tensor
+// entries with a name, a shape whose product is their count, back to back in the payload, which
+// they fill exactly). Any inconsistency is CorruptCheckpoint(path, why); nothing throws. Whether
+// the contents fit a model and a run is the Checkpointer's to check.
 Result<Checkpoint> ReadCheckpoint(const std::string& path);
+// Corruption "checkpoint PATH is corrupt: WHY; refusing it", the one message for a bad file.
+Status CorruptCheckpoint(const std::string& path, const std::string& why);
 
 // Checkpoint files in `dir` are named ckpt-<step, 12 digits>.cpd. Returns the newest complete
 // one ("" if none).

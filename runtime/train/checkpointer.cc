@@ -1,7 +1,10 @@
 #include "runtime/train/checkpointer.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -87,53 +90,204 @@ Status Checkpointer::AtEnd(int64_t step) {
   return SaveEverywhere(step, int(it.epoch) + (it.next_batch >= batches_per_epoch_));
 }
 
+Status Checkpointer::CheckDirectory() const {
+  Status local = Status::Ok();
+  if (enabled() && replicas_->lead()) {
+    local = MakeDirectory(o_.checkpoint_dir);
+    if (local.ok()) {
+      // Root passes access(W_OK) on a read-only mount or in a directory the writer cannot use:
+      // only creating a file tells.
+      const std::string probe =
+          o_.checkpoint_dir + "/.cpd-write-probe." + std::to_string(::getpid());
+      const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      if (fd < 0) {
+        local = Status::IoError("--checkpoint-dir " + o_.checkpoint_dir +
+                                ": cannot write there: " + std::strerror(errno));
+      } else {
+        ::close(fd);
+        ::unlink(probe.c_str());
+      }
+    }
+  }
+  return replicas_->AgreeOn(local, "--checkpoint-dir cannot be written on rank 0");
+}
+
+namespace {
+
+// Typed reads of checkpoint metadata: a missing or wrongly typed field is an error, not an
+// exception.
+Result<int64_t> IntField(const json& obj, const char* key, const std::string& where) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || !it->is_number_integer()) {
+    return Status::InvalidArgument(where + key + " is " +
+                                   (it == obj.end() ? std::string("missing") : it->dump()) +
+                                   ", not an integer");
+  }
+  return it->get<int64_t>();
+}
+
+Result<std::string> StringField(const json& obj, const char* key, const std::string& where) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || !it->is_string()) {
+    return Status::InvalidArgument(where + key + " is not a string");
+  }
+  return it->get<std::string>();
+}
+
+Status CheckInRange(int64_t v, int64_t lo, int64_t hi, const std::string& what) {
+  if (v < lo || v > hi) {
+    return Status::InvalidArgument(what + " " + std::to_string(v) + " is outside " +
+                                   std::to_string(lo) + ".." + std::to_string(hi));
+  }
+  return Status::Ok();
+}
+
+// The index of the first value that is NaN or infinite, or -1.
+int64_t FirstNonFinite(const std::vector<float>& v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i])) return int64_t(i);
+  }
+  return -1;
+}
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+// Every field is checked against this run and this model before any of it is used: a
+// checkpoint either fits whole or leaves the state untouched.
 Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
   CPD_ASSIGN_OR_RETURN(const Checkpoint ck, ReadCheckpoint(path));
-  json meta = json::parse(ck.meta_json, nullptr, false);
-  if (meta.is_discarded() || meta.value("version", 0) != kCheckpointVersion) {
-    return Status::Corruption("checkpoint " + path + ": unsupported version");
+  auto corrupt = [&](const std::string& why) { return CorruptCheckpoint(path, why); };
+  auto corrupt_if = [&](const Status& s) { return s.ok() ? s : corrupt(s.message()); };
+  const json meta = json::parse(ck.meta_json, nullptr, false);
+  if (!meta.is_object()) return corrupt("the metadata is not a JSON object");
+  {
+    const auto v = meta.find("version");
+    if (v == meta.end() || !v->is_number_integer() || v->get<int64_t>() != kCheckpointVersion) {
+      return corrupt("unsupported version " + (v == meta.end() ? "(none)" : v->dump()) +
+                     " (this build reads version " + std::to_string(kCheckpointVersion) + ")");
+    }
   }
+  // The run it came from: the same model, data and global batch.
+  auto arch = StringField(meta, "arch", "meta.");
+  auto dataset = StringField(meta, "dataset", "meta.");
   // Version-1 checkpoints of single-process runs stored the batch as "batch_size".
-  const int64_t saved_global = meta.value("global_batch", meta.value("batch_size", int64_t(0)));
-  if (meta.value("arch", "") != o_.arch || meta.value("dataset", "") != o_.dataset ||
-      saved_global != global_batch_) {
-    return Status::InvalidArgument(
-        "checkpoint " + path + " was written by a run with --arch " + meta.value("arch", "?") +
-        " --dataset " + meta.value("dataset", "?") + " and global batch " +
-        std::to_string(saved_global) + "; this run has --arch " + o_.arch + " --dataset " +
-        o_.dataset + " and global batch " + std::to_string(global_batch_));
+  auto saved_global =
+      IntField(meta, meta.contains("global_batch") ? "global_batch" : "batch_size", "meta.");
+  for (const Status& s : {arch.status(), dataset.status(), saved_global.status()}) {
+    CPD_RETURN_IF_ERROR(corrupt_if(s));
   }
-  auto take = [&](const std::string& key, Tensor* t) -> Status {
-    if (!ck.Has(key)) return Status::Corruption("checkpoint " + path + ": missing " + key);
-    const auto& v = ck.data.at(key);
-    if (v.size() != t->numel()) {
-      return Status::Corruption("checkpoint " + path + ": " + key + " has " +
-                                std::to_string(v.size()) + " values, the model needs " +
-                                std::to_string(t->numel()));
-    }
-    t->CopyFromHost(v.data());  // any device
-    return Status::Ok();
-  };
-  for (Param* p : state_.model->Params()) CPD_RETURN_IF_ERROR(take("param/" + p->name, &p->value));
-  for (auto& [name, t] : state_.model->Buffers()) CPD_RETURN_IF_ERROR(take("buffer/" + name, t));
-  std::map<std::string, std::vector<float>> opt_state;
-  for (const auto& name : ck.order) {
-    if (name.rfind("opt/", 0) == 0) opt_state[name.substr(4)] = ck.data.at(name);
+  if (*arch != o_.arch || *dataset != o_.dataset || *saved_global != global_batch_) {
+    return Status::InvalidArgument("checkpoint " + path + " was written by a run with --arch " +
+                                   *arch + " --dataset " + *dataset + " and global batch " +
+                                   std::to_string(*saved_global) + "; this run has --arch " +
+                                   o_.arch + " --dataset " + o_.dataset + " and global batch " +
+                                   std::to_string(global_batch_));
   }
-  CPD_RETURN_IF_ERROR(state_.optimizer->LoadState(opt_state));
+
+  // Where it stands: step, epoch and the iterator, in range and consistent with each other.
   ResumePoint point;
-  point.step = meta.value("step", int64_t(0));
-  if (meta.contains("schedule")) point.schedule_json = meta["schedule"].dump();
-  for (const auto& name : ck.order) {
-    if (name.rfind("hyst/", 0) == 0) {
-      state_.quant->RestoreHysteresisState(name.substr(5), ck.data.at(name));
+  IteratorState it;
+  {
+    auto step = IntField(meta, "step", "meta.");
+    auto epoch = IntField(meta, "epoch", "meta.");
+    CPD_RETURN_IF_ERROR(corrupt_if(step.status()));
+    CPD_RETURN_IF_ERROR(corrupt_if(epoch.status()));
+    const auto iter = meta.find("iterator");
+    if (iter == meta.end() || !iter->is_object()) return corrupt("meta.iterator is not an object");
+    auto it_epoch = IntField(*iter, "epoch", "meta.iterator.");
+    auto it_next = IntField(*iter, "next_batch", "meta.iterator.");
+    CPD_RETURN_IF_ERROR(corrupt_if(it_epoch.status()));
+    CPD_RETURN_IF_ERROR(corrupt_if(it_next.status()));
+    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*step, 0, int64_t(1) << 53, "meta.step")));
+    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*it_epoch, 0, 1 << 30, "meta.iterator.epoch")));
+    CPD_RETURN_IF_ERROR(
+        corrupt_if(CheckInRange(*it_next, 0, batches_per_epoch_, "meta.iterator.next_batch")));
+    // The recorded epoch is the iterator's, or the next one once its last batch is done.
+    if (!(*epoch == *it_epoch || (*epoch == *it_epoch + 1 && *it_next == batches_per_epoch_))) {
+      return corrupt("meta.epoch " + std::to_string(*epoch) +
+                     " does not go with the iterator at "
+                     "batch " +
+                     std::to_string(*it_next) + " of epoch " + std::to_string(*it_epoch));
+    }
+    // Steps done: every past epoch's batches plus this one's. A run of one worker keeps the
+    // last partial batch that several workers drop, so each past epoch may differ by one.
+    const int64_t expected = *it_epoch * batches_per_epoch_ + *it_next;
+    if (*step < expected - *it_epoch || *step > expected + *it_epoch) {
+      return corrupt("meta.step " + std::to_string(*step) + " does not go with batch " +
+                     std::to_string(*it_next) + " of epoch " + std::to_string(*it_epoch) + " (" +
+                     std::to_string(batches_per_epoch_) + " batches per epoch)");
+    }
+    if (*epoch > o_.epochs) {
+      return Status::InvalidArgument("checkpoint " + path + " is at epoch " +
+                                     std::to_string(*epoch) + ", beyond this run's --epochs " +
+                                     std::to_string(o_.epochs));
+    }
+    point.step = *step;
+    point.epoch = int(*epoch);
+    it.epoch = *it_epoch;
+    it.next_batch = *it_next;
+  }
+  if (const auto sched = meta.find("schedule"); sched != meta.end()) {
+    if (!sched->is_object()) return corrupt("meta.schedule is not an object");
+    point.schedule_json = sched->dump();
+  }
+
+  // Tensors: the model's parameters and buffers with their shapes, the optimiser's state and
+  // the hysteresis state of weight layers; all finite, running variances >= 0; nothing else.
+  std::map<std::string, Tensor*> targets;
+  for (Param* p : state_.model->Params()) targets["param/" + p->name] = &p->value;
+  for (auto& [name, t] : state_.model->Buffers()) targets["buffer/" + name] = t;
+  std::map<std::string, size_t> weight_sizes;
+  for (Param* p : state_.model->Params()) weight_sizes[p->name] = p->value.numel();
+  std::map<std::string, std::vector<float>> opt_state;
+  std::vector<std::pair<std::string, const std::vector<float>*>> hysteresis;
+  for (const std::string& name : ck.order) {
+    const std::vector<float>& v = ck.data.at(name);
+    if (const int64_t bad = FirstNonFinite(v); bad >= 0) {
+      return corrupt(name + " holds a non-finite value (" + std::to_string(v[size_t(bad)]) +
+                     " at index " + std::to_string(bad) + ")");
+    }
+    if (targets.count(name) > 0) {
+      const Tensor& t = *targets.at(name);
+      if (ck.shapes.at(name) != t.shape()) {
+        return corrupt(name + " has shape " + ShapeText(ck.shapes.at(name)) + "; the model's is " +
+                       ShapeText(t.shape()));
+      }
+      const std::string suffix = ".running_var";
+      if (name.size() > suffix.size() &&
+          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+          std::any_of(v.begin(), v.end(), [](float x) { return x < 0; })) {
+        return corrupt(name + " holds a negative variance");
+      }
+    } else if (name.rfind("opt/", 0) == 0) {
+      opt_state[name.substr(4)] = v;
+    } else if (name.rfind("hyst/", 0) == 0) {
+      const auto w = weight_sizes.find(name.substr(5) + ".weight");
+      if (w == weight_sizes.end() || w->second != v.size()) {
+        return corrupt(name + " is not the hysteresis state of a weight layer of this model");
+      }
+      hysteresis.emplace_back(name.substr(5), &v);
+    } else {
+      return corrupt("it holds '" + name + "', which this model does not have");
     }
   }
-  IteratorState st;
-  st.epoch = meta["iterator"].value("epoch", int64_t(0));
-  st.next_batch = meta["iterator"].value("next_batch", int64_t(0));
-  CPD_RETURN_IF_ERROR(state_.iterator->Restore(st));
-  point.epoch = meta.value("epoch", 0);
+  for (const auto& [name, t] : targets) {
+    if (!ck.Has(name)) return corrupt("missing " + name);
+  }
+  // The optimiser and the iterator check their parts whole before taking any of it (the
+  // iterator's range is checked above, so it cannot refuse after the optimiser took its state).
+  CPD_RETURN_IF_ERROR(corrupt_if(state_.optimizer->LoadState(opt_state)));
+  CPD_RETURN_IF_ERROR(corrupt_if(state_.iterator->Restore(it)));
+  for (const auto& [name, t] : targets) t->CopyFromHost(ck.data.at(name).data());  // any device
+  for (const auto& [layer, q] : hysteresis) state_.quant->RestoreHysteresisState(layer, *q);
+  // The file resumed from is this step's checkpoint: the end of the run must not write it again.
+  last_saved_step_ = point.step;
   return point;
 }
 

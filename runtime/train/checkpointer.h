@@ -49,8 +49,14 @@ class Checkpointer {
 
   void set_control(const JobControl* control) { state_.control = control; }
 
-  // Restores what `path` holds into the state; checks that the checkpoint's run matches this
-  // one. The returned epoch is the one the checkpoint recorded.
+  // With --checkpoint-dir: creates it and proves rank 0 can write a file there, at start-up
+  // rather than at the first checkpoint (a collective: every rank learns the outcome).
+  Status CheckDirectory() const;
+
+  // Restores what `path` holds into the state after checking every field against this run and
+  // this model (types, ranges, shapes, finiteness: a bad file is CorruptCheckpoint, a file of
+  // another run InvalidArgument); nothing is changed unless all of it fits. The returned epoch
+  // is the one the checkpoint recorded. That checkpoint counts as this run's latest.
   Result<ResumePoint> Restore(const std::string& path);
 
   // After step `step` (steps done) of 0-based epoch `epoch`: a checkpoint every

@@ -10,7 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <memory>
 #include <numeric>
+#include <utility>
 
 #include "kernels/grid.h"
 
@@ -47,77 +50,66 @@ void BytesToUnit(const uint8_t* src, size_t n, float* dst) {
   for (int64_t i = 0; i < int64_t(n); ++i) dst[i] = t[src[i]];
 }
 
-std::string Errno() { return std::strerror(errno); }
-
 Status OpenError(const std::string& path) {
   const int e = errno;
   std::string msg = "cannot open " + path + ": " + std::strerror(e);
   return e == ENOENT ? Status::NotFound(std::move(msg)) : Status::IoError(std::move(msg));
 }
 
-// A whole file, transparently gunzipped when it starts with the gzip magic 1f 8b.
-struct FileBytes {
-  std::vector<uint8_t> bytes;
-  // The gzip stream ended early ("unexpected end of file"): `bytes` holds what was recoverable.
-  bool gzip_truncated = false;
+// A file read as a stream, transparently gunzipped when it starts with the gzip magic 1f 8b
+// (zlib reads other files as they are). Readers ask for as many bytes as the header says they
+// need, plus one to see whether more follow: nothing beyond that is ever inflated, so a small
+// gzip that would inflate to gigabytes is refused at the first byte past its header's sizes.
+class InputFile {
+ public:
+  static Result<InputFile> Open(const std::string& path) {
+    gzFile gz = gzopen(path.c_str(), "rb");
+    if (gz == nullptr) return OpenError(path);
+    gzbuffer(gz, 1u << 18);
+    return InputFile(path, gz);
+  }
+
+  // Appends to `out` until it holds `size` bytes or the file ends.
+  Status ReadUpTo(uint64_t size, std::vector<uint8_t>* out) {
+    constexpr size_t kChunk = size_t(1) << 22;
+    while (out->size() < size) {
+      const size_t used = out->size();
+      const size_t want = size_t(std::min<uint64_t>(size - used, kChunk));
+      out->resize(used + want);
+      const int n = gzread(gz_.get(), out->data() + used, unsigned(want));
+      if (n < 0) {
+        int errnum = 0;
+        return Status::Corruption(path_ +
+                                  ": gzip stream is corrupt: " + gzerror(gz_.get(), &errnum));
+      }
+      out->resize(used + size_t(n));
+      if (n == 0) break;
+    }
+    return Status::Ok();
+  }
+
+  // The gzip stream ended early ("unexpected end of file") before what was read: zlib lets
+  // gzread return the data before a premature end and records Z_BUF_ERROR.
+  bool truncated_gzip() {
+    int errnum = Z_OK;
+    gzerror(gz_.get(), &errnum);
+    return errnum == Z_BUF_ERROR;
+  }
+
+ private:
+  struct Closer {
+    void operator()(gzFile_s* gz) const { gzclose(gz); }  // read only: nothing lost on error
+  };
+  InputFile(std::string path, gzFile gz) : path_(std::move(path)), gz_(gz) {}
+  std::string path_;
+  std::unique_ptr<gzFile_s, Closer> gz_;
 };
 
-Result<FileBytes> ReadFile(const std::string& path) {
-  FileBytes out;
-  std::FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return OpenError(path);
-  uint8_t magic[2] = {0, 0};
-  const size_t got_magic = std::fread(magic, 1, 2, f);
-  const bool gzip = got_magic == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
-  if (!gzip) {
-    // Raw: size the buffer from the file length, then read it in one go.
-    if (std::fseek(f, 0, SEEK_END) != 0) {
-      std::fclose(f);
-      return Status::IoError("cannot seek in " + path + ": " + Errno());
-    }
-    const long size = std::ftell(f);
-    std::rewind(f);
-    if (size < 0) {
-      std::fclose(f);
-      return Status::IoError("cannot size " + path + ": " + Errno());
-    }
-    out.bytes.resize(size_t(size));
-    const size_t got = size > 0 ? std::fread(out.bytes.data(), 1, out.bytes.size(), f) : 0;
-    const bool err = std::ferror(f) != 0;
-    std::fclose(f);
-    if (err || got != out.bytes.size()) {
-      return Status::IoError("cannot read " + path + ": " + (err ? Errno() : "short read"));
-    }
-    return out;
-  }
-  std::fclose(f);
-
-  gzFile gz = gzopen(path.c_str(), "rb");
-  if (gz == nullptr) return OpenError(path);
-  gzbuffer(gz, 1u << 18);
-  constexpr size_t kChunk = size_t(1) << 22;
-  size_t used = 0;
-  for (;;) {
-    out.bytes.resize(used + kChunk);
-    const int n = gzread(gz, out.bytes.data() + used, unsigned(kChunk));
-    if (n < 0) {
-      int errnum = 0;
-      std::string msg = path + ": gzip stream is corrupt: " + gzerror(gz, &errnum);
-      gzclose(gz);
-      return Status::Corruption(std::move(msg));
-    }
-    used += size_t(n);
-    if (n == 0) break;
-  }
-  out.bytes.resize(used);
-  out.bytes.shrink_to_fit();
-  // zlib lets gzread return the data before a premature end and records Z_BUF_ERROR.
-  int errnum = Z_OK;
-  gzerror(gz, &errnum);
-  out.gzip_truncated = errnum == Z_BUF_ERROR;
-  gzclose(gz);
-  return out;
-}
+// What a reader took from an InputFile.
+struct FileBytes {
+  std::vector<uint8_t> bytes;
+  bool gzip_truncated = false;  // the gzip stream ended early: `bytes` holds what was there
+};
 
 uint32_t BigEndian32(const uint8_t* p) {
   return uint32_t(p[0]) << 24 | uint32_t(p[1]) << 16 | uint32_t(p[2]) << 8 | uint32_t(p[3]);
@@ -129,20 +121,22 @@ std::string Hex32(uint32_t v) {
   return buf;
 }
 
-// Size checks shared by both IDX files: `what` is "pixel" or "label".
-Status CheckPayload(const std::string& path, const FileBytes& f, size_t header, uint64_t expected,
-                    const char* what) {
-  const uint64_t got = f.bytes.size() - header;
+// Reads the rest of an IDX file whose header (already in f->bytes) announces `expected` payload
+// bytes, stopping one byte beyond them, and checks the size: `what` is "pixel" or "label".
+Status ReadPayload(const std::string& path, InputFile* in, FileBytes* f, size_t header,
+                   uint64_t expected, const char* what) {
+  CPD_RETURN_IF_ERROR(in->ReadUpTo(header + expected + 1, &f->bytes));
+  f->gzip_truncated = in->truncated_gzip();
+  const uint64_t got = f->bytes.size() - header;
   if (got < expected) {
     return Status::Corruption(path + ": truncated: expected " + std::to_string(expected) + " " +
                               what + " bytes after the header, got " + std::to_string(got));
   }
   if (got > expected) {
     return Status::Corruption(path + ": expected " + std::to_string(expected) + " " + what +
-                              " bytes after the header, got " + std::to_string(got) +
-                              " (trailing data)");
+                              " bytes after the header, but more follow (trailing data)");
   }
-  if (f.gzip_truncated) {
+  if (f->gzip_truncated) {
     return Status::Corruption(path + ": truncated gzip stream (unexpected end of file)");
   }
   return Status::Ok();
@@ -207,7 +201,9 @@ float Unit24(uint64_t bits) { return float(bits >> 40) * (1.0f / 16777216.0f); }
 
 Result<Dataset> LoadIdx(const std::string& images_path, const std::string& labels_path,
                         const std::string& name) {
-  CPD_ASSIGN_OR_RETURN(const auto images, ReadFile(images_path));
+  CPD_ASSIGN_OR_RETURN(InputFile image_file, InputFile::Open(images_path));
+  FileBytes images;
+  CPD_RETURN_IF_ERROR(image_file.ReadUpTo(16, &images.bytes));
   const std::vector<uint8_t>& ib = images.bytes;
   if (ib.size() < 16) {
     return Status::Corruption(images_path +
@@ -229,9 +225,11 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
                               std::to_string(cols) + ": expected 1..32768 on each side");
   }
   const uint64_t pixels = uint64_t(n) * rows * cols;
-  CPD_RETURN_IF_ERROR(CheckPayload(images_path, images, 16, pixels, "pixel"));
+  CPD_RETURN_IF_ERROR(ReadPayload(images_path, &image_file, &images, 16, pixels, "pixel"));
 
-  CPD_ASSIGN_OR_RETURN(const auto labels, ReadFile(labels_path));
+  CPD_ASSIGN_OR_RETURN(InputFile label_file, InputFile::Open(labels_path));
+  FileBytes labels;
+  CPD_RETURN_IF_ERROR(label_file.ReadUpTo(8, &labels.bytes));
   const std::vector<uint8_t>& lb = labels.bytes;
   if (lb.size() < 8) {
     return Status::Corruption(labels_path +
@@ -248,7 +246,7 @@ Result<Dataset> LoadIdx(const std::string& images_path, const std::string& label
     return Status::Corruption(labels_path + ": holds " + std::to_string(nl) + " labels: expected " +
                               std::to_string(n) + ", the image count of " + images_path);
   }
-  CPD_RETURN_IF_ERROR(CheckPayload(labels_path, labels, 8, n, "label"));
+  CPD_RETURN_IF_ERROR(ReadPayload(labels_path, &label_file, &labels, 8, n, "label"));
 
   Dataset d;
   d.name = name;
@@ -304,7 +302,11 @@ Result<Dataset> LoadCifar(const std::string& dir, bool train, int classes) {
   const char* kind = classes == 10 ? "CIFAR-10" : "CIFAR-100";
   for (const std::string& file : files) {
     const std::string path = (fs::path(root) / file).string();
-    CPD_ASSIGN_OR_RETURN(const auto f, ReadFile(path));
+    // No header: a CIFAR file holds any whole number of records, read to its end.
+    CPD_ASSIGN_OR_RETURN(InputFile in, InputFile::Open(path));
+    FileBytes f;
+    CPD_RETURN_IF_ERROR(in.ReadUpTo(std::numeric_limits<uint64_t>::max(), &f.bytes));
+    f.gzip_truncated = in.truncated_gzip();
     const std::vector<uint8_t>& b = f.bytes;
     if (b.empty() || int64_t(b.size()) % record != 0 || f.gzip_truncated) {
       return Status::Corruption(

@@ -139,12 +139,26 @@ void Reporter::BeginEpoch() {
 }
 
 void Reporter::StepSkipped(int64_t step) {
-  if (!quiet_) {
+  ++skips_;
+  const bool in_full = skips_ <= kSkipLinesInFull;
+  if (!quiet_ && (in_full || skips_ % kSkipLineEvery == 0)) {
+    std::string note;
+    if (skips_ == kSkipLinesInFull) {
+      note = " (from now on every " + std::to_string(kSkipLineEvery) + "th skip is shown)";
+    } else if (!in_full) {
+      note = " (" + std::to_string(skips_) + " skipped so far)";
+    }
     progress_.EndLine();
-    std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks\n",
-                static_cast<long long>(step));
+    std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks%s\n",
+                static_cast<long long>(step), note.c_str());
+    std::fflush(stdout);
   }
   Log({{"type", "skip"}, {"step", step}, {"reason", "nonfinite gradient"}});
+}
+
+void Reporter::Stopped(int64_t step, const std::string& why) {
+  progress_.EndLine();
+  Log({{"type", "stop"}, {"step", step}, {"reason", why}});
 }
 
 StepReport Reporter::MakeStepReport(int epoch, int64_t step, double loss, double lr,

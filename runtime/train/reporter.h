@@ -16,8 +16,8 @@
 #include "comm/gradient_allreduce.h"
 #include "cpd/status.h"
 #include "runtime/control/job_control.h"
-#include "runtime/train/progress.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/progress.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/trainer.h"
 
@@ -78,8 +78,12 @@ class Reporter {
   void Log(const nlohmann::json& record);
 
   void BeginEpoch();
-  // The step's gradient held NaN/Inf on some rank: the console and a "skip" record.
+  // The step's gradient held NaN/Inf on some rank: a "skip" record, and a console line for the
+  // first kSkipLinesInFull skips of the run and every kSkipLineEvery-th after them.
   void StepSkipped(int64_t step);
+  static constexpr int64_t kSkipLinesInFull = 5, kSkipLineEvery = 100;
+  // The run stops because it cannot recover: a "stop" record and the console line.
+  void Stopped(int64_t step, const std::string& why);
   // Epoch totals, the "step" record (with the site statistics, reduced over the ranks, when the
   // step recorded them: a collective then), the progress bar and the coordinator's report.
   Status AfterStep(const StepDone& step);
@@ -103,6 +107,7 @@ class Reporter {
   std::chrono::steady_clock::time_point epoch_start_;
   double loss_sum_ = 0;
   int64_t correct_ = 0, seen_ = 0, epoch_steps_ = 0;
+  int64_t skips_ = 0;  // in this run
 };
 
 }  // namespace cpd::runtime

@@ -1,8 +1,10 @@
-// ValidateTrainOptions (runtime/train/trainer.h): the one check of a run's options, before any work.
+// ValidateTrainOptions (runtime/train/trainer.h): the one check of a run's options, before any
+// work.
 #include <unistd.h>
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "runtime/train/trainer.h"
 
@@ -11,6 +13,26 @@ namespace cpd::runtime {
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
+  if (o.max_steps < 0) {
+    return bad("--max-steps must be >= 0 (0: all epochs), got " + std::to_string(o.max_steps));
+  }
+  if (o.max_skipped_steps < 0) {
+    return bad("--max-skipped-steps must be >= 0 (0: never stop for skipped steps), got " +
+               std::to_string(o.max_skipped_steps));
+  }
+  if (o.threads < 0) {
+    return bad("--threads must be >= 0 (0: all cores), got " + std::to_string(o.threads));
+  }
+  for (const auto& [flag, v] : {std::pair<const char*, int>{"--in-channels", o.in_channels},
+                                {"--image-size", o.image_size},
+                                {"--classes", o.classes}}) {
+    if (v < 0) {
+      return bad(std::string(flag) +
+                 " must be a positive number (or left out: the dataset's), "
+                 "got " +
+                 std::to_string(v));
+    }
+  }
   if (o.batch_size < 1) return bad("--batch-size must be >= 1");
   if (o.global_batch < 0) return bad("--global-batch must be >= 1 (or 0: batch-size x workers)");
   if (o.emulate_ranks < 1 || o.emulate_ranks > 4096) {

@@ -10,14 +10,14 @@
 #include <memory>
 #include <thread>
 
+#include "runtime/control/job_control.h"
+#include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/checkpointer.h"
 #include "runtime/train/cost_plan.h"
 #include "runtime/train/data.h"
 #include "runtime/train/evaluate.h"
-#include "runtime/control/job_control.h"
-#include "runtime/nn/layers.h"
-#include "runtime/nn/models.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
 #include "runtime/train/workers.h"
@@ -29,6 +29,18 @@ namespace cpd::runtime {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Whether every parameter value is finite (parameters on a GPU are copied to the host).
+bool ParamsFinite(const std::vector<Param*>& params) {
+  for (const Param* p : params) {
+    const Tensor h = OnHost(p->value);
+    const float* v = h.data();
+    bool finite = true;
+    for (size_t i = 0; i < h.numel(); ++i) finite &= std::isfinite(v[i]);
+    if (!finite) return false;
+  }
+  return true;
+}
 
 // "<arch>-<dataset>-<UTC yyyymmdd-hhmmss>": a job name when the user gives none.
 std::string DefaultJobName(const TrainOptions& o) {
@@ -95,6 +107,7 @@ class Trainer {
   Status RunEpoch(int epoch);
   Status Step(int epoch, const Tensor& x, const std::vector<int32_t>& y);
   Status ApplyDueSchedule();
+  Status StopIfUnrecoverable(double loss, bool skipped);
   Status EndEpoch(int epoch);
   Result<TrainResult> Finish();
 
@@ -127,6 +140,7 @@ class Trainer {
   int64_t step_ = 0;
   int start_epoch_ = 0;
   int64_t steps_this_run_ = 0;
+  int64_t skipped_in_a_row_ = 0;
   bool stop_ = false;
   TrainResult result_;
 };
@@ -282,7 +296,7 @@ Status Trainer::BuildReducer() {
       reducer_, comm::GradientAllReducer::Create(comm_, allreduce_, LayoutOf(model_->Params()),
                                                  group_.local_workers));
   workers_ = std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_,
-                                            flat_gradients_, o_.debug_nan_step);
+                                            flat_gradients_, o_.debug_nan_step, o_.debug_nan_steps);
   return Status::Ok();
 }
 
@@ -306,6 +320,7 @@ Status Trainer::BuildOutputs() {
   state.iterator = iterator_.get();
   checkpointer_ =
       std::make_unique<Checkpointer>(o_, global_batch_, batches_per_epoch_, state, &replicas_);
+  CPD_RETURN_IF_ERROR(checkpointer_->CheckDirectory());
   cost_ = std::make_unique<CostPlan>(total_steps_, precision_);
   return Status::Ok();
 }
@@ -447,12 +462,35 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   CPD_RETURN_IF_ERROR(
       reporter_->AfterStep({epoch + 1, step_ - 1, batch, lr, skipped, collect || measure,
                             iterator_->state().next_batch, result_.skipped_steps}));
+  CPD_RETURN_IF_ERROR(StopIfUnrecoverable(batch.loss, skipped));
   if (o_.debug_step_sleep_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(o_.debug_step_sleep_ms));
   }
   CPD_RETURN_IF_ERROR(checkpointer_->AfterStep(step_, epoch));
   if (o_.max_steps > 0 && step_ >= o_.max_steps) stop_ = true;
   return Status::Ok();
+}
+
+// A run that cannot recover stops, after its metrics: a non-finite loss or parameter, or
+// --max-skipped-steps consecutive skipped steps. Every rank decides alike (the loss is the
+// global batch's, the replicas are identical, a skip is everyone's), so all stop together.
+Status Trainer::StopIfUnrecoverable(double loss, bool skipped) {
+  skipped_in_a_row_ = skipped ? skipped_in_a_row_ + 1 : 0;
+  std::string why;
+  if (!std::isfinite(loss)) {
+    why = "the loss is " + std::string(std::isnan(loss) ? "NaN" : "infinite");
+  } else if (!skipped && !ParamsFinite(model_->Params())) {
+    why = "a parameter became NaN or infinite";
+  } else if (o_.max_skipped_steps > 0 && skipped_in_a_row_ >= o_.max_skipped_steps) {
+    why = std::to_string(skipped_in_a_row_) +
+          " consecutive steps were skipped for NaN/Inf gradients (--max-skipped-steps " +
+          std::to_string(o_.max_skipped_steps) + ")";
+  }
+  if (why.empty()) return Status::Ok();
+  const int64_t step = step_ - 1;
+  reporter_->Stopped(step, why);
+  return Status::OutOfRange("training diverged at step " + std::to_string(step) + ": " + why +
+                            "; stopping (lower --lr, or use a wider format)");
 }
 
 // A schedule the coordinator pushed that is due now takes effect on every rank (a collective).

@@ -23,9 +23,9 @@
 #include "cpd/schedule.h"
 #include "cpd/status.h"
 #include "runtime/control/coordinator_client.h"
+#include "runtime/engine/tensor.h"
 #include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
-#include "runtime/engine/tensor.h"
 
 namespace cpd::runtime {
 
@@ -40,6 +40,10 @@ struct TrainOptions {
   // Optimisation.
   int epochs = 10;
   int64_t max_steps = 0;  // stop after this many steps in total (0: run all epochs)
+  // A run that cannot recover stops with OutOfRange ("training diverged ..."), after its
+  // metrics: when the loss or a parameter becomes NaN/Inf, or after this many consecutive steps
+  // skipped for a non-finite gradient (0: never for skips).
+  int64_t max_skipped_steps = 10;
   int batch_size = 128;   // per logical worker, unless global_batch is set
   int global_batch = 0;   // > 0: split evenly over the W workers (must divide)
   int emulate_ranks = 1;  // K logical workers in this process (CPD's --emulate_node)
@@ -59,6 +63,7 @@ struct TrainOptions {
   comm::GradientAllReduceOptions allreduce;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
   int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient
+  int64_t debug_nan_steps = 1;      // ... at this many consecutive steps from debug_nan_step
   int debug_step_sleep_ms = 0;      // testing aid: every rank sleeps this long after each step
   // Output.
   int64_t stats_every = 100;  // per-layer statistics every N steps (0: never)
@@ -103,7 +108,8 @@ struct TrainResult {
 // options, the CPT bits, --resume's file, option combinations). Train() calls it first.
 Status ValidateTrainOptions(const TrainOptions& options);
 
-// Validates options (clear messages naming the flag); then trains. Prints to stdout unless
+// Validates options (clear messages naming the flag); then trains. A diverged run (see
+// max_skipped_steps) returns OutOfRange, the same on every rank. Prints to stdout unless
 // quiet (rank 0 only). Writes metrics/checkpoints when asked. `comm` (null: world size 1) must be
 // the same kind of communicator on every rank, and every rank calls Train with the same options.
 Result<TrainResult> Train(const TrainOptions& opts, comm::Communicator* comm = nullptr);

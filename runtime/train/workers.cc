@@ -46,13 +46,15 @@ Tensor UseFlatGradients(Sequential* model, Device device) {
 }
 
 LocalWorkers::LocalWorkers(Sequential* model, SiteQuantizer* quant, Device device,
-                           WorkerGroup group, Tensor flat_gradients, int64_t debug_nan_step)
+                           WorkerGroup group, Tensor flat_gradients, int64_t debug_nan_step,
+                           int64_t debug_nan_steps)
     : model_(model),
       quant_(quant),
       device_(device),
       group_(group),
       flat_gradients_(std::move(flat_gradients)),
       debug_nan_step_(debug_nan_step),
+      debug_nan_steps_(debug_nan_steps),
       params_(model->Params()),
       pass_(model),
       buffers_(model->Buffers()) {
@@ -89,7 +91,8 @@ BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int
     totals.correct += t.correct;
     totals.count += t.count;
     CopyGradientsOut(k);
-    if (step == debug_nan_step_ && worker == 0 && !gradients_[0].empty()) {
+    if (debug_nan_step_ >= 0 && step >= debug_nan_step_ &&
+        step - debug_nan_step_ < debug_nan_steps_ && worker == 0 && !gradients_[0].empty()) {
       gradients_[0][0] = std::numeric_limits<float>::quiet_NaN();
     }
     if (average_buffers_) {

@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/train/gradients.h"
+#include "runtime/engine/tensor.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/gradients.h"
 #include "runtime/train/replicas.h"
-#include "runtime/engine/tensor.h"
 
 namespace cpd::runtime {
 
@@ -33,10 +33,10 @@ struct WorkerGroup {
 class LocalWorkers {
  public:
   // `model` and `quant` (REQUIRED) must outlive this object. `flat_gradients`: the device
-  // buffer of UseFlatGradients (empty on the CPU). `debug_nan_step`: the step at which worker 0
-  // puts a NaN into its gradient (a testing aid; -1: never).
+  // buffer of UseFlatGradients (empty on the CPU). From step `debug_nan_step` on, for
+  // `debug_nan_steps` steps, worker 0 puts a NaN into its gradient (a testing aid; -1: never).
   LocalWorkers(Sequential* model, SiteQuantizer* quant, Device device, WorkerGroup group,
-               Tensor flat_gradients, int64_t debug_nan_step);
+               Tensor flat_gradients, int64_t debug_nan_step, int64_t debug_nan_steps = 1);
 
   // Every local worker, in order, on its rows of (x, y) at `step`; statistics are recorded for
   // worker 0 when `collect_stats`. Returns the totals over this rank's workers.
@@ -64,7 +64,7 @@ class LocalWorkers {
   Device device_;
   WorkerGroup group_;
   Tensor flat_gradients_;  // on the GPU: every gradient, as views
-  int64_t debug_nan_step_;
+  int64_t debug_nan_step_, debug_nan_steps_;
   std::vector<Param*> params_;
   GradientPass pass_;
   std::vector<std::vector<float>> gradients_;  // per local worker, layout.total() floats

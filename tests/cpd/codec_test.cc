@@ -216,6 +216,32 @@ TEST(Codec, ChannelCountMustDivideN) {
   EXPECT_FALSE(Quantize(MustParse("e4m3"), x.data(), out.data(), x.size(), opts).ok());
 }
 
+// Per-channel storage is never sized by a channel count beyond the data: an empty span with
+// 2^62 or 10^12 channels is refused (it used to allocate them: std::length_error, bad_alloc).
+TEST(Codec, ChannelsBeyondTheElementCountAreRefusedBeforeAnyAllocation) {
+  for (const char* spec : {"int8:ch", "log4", "fp134:ch", "uint4:minmax:ch"}) {
+    const Format f = MustParse(spec);
+    for (size_t channels : {size_t(1) << 62, size_t(1000000000000), size_t(5)}) {
+      QuantizeOptions opts;
+      opts.channels = channels;
+      const std::vector<float> x(channels == 5 ? 4 : 0, 1.0f);
+      std::vector<float> out(x.size());
+      const Status q = Quantize(f, x.data(), out.data(), x.size(), opts);
+      EXPECT_EQ(q.code(), Status::Code::kInvalidArgument) << spec << " " << channels;
+      EXPECT_NE(q.message().find("channels"), std::string::npos) << q.message();
+      PackedTensor p;
+      EXPECT_FALSE(Encode(f, x.data(), x.size(), opts, &p).ok()) << spec;
+      EXPECT_FALSE(QuantizeHysteresis(f, x.data(), out.data(), x.size(), opts).ok()) << spec;
+      p.count = x.size();
+      p.channels = channels;
+      EXPECT_FALSE(Decode(f, p, out.data()).ok()) << spec;
+    }
+    // One channel of nothing is an empty tensor, as before.
+    QuantizeOptions one;
+    EXPECT_TRUE(Quantize(f, nullptr, nullptr, 0, one).ok()) << spec;
+  }
+}
+
 TEST(Codec, MetadataHoldsTheGroupScales) {
   {
     // int8: the float32 scale max|x| / 127.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -202,6 +203,70 @@ INSTANTIATE_TEST_SUITE_P(FixedFormats, NanTest,
                                            "e3m0", "e3m0:inf", "e2m5:nosub", "e8m1"),
                          TestName);
 
+// NaN comes out as the one canonical NaN 0x7fc00000 whatever made it (a NaN input of either sign
+// or payload, or an overflow that becomes NaN, as -1000 does in e4m3:inf), from Quantize and
+// from Decode(Encode(x)) alike, so that quantising a result again changes no bit.
+TEST_P(PropertyTest, NanIsCanonicalAndQuantisingTwiceChangesNoBit) {
+  const Format f = MustParse(GetParam());
+  const QuantizeOptions o = OptionsFor(f);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x = {-1000.0f,
+                          1000.0f,
+                          -1e30f,
+                          1e30f,
+                          -inf,
+                          inf,
+                          -3.0e38f,
+                          1.0f,
+                          -0.5f,
+                          FromBits(0xffc00000u),
+                          FromBits(0x7fc00000u),
+                          FromBits(0xff812345u),
+                          FromBits(0x7f800001u),
+                          FromBits(0xffffffffu),
+                          0.0f,
+                          -0.0f};
+  x.resize(kChannels * 4, -2000.0f);
+  const std::vector<float> q = Q(f, x, o);
+  const std::vector<float> qq = Q(f, q, o);
+  PackedTensor packed;
+  ASSERT_TRUE(Encode(f, x.data(), x.size(), o, &packed).ok());
+  std::vector<float> decoded(x.size());
+  ASSERT_TRUE(Decode(f, packed, decoded.data()).ok());
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(q[i])) {
+      EXPECT_EQ(Bits(q[i]), 0x7fc00000u) << "x = " << Show(x[i]) << ": Q(x) = " << Show(q[i]);
+    }
+    EXPECT_EQ(Bits(qq[i]), Bits(q[i]))
+        << "x = " << Show(x[i]) << ": Q(x) = " << Show(q[i]) << ", Q(Q(x)) = " << Show(qq[i]);
+    EXPECT_EQ(Bits(decoded[i]), Bits(q[i])) << "x = " << Show(x[i]) << ": Q(x) = " << Show(q[i])
+                                            << ", Decode(Encode(x)) = " << Show(decoded[i]);
+  }
+}
+
+// Every NaN code, positive or negative, decodes to the canonical NaN.
+TEST(CanonicalNan, EveryNanCodeDecodesToTheCanonicalNan) {
+  for (const char* spec : {"e4m3", "e4m3:inf", "e5m2", "fp16", "bf16", "e3m1", "e2m5:nosub"}) {
+    const Format f = MustParse(spec);
+    const size_t n = size_t(1) << f.bits();
+    std::vector<uint32_t> codes(n);
+    std::iota(codes.begin(), codes.end(), 0u);
+    PackedTensor packed;
+    packed.count = n;
+    packed.bytes.assign(PackedSize(f, n, 1), 0);
+    PackCodes(codes.data(), n, f.bits(), packed.bytes.data());
+    std::vector<float> out(n);
+    ASSERT_TRUE(Decode(f, packed, out.data()).ok()) << spec;
+    size_t nans = 0;
+    for (size_t c = 0; c < n; ++c) {
+      if (!std::isnan(out[c])) continue;
+      ++nans;
+      EXPECT_EQ(Bits(out[c]), 0x7fc00000u) << spec << " code " << Hex(uint32_t(c));
+    }
+    EXPECT_GT(nans, 1u) << spec << " has NaN codes of both signs";
+  }
+}
+
 TEST_P(PropertyTest, MonotoneWithinEachScaleGroup) {
   const Format f = MustParse(GetParam());
   const QuantizeOptions o = OptionsFor(f);
@@ -257,8 +322,9 @@ TEST_P(PropertyTest, OddSymmetric) {
   const bool linear = f.family() == FormatFamily::kIntSymmetric;
   MismatchCounter bad(GetParam() + " Q(-x) != -Q(x)");
   for (size_t i = 0; i < x.size(); ++i) {
-    // Float grids keep the sign of zero; an integer level 0 is +0 either way.
-    const bool ok = linear ? qn[i] == -q[i] : Bits(qn[i]) == Bits(-q[i]);
+    // Float grids keep the sign of zero; an integer level 0 is +0 either way; NaN (an overflow
+    // in e4m3:inf) is the canonical NaN on both sides.
+    const bool ok = linear ? qn[i] == -q[i] : Bits(qn[i]) == Bits(std::isnan(q[i]) ? q[i] : -q[i]);
     if (!ok)
       bad.Add() << "x = " << Show(x[i]) << ": Q(x) " << Show(q[i]) << ", Q(-x) " << Show(qn[i]);
   }

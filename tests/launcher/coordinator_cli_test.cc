@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -83,6 +84,50 @@ TEST(CoordinatorCli, UsageErrorsExitTwoWithOneLine) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_EQ(Lines(r.err), 1u) << r.err;
   EXPECT_NE(r.err.find("no/such/dir.db"), std::string::npos) << r.err;
+}
+
+// Range errors say in words what is accepted, in a short line (CLI11's own printed both bounds
+// of a double: "Value -1 not in range 0.000000 to 1797693134862...", 373 characters).
+TEST(CoordinatorCli, RangeErrorsSayWhatIsAccepted) {
+  const std::string bin = BuiltProgram(CPD_COORDINATOR_PATH);
+  for (const auto& [flag, value, accepted] : std::vector<std::array<std::string, 3>>{
+           {"--stale-after", "-1", "a number > 0"},
+           {"--retention-every", "0", "a number > 0"},
+           {"--max-message-mib", "0", "a whole number from 1 to 1024"},
+           {"--thin-every", "0", "a whole number >= 1"},
+           {"--keep-full", "-3", "a whole number >= 0"}}) {
+    const RunResult r = RunProgram(bin, {flag, value});
+    ExpectUsageError(r, flag + " " + value, flag);
+    EXPECT_NE(r.err.find(accepted), std::string::npos) << r.err;
+    EXPECT_LT(r.err.size(), 100u) << r.err;
+  }
+}
+
+// Serving a non-loopback address without a token is refused unless --allow-unauthenticated
+// says it is meant; then it is loudly warned about. It used to start silently.
+TEST(CoordinatorCli, NonLoopbackWithoutTokenIsRefusedUnlessAllowed) {
+  TempDir dir;
+  const std::string bin = BuiltProgram(CPD_COORDINATOR_PATH);
+  for (const char* listen : {"0.0.0.0:0", "[::]:0"}) {
+    // timeout(1) ends a coordinator that would serve (exit 124).
+    const RunResult r =
+        RunProgram("/usr/bin/timeout", {"5", bin, "--listen", listen, "--db", dir.File("open.db")});
+    ExpectUsageError(r, listen, "--token-file");
+    EXPECT_NE(r.err.find("--allow-unauthenticated"), std::string::npos) << r.err;
+  }
+  const RunResult allowed = RunProgram(
+      "/usr/bin/timeout",
+      {"2", bin, "--listen", "0.0.0.0:0", "--db", dir.File("open.db"), "--allow-unauthenticated"});
+  EXPECT_EQ(allowed.exit_code, 124) << "it serves until stopped\n" << allowed.err;
+  EXPECT_NE(allowed.err.find("WARNING: serving 0.0.0.0:0 WITHOUT AUTHENTICATION"),
+            std::string::npos)
+      << allowed.err;
+  EXPECT_NE(allowed.out.find("listening on"), std::string::npos) << allowed.out;
+  // Loopback needs neither.
+  const RunResult loopback = RunProgram(
+      "/usr/bin/timeout", {"2", bin, "--listen", "127.0.0.1:0", "--db", dir.File("open.db")});
+  EXPECT_EQ(loopback.exit_code, 124) << loopback.err;
+  EXPECT_EQ(loopback.err.find("WARNING"), std::string::npos) << loopback.err;
 }
 
 // A cpd-coordinator running in the background; stopped with SIGTERM (or killed) at the end.

@@ -14,12 +14,13 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
-#include "tests/subprocess.h"
 #include "tests/cpd/format_test_util.h"
+#include "tests/subprocess.h"
 
 #ifndef CPD_QUANT_PATH
 #error "CPD_QUANT_PATH must name the cpd-quant binary"
@@ -232,8 +233,26 @@ TEST(CpdQuantErrors, BadArguments) {
   ExpectUsageError(RunCli({}), "no subcommand");
   ExpectUsageError(RunCli({"quantize"}), "no --format");
   ExpectUsageError(RunCli({"quantize", "--format", "e4m3", "--bogus"}), "unknown option");
-  ExpectUsageError(RunCli({"quantize", "--format", "e4m3", "--channels", "0"}), "--channels 0");
+  const RunResult zero = RunCli({"quantize", "--format", "e4m3", "--channels", "0"});
+  ExpectUsageError(zero, "--channels 0");
+  // In words, in a short line (it was CLI11's "Value 0 not in range 0.000000 to 17976...").
+  EXPECT_NE(zero.err.find("--channels: '0' is not accepted: a whole number >= 1"),
+            std::string::npos)
+      << zero.err;
+  EXPECT_LT(zero.err.size(), 100u) << zero.err;
   ExpectUsageError(RunCli({"frobnicate"}), "unknown subcommand");
+}
+
+// Channel counts beyond the input are refused with one line (they used to be allocated first:
+// exit 134 with std::length_error or std::bad_alloc).
+TEST(CpdQuantErrors, ChannelsBeyondTheInputAreRefused) {
+  for (const auto& [spec, channels] : std::vector<std::pair<std::string, std::string>>{
+           {"int8:ch", "4611686018427387904"}, {"log4", "1000000000000"}, {"int8:ch", "8"}}) {
+    const RunResult r = RunCli({"quantize", "--format", spec, "--channels", channels},
+                               channels == "8" ? ToBytes({1.0f, 2.0f}) : "");
+    ExpectUsageError(r, spec + " --channels " + channels);
+    EXPECT_NE(r.err.find("channels"), std::string::npos) << r.err;
+  }
 }
 
 // --list is for formats of <= 8 bits; asking for more is an error like any other: one line on

@@ -2,13 +2,19 @@
 // the error contract (exit 2, one line on stderr), --config YAML with flags winning, presets,
 // --print-model, and a short real training run that writes metrics.
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "tests/subprocess.h"
 
@@ -147,6 +153,121 @@ TEST(CpdTrainCli, DeviceAutoWithoutAGpuTrainsOnTheCpu) {
 
 TEST(CpdTrainCli, BadDeviceNamesTheFlag) {
   ExpectUsageError(Train({"--device", "tpu"}), "--device 'tpu'");
+}
+
+// Out-of-range values are refused by name before any work (they used to be accepted silently;
+// --coordinator without a port only drew a gRPC warning).
+TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
+  for (const auto& [flag, value] :
+       std::vector<std::pair<std::string, std::string>>{{"--threads", "-1"},
+                                                        {"--max-steps", "-4"},
+                                                        {"--image-size", "-28"},
+                                                        {"--classes", "0"},
+                                                        {"--in-channels", "0"},
+                                                        {"--max-skipped-steps", "-1"},
+                                                        {"--coordinator", "nohostport"}}) {
+    const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", flag, value});
+    ExpectUsageError(r, flag);
+    EXPECT_TRUE(r.out.empty()) << flag << " " << value << ": " << r.out;
+  }
+}
+
+// The usual quick run on synthetic data, plus `extra`.
+RunResult QuickRun(std::vector<std::string> extra) {
+  std::vector<std::string> args = {"--dataset", "synthetic",     "--arch",    "mlp", "--epochs",
+                                   "1",         "--no-progress", "--threads", "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return Train(args);
+}
+
+// An unwritable --checkpoint-dir is found at start-up (exit 1), before any step; it used to fail
+// at the first checkpoint.
+TEST(CpdTrainCli, UnwritableCheckpointDirFailsBeforeTraining) {
+  const std::string file = WriteTemp("not-a-dir", "x");
+  const std::string metrics = WriteTemp("unwritable.jsonl", "");
+  const RunResult r =
+      QuickRun({"--checkpoint-dir", file + "/ck", "--checkpoint-every", "2", "--max-steps", "3",
+                "--stats-every", "1", "--metrics-out", metrics});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find("--checkpoint-dir"), std::string::npos) << r.err;
+  nlohmann::json epoch;
+  EXPECT_EQ(CountSteps(metrics, &epoch), 0) << "steps ran before the directory was checked";
+  std::remove(file.c_str());
+  std::remove(metrics.c_str());
+}
+
+// A checkpoint with a valid CRC and a wrongly typed field is refused with the documented line
+// "checkpoint FILE is corrupt: ...; refusing it" (it was "training failed:
+// [json.exception.type_error.306] ..." without the file).
+TEST(CpdTrainCli, WronglyTypedCheckpointFieldIsTheOneCorruptLine) {
+  const std::string dir = WriteTemp("ckdir", "");
+  std::remove(dir.c_str());
+  RunResult r =
+      QuickRun({"--checkpoint-dir", dir, "--checkpoint-every", "3", "--max-steps", "3", "--quiet"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string path = dir + "/ckpt-000000000003.cpd";
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 20u);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data() + 8, 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(16, header_len));
+  header["meta"]["iterator"] = "soon";
+  const std::string text = header.dump();
+  std::string out = bytes.substr(0, 8);
+  const uint64_t n = text.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += text + bytes.substr(16 + header_len, bytes.size() - 20 - header_len);
+  const uint32_t crc =
+      uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(out.data()), uInt(out.size())));
+  out.append(reinterpret_cast<const char*>(&crc), 4);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << out;
+
+  r = QuickRun({"--resume", path, "--max-steps", "6"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_EQ(r.err.rfind("cpd-train: checkpoint " + path + " is corrupt: meta.iterator", 0), 0u)
+      << r.err;
+  EXPECT_NE(r.err.find("; refusing it"), std::string::npos) << r.err;
+  std::filesystem::remove_all(dir);
+}
+
+// --lr 1e30 used to skip every step after the first, one console line each, and exit 0 with loss
+// NaN. The run now stops with exit 3 after writing its metrics.
+TEST(CpdTrainCli, ADivergingRunStopsWithExitThree) {
+  const std::string metrics = WriteTemp("diverge.jsonl", "");
+  const RunResult r = QuickRun({"--lr", "1e30", "--max-steps", "60", "--metrics-out", metrics});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_EQ(r.err.rfind("cpd-train: training diverged at step ", 0), 0u) << r.err;
+  std::ifstream in(metrics);
+  std::string line, last;
+  while (std::getline(in, line)) last = line;
+  EXPECT_EQ(nlohmann::json::parse(last)["type"], "stop") << last;
+  std::remove(metrics.c_str());
+}
+
+// Skipped steps: --max-skipped-steps in a row stop the run (exit 3); the console shows the first
+// few skips and then every 100th, not one line per step.
+TEST(CpdTrainCli, SkippedStepsAreRateLimitedAndBoundedByMaxSkippedSteps) {
+  RunResult r = QuickRun({"--debug-nan-step", "0", "--debug-nan-steps", "1000",
+                          "--max-skipped-steps", "0", "--max-steps", "120", "--batch-size", "32"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  size_t skip_lines = 0;
+  for (size_t at = 0; (at = r.out.find("step skipped on all ranks", at)) != std::string::npos;
+       ++at) {
+    ++skip_lines;
+  }
+  EXPECT_EQ(skip_lines, 6u) << r.out;  // skips 1-5 and the 100th
+  EXPECT_NE(r.out.find("(100 skipped so far)"), std::string::npos) << r.out;
+
+  r = QuickRun({"--debug-nan-step", "2", "--debug-nan-steps", "1000", "--max-steps", "120"});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("10 consecutive steps were skipped for NaN/Inf gradients "
+                       "(--max-skipped-steps 10)"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

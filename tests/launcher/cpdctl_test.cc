@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/subprocess.h"
 #include "tests/temp_dir.h"
 
 #if !defined(CPDCTL_PATH) || !defined(CPD_COORDINATOR_PATH) || !defined(CPDCTL_PYTHON)
@@ -1133,6 +1134,25 @@ TEST_F(CpdctlTest, HelpDocumentsEveryCommandAndOption) {
   const RunResult v = Ctl({"--version"}, {}, false);
   EXPECT_EQ(v.exit_code, 0);
   EXPECT_EQ(v.out.rfind("cpdctl ", 0), 0u);
+}
+
+// Range errors say in words what is accepted, in a short line (they printed CLI11's double
+// range, "Value -1 not in range 0.000000 to 1797693134862..."); a --coordinator that is not
+// HOST:PORT is a usage error before any call.
+TEST(CpdctlUsage, RangeErrorsAndAddressesSayWhatIsAccepted) {
+  const std::string bin = BuiltProgram(CPDCTL_PATH);
+  for (const auto& [args, accepted] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--timeout", "-1", "jobs"}, "a number > 0"},
+           {{"jobs", "--timeout", "0"}, "a number > 0"},
+           {{"layers", "j", "--top", "0"}, "a whole number >= 1"},
+           {{"layers", "j", "--step", "-2"}, "a whole number >= 0"},
+           {{"jobs", "--coordinator", "nohostport"}, "expected HOST:PORT"}}) {
+    const cpd::test::RunResult r = cpd::test::RunProgram(bin, args);
+    EXPECT_EQ(r.exit_code, 2) << args[0] << " " << args[1] << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find(accepted), std::string::npos) << r.err;
+    EXPECT_LT(r.err.size(), 100u) << r.err;
+  }
 }
 
 }  // namespace

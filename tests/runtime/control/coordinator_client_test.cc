@@ -264,6 +264,41 @@ TEST_F(CoordinatorClientTest, ALateCoordinatorGetsTheQueueAndTheDropCount) {
   c.Finish(5000);
 }
 
+// A report carries the time it was made, not the time it was sent: reports queued while the
+// coordinator is away arrive with the times they were made at (they used to all carry the few
+// milliseconds in which the queue drained).
+TEST_F(CoordinatorClientTest, ReportsQueuedThroughAnOutageKeepTheTimeTheyWereMade) {
+  auto client = CoordinatorClient::Start(Options("client-times"), Job());
+  ASSERT_TRUE(client.ok());
+  CoordinatorClient& c = **client;
+  ASSERT_TRUE(c.Report(Report(0, false)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  ASSERT_TRUE(c.Report(Report(1, false)));
+  StepReport stamped = Report(2, false);
+  stamped.time_ms = 1234567;  // made earlier by the caller: kept as it is
+  ASSERT_TRUE(c.Report(stamped));
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+
+  Coordinator coordinator(port_, dir_);
+  ASSERT_TRUE(coordinator.ready());
+  ASSERT_TRUE(WaitFor([&] { return c.sent() == 3; }, 30)) << "sent " << c.sent();
+  c.Finish(5000);
+  v1::JobStatusResponse st;
+  ASSERT_TRUE(WaitFor([&] { return Status("client-times", &st) && st.reports_stored() == 3; }, 20));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::JobHistoryRequest req;
+  req.mutable_job()->set_job_name("client-times");
+  auto reader = ops_->JobHistory(&ctx, req);
+  std::vector<int64_t> times;
+  v1::StatsReport r;
+  while (reader->Read(&r)) times.push_back(r.time_ms());
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(times.size(), 3u);
+  EXPECT_GE(times[1] - times[0], 550) << "the second report was made 600 ms after the first";
+  EXPECT_EQ(times[2], 1234567);
+}
+
 TEST_F(CoordinatorClientTest, FinishIsBoundedWhenTheCoordinatorIsAway) {
   auto client = CoordinatorClient::Start(Options("client-away"), Job());
   ASSERT_TRUE(client.ok());

@@ -1,7 +1,10 @@
 // runtime/data: loaders against the real Fashion-MNIST files (skipped when the Debian package is
 // absent) and against small files written here, normalisation, and the batch iterator's order,
 // resumption, sharding and augmentation contracts.
+#include "runtime/train/data.h"
+
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -17,7 +20,6 @@
 #include <string>
 #include <vector>
 
-#include "runtime/train/data.h"
 #include "tests/temp_dir.h"
 
 namespace cpd::runtime {
@@ -277,6 +279,43 @@ TEST(IdxTest, CorruptInputsNameTheFile) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().message(),
             lab + ": truncated: expected 4 label bytes after the header, got 3");
+}
+
+// Peak resident memory of this process so far, in MiB.
+double PeakRssMib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;
+}
+
+// A small gzip that inflates far beyond what its IDX header announces (a "gzip bomb") is refused
+// at the first byte past the header's sizes, without inflating the rest: it used to be inflated
+// whole before the size check (1 GiB in memory for a 1 MB file).
+TEST(IdxTest, GzipBombIsRefusedWithoutInflatingIt) {
+  TempDir dir;
+  const std::string img = dir.File("bomb-images.gz"), lab = dir.File("labels");
+  {
+    gzFile gz = gzopen(img.c_str(), "wb1");
+    ASSERT_NE(gz, nullptr);
+    const std::vector<uint8_t> header = IdxImages(10, 28, 28);  // 7840 pixel bytes announced
+    ASSERT_EQ(gzwrite(gz, header.data(), unsigned(header.size())), int(header.size()));
+    const std::vector<uint8_t> zeros(size_t(1) << 20, 0);
+    for (int mib = 0; mib < 384; ++mib) {
+      ASSERT_EQ(gzwrite(gz, zeros.data(), unsigned(zeros.size())), int(zeros.size()));
+    }
+    gzclose(gz);
+  }
+  ASSERT_LT(fs::file_size(img), size_t(4) << 20) << "the bomb is small on disk";
+  WriteAll(lab, IdxLabels(10));
+  const double before = PeakRssMib();
+  auto r = LoadIdx(img, lab, "bomb");
+  const double grown = PeakRssMib() - before;
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kCorruption);
+  EXPECT_TRUE(Contains(r.status().message(), img + ": expected 7840 pixel bytes after the header"))
+      << r.status().message();
+  EXPECT_TRUE(Contains(r.status().message(), "trailing data")) << r.status().message();
+  EXPECT_LT(grown, 64.0) << "peak memory grew by " << grown << " MiB reading a 384 MiB bomb";
 }
 
 TEST(IdxTest, MissingFile) {

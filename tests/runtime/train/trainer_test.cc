@@ -4,14 +4,21 @@
 
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "runtime/train/checkpoint.h"
 #include "tests/temp_dir.h"
@@ -172,6 +179,254 @@ TEST(TrainerCheckpoint, MismatchedRunIsRefused) {
   auto r = Train(o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("--arch mlp"), std::string::npos) << r.status().message();
+}
+
+// Rewrites a checkpoint with `edit` applied to its header and `values_edit` to its tensors, and
+// a valid CRC: what a writer with a bug (or a hand) could leave behind.
+void RewriteCheckpoint(
+    const std::string& path, const std::function<void(nlohmann::json*)>& edit,
+    const std::function<void(std::string*, size_t payload_start)>& payload_edit = nullptr) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 20u);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data() + 8, 8);
+  nlohmann::json header = nlohmann::json::parse(bytes.substr(16, header_len));
+  std::string payload = bytes.substr(16 + header_len, bytes.size() - 4 - 16 - header_len);
+  edit(&header);
+  if (payload_edit) payload_edit(&payload, 0);
+  const std::string text = header.dump();
+  std::string out = bytes.substr(0, 8);
+  const uint64_t n = text.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += text;
+  out += payload;
+  const uint32_t crc =
+      uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(out.data()), uInt(out.size())));
+  out.append(reinterpret_cast<const char*>(&crc), 4);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << out;
+}
+
+// A 10-step checkpoint of SmallRun in `dir`; returns its path.
+std::string TenStepCheckpoint(const TempDir& dir) {
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = dir.path();
+  o.checkpoint_every = 10;
+  o.max_steps = 10;
+  EXPECT_TRUE(Train(o).ok());
+  return CheckpointPath(dir.path(), 10);
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Resuming from `path` fails with the one "checkpoint FILE is corrupt: ...; refusing it" line,
+// mentioning `why`.
+void ExpectRefusedAsCorrupt(const std::string& path, const std::string& why) {
+  TrainOptions o = SmallRun();
+  o.resume = path;
+  o.max_steps = 20;
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok()) << why;
+  const std::string& m = r.status().message();
+  EXPECT_EQ(r.status().code(), Status::Code::kCorruption) << m;
+  EXPECT_EQ(m.rfind("checkpoint " + path + " is corrupt: ", 0), 0u) << m;
+  EXPECT_NE(m.find("; refusing it"), std::string::npos) << m;
+  EXPECT_NE(m.find(why), std::string::npos) << m;
+  EXPECT_EQ(m.find("json.exception"), std::string::npos) << m;
+}
+
+// Wrongly typed fields under a valid CRC are refused by name, not thrown as json::type_error.
+TEST(TrainerCheckpoint, WronglyTypedFieldsAreRefusedAsCorrupt) {
+  TempDir dir;
+  const std::string path = TenStepCheckpoint(dir);
+  const std::string good = ReadBytes(path);
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["tensors"][0]["count"] = {1, 2}; });
+  const Result<Checkpoint> read = ReadCheckpoint(path);
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.status().code(), Status::Code::kCorruption);
+  ExpectRefusedAsCorrupt(path, "'count'");
+  for (const auto& [edit, why] :
+       std::vector<std::pair<std::function<void(nlohmann::json*)>, std::string>>{
+           {[](nlohmann::json* h) { (*h)["meta"]["iterator"] = "soon"; }, "meta.iterator"},
+           {[](nlohmann::json* h) { (*h)["meta"]["step"] = "ten"; }, "meta.step"},
+           {[](nlohmann::json* h) { (*h)["meta"]["arch"] = 5; }, "meta.arch"},
+           {[](nlohmann::json* h) { (*h)["tensors"][1]["shape"] = "wide"; }, "'shape'"},
+           {[](nlohmann::json* h) { (*h)["tensors"][0]["name"] = nullptr; }, "'name'"},
+           {[](nlohmann::json* h) { (*h)["tensors"] = 3; }, "'tensors'"},
+           {[](nlohmann::json* h) {
+              (*h)["meta"] = {1, 2};
+            },
+            "'meta'"}}) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << good;
+    RewriteCheckpoint(path, edit);
+    ExpectRefusedAsCorrupt(path, why);
+  }
+}
+
+// A valid CRC is not trusted: every field is checked against the model and the run.
+TEST(TrainerCheckpoint, FieldsOutOfRangeOrNonFiniteAreRefused) {
+  TempDir dir;
+  const std::string path = TenStepCheckpoint(dir);
+  const std::string good = ReadBytes(path);
+  auto restore = [&] { std::ofstream(path, std::ios::binary | std::ios::trunc) << good; };
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["step"] = -5; });
+  ExpectRefusedAsCorrupt(path, "meta.step -5");
+  restore();
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["step"] = 900; });
+  ExpectRefusedAsCorrupt(path, "meta.step 900");
+  restore();
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["iterator"]["next_batch"] = 4000; });
+  ExpectRefusedAsCorrupt(path, "next_batch");
+  restore();
+  // A NaN in the first parameter (every step would be skipped).
+  RewriteCheckpoint(
+      path, [](nlohmann::json*) {},
+      [](std::string* payload, size_t) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::memcpy(payload->data() + 8, &nan, 4);
+      });
+  ExpectRefusedAsCorrupt(path, "non-finite");
+  restore();
+  // A tensor of the right size and another shape.
+  RewriteCheckpoint(path, [](nlohmann::json* h) {
+    auto& shape = (*h)["tensors"][0]["shape"];
+    const uint64_t a = shape[0], b = shape[1];
+    shape = {b, a};
+  });
+  ExpectRefusedAsCorrupt(path, "has shape");
+  restore();
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["version"] = 7; });
+  ExpectRefusedAsCorrupt(path, "version 7");
+}
+
+// "epoch": 1000000 used to end the run at once with exit 0 and overwrite the checkpoint it came
+// from with other metadata. Now it is refused, and that file is left as it was.
+TEST(TrainerCheckpoint, AnEpochBeyondTheRunIsRefusedAndNothingIsOverwritten) {
+  TempDir dir;
+  const std::string path = TenStepCheckpoint(dir);
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["epoch"] = 1000000; });
+  const std::string before = ReadBytes(path);
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = dir.path();
+  o.resume = "auto";
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("1000000"), std::string::npos) << r.status().message();
+  EXPECT_EQ(ReadBytes(path), before) << "the checkpoint was rewritten";
+}
+
+// A run that resumes from the end of a finished run has nothing to train and writes nothing.
+TEST(TrainerCheckpoint, ResumingAFinishedRunRewritesNothing) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.epochs = 1;
+  o.checkpoint_dir = dir.path();
+  ASSERT_TRUE(Train(o).ok());
+  const std::string path = LatestCheckpoint(dir.path());
+  ASSERT_FALSE(path.empty());
+  const std::string before = ReadBytes(path);
+  const auto mtime = fs::last_write_time(path);
+  o.resume = "auto";
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->steps, 128);
+  EXPECT_EQ(ReadBytes(path), before);
+  EXPECT_EQ(fs::last_write_time(path), mtime);
+}
+
+// A checkpoint file of the same name with other contents is never replaced; the same bytes
+// again are no error.
+TEST(TrainerCheckpoint, ACheckpointOfAnotherRunIsNeverOverwritten) {
+  TempDir dir;
+  Checkpoint ck;
+  ck.meta_json = R"({"step": 10})";
+  const float v[3] = {1, 2, 3};
+  ck.Put("param/x", {3}, v, 3);
+  const std::string path = CheckpointPath(dir.path(), 10);
+  ASSERT_TRUE(WriteCheckpoint(path, ck).ok());
+  EXPECT_TRUE(WriteCheckpoint(path, ck).ok()) << "the same bytes again";
+  const std::string before = ReadBytes(path);
+  ck.meta_json = R"({"step": 10, "epoch": 3})";
+  const Status s = WriteCheckpoint(path, ck);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("refusing to overwrite"), std::string::npos) << s.message();
+  EXPECT_EQ(ReadBytes(path), before);
+
+  // A run whose checkpoint would land on another run's file stops instead of replacing it.
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = dir.path();
+  o.checkpoint_every = 10;
+  o.max_steps = 10;
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("refusing to overwrite"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(ReadBytes(path), before);
+}
+
+// An unwritable --checkpoint-dir is found at start-up, before any step.
+TEST(TrainerCheckpoint, UnwritableDirectoryFailsAtStartUp) {
+  TempDir dir;
+  const std::string file = dir.File("a-file");
+  std::ofstream(file) << "x";
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = file + "/checkpoints";  // below a file: nobody, root included, can create it
+  o.checkpoint_every = 2;
+  o.max_steps = 3;
+  o.stats_every = 1;  // every step that runs leaves a "step" record
+  o.metrics_out = dir.File("m.jsonl");
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("--checkpoint-dir"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(ReadBytes(o.metrics_out).find("\"step\""), std::string::npos) << "a step ran";
+}
+
+// ---- Runs that cannot recover stop
+// ---------------------------------------------------------------
+
+// --lr 1e30: the first step blows the parameters up; the run stops with OutOfRange after writing
+// its metrics (it used to skip every later step and end "successfully" with loss NaN).
+TEST(TrainerDivergence, NonFiniteLossOrParametersStopTheRun) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.lr = 1e30;
+  o.max_steps = 40;
+  o.metrics_out = dir.File("m.jsonl");
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kOutOfRange) << r.status().message();
+  EXPECT_NE(r.status().message().find("training diverged at step"), std::string::npos)
+      << r.status().message();
+  const std::string metrics = ReadBytes(o.metrics_out);
+  EXPECT_NE(metrics.find("\"type\":\"stop\""), std::string::npos) << metrics;
+}
+
+// K consecutive skipped steps stop the run; fewer do not.
+TEST(TrainerDivergence, ConsecutiveSkippedStepsStopTheRun) {
+  TrainOptions o = SmallRun();
+  o.max_steps = 30;
+  o.debug_nan_step = 3;
+  o.debug_nan_steps = 4;
+  o.max_skipped_steps = 5;
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->skipped_steps, 4);
+  o.debug_nan_steps = 100;
+  r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kOutOfRange);
+  EXPECT_NE(r.status().message().find("at step 7: 5 consecutive steps were skipped"),
+            std::string::npos)
+      << r.status().message();
+  o.max_skipped_steps = 0;  // never
+  o.max_steps = 20;
+  r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->skipped_steps, 17);
 }
 
 TEST(TrainerMetrics, StatsCoverEveryLayerAndSite) {

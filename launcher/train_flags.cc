@@ -1,0 +1,339 @@
+#include "launcher/train_flags.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <string>
+#include <vector>
+
+#include "comm/gradient_allreduce.h"
+#include "cpd/format.h"
+#include "launcher/cli.h"
+#include "launcher/common.h"
+
+namespace cpd::launcher {
+
+using runtime::TrainOptions;
+
+// The keys of a YAML mapping onto the options the command line did not give. yaml-cpp reports
+// problems by exceptions; each becomes an InvalidArgument naming `origin`.
+Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string& origin) {
+  auto bad = [&](const std::string& m) { return Status::InvalidArgument(origin + ": " + m); };
+  try {
+    const YAML::Node root = YAML::Load(yaml);
+    if (!root.IsMap()) return bad("expected a mapping of option: value");
+    for (const auto& kv : root) {
+      if (!kv.first.IsScalar()) return bad("every key must be a flag name");
+      const std::string key = kv.first.as<std::string>();
+      if (key == "config") return bad("'config' cannot be nested");
+      CLI::Option* opt = nullptr;
+      try {
+        opt = app.get_option("--" + key);
+      } catch (const CLI::OptionNotFound&) {
+        return bad("unknown key '" + key + "' (keys are the long flag names)");
+      }
+      if (opt->count() > 0) continue;  // the command line wins
+      std::vector<std::string> values;
+      if (kv.second.IsSequence()) {
+        for (const auto& v : kv.second) {
+          if (!v.IsScalar()) return bad("key '" + key + "': a list of scalars is expected");
+          values.push_back(v.as<std::string>());
+        }
+      } else if (kv.second.IsScalar()) {
+        values.push_back(kv.second.as<std::string>());
+      } else {
+        return bad("key '" + key + "' must be a scalar or a list");
+      }
+      try {
+        for (const auto& v : values) opt->add_result(v);
+        opt->run_callback();
+      } catch (const CLI::Error& e) {
+        return bad("key '" + key + "': " + e.what());
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return bad(e.what());
+  }
+  return Status::Ok();
+}
+
+Status ApplyConfigFile(CLI::App& app, const std::string& path) {
+  auto text = ReadWholeFile(path);
+  if (!text.ok()) return Status::InvalidArgument("--config " + text.status().message());
+  return ApplyConfigText(app, *text, "--config " + path);
+}
+
+namespace {
+
+Result<cpd::runtime::SiteFormat> CheckSite(const std::string& flag, const std::string& spec,
+                                           const std::string& rounding) {
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) return Status::InvalidArgument(flag + ": " + f.status().message());
+  auto r = cpd::ParseRounding(rounding);
+  if (!r.ok()) return Status::InvalidArgument(flag + " rounding: " + r.status().message());
+  return cpd::runtime::SiteFormat{f->spec(), *r};
+}
+
+void AddDataAndModelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--dataset", o->dataset, "fashion-mnist | mnist | cifar10 | cifar100 | synthetic")
+      ->capture_default_str();
+  app->add_option("--data-dir", o->data_dir,
+                  "Dataset directory (default for fashion-mnist: "
+                  "/usr/share/datasets/fashion-mnist)");
+  app->add_option("--arch", o->arch, "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...)")
+      ->capture_default_str();
+  app->add_option("--in-channels", o->in_channels, "Input channels (default: the dataset's)")
+      ->check(IntegerIn(1, 4096));
+  app->add_option("--image-size", o->image_size, "Input height/width (default: the dataset's)")
+      ->check(IntegerIn(1, 32768));
+  app->add_option("--classes", o->classes, "Output classes (default: the dataset's)")
+      ->check(IntegerIn(1, 1 << 20));
+  app->add_flag("--augment", f->augment, "Random crop (pad 4) + horizontal flip (default: CIFAR)");
+  app->add_flag("--no-augment", f->no_augment, "No augmentation");
+  app->add_flag("--print-model", o->print_model,
+                "Print the layers (names for --layer-format) and exit");
+}
+
+void AddOptimisationOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--epochs", o->epochs, "Training epochs")->capture_default_str();
+  app->add_option("--max-steps", o->max_steps, "Stop after this many steps in total (0: all)")
+      ->capture_default_str();
+  app->add_option("--max-skipped-steps", o->max_skipped_steps,
+                  "Stop with an error (exit 3) after this many consecutive steps skipped for "
+                  "NaN/Inf gradients (0: never); a NaN/Inf loss or parameter always stops the run")
+      ->capture_default_str();
+  app->add_option("--batch-size", o->batch_size, "Batch size per worker (see --global-batch)")
+      ->capture_default_str();
+  app->add_option("--global-batch", o->global_batch,
+                  "Global batch, split evenly over ranks x --emulate-ranks workers (default: "
+                  "--batch-size per worker)");
+  app->add_option("--optimizer", f->optimizer, "sgd | lars")->capture_default_str();
+  app->add_option("--lr", o->lr, "Base learning rate")->capture_default_str();
+  app->add_option("--momentum", o->momentum, "SGD momentum")->capture_default_str();
+  app->add_option("--weight-decay", o->weight_decay, "L2 weight decay (not on biases/BatchNorm)")
+      ->capture_default_str();
+  app->add_flag("--nesterov", o->nesterov, "Nesterov momentum");
+  app->add_option("--lars-eta", o->lars_eta, "LARS trust coefficient")->capture_default_str();
+  app->add_option("--lr-schedule", f->lr_schedule, "constant | step | cosine (per step)")
+      ->capture_default_str();
+  app->add_option("--warmup-steps", o->warmup_steps, "Linear warm-up steps")->capture_default_str();
+  app->add_option("--lr-milestones", o->lr_milestones,
+                  "Epochs at which 'step' multiplies by gamma");
+  app->add_option("--lr-gamma", o->lr_gamma, "Factor of the 'step' schedule")
+      ->capture_default_str();
+  app->add_option("--seed", o->seed, "Seed of initialisation, shuffling and rounding")
+      ->capture_default_str();
+  app->add_option("--threads", o->threads, "Threads (0: all cores)")->capture_default_str();
+}
+
+void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--w-format", f->wf, "Format of W (weights in forward)")->capture_default_str();
+  app->add_option("--a-format", f->af, "Format of A (input activations)")->capture_default_str();
+  app->add_option("--e-format", f->ef, "Format of E (errors)")->capture_default_str();
+  app->add_option("--g-format", f->gf, "Format of G (weight gradients)")->capture_default_str();
+  app->add_option("--w-rounding", f->wr, "nearest | stochastic | zero")->capture_default_str();
+  app->add_option("--a-rounding", f->ar, "nearest | stochastic | zero")->capture_default_str();
+  app->add_option("--e-rounding", f->er, "nearest | stochastic | zero")->capture_default_str();
+  app->add_option("--g-rounding", f->gr, "nearest | stochastic | zero")->capture_default_str();
+  app->add_option("--layer-format", f->layer_formats,
+                  "Per-layer override NAME.SITE=SPEC, e.g. conv1.W=fp32 (repeatable)");
+  app->add_option("--keep-fp32", f->keep_fp32,
+                  "Comma-separated layers kept in fp32: first, last, or names (CPT preset: last)");
+  app->add_option("--cyclic-bits", f->cyclic_bits, "CPT: MIN MAX forward bits")->expected(2);
+  app->add_option("--cyclic-periods", f->cyclic_periods, "CPT: cycles over the run")
+      ->capture_default_str();
+  app->add_option("--grad-bits", o->precision.grad_bits, "CPT: backward (E) bits")
+      ->capture_default_str();
+  app->add_flag("--hysteresis", o->precision.hysteresis,
+                "Hysteresis rounding of W (Lee et al.); counts weight flips");
+}
+
+void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--comm", f->comm_kind,
+                  "auto (mpi when started by mpirun/srun, else one process) | self | mpi")
+      ->capture_default_str();
+  app->add_option("--emulate-ranks", o->emulate_ranks,
+                  "Logical workers per process, summed with the same quantised semantics as ranks")
+      ->capture_default_str();
+  app->add_option("--allreduce", f->algo,
+                  "Gradient all-reduce: fp32 (the backend's) | emulate (CPD: every addition "
+                  "rounded to --allreduce-format) | packed (low-bit codes on the wire)")
+      ->capture_default_str();
+  app->add_option("--allreduce-format", f->ar_format, "Gradient format of emulate/packed")
+      ->capture_default_str();
+  app->add_option("--allreduce-rounding", f->ar_rounding, "nearest | stochastic | zero")
+      ->capture_default_str();
+  app->add_flag("--aps", o->allreduce.aps,
+                "Auto-precision scaling: per-layer power-of-two shift from the global max");
+  app->add_flag("--kahan", o->allreduce.kahan, "emulate: Kahan-compensated sum");
+  app->add_option("--bucket-mb", o->allreduce.bucket_mb, "Gradient bucket size in MiB")
+      ->capture_default_str();
+  app->add_option("--measure-error", o->measure_error_every,
+                  "Every N steps, the all-reduce error against exact fp32 (0: never)")
+      ->capture_default_str();
+  app->add_option("--debug-nan-step", o->debug_nan_step,
+                  "Testing aid: rank 0 puts a NaN into its gradient at this step (-1: never)")
+      ->capture_default_str();
+  app->add_option("--debug-nan-steps", o->debug_nan_steps,
+                  "Testing aid: ... and at this many consecutive steps from it")
+      ->capture_default_str();
+  app->add_option("--debug-step-sleep-ms", o->debug_step_sleep_ms,
+                  "Testing aid: sleep this long after every step (paces integration tests)")
+      ->capture_default_str();
+}
+
+void AddControlPlaneOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--coordinator", o->coordinator.address,
+                  "HOST:PORT of a cpd-coordinator: rank 0 registers the job, takes the precision "
+                  "schedules it pushes (every rank switches at the same step) and reports "
+                  "per-layer statistics; training never waits for it (default: none, the "
+                  "command line's schedule holds)");
+  app->add_option("--job-name", o->coordinator.job_name,
+                  "Job name at the coordinator, [A-Za-z0-9._-]{1,128}; a resumed run with the "
+                  "same name continues the same job (default: <arch>-<dataset>-<UTC time>)");
+  app->add_option("--token-file", f->token_file,
+                  "File whose first line is the coordinator's token (sent as a bearer token)");
+  app->add_option("--tls-ca", f->tls_ca, "PEM root certificates: talk TLS to the coordinator");
+  app->add_option("--report-interval", o->report_interval_s,
+                  "Seconds between summary reports to the coordinator (statistics steps and "
+                  "epoch ends are reported as well)")
+      ->capture_default_str();
+}
+
+void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--stats-every", o->stats_every, "Per-layer statistics every N steps (0: off)")
+      ->capture_default_str();
+  app->add_option("--metrics-out", o->metrics_out, "Append JSON lines (steps, epochs) to FILE");
+  app->add_option("--checkpoint-dir", o->checkpoint_dir,
+                  "Directory for checkpoints (created; must be writable: checked at start-up). "
+                  "An existing checkpoint file with other contents is never overwritten");
+  app->add_option("--checkpoint-every", o->checkpoint_every,
+                  "Checkpoint every N steps (0: at the end of each epoch)")
+      ->capture_default_str();
+  app->add_option("--resume", o->resume, "auto (newest in --checkpoint-dir) or a checkpoint file");
+  app->add_option("--device", f->device,
+                  "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
+      ->capture_default_str();
+  app->add_flag("--no-progress", f->no_progress, "No progress bar");
+  app->add_flag("--quiet", o->quiet, "Print nothing but errors");
+}
+
+}  // namespace
+
+void AddTrainOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
+  app->add_option("--config", f->config_path, "YAML file with the same keys as the flags");
+  app->add_option("--preset", f->preset,
+                  "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
+                  "lee2022: FP134 activations and errors, log4 weights with hysteresis, first and "
+                  "last layers fp32");
+  AddDataAndModelOptions(app, o, f);
+  AddOptimisationOptions(app, o, f);
+  AddPrecisionOptions(app, o, f);
+  AddParallelOptions(app, o, f);
+  AddControlPlaneOptions(app, o, f);
+  AddOutputOptions(app, o, f);
+}
+
+namespace {
+
+// --preset: defaults for the flags the command line did not give.
+Status ApplyPreset(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
+  auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
+  if (f->preset == "cpt") {
+    if (!given("--cyclic-bits")) f->cyclic_bits = {3, 8};
+    if (!given("--keep-fp32")) f->keep_fp32 = "last";
+  } else if (f->preset == "lee2022") {
+    if (!given("--w-format")) f->wf = "log4";
+    if (!given("--a-format")) f->af = "fp134";
+    if (!given("--e-format")) f->ef = "fp134";
+    if (!given("--keep-fp32")) f->keep_fp32 = "first,last";
+    o->precision.hysteresis = true;
+  } else {
+    return Status::InvalidArgument("--preset '" + f->preset + "' (accepted: cpt, lee2022)");
+  }
+  return Status::Ok();
+}
+
+// The precision policy: the four sites' global formats, per-layer overrides, fp32 layers, CPT.
+Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
+  using cpd::runtime::Site;
+  auto& global = o->precision.global;
+  CPD_ASSIGN_OR_RETURN(global[int(Site::kWeight)], CheckSite("--w-format", f.wf, f.wr));
+  CPD_ASSIGN_OR_RETURN(global[int(Site::kActivation)], CheckSite("--a-format", f.af, f.ar));
+  CPD_ASSIGN_OR_RETURN(global[int(Site::kError)], CheckSite("--e-format", f.ef, f.er));
+  CPD_ASSIGN_OR_RETURN(global[int(Site::kWeightGrad)], CheckSite("--g-format", f.gf, f.gr));
+  for (const auto& lf : f.layer_formats) {
+    CPD_RETURN_IF_ERROR(cpd::runtime::AddLayerOverride(lf, &o->precision));
+  }
+  o->precision.keep_fp32 = SplitCommas(f.keep_fp32);
+  if (!f.cyclic_bits.empty()) {
+    cpd::CyclicPrecision c;
+    c.min_bits = f.cyclic_bits[0];
+    c.max_bits = f.cyclic_bits[1];
+    c.periods = f.cyclic_periods;
+    c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
+    o->precision.cpt = c;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
+  auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  if (!f->preset.empty()) CPD_RETURN_IF_ERROR(ApplyPreset(app, f, o));
+  if (f->augment && f->no_augment) return bad("--augment and --no-augment exclude each other");
+  if (!o->coordinator.address.empty()) {
+    std::string host;
+    int port = 0;
+    if (!SplitHostPort(o->coordinator.address, &host, &port)) {
+      return bad("--coordinator '" + o->coordinator.address +
+                 "': expected HOST:PORT, e.g. 127.0.0.1:50051");
+    }
+  }
+  if ((!f->token_file.empty() || !f->tls_ca.empty() || !o->coordinator.job_name.empty()) &&
+      o->coordinator.address.empty()) {
+    return bad("--job-name, --token-file and --tls-ca need --coordinator HOST:PORT");
+  }
+  if (!f->token_file.empty()) {
+    auto token = ReadTokenFile(f->token_file);
+    if (!token.ok()) return bad("--token-file: " + token.status().message());
+    o->coordinator.token = *token;
+  }
+  if (!f->tls_ca.empty()) {
+    auto pem = ReadWholeFile(f->tls_ca);
+    if (!pem.ok()) return bad("--tls-ca: " + pem.status().message());
+    o->coordinator.tls_ca_pem = *pem;
+  }
+  // Names become enums here, at the edge; the trainer sees only valid values.
+  if (auto k = cpd::runtime::ParseOptimizerKind(f->optimizer); k.ok()) {
+    o->optimizer = *k;
+  } else {
+    return bad("--" + k.status().message());
+  }
+  if (auto k = cpd::ParseLrScheduleKind(f->lr_schedule); k.ok()) {
+    o->lr_schedule = *k;
+  } else {
+    return bad("--lr-schedule: " + k.status().message());
+  }
+  if (auto d = cpd::runtime::ParseDeviceChoice(f->device); d.ok()) {
+    o->device = *d;
+  } else {
+    return bad("--" + d.status().message());
+  }
+  o->augment_set = f->augment || f->no_augment;
+  o->augment = f->augment;
+  o->progress = !f->no_progress;
+  CPD_RETURN_IF_ERROR(ApplyPrecisionFlags(*f, o));
+  auto a = cpd::comm::ParseAllReduceAlgo(f->algo);
+  if (!a.ok()) return bad("--allreduce: " + a.status().message());
+  o->allreduce.algo = *a;
+  auto fmt = cpd::Format::Parse(f->ar_format);
+  if (!fmt.ok()) return bad("--allreduce-format: " + fmt.status().message());
+  o->allreduce.format = fmt->spec();
+  auto r = cpd::ParseRounding(f->ar_rounding);
+  if (!r.ok()) return bad("--allreduce-rounding: " + r.status().message());
+  o->allreduce.rounding = *r;
+  return Status::Ok();
+}
+
+}  // namespace cpd::launcher

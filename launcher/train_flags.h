@@ -1,0 +1,47 @@
+// cpd-train's command line as a library: every flag, --config YAML, the presets and the checks
+// that turn flags into TrainOptions. cpd-train's main uses it, and so does the fuzz target of
+// the YAML config (tests/fuzz/train_config_fuzz.cc), which is why nothing here exits or throws:
+// every problem is an InvalidArgument naming the flag (or the config key) and what is accepted.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+#include <vector>
+
+#include "cpd/status.h"
+#include "runtime/train/trainer.h"
+
+namespace cpd::launcher {
+
+// The flags that are not fields of TrainOptions, as parsed; ApplyTrainFlags turns them into
+// options.
+struct TrainFlags {
+  std::string config_path, preset;
+  bool augment = false, no_augment = false;
+  std::string wf = "fp32", af = "fp32", ef = "fp32", gf = "fp32";
+  std::string wr = "nearest", ar = "nearest", er = "nearest", gr = "nearest";
+  std::vector<std::string> layer_formats;
+  std::string keep_fp32;
+  std::vector<int> cyclic_bits;
+  int cyclic_periods = 32;
+  std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
+  std::string token_file, tls_ca;
+  bool no_progress = false;
+  std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
+};
+
+// Adds every cpd-train flag to `app`, bound to *o and *f (which must outlive it).
+void AddTrainOptions(CLI::App* app, runtime::TrainOptions* o, TrainFlags* f);
+
+// Applies the keys of a YAML mapping (`yaml`, called `origin` in messages) to the options the
+// command line did not give. Keys are the long flag names without dashes; values are scalars or
+// lists of scalars.
+Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string& origin);
+// The same for the file at `path` ("--config PATH" in messages).
+Status ApplyConfigFile(CLI::App& app, const std::string& path);
+
+// Everything the flags say beyond the options they set directly: presets, formats, enums, the
+// coordinator's address, token and certificates (read here).
+Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, runtime::TrainOptions* o);
+
+}  // namespace cpd::launcher

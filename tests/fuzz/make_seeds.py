@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of every fuzz target into tests/fuzz/corpus/<target>/ (small, valid
+inputs and a few near misses, so that the fuzzer starts past the first checks). Run from the
+repository root: python3 tests/fuzz/make_seeds.py. Needs protoc (protobuf-compiler) for the
+coordinator's requests, which it encodes from text with protoc --encode."""
+import gzip
+import json
+import os
+import struct
+import subprocess
+import zlib
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(ROOT, "corpus")
+
+
+def put(target, name, data):
+    d = os.path.join(CORPUS, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def floats(values):
+    return b"".join(struct.pack("<f", v) if not isinstance(v, int) else struct.pack("<I", v)
+                    for v in values)
+
+
+# ---- format_fuzz: mode, u64 channels, u32 seed, spec NUL, float32 data ---------------------------
+DATA = [0.0, -0.0, 1.0, -1.5, 3.14159, -1000.0, 1e30, -1e-30, 448.0, 0.0625, 7.5e-8, -2.0,
+        0x7fc00000, 0xffc00000, 0x7f800000, 0xff800000]
+SPECS = ["fp32", "bf16", "fp16", "e4m3", "e4m3:inf", "e5m2:inf", "e3m2", "e2m1", "e3m0:inf",
+         "e2m5:nosub", "fp134", "fp143:room=3:ch", "log4", "int8", "int4:ch", "uint4:minmax",
+         "uint8:minmax:ch", "mxfp8", "mxfp4", "bfp8:16", "bfp4:7"]
+for i, spec in enumerate(SPECS):
+    for rounding in (0, 1):
+        head = struct.pack("<BQI", rounding | (i % 4) << 2, 4, 7 + i)
+        put("format_fuzz", "%s-%d" % (spec.replace(":", "_").replace("=", ""), rounding),
+            head + spec.encode() + b"\0" + floats(DATA))
+put("format_fuzz", "huge-channels", struct.pack("<BQI", 0x80, 1 << 62, 1) + b"int8:ch\0")
+
+# ---- checkpoints: the tiny model of checkpoint_fuzz.cc (fc1 4->3, fc2 3->2, SGD momentum,
+# log4 weights with hysteresis), 64 samples in batches of 16: 4 batches per epoch --------------
+TENSORS = [("param/fc1.weight", [3, 4]), ("param/fc1.bias", [3]), ("param/fc2.weight", [2, 3]),
+           ("param/fc2.bias", [2]), ("momentum/fc1.weight", [3, 4]), ("momentum/fc1.bias", [3]),
+           ("momentum/fc2.weight", [2, 3]), ("momentum/fc2.bias", [2]), ("hyst/fc1", [12]),
+           ("hyst/fc2", [6])]
+
+
+def checkpoint_parts(step=5, epoch=1, it=(1, 1)):
+    meta = {"version": 1, "step": step, "epoch": epoch,
+            "iterator": {"epoch": it[0], "next_batch": it[1]}, "arch": "tiny",
+            "dataset": "synthetic", "global_batch": 16, "seed": 1}
+    entries, payload, offset = [], b"", 0
+    for k, (name, shape) in enumerate(TENSORS):
+        count = 1
+        for d in shape:
+            count *= d
+        entries.append({"name": name.replace("momentum/", "opt/momentum/"), "shape": shape,
+                        "offset": offset, "count": count})
+        payload += floats([0.125 * ((k + j) % 7) - 0.25 for j in range(count)])
+        offset += 4 * count
+    header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+    return header, payload
+
+
+def checkpoint_file(header, payload):
+    body = b"CPDCKPT1" + struct.pack("<Q", len(header)) + header + payload
+    return body + struct.pack("<I", zlib.crc32(body) & 0xffffffff)
+
+
+header, payload = checkpoint_parts()
+put("checkpoint_fuzz", "valid", header + b"\0" + payload)
+put("checkpoint_fuzz", "epoch-end", checkpoint_parts(8, 2, (1, 4))[0] + b"\0" + payload)
+put("checkpoint_fuzz", "start", checkpoint_parts(0, 0, (0, 0))[0] + b"\0" + payload)
+put("checkpoint_raw_fuzz", "valid", checkpoint_file(header, payload))
+put("checkpoint_raw_fuzz", "truncated", checkpoint_file(header, payload)[:90])
+put("checkpoint_raw_fuzz", "bad-crc", checkpoint_file(header, payload)[:-1] + b"\0")
+
+
+# ---- idx_fuzz: mode (bit 0: gzip images, bit 1: gzip labels), u16 split, images + labels ------
+def idx_images(n, rows, cols):
+    return struct.pack(">IIII", 0x803, n, rows, cols) + bytes((i * 37) % 256
+                                                              for i in range(n * rows * cols))
+
+
+def idx_labels(n):
+    return struct.pack(">II", 0x801, n) + bytes(i % 10 for i in range(n))
+
+
+img, lab = idx_images(3, 4, 5), idx_labels(3)
+for mode in range(4):
+    put("idx_fuzz", "pair-%d" % mode, struct.pack("<BH", mode, len(img)) + img + lab)
+put("idx_fuzz", "gzip-bytes", struct.pack("<BH", 0, 40) + gzip.compress(img)[:40] + lab)
+
+# ---- cifar_fuzz: mode (bit 0: CIFAR-100, bit 1: gzip), records --------------------------------
+rec10 = bytes([3]) + bytes((i * 13) % 256 for i in range(3072))
+rec100 = bytes([7, 42]) + bytes((i * 11) % 256 for i in range(3072))
+put("cifar_fuzz", "cifar10", b"\0" + rec10)
+put("cifar_fuzz", "cifar100", b"\1" + rec100)
+put("cifar_fuzz", "cifar10-gzip", b"\2" + rec10)
+put("cifar_fuzz", "short", b"\0" + rec10[:100])
+
+# ---- train_config_fuzz: YAML ----------------------------------------------------------------
+configs = {
+    "basic": "dataset: synthetic\narch: mlp\nmax-steps: 9\nstats-every: 1\nquiet: true\n",
+    "precision": "w-format: e4m3\na-format: fp134\ne-format: e5m2\ne-rounding: stochastic\n"
+                 "layer-format: [conv1.W=fp32, fc1.A=int8]\nkeep-fp32: first,last\n",
+    "cpt": "preset: cpt\ncyclic-bits: [3, 8]\ncyclic-periods: 8\ngrad-bits: 6\nepochs: 2\n",
+    "parallel": "emulate-ranks: 4\nglobal-batch: 128\nallreduce: packed\n"
+                "allreduce-format: e4m3\naps: true\nbucket-mb: 4\nmax-skipped-steps: 3\n",
+    "control": "coordinator: 127.0.0.1:50051\njob-name: run-1\nreport-interval: 0.5\n",
+    "bad": "epochs: [1, 2]\nlr: fast\n",
+}
+for name, text in configs.items():
+    put("train_config_fuzz", name, text)
+
+# ---- coordinator_validate_fuzz: a request byte, then the message's wire form ------------------
+PROTO = os.path.join(ROOT, "..", "..", "proto")
+requests = [
+    (0, "RegisterJobRequest",
+     'job_name: "lenet-1" world_size: 2 emulated_workers_per_rank: 1 '
+     'workers { rank: 0 host: "h0" pid: 11 } workers { rank: 1 host: "h1" pid: 12 } '
+     'layers { name: "fc1" kind: "Linear" quantizable: true params: 100 } '
+     'schedule { formats { site: SITE_W spec: "e4m3" rounding: "nearest" } grad_bits: 8 } '
+     'arch: "lenet5" dataset: "fashion-mnist" total_steps: 100 epochs: 1 allreduce: "fp32"'),
+    (1, "StatsReport",
+     'job_id: 1 step: 10 epoch: 1 loss: 0.5 lr: 0.05 bits: 8 images_per_s: 100 ranks_alive: 2 '
+     'train_accuracy: -1 test_accuracy: 0.9 time_ms: 1700000000000 '
+     'layers { layer: "fc1" site: SITE_W format: "e4m3" bits: 8 max_abs: 1.5 saturated: 0.01 '
+     'flushed: 0.2 rel_error: 0.03 } layers { layer: "fc1" site: SITE_COMM aps_shift: 9 }'),
+    (2, "SetScheduleRequest",
+     'job { job_name: "lenet-1" } schedule { effective_from_step: 40 '
+     'cyclic { min_bits: 3 max_bits: 8 periods: 8 } grad_bits: 6 '
+     'overrides { layer: "fc2" site: SITE_E spec: "fp16" } keep_fp32: "last" } '
+     'expected_version: 1'),
+    (3, "SetScheduleRequest",
+     'job { job_id: 3 } schedule { formats { site: SITE_A spec: "fp134:room=2" } '
+     'overrides { layer: "fc1" site: SITE_W spec: "log4" } hysteresis: true }'),
+    (4, "LayerStatsRequest", 'job { job_name: "lenet-1" } from_step: 5 to_step: 50 limit: 10'),
+    (5, "JobHistoryRequest", 'job { job_id: 7 } from_step: 0 to_step: 100 with_layers: true'),
+    (6, "JobRef", 'job_name: "lenet-1"'),
+    (8, None, "lenet-1.run_2"),
+]
+for kind, message, text in requests:
+    if message is None:
+        data = text.encode()
+    else:
+        data = subprocess.run(["protoc", "-I", PROTO, "--encode=cpd.v1." + message,
+                               "cpd/v1/coordinator.proto"], input=text.encode(),
+                              stdout=subprocess.PIPE, check=True).stdout
+    put("coordinator_validate_fuzz", "%d-%s" % (kind, message or "name"), bytes([kind]) + data)

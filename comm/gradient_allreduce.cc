@@ -215,6 +215,8 @@ int ApsEmax(const Format& format) {
       return kernels::FloorLog2(float((1 << (format.bits() - 1)) - 1));
     case FormatFamily::kUintMinMax:
       return kernels::FloorLog2(float((1u << format.bits()) - 1u));
+    case FormatFamily::kBinades:
+      return kernels::FloorLog2(kernels::BitsFloat(format.binade_grid().max_bits));
     default:
       return kernels::FloorLog2(kernels::BitsFloat(format.grid().max_bits));
   }

@@ -15,8 +15,10 @@ using kernels::NonFiniteStyle;
 constexpr char kAccepted[] =
     "accepted: fp32, bf16, fp16, eXmY (1<=X<=8, 0<=Y<=23), e4m3, e5m2, e3m2, e2m3, e2m1, "
     "int<b>[:ch], uint<b>:minmax[:ch] (2<=b<=16), fp134|fp143|fp152[:room=N][:ch], "
-    "log<b> (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16); float modifiers :sat "
-    "(default) :inf :nosub :ieee";
+    "log<b> (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
+    "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
+    "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
+    ":nosub :ieee";
 
 Status BadSpec(std::string_view spec, const std::string& why) {
   return Status::InvalidArgument("bad format spec '" + std::string(spec) + "': " + why + " (" +
@@ -44,6 +46,58 @@ std::vector<std::string_view> Split(std::string_view s, char sep) {
   return parts;
 }
 
+// The list of binades:M0,M1,...: entries M or MxK (K binades of M mantissa bits), top binade
+// first. Fills `mbits` or returns why not.
+Status ParseBinadeList(std::string_view spec, std::string_view list, std::vector<int32_t>* mbits) {
+  if (list.empty()) {
+    return BadSpec(spec,
+                   "binades needs a list of mantissa bits per binade, top binade first, e.g. "
+                   "binades:4x7,3,2,1,0");
+  }
+  for (std::string_view e : Split(list, ',')) {
+    const size_t x = e.find('x');
+    int m = 0, k = 1;
+    const bool ok = x == std::string_view::npos
+                        ? ParseInt(e, &m)
+                        : ParseInt(e.substr(0, x), &m) && ParseInt(e.substr(x + 1), &k);
+    const std::string quoted = "binades entry '" + std::string(e) + "'";
+    if (!ok) {
+      return BadSpec(spec, quoted + " is not M (mantissa bits) or MxK (K binades of M bits)");
+    }
+    if (m < 0 || m > 22) return BadSpec(spec, quoted + ": mantissa bits must be 0..22");
+    if (k < 1 || k > kernels::kMaxBinades) {
+      return BadSpec(spec, quoted + ": the repeat count K must be 1..127");
+    }
+    if (mbits->size() + size_t(k) > size_t(kernels::kMaxBinades)) {
+      return BadSpec(spec, "binades takes 1..127 binades, this list has more");
+    }
+    mbits->insert(mbits->end(), size_t(k), m);
+  }
+  const int bits = kernels::BinadeBits(mbits->data(), int32_t(mbits->size()));
+  if (bits > 16) {
+    return BadSpec(spec, "binades list needs " + std::to_string(bits) +
+                             " bits (sign + ceil(log2(1 + sum 2^Mi))), at most 16 are accepted");
+  }
+  return Status::Ok();
+}
+
+// The canonical spelling of a list: runs of three or more equal entries as MxK.
+std::string CanonicalBinadeList(const std::vector<int32_t>& mbits) {
+  std::string out;
+  for (size_t i = 0; i < mbits.size();) {
+    size_t j = i;
+    while (j < mbits.size() && mbits[j] == mbits[i]) ++j;
+    const std::string m = std::to_string(mbits[i]);
+    for (size_t r = 0; r < (j - i >= 3 ? 1 : j - i); ++r) {
+      if (!out.empty()) out += ",";
+      out += m;
+      if (j - i >= 3) out += "x" + std::to_string(j - i);
+    }
+    i = j;
+  }
+  return out;
+}
+
 // Modifiers after the base name, each used at most once.
 struct Modifiers {
   bool sat = false, inf = false, nosub = false, ieee = false, ch = false, minmax = false;
@@ -69,7 +123,26 @@ const char* FormatSpecHelp() {
          "log<b> (2<=b<=8): sign and powers of two 2^(s-L+1)..2^s, L = 2^(b-1)-1, per-channel "
          "s = floor(log2 max|x|). Block formats: mxfp8 (e4m3), mxfp6 (e2m3), mxfp4 (e2m1) with "
          "32-element blocks and an E8M0 scale (OCP MX v1.0); bfp<b>:<block> block floating point "
-         "(sign + b-1 magnitude bits under a shared exponent).";
+         "(sign + b-1 magnitude bits under a shared exponent). Per-binade formats (Lee et al.'s "
+         "candidates: fixed point, floats, float-fix hybrids): binades:M0,M1,...[:room=N][:ch] "
+         "gives M_i mantissa bits (0..22) to binade i, top binade first (MxK: K binades of M "
+         "bits; 1..127 binades); unscaled, binade i is [2^-i, 2^(1-i)) and only 0 lies below the "
+         "lowest, so a list ending in 0 has gradual underflow; the shift is chosen as for fp134; "
+         "codes take 1 + ceil(log2(1 + sum 2^M_i)) <= 16 bits (fp134 = binades:4x7,3,2,1,0).";
+}
+
+std::vector<std::string> SplitFormatList(std::string_view list) {
+  std::vector<std::string> out;
+  for (std::string_view piece : Split(list, ',')) {
+    if (piece.empty()) continue;
+    const bool continues = piece[0] >= '0' && piece[0] <= '9' && !out.empty();
+    if (continues) {
+      out.back() += "," + std::string(piece);
+    } else {
+      out.emplace_back(piece);
+    }
+  }
+  return out;
 }
 
 Result<Format> Format::Parse(std::string_view spec) {
@@ -77,8 +150,16 @@ Result<Format> Format::Parse(std::string_view spec) {
   const std::string_view name = parts[0];
   if (name.empty()) return BadSpec(spec, "empty format name");
 
+  // binades:<list> carries its list as the first part after the name.
+  const bool binades = name == "binades";
+  std::vector<int32_t> binade_mbits;
+  if (binades) {
+    CPD_RETURN_IF_ERROR(
+        ParseBinadeList(spec, parts.size() > 1 ? parts[1] : std::string_view(), &binade_mbits));
+  }
+
   Modifiers mod;
-  for (size_t i = 1; i < parts.size(); ++i) {
+  for (size_t i = binades ? 2 : 1; i < parts.size(); ++i) {
     const std::string_view p = parts[i];
     std::string key(p.substr(0, p.find('=')));
     for (const auto& s : mod.seen) {
@@ -185,6 +266,16 @@ Result<Format> Format::Parse(std::string_view spec) {
     f.bits_ = 8;
     f.grid_ = MakeFloatGrid(ebits, mbits, bias, NonFiniteStyle::kAllFinite, true, false);
     f.shift_rule_ = {mod.room, -126, 127};
+  } else if (binades) {
+    CPD_RETURN_IF_ERROR(allow({"room", "ch"}));
+    f.family_ = FormatFamily::kBinades;
+    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+    const kernels::BinadeGrid g =
+        kernels::MakeBinadeGrid(binade_mbits.data(), int32_t(binade_mbits.size()));
+    f.bits_ = g.sign_shift + 1;
+    f.binade_grid_ = std::make_shared<const kernels::BinadeGrid>(g);
+    // As fp134: the top binade [2^s, 2^(s+1)), s = floor(log2 max|x|) + room.
+    f.shift_rule_ = {mod.room, -126, 127};
   } else if (with_prefix("log", &b)) {
     CPD_RETURN_IF_ERROR(allow({}));
     if (b < 2 || b > 8) return BadSpec(spec, "log<b> needs 2 <= b <= 8");
@@ -249,6 +340,7 @@ Result<Format> Format::Parse(std::string_view spec) {
 
   // Canonical spelling: name, then the modifiers that change behaviour, in a fixed order.
   std::string canon(name);
+  if (binades) canon += ":" + CanonicalBinadeList(binade_mbits);
   if (f.family_ == FormatFamily::kFloat && mod.ieee) canon += ":ieee";
   if (mod.inf) canon += ":inf";
   if (mod.nosub) canon += ":nosub";
@@ -269,6 +361,7 @@ size_t Format::meta_bytes_per_group() const {
     case FormatFamily::kFloat:
       return 0;
     case FormatFamily::kSharedShift:
+    case FormatFamily::kBinades:
       return 1;  // int8 shift (MX: the E8M0 byte, shift + 127)
     case FormatFamily::kIntSymmetric:
       return 4;  // float32 scale
@@ -322,6 +415,22 @@ FormatInfo Format::Info() const {
       }
       break;
     }
+    case FormatFamily::kBinades: {
+      const kernels::BinadeGrid& g = *binade_grid_;
+      info.max_finite = kernels::BitsFloat(g.max_bits);
+      // "Normal" are the binades of the top run, those with the top binade's mantissa bits, and
+      // "subnormal" any value below them: fp1xy lists then report their float's numbers
+      // (fp134: 2^-6 and 2^-10), a 0,0,...,0 list log<b>'s, a fixed-point list bfp<b>'s.
+      int32_t run = 1;
+      while (run < g.count && kernels::BinadeMbits(g, run) == kernels::BinadeMbits(g, 0)) ++run;
+      info.min_normal = std::ldexp(1.0, 1 - run);
+      info.min_subnormal = run < g.count ? std::ldexp(1.0, 1 - g.count) : 0.0;
+      info.distinct_finite = 2 * uint64_t(g.max_code) + 1;
+      info.scale_note = std::string("values shown at shift s = 0; each ") +
+                        (scope_ == ScaleScope::kChannel ? "channel" : "tensor") +
+                        " is scaled by 2^s, s chosen from its max |x|";
+      break;
+    }
     case FormatFamily::kIntSymmetric: {
       const int qmax = (1 << (bits_ - 1)) - 1;
       info.max_finite = qmax;
@@ -346,6 +455,18 @@ FormatInfo Format::Info() const {
   return info;
 }
 
+const kernels::BinadeGrid& Format::binade_grid() const {
+  static const kernels::BinadeGrid kEmpty{};
+  return binade_grid_ != nullptr ? *binade_grid_ : kEmpty;
+}
+
+std::vector<int> Format::binade_mbits() const {
+  std::vector<int> m;
+  const kernels::BinadeGrid& g = binade_grid();
+  for (int32_t i = 0; i < g.count; ++i) m.push_back(int(kernels::BinadeMbits(g, i)));
+  return m;
+}
+
 Result<std::vector<float>> Format::Values() const {
   if (bits_ > 16) {
     return Status::InvalidArgument("format '" + spec_ + "' has " + std::to_string(bits_) +
@@ -360,6 +481,13 @@ Result<std::vector<float>> Format::Values() const {
       const uint32_t mag = code & ((1u << (bits_ - 1)) - 1u);
       if (!grid_.subnormals && mag != 0 && (mag >> grid_.mbits) == 0) continue;
       values.insert(v == 0.0f ? 0.0f : v);
+    }
+  } else if (family_ == FormatFamily::kBinades) {
+    const kernels::BinadeGrid& g = *binade_grid_;
+    for (uint32_t mag = 0; mag <= g.max_code; ++mag) {
+      const float v = kernels::DecodeBinadeGrid(mag, g);
+      values.insert(v);
+      values.insert(-v);  // -0 is not inserted: it compares equal to +0
     }
   } else if (family_ == FormatFamily::kIntSymmetric) {
     const int qmax = (1 << (bits_ - 1)) - 1;

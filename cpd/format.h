@@ -1,6 +1,7 @@
 // Number formats named by spec strings, e.g. "e4m3", "e5m2:inf", "bf16", "int8:ch",
-// "uint4:minmax", "fp134:room=2", "log4", "mxfp4", "bfp8:16". See FormatSpecHelp() for the
-// grammar. A Format is an immutable value, cheap to copy and safe to share between threads.
+// "uint4:minmax", "fp134:room=2", "log4", "mxfp4", "bfp8:16", "binades:5,5,4x5,3,2,1,0". See
+// FormatSpecHelp() for the grammar. A Format is an immutable value, cheap to copy and safe to share
+// between threads.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +23,8 @@ enum class FormatFamily {
                   // fp134/fp143/fp152, log<b>, mxfp8/6/4, bfp<b>
   kIntSymmetric,  // int<b>: q in [-(2^(b-1)-1), 2^(b-1)-1], scale = max|x| / (2^(b-1)-1)
   kUintMinMax,    // uint<b>:minmax (CPT): q in [0, 2^b-1], scale = (max-min)/(2^b-1)
+  kBinades,       // binades:M0,M1,...: M_i mantissa bits in binade i from the top, under a
+                  // power-of-two shift per tensor or channel (kernels::BinadeGrid)
 };
 
 // Which elements share one scale.
@@ -59,7 +62,12 @@ class Format {
   }
   // The element grid of float formats (unscaled; fp32 is the e8m23 identity grid).
   const kernels::FloatGrid& grid() const { return grid_; }
-  // How kSharedShift formats choose their shift from a group's max |x|.
+  // The grid of kBinades formats (unscaled: top binade [1, 2)); an empty grid (count 0) for
+  // the other families.
+  const kernels::BinadeGrid& binade_grid() const;
+  // Mantissa bits per binade of kBinades formats, from the top binade down (empty otherwise).
+  std::vector<int> binade_mbits() const;
+  // How kSharedShift and kBinades formats choose their shift from a group's max |x|.
   const kernels::ShiftRule& shift_rule() const { return shift_rule_; }
   bool flush_subnormals() const { return flush_subnormals_; }  // kFloat32 with :nosub
 
@@ -81,9 +89,16 @@ class Format {
   kernels::FloatGrid grid_{};
   kernels::ShiftRule shift_rule_{0, 0, 0};
   bool flush_subnormals_ = false;
+  // Shared, so that a Format stays cheap to copy (the table is half a kilobyte).
+  std::shared_ptr<const kernels::BinadeGrid> binade_grid_;
 };
 
 // One paragraph listing every accepted spec, for --help and error messages.
 const char* FormatSpecHelp();
+
+// Splits a comma-separated list of specs. A binades list holds commas itself, so a piece that
+// starts with a digit continues the spec before it: "fp134,binades:4x7,3,2,1,0,e4m3" is three
+// specs. Empty pieces are dropped; the specs are not checked.
+std::vector<std::string> SplitFormatList(std::string_view list);
 
 }  // namespace cpd

@@ -29,7 +29,8 @@ int ThreadCount(const QuantizeOptions& opts, size_t work_items) {
   return int(std::max<size_t>(1, std::min<size_t>(size_t(t), work_items)));
 }
 
-// Per-group scale parameters: a shift for kSharedShift, a linear grid for the integer formats.
+// Per-group scale parameters: a shift for kSharedShift and kBinades, a linear grid for the
+// integer formats.
 struct Groups {
   size_t group_len = 0;  // elements per group (the last block may be shorter)
   std::vector<int> shifts;
@@ -132,6 +133,9 @@ void QuantizeChunk(const Format& format, const Groups& groups, const float* in, 
     if (format.is_float_grid()) {
       const int shift = groups.shifts.empty() ? 0 : groups.shifts[gi];
       kernels::QuantizeFloatGrid(in + b, o, c, f - b, format.grid(), shift, p, st);
+    } else if (format.family() == FormatFamily::kBinades) {
+      kernels::QuantizeBinadeGrid(in + b, o, c, f - b, format.binade_grid(), groups.shifts[gi], p,
+                                  st);
     } else {
       kernels::QuantizeLinearGrid(in + b, o, c, f - b, groups.linear[gi], p, st);
     }
@@ -142,7 +146,8 @@ void WriteMeta(const Format& format, const Groups& groups, uint8_t* dst) {
   const size_t num = groups.count();
   for (size_t gi = 0; gi < num; ++gi) {
     switch (format.family()) {
-      case FormatFamily::kSharedShift: {
+      case FormatFamily::kSharedShift:
+      case FormatFamily::kBinades: {
         const int s = groups.shifts[gi];
         // MX stores the E8M0 byte (biased by 127); the others a signed shift.
         dst[gi] = format.scope() == ScaleScope::kBlock && format.shift_rule().lo == -127
@@ -171,6 +176,7 @@ Groups ReadMeta(const Format& format, size_t n, size_t channels, const uint8_t* 
   for (size_t gi = 0; gi < num; ++gi) {
     switch (format.family()) {
       case FormatFamily::kSharedShift:
+      case FormatFamily::kBinades:
         groups.shifts.push_back(format.shift_rule().lo == -127 ? int(src[gi]) - 127
                                                                : int(int8_t(src[gi])));
         break;
@@ -310,6 +316,9 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
         const int shift = groups.shifts.empty() ? 0 : groups.shifts[gi];
         chunk_flips[c] +=
             kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(), shift, st);
+      } else if (format.family() == FormatFamily::kBinades) {
+        chunk_flips[c] += kernels::HysteresisBinadeGrid(w + b, q + b, f - b, format.binade_grid(),
+                                                        groups.shifts[gi], st);
       } else {
         chunk_flips[c] += kernels::HysteresisLinearGrid(w + b, q + b, f - b, groups.linear[gi], st);
       }
@@ -377,6 +386,9 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
         if (format.is_float_grid()) {
           const int shift = groups.shifts.empty() ? 0 : groups.shifts[gi];
           kernels::DecodeFloatGridSpan(cb, out + b, f - b, format.grid(), shift);
+        } else if (format.family() == FormatFamily::kBinades) {
+          kernels::DecodeBinadeGridSpan(cb, out + b, f - b, format.binade_grid(),
+                                        groups.shifts[gi]);
         } else {
           const LinearGrid& g = groups.linear[gi];
           for (size_t i = 0; i < f - b; ++i) {

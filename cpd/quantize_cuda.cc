@@ -154,6 +154,7 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool hysteresis) 
     case FormatFamily::kFloat:
       plan.path = Path::kFixed;
       return plan;
+    case FormatFamily::kBinades:  // per tensor or channel: never blocks
     case FormatFamily::kSharedShift:
       plan.path = format.scope() == ScaleScope::kBlock && !hysteresis &&
                           kernels::cuda::FusedBlockSupported(format.block_size())
@@ -182,12 +183,13 @@ struct ScratchLayout {
   size_t params = 0;                            // int32_t shifts[num] or LinearGrid grids[num]
   size_t reduce = 0;   // uint32_t max_bits[num], or uint64_t lo_keys[num] then hi_ord
   size_t reduce2 = 0;  // uint32_t hi_ord[num]
+  size_t binade = 0;   // kernels::BinadeGrid (binades formats)
   size_t bytes = 0;
 };
 
 size_t Align(size_t x) { return (x + 255) & ~size_t(255); }
 
-ScratchLayout MakeLayout(const Plan& plan, bool want_stats) {
+ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
   ScratchLayout l;
   size_t at = 0;
   if (want_stats) {
@@ -221,6 +223,10 @@ ScratchLayout MakeLayout(const Plan& plan, bool want_stats) {
     default:
       break;
   }
+  if (binade_table) {
+    l.binade = at;
+    at = Align(at + sizeof(kernels::BinadeGrid));
+  }
   l.bytes = at;
   return l;
 }
@@ -231,7 +237,8 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Plan plan = MakePlan(format, n, opts.channels, hysteresis);
   const bool want_stats = stats != nullptr || flips != nullptr;
-  const ScratchLayout layout = MakeLayout(plan, want_stats);
+  const bool binades = format.family() == FormatFamily::kBinades;
+  const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
 
   DeviceScratch scratch;
   if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
@@ -280,10 +287,20 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
       break;
   }
 
+  kernels::BinadeGrid* d_binade = nullptr;
+  if (binades) {
+    d_binade = reinterpret_cast<kernels::BinadeGrid*>(base + layout.binade);
+    CPD_LAUNCH_RETURN_IF_ERROR(
+        kernels::cuda::LaunchStoreBinadeGrid(format.binade_grid(), d_binade, stream));
+  }
+
   // 2. The element-wise pass (statistics fused).
   const FloatGrid& g = format.grid();
   if (hysteresis) {
-    if (format.is_float_grid()) {
+    if (binades) {
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisBinadeGrid(
+          in, out, n, d_binade, shifts, plan.apply, st, stream));
+    } else if (format.is_float_grid()) {
       CPD_LAUNCH_RETURN_IF_ERROR(
           kernels::cuda::LaunchHysteresisFloatGrid(in, out, n, g, shifts, plan.apply, st, stream));
     } else {
@@ -298,8 +315,13 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
     switch (plan.path) {
       case Path::kFixed:
       case Path::kShift:
-        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeFloatGrid(
-            in, out, n, g, shifts, plan.apply, mode, rng, st, stream));
+        if (binades) {
+          CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeBinadeGrid(
+              in, out, n, d_binade, shifts, plan.apply, mode, rng, st, stream));
+        } else {
+          CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeFloatGrid(
+              in, out, n, g, shifts, plan.apply, mode, rng, st, stream));
+        }
         break;
       case Path::kFused:
         CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeFloatBlocksFused(

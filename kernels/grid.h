@@ -2,12 +2,14 @@
 // (kernels/quantize_cpu.cc) and the CUDA kernels (kernels/cuda/quantize.cu). Everything here is
 // header-only, branch-free and host/device, so that both paths produce bit-identical results.
 //
-// Two kinds of grid:
+// Three kinds of grid:
 //  * FloatGrid: sign, X exponent bits, M mantissa bits (IEEE-like, gradual underflow). Covers
 //    eXmY, bf16/fp16, OCP FP8/FP6/FP4, and, after a power-of-two shift chosen per tensor, channel
 //    or block, the fp134 family, log<b> (M = 0), MX elements and bfp<b> (X = 1).
 //  * LinearGrid: q = clamp(round((x - offset) / scale)), value = q * scale + offset: int<b> and
 //    the min/max range quantiser of CPT.
+//  * BinadeGrid: any number of mantissa bits in each binade (binades:M0,M1,...), under a shift:
+//    fixed point, floats and float-fix hybrids as one family (Lee, Park, Jeon 2022).
 #pragma once
 
 #include <cmath>
@@ -401,6 +403,165 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
   }
   if (q_out != nullptr) *q_out = q;
   return value;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-binade grids (Lee, Park, Jeon, ICLR 2022, whose candidate formats the authors' code
+// describes this way): M_i mantissa bits in binade i, i = 0..L-1 from the top down. Unscaled,
+// binade i is [2^-i, 2^(1-i)) with the 2^M_i values (1 + k / 2^M_i) * 2^-i, k < 2^M_i; below
+// the lowest binade there is only 0, so a list ending in 0 has gradual underflow (its lowest
+// value is the one step above zero) and a list ending in M > 0 has a gap to zero.
+// Magnitude codes: 0 is zero, then the values in ascending order, so the first value of binade
+// i has code first_i = 1 + sum_{j > i} 2^M_j and the largest code is sum_i 2^M_i.
+// A float with gradual underflow is the list (M x (2^E - 1), M-1, ..., 1, 0): fp134 is
+// 4x7,3,2,1,0 with the same values and codes.
+constexpr int32_t kMaxBinades = 127;  // keeps every binade's values normal float32 numbers
+
+struct BinadeGrid {
+  int32_t count;       // L, 1..kMaxBinades
+  int32_t sign_shift;  // the sign's bit in a code: bits - 1
+  uint32_t max_bits;   // float32 bits of the largest value, 2 - 2^-M_0
+  uint32_t max_code;   // its magnitude code, sum 2^M_i
+  float quantum;       // 2^-(L-1): the lowest value, the one step above zero
+  // Binade i: M_i in bits 0..7, first_i in bits 8..31 (one 32-bit gather per element).
+  uint32_t binade[kMaxBinades];
+};
+
+CPD_HD uint32_t BinadeMbits(const BinadeGrid& g, int32_t i) { return g.binade[i] & 0xffu; }
+CPD_HD uint32_t BinadeFirstCode(const BinadeGrid& g, int32_t i) { return g.binade[i] >> 8; }
+
+// Sign bit plus enough bits for codes 0..sum 2^M_i: 1 + ceil(log2(1 + sum_i 2^M_i)); fp134's
+// list (sum 127) gives 8. `mbits` may hold up to 127 entries of 0..22 (so the sum fits).
+inline int32_t BinadeBits(const int32_t* mbits, int32_t count) {
+  uint64_t codes = 1;  // zero
+  for (int32_t i = 0; i < count; ++i) codes += uint64_t(1) << mbits[i];
+  int32_t mag_bits = 0;
+  while ((uint64_t(1) << mag_bits) < codes) ++mag_bits;
+  return 1 + mag_bits;
+}
+
+// The grid of a list the caller has checked: 1 <= count <= kMaxBinades, 0 <= mbits[i] <= 22,
+// BinadeBits(mbits, count) <= 16.
+inline BinadeGrid MakeBinadeGrid(const int32_t* mbits, int32_t count) {
+  BinadeGrid g{};
+  g.count = count;
+  g.sign_shift = BinadeBits(mbits, count) - 1;
+  uint32_t first = 1;
+  for (int32_t i = count - 1; i >= 0; --i) {
+    g.binade[i] = uint32_t(mbits[i]) | (first << 8);
+    first += 1u << mbits[i];
+  }
+  g.max_code = first - 1;
+  g.max_bits = (127u << 23) | (((1u << mbits[0]) - 1u) << (23 - mbits[0]));
+  g.quantum = Pow2(1 - count);
+  return g;
+}
+
+// Rounds y onto grid g: RoundToFloatGrid's contract (float32 bits returned, sign | magnitude
+// code in *code with the sign at bit g.sign_shift, flags as there) for a grid whose codes are
+// all finite: overflow, +-Inf and every directed mode saturate to +-max; NaN becomes +max and
+// counts as non-finite.
+//
+// Each mode rounds the significand sig of |y| as RoundToFloatGrid does, with r = the bits of
+// sig below the grid's step at |y|. Inside binade i (exponent field 127 - i) r = 23 - M_i, and a
+// carry out of the mantissa lands on the next binade's first value (or on 2, which overflows).
+// Below the lowest binade (exponent field < 128 - L) r = 23 + (128 - L) - max(exponent field, 1):
+// FloatGrid's subnormal region with quantum 2^-(L-1) and M = 0, so fp134/fp143/fp152 round
+// identically, stochastic bits included (up iff the low r bits of sig plus the top r bits of
+// rnd >> 1 carry; for r >= 32, up iff rnd < sig / 2^(r-32)).
+// Ties go to the even *code* (code_lo's parity), not to float-bit RNE's even last kept bit: in
+// a 0-bit binade that bit is the exponent's LSB, and elsewhere the mantissa's LSB is the code's
+// parity only when first_i is even (binades:3,3,3 has first_1 = 9; fp143's lowest binade has an
+// even exponent field and code 1).
+// Written with masks rather than selects on the region, which GCC would turn into branches (and
+// then not vectorise); the one table lookup per element is a gather.
+template <RoundMode kMode>
+CPD_HD uint32_t RoundToBinadeGrid(float y, const BinadeGrid& g, uint32_t rnd, uint32_t* code,
+                                  ElementFlags* flags) {
+  const uint32_t u = FloatBits(y);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u & 0x7fffffffu;
+  const int32_t exp_field = int32_t(a >> 23);
+  const int32_t low_field = 128 - g.count;  // the lowest binade's exponent field, >= 1
+  // All ones inside the binades and above them (where everything overflows), zero below.
+  const uint32_t in_mask = 0u - uint32_t(exp_field >= low_field);
+  int32_t i = 127 - exp_field;
+  i = i < 0 ? 0 : i;
+  i = i > g.count - 1 ? g.count - 1 : i;
+  const uint32_t entry = g.binade[i] & in_mask;  // below: M = 0, first code 0
+  const int32_t exp_eff = exp_field > 0 ? exp_field : 1;
+  const int32_t below = low_field - exp_eff;  // > 0 only below the lowest binade
+  const int32_t r = 23 - int32_t(entry & 0xffu) + (below > 0 ? below : 0);  // >= 1
+  const int32_t rc = r < 31 ? r : 31;
+  const uint32_t mant = a & 0x7fffffu;
+  const uint32_t sig = mant | (exp_field > 0 ? 0x800000u : 0u);
+  const uint32_t mask = (1u << rc) - 1u;
+  // Code of |y| truncated onto the grid (below the lowest binade 0: rc >= 24 clears mant).
+  const uint32_t code_lo = (entry >> 8) + (mant >> rc);
+
+  bool toward_zero;
+  if (kMode == RoundMode::kDown) {
+    toward_zero = sign == 0;
+  } else if (kMode == RoundMode::kUp) {
+    toward_zero = sign != 0;
+  } else {
+    toward_zero = kMode == RoundMode::kTowardZero;
+  }
+  uint32_t inc;
+  if (kMode == RoundMode::kNearestEven) {
+    inc = (mask >> 1) + (code_lo & 1u);  // half - 1, plus 1 when the lower code is odd
+  } else if (kMode == RoundMode::kStochastic) {
+    inc = (rnd >> 1) >> (31 - rc);  // the top rc random bits, as RoundToFloatGrid
+  } else {
+    inc = toward_zero ? 0u : mask;
+  }
+  uint32_t up = ((sig & mask) + inc) >> rc;  // the carry: 0 or 1
+  if (kMode == RoundMode::kStochastic) {
+    // Far below the smallest step (r >= 32): up with probability sig / 2^r.
+    const int32_t s = r - 32 < 31 ? r - 32 : 31;
+    const uint32_t far_up = rnd < (sig >> (s > 0 ? s : 0)) ? 1u : 0u;
+    up = r >= 32 ? far_up : up;
+  }
+  const uint32_t res_in = (a & ~mask) + (up << rc);  // a carry walks into the exponent
+  const uint32_t res_below = FloatBits(g.quantum) & (0u - up);
+  uint32_t res = (res_in & in_mask) | (res_below & ~in_mask);
+  uint32_t mag_code = code_lo + up;
+
+  // As RoundToFloatGrid for an all-finite grid. The value below the lowest binade never
+  // overflows; +-Inf and NaN inputs do (NaN's sign is cleared below).
+  const bool overflow = res > g.max_bits;
+  const bool is_inf = a == 0x7f800000u;
+  const bool is_nan = a > 0x7f800000u;
+  res = overflow ? g.max_bits : res;
+  mag_code = overflow ? g.max_code : mag_code;
+  const uint32_t out_sign = is_nan ? 0u : sign;
+  if (flags != nullptr) {
+    flags->saturated = is_inf || (!is_nan && a > g.max_bits);
+    flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
+    flags->nonfinite = is_nan || is_inf;
+  }
+  if (code != nullptr) *code = mag_code | (out_sign >> 31 << g.sign_shift);
+  return res | out_sign;
+}
+
+// Value of a code on grid g (the inverse of RoundToBinadeGrid's code). Magnitude codes above
+// max_code, which no rounding produces, decode to NaN so that corrupt input shows.
+CPD_HD float DecodeBinadeGrid(uint32_t code, const BinadeGrid& g) {
+  const uint32_t sign = (code >> g.sign_shift) & 1u;
+  const uint32_t mag = code & ((1u << g.sign_shift) - 1u);
+  // First codes fall as i grows: c = the number of binades whose first code is above mag, so
+  // mag lies in binade c (c = L: mag is 0). Seven halving steps cover L <= 127.
+  int32_t c = 0;
+  for (int32_t step = 64; step > 0; step >>= 1) {
+    const int32_t j = c + step;
+    c = j <= g.count && BinadeFirstCode(g, j - 1) > mag ? j : c;
+  }
+  const int32_t i = c < g.count ? c : g.count - 1;
+  const uint32_t m = BinadeMbits(g, i);
+  const uint32_t bits = (uint32_t(127 - i) << 23) + ((mag - BinadeFirstCode(g, i)) << (23 - m));
+  uint32_t out = c < g.count ? bits : 0u;
+  out = mag > g.max_code ? 0x7fc00000u : out;
+  return BitsFloat(out | (sign << 31));
 }
 
 }  // namespace cpd::kernels

@@ -148,6 +148,23 @@ CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, 
 }
 
 template <RoundMode kMode>
+CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
+                                   const BinadeGrid& grid, int shift, const LoopParams& p,
+                                   ElementStats* stats) {
+  const BinadeGrid g = grid;  // a local copy: the table cannot alias out or codes
+  const float down = Pow2(-shift), up = Pow2(shift);
+  const uint64_t key = p.rng_key, base = p.index_base;
+  auto round = [&g, down, up, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
+    Rounded r;
+    r.value = BitsFloat(RoundToBinadeGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
+    return r;
+  };
+  const float hi = BitsFloat(g.max_bits) * up;
+  DispatchOutputs(in, out, codes, n, -hi, hi, round, stats);
+}
+
+template <RoundMode kMode>
 CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
                                    const LinearGrid& grid, const LoopParams& p,
                                    ElementStats* stats) {
@@ -195,6 +212,28 @@ void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, c
       break;
     case RoundMode::kUp:
       FloatGridDispatch<RoundMode::kUp>(in, out, codes, n, g, shift, p, stats);
+      break;
+  }
+}
+
+CPD_CLONES
+void QuantizeBinadeGrid(const float* in, float* out, uint32_t* codes, size_t n, const BinadeGrid& g,
+                        int shift, const LoopParams& p, ElementStats* stats) {
+  switch (p.mode) {
+    case RoundMode::kNearestEven:
+      BinadeGridDispatch<RoundMode::kNearestEven>(in, out, codes, n, g, shift, p, stats);
+      break;
+    case RoundMode::kStochastic:
+      BinadeGridDispatch<RoundMode::kStochastic>(in, out, codes, n, g, shift, p, stats);
+      break;
+    case RoundMode::kTowardZero:
+      BinadeGridDispatch<RoundMode::kTowardZero>(in, out, codes, n, g, shift, p, stats);
+      break;
+    case RoundMode::kDown:
+      BinadeGridDispatch<RoundMode::kDown>(in, out, codes, n, g, shift, p, stats);
+      break;
+    case RoundMode::kUp:
+      BinadeGridDispatch<RoundMode::kUp>(in, out, codes, n, g, shift, p, stats);
       break;
   }
 }
@@ -356,6 +395,18 @@ uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid
   return HysteresisLoop(w, q, n, round, stats);
 }
 
+uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid& g, int shift,
+                              ElementStats* stats) {
+  const float down = Pow2(-shift), up = Pow2(shift);
+  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
+    const float y = x * down;
+    const uint32_t zb = up_dir ? RoundToBinadeGrid<RoundMode::kUp>(y, g, 0, nullptr, f)
+                               : RoundToBinadeGrid<RoundMode::kDown>(y, g, 0, nullptr, f);
+    return BitsFloat(zb) * up;
+  };
+  return HysteresisLoop(w, q, n, round, stats);
+}
+
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats) {
   auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
@@ -393,6 +444,14 @@ void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const Floa
                          int shift) {
   const float up = Pow2(shift);
   for (size_t i = 0; i < n; ++i) out[i] = DecodeFloatGrid(codes[i], g) * up;
+}
+
+CPD_CLONES
+void DecodeBinadeGridSpan(const uint32_t* codes, float* out, size_t n, const BinadeGrid& grid,
+                          int shift) {
+  const BinadeGrid g = grid;
+  const float up = Pow2(shift);
+  for (size_t i = 0; i < n; ++i) out[i] = DecodeBinadeGrid(codes[i], g) * up;
 }
 
 }  // namespace cpd::kernels

@@ -51,6 +51,15 @@ uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats);
 
+// Per-binade grids (binades:M0,M1,...): QuantizeFloatGrid, HysteresisFloatGrid and
+// DecodeFloatGridSpan on a BinadeGrid, with the same shift convention.
+void QuantizeBinadeGrid(const float* in, float* out, uint32_t* codes, size_t n, const BinadeGrid& g,
+                        int shift, const LoopParams& p, ElementStats* stats);
+uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid& g, int shift,
+                              ElementStats* stats);
+void DecodeBinadeGridSpan(const uint32_t* codes, float* out, size_t n, const BinadeGrid& g,
+                          int shift);
+
 // Reductions used to choose scales. NaN is ignored; Inf is ignored by the *Finite variants.
 float MaxAbsFinite(const float* x, size_t n);
 void MinMaxFinite(const float* x, size_t n, float* min_out, float* max_out);

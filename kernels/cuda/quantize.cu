@@ -195,6 +195,33 @@ struct FloatGridOp {
   }
 };
 
+// A per-binade grid (table in device memory) under a power-of-two shift per group.
+template <RoundMode kMode>
+struct BinadeGridOp {
+  static constexpr bool kReadsOut = false;
+  const BinadeGrid* g;
+  const int32_t* shifts;
+  uint64_t group_len;  // 0: one group
+  uint64_t key, index_base;
+  float down0, up0;
+
+  __device__ __forceinline__ void Init() {
+    down0 = Pow2(-shifts[0]);
+    up0 = Pow2(shifts[0]);
+  }
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, ElementFlags* f) const {
+    float down = down0, up = up0;
+    if (group_len != 0) {
+      const int32_t s = shifts[GroupOf(i, group_len)];
+      down = Pow2(-s);
+      up = Pow2(s);
+    }
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    const uint32_t zb = RoundToBinadeGrid<kMode>(__fmul_rn(x, down), *g, rnd, nullptr, f);
+    return ScaleBack(zb, up);
+  }
+};
+
 template <RoundMode kMode>
 struct LinearGridOp {
   static constexpr bool kReadsOut = false;
@@ -225,6 +252,24 @@ struct FloatHysteresisOp {
     const float y = __fmul_rn(x, Pow2(-s));
     const uint32_t zb = x < prev ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0u, nullptr, f)
                                  : RoundToFloatGrid<RoundMode::kDown>(y, g, 0u, nullptr, f);
+    return ScaleBack(zb, Pow2(s));
+  }
+};
+
+// kernels::HysteresisBinadeGrid.
+struct BinadeHysteresisOp {
+  static constexpr bool kReadsOut = true;
+  const BinadeGrid* g;
+  const int32_t* shifts;
+  uint64_t group_len;
+  int32_t shift0;
+
+  __device__ __forceinline__ void Init() { shift0 = shifts[0]; }
+  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, ElementFlags* f) const {
+    const int32_t s = group_len == 0 ? shift0 : shifts[GroupOf(i, group_len)];
+    const float y = __fmul_rn(x, Pow2(-s));
+    const uint32_t zb = x < prev ? RoundToBinadeGrid<RoundMode::kUp>(y, *g, 0u, nullptr, f)
+                                 : RoundToBinadeGrid<RoundMode::kDown>(y, *g, 0u, nullptr, f);
     return ScaleBack(zb, Pow2(s));
   }
 };
@@ -510,6 +555,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   if constexpr (kStats) BlockStatsToPartial(acc, partials);
 }
+
+// One thread copies the grid from the kernel's parameter space to device memory.
+__global__ void store_binade_grid_kernel(const BinadeGrid g, BinadeGrid* dst) { *dst = g; }
 
 // Sums the per-block partials in block order (lane l takes blocks l, l + 32, ...; then a fixed
 // shuffle tree). One warp.
@@ -800,6 +848,35 @@ CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const 
   if (!r.ok()) return r;
   return LaunchElementwise(LinearHysteresisOp{grids, groups.group_len, LinearGrid{}}, w, q, n,
                            stats, AsStream(stream));
+}
+
+CudaResult LaunchStoreBinadeGrid(const BinadeGrid& g, BinadeGrid* d_grid, void* stream) {
+  CPD_LAUNCH_REQUIRE(d_grid != nullptr, "null buffer");
+  store_binade_grid_kernel<<<1, 1, 0, AsStream(stream)>>>(g, d_grid);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const BinadeGrid* d_grid,
+                                    const int32_t* shifts, GroupLayout groups, RoundMode mode,
+                                    RandomParams rng, StatsTarget stats, void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
+                     "binade grids need the grid and the shifts");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return DispatchMode<BinadeGridOp>(mode, in, out, n, stats, AsStream(stream), d_grid, shifts,
+                                    groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
+}
+
+CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
+                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
+                                      void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
+                     "binade grids need the grid and the shifts");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return LaunchElementwise(BinadeHysteresisOp{d_grid, shifts, groups.group_len, 0}, w, q, n, stats,
+                           AsStream(stream));
 }
 
 }  // namespace cpd::kernels::cuda

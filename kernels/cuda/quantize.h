@@ -120,4 +120,21 @@ CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const F
 CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
                                       GroupLayout groups, StatsTarget stats, void* stream);
 
+// ---- Per-binade grids (binades:M0,M1,...) --------------------------------------------------
+
+// The element kernels read a BinadeGrid's table from device memory: this copies g, passed as a
+// kernel parameter (so no host buffer has to outlive the call), to d_grid in stream order.
+CudaResult LaunchStoreBinadeGrid(const BinadeGrid& g, BinadeGrid* d_grid, void* stream);
+
+// out[i] = RoundToBinadeGrid(in[i] * 2^-s) * 2^s, s = shifts[group of i] (shifts required).
+// Modes: kNearestEven, kStochastic, kTowardZero.
+CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const BinadeGrid* d_grid,
+                                    const int32_t* shifts, GroupLayout groups, RoundMode mode,
+                                    RandomParams rng, StatsTarget stats, void* stream);
+
+// kernels::HysteresisBinadeGrid: q holds the previous quantised values on entry.
+CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
+                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
+                                      void* stream);
+
 }  // namespace cpd::kernels::cuda

@@ -44,6 +44,15 @@ const std::vector<std::string>& CodecSpecs() {
   return specs;
 }
 
+// Per-binade lists: a float, a gapped list per channel, a 9-bit hybrid, the 2-bit list and a
+// 16-bit one.
+const std::vector<std::string>& BinadeCodecSpecs() {
+  static const std::vector<std::string> specs = {"binades:4x7,3,2,1,0", "binades:3,3,3:ch",
+                                                 "binades:5,5,4x5,3,2,1,0:room=0", "binades:0",
+                                                 "binades:14,13:room=3"};
+  return specs;
+}
+
 // Inputs with a spread of magnitudes (so that groups get different scales), exact zeros,
 // subnormals, and (every 97th element) a non-finite value.
 std::vector<float> CodecInputs(size_t n, uint64_t seed) {
@@ -94,7 +103,9 @@ void PrintTo(const CodecCase& c, std::ostream* os) { *os << c.spec << " n=" << c
 
 std::vector<CodecCase> CodecCases() {
   std::vector<CodecCase> cases;
-  for (const std::string& s : CodecSpecs()) {
+  std::vector<std::string> specs = CodecSpecs();
+  specs.insert(specs.end(), BinadeCodecSpecs().begin(), BinadeCodecSpecs().end());
+  for (const std::string& s : specs) {
     for (size_t n : {size_t(0), size_t(1), size_t(7), size_t(33), size_t(65536 + 13)}) {
       cases.push_back({s, n});
     }
@@ -196,7 +207,16 @@ TEST(Codec, OddWidthsAreDenselyPacked) {
       {"e3m2", 6},  {"e2m1", 4},         {"e4m0", 5}, {"e5m10", 16}, {"bfp3:5", 3},
       {"int7", 7},  {"uint5:minmax", 5}, {"log5", 5}, {"fp32", 32},  {"e8m1", 10},
       {"e6m9", 16}, {"log2", 2},         {"int2", 2}, {"e2m0", 3},   {"e3m3:nosub", 7}};
+  const std::pair<const char*, int> binade_widths[] = {{"binades:3,3,3", 6},
+                                                       {"binades:5,5,4x5,3,2,1,0", 9},
+                                                       {"binades:0", 2},
+                                                       {"binades:14,13", 16}};
   for (const auto& [spec, bits] : widths) {
+    const Format f = MustParse(spec);
+    EXPECT_EQ(f.bits(), bits) << spec;
+    EXPECT_EQ(PackedCodeBytes(f, 1000), (1000u * bits + 7) / 8) << spec;
+  }
+  for (const auto& [spec, bits] : binade_widths) {
     const Format f = MustParse(spec);
     EXPECT_EQ(f.bits(), bits) << spec;
     EXPECT_EQ(PackedCodeBytes(f, 1000), (1000u * bits + 7) / 8) << spec;
@@ -296,6 +316,20 @@ TEST(Codec, MetadataHoldsTheGroupScales) {
     const Format g = MustParse("fp134:room=-2");
     ASSERT_TRUE(Encode(g, x.data(), x.size(), {}, &p).ok());
     EXPECT_EQ(int8_t(p.bytes[2]), -3);
+  }
+  {
+    // binades (room 1): the signed shift floor(log2 max|x|) + 1, per channel with :ch.
+    const Format f = MustParse("binades:3,3,3:ch");
+    const std::vector<float> x = {0.75f, -0.1f, 1e-30f, 40.0f};
+    QuantizeOptions o;
+    o.channels = 2;
+    PackedTensor p;
+    ASSERT_TRUE(Encode(f, x.data(), x.size(), o, &p).ok());
+    ASSERT_EQ(p.bytes.size(), 3u + 2u);  // four 6-bit codes, two shift bytes
+    EXPECT_EQ(int8_t(p.bytes[3]), 0);
+    EXPECT_EQ(int8_t(p.bytes[4]), 6);
+    // 0.75 = 1.5 * 2^-1: binade 1 of a 3,3,3 grid at shift 0, code 9 + 4.
+    EXPECT_EQ(p.bytes[0] & 0x3f, 13);
   }
 }
 

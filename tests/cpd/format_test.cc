@@ -98,6 +98,31 @@ std::vector<InfoCase> InfoCases() {
       {"bfp3:5", "bfp3:5", F::kSharedShift, S::kBlock, 3, 1.5, 1, 0.5, 7, 5},
       {"bfp16:1", "bfp16:1", F::kSharedShift, S::kBlock, 16, 2 - P2(-14), 1, P2(-14), 65535, 1},
       {"bfp8:65536", "bfp8:65536", F::kSharedShift, S::kBlock, 8, 1.984375, 1, P2(-6), 255, 65536},
+      // Per-binade lists, top binade [1, 2): 2 * sum 2^M_i + 1 values; "normal" is the top run
+      // of binades with the top's mantissa bits, "subnormal" anything below it.
+      {"binades:4,4,4,4,4,4,4,3,2,1,0", "binades:4x7,3,2,1,0", F::kBinades, S::kTensor, 8, 1.9375,
+       P2(-6), P2(-10), 255, 0},
+      {"binades:4x7,3,2,1,0:room=1", "binades:4x7,3,2,1,0", F::kBinades, S::kTensor, 8, 1.9375,
+       P2(-6), P2(-10), 255, 0},
+      {"binades:4x7,3,2,1,0:ch:room=2", "binades:4x7,3,2,1,0:room=2:ch", F::kBinades, S::kChannel,
+       8, 1.9375, P2(-6), P2(-10), 255, 0},
+      {"binades:3x15,2,1,0", "binades:3x15,2,1,0", F::kBinades, S::kTensor, 8, 1.875, P2(-14),
+       P2(-17), 255, 0},
+      {"binades:2x31,1,0:room=-3", "binades:2x31,1,0:room=-3", F::kBinades, S::kTensor, 8, 1.75,
+       P2(-30), P2(-32), 255, 0},
+      {"binades:6,5,4,3,2,1,0", "binades:6,5,4,3,2,1,0", F::kBinades, S::kTensor, 8, 2 - P2(-6), 1,
+       P2(-6), 255, 0},
+      {"binades:5,5,4x5,3,2,1,0:room=0", "binades:5,5,4x5,3,2,1,0:room=0", F::kBinades, S::kTensor,
+       9, 2 - P2(-5), 0.5, P2(-10), 319, 0},
+      {"binades:3,3,3", "binades:3x3", F::kBinades, S::kTensor, 6, 1.875, 0.25, 0, 49, 0},
+      {"binades:0", "binades:0", F::kBinades, S::kTensor, 2, 1, 1, 0, 3, 0},
+      {"binades:0,0,0,0,0,0,0:room=0:ch", "binades:0x7:room=0:ch", F::kBinades, S::kChannel, 4, 1,
+       P2(-6), 0, 15, 0},
+      {"binades:0x127", "binades:0x127", F::kBinades, S::kTensor, 8, 1, P2(-126), 0, 255, 0},
+      {"binades:1,1x3,0x2,0", "binades:1x4,0x3", F::kBinades, S::kTensor, 5, 1.5, P2(-3), P2(-6),
+       23, 0},
+      {"binades:14,13", "binades:14,13", F::kBinades, S::kTensor, 16, 2 - P2(-14), 1, P2(-1), 49153,
+       0},
   };
 }
 
@@ -127,8 +152,9 @@ TEST_P(FormatInfoTest, ParsesWithTheRightInfo) {
   EXPECT_EQ(again->bits(), f.bits());
   EXPECT_EQ(again->Info().max_finite, info.max_finite);
   EXPECT_EQ(again->Info().distinct_finite, info.distinct_finite);
-  // Metadata: shared shifts one byte, int<b> a float scale, uint<b> min and scale.
-  const size_t meta = c.family == FormatFamily::kSharedShift    ? 1
+  // Metadata: shared shifts (binades too) one byte, int<b> a float scale, uint<b> min and scale.
+  const size_t meta = c.family == FormatFamily::kSharedShift || c.family == FormatFamily::kBinades
+                          ? 1
                       : c.family == FormatFamily::kIntSymmetric ? 4
                       : c.family == FormatFamily::kUintMinMax   ? 8
                                                                 : 0;
@@ -232,7 +258,24 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"mxfp4:ch", "does not apply"}, BadCase{"log4:ch", "does not apply"},
         BadCase{"e1m0", "no nonzero finite value"},
         BadCase{"e1m2:nosub", "no nonzero finite value"}, BadCase{"E4M3", "unknown format name"},
-        BadCase{"e4m3 ", "unknown format name"}),
+        BadCase{"e4m3 ", "unknown format name"},
+        // binades:M0,M1,...
+        BadCase{"binades", "needs a list of mantissa bits"},
+        BadCase{"binades:", "needs a list of mantissa bits"},
+        BadCase{"binades:room=2", "binades entry 'room=2' is not M"},
+        BadCase{"binades:4,,3", "binades entry '' is not M"},
+        BadCase{"binades:4,a", "binades entry 'a' is not M"},
+        BadCase{"binades:04", "binades entry '04' is not M"},
+        BadCase{"binades:4x", "binades entry '4x' is not M"},
+        BadCase{"binades:x4", "binades entry 'x4' is not M"},
+        BadCase{"binades:23", "mantissa bits must be 0..22"},
+        BadCase{"binades:-1", "mantissa bits must be 0..22"},
+        BadCase{"binades:0x0", "repeat count K must be 1..127"},
+        BadCase{"binades:0x128", "repeat count K must be 1..127"},
+        BadCase{"binades:0x100,0x28", "1..127 binades"}, BadCase{"binades:15", "needs 17 bits"},
+        BadCase{"binades:3x9,22", "needs 24 bits"}, BadCase{"binades:4:inf", "does not apply"},
+        BadCase{"binades:4:16", "does not apply"}, BadCase{"binades:4:room=9", "room"},
+        BadCase{"binades:4:ch:ch", "given twice"}, BadCase{"Binades:4", "unknown format name"}),
     [](const ::testing::TestParamInfo<BadCase>& info) {
       return "Bad" + std::to_string(info.index);
     });
@@ -241,10 +284,24 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(FormatParse, HelpMentionsEveryFamily) {
   const std::string help = FormatSpecHelp();
   for (const char* word :
-       {"fp32",  "bf16",   "fp16",           "eXmY",  "e4m3",   "e5m2",  "e3m2",   "e2m3",
-        "e2m1",  "int<b>", "uint<b>:minmax", "fp134", "fp143",  "fp152", "log<b>", "mxfp8",
-        "mxfp6", "mxfp4",  "bfp<b>",         ":inf",  ":nosub", ":sat"}) {
+       {"fp32",  "bf16",   "fp16",           "eXmY",  "e4m3",   "e5m2",  "e3m2",    "e2m3",
+        "e2m1",  "int<b>", "uint<b>:minmax", "fp134", "fp143",  "fp152", "log<b>",  "mxfp8",
+        "mxfp6", "mxfp4",  "bfp<b>",         ":inf",  ":nosub", ":sat",  "binades:"}) {
     EXPECT_NE(help.find(word), std::string::npos) << word;
+  }
+}
+
+// Lists of specs split at commas, except inside a binades list.
+TEST(FormatParse, SplitFormatList) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(SplitFormatList("fp134,binades:4x7,3,2,1,0,e4m3"),
+            (V{"fp134", "binades:4x7,3,2,1,0", "e4m3"}));
+  EXPECT_EQ(SplitFormatList("binades:6,5,4,3,2,1,0:ch,binades:3,3,3:room=0,bfp8:16"),
+            (V{"binades:6,5,4,3,2,1,0:ch", "binades:3,3,3:room=0", "bfp8:16"}));
+  EXPECT_EQ(SplitFormatList(",e4m3,,int8,"), (V{"e4m3", "int8"}));
+  EXPECT_EQ(SplitFormatList(""), V{});
+  for (const std::string& s : SplitFormatList("binades:4x7,3,2,1,0:room=2,log4")) {
+    EXPECT_TRUE(Format::Parse(s).ok()) << s;
   }
 }
 
@@ -258,6 +315,8 @@ TEST(FormatParse, NumGroups) {
   EXPECT_EQ(MustParse("mxfp4").num_groups(65, 1), 3u);
   EXPECT_EQ(MustParse("bfp4:7").num_groups(15, 1), 3u);
   EXPECT_EQ(MustParse("bfp4:7").num_groups(0, 1), 0u);
+  EXPECT_EQ(MustParse("binades:3,3,3").num_groups(100, 5), 1u);
+  EXPECT_EQ(MustParse("binades:3,3,3:ch").num_groups(100, 5), 5u);
 }
 
 // A number written with leading zeros is the same number: "e04m3" is either rejected or the

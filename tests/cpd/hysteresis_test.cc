@@ -136,7 +136,9 @@ INSTANTIATE_TEST_SUITE_P(
         // log4 with a max element 1 (shift 0): grid 0, 2^-6 .. 2^-1, 1.
         WalkCase{"log4", 1.0, 1.0f, {0.05, 0.9, 0.02, 0.6}, 1.0 / 256, 3},
         // A shared-exponent format with a fixed anchor: fp134, shift 1.
-        WalkCase{"fp134", 2.0, 1.5f, {0.2, 1.2, -0.3, 0.5}, 1.0 / 512, 3}));
+        WalkCase{"fp134", 2.0, 1.5f, {0.2, 1.2, -0.3, 0.5}, 1.0 / 512, 3},
+        // A gapped per-binade grid at shift 0: 0, then 0.25 .. 1.875 in steps of 2^-5..2^-3.
+        WalkCase{"binades:3,3,3:room=0", 1.0, 1.5f, {0.05, 0.9, 0.02, 0.6}, 1.0 / 256, 3}));
 
 // Explicit numbers for e4m3: from 2.6 (held 2.5) the value stays 2.5 down to just above 2.25,
 // where rounding to nearest would already give 2.25, and flips to 2.25 at 2.25.
@@ -178,7 +180,8 @@ TEST(Hysteresis, E4m3ExplicitSteps) {
 // The flip count over a large tensor equals the number of elements that changed, for 1 and 2
 // threads alike, and the results do not depend on the thread count.
 TEST(Hysteresis, FlipCountAndThreadsOnLargeTensors) {
-  for (const char* spec : {"e4m3", "int8", "log4", "mxfp4", "bfp4:7", "uint4:minmax"}) {
+  for (const char* spec :
+       {"e4m3", "int8", "log4", "mxfp4", "bfp4:7", "uint4:minmax", "binades:5,5,4x5,3,2,1,0"}) {
     const Format f = MustParse(spec);
     const size_t n = 3 * 65536 + 77;
     std::mt19937_64 rng(3);

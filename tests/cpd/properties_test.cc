@@ -41,6 +41,15 @@ const std::vector<std::string>& AllSpecs() {
   return specs;
 }
 
+// Per-binade lists (binades:M0,M1,...): a float, fixed point per channel, a 9-bit hybrid, a list
+// with a gap to zero and room 2, and log4's grid.
+const std::vector<std::string>& BinadeSpecs() {
+  static const std::vector<std::string> specs = {"binades:4x7,3,2,1,0", "binades:6,5,4,3,2,1,0:ch",
+                                                 "binades:5,5,4x5,3,2,1,0:room=0",
+                                                 "binades:3,3,3:room=2", "binades:0x7:room=0:ch"};
+  return specs;
+}
+
 std::string TestName(const ::testing::TestParamInfo<std::string>& info) {
   std::string name = info.param;
   for (char& ch : name) {
@@ -117,6 +126,8 @@ float Anchor(const Format& f, int k) {
       return float((1 << (f.bits() - 1)) - 1) * std::ldexp(1.0f, k);
     case FormatFamily::kUintMinMax:
       return float((1 << f.bits()) - 1) * std::ldexp(1.0f, k);
+    case FormatFamily::kBinades:
+      return std::ldexp(1.0f, k);  // the first value of binade `room` at shift k + room
     default:
       return f.grid().mbits == 0 ? std::ldexp(1.0f, k) : 1.5f * std::ldexp(1.0f, k);
   }
@@ -462,6 +473,7 @@ TEST_P(PropertyTest, StatisticsMatchADirectCount) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllFamilies, PropertyTest, ::testing::ValuesIn(AllSpecs()), TestName);
+INSTANTIATE_TEST_SUITE_P(Binades, PropertyTest, ::testing::ValuesIn(BinadeSpecs()), TestName);
 
 // ---- The set of outputs is exactly the format's values ---------------------------------------
 class DistinctValuesTest : public ::testing::TestWithParam<std::string> {};
@@ -594,7 +606,10 @@ INSTANTIATE_TEST_SUITE_P(
         SrCase{"uint4:minmax", 7.3f, 7.0f, 8.0f, 15.0f, 1000, 0.0f},
         SrCase{"mxfp4", 2.4f, 2.0f, 3.0f, 6.0f, 32}, SrCase{"bfp4:7", 0.6f, 0.5f, 0.75f, 1.0f, 7},
         SrCase{"log4", 0.3f, 0.25f, 0.5f, 1.0f, 1000},
-        SrCase{"fp134", 0.3f, 0.296875f, 0.3125f, 1.5f, 1000}),
+        SrCase{"fp134", 0.3f, 0.296875f, 0.3125f, 1.5f, 1000},
+        SrCase{"binades:3,3,3:room=0", 0.3f, 0.28125f, 0.3125f, 1.5f, 1000},
+        SrCase{"binades:3,3,3:room=0", 0.1f, 0.0f, 0.25f, 1.5f, 1000},  // in the gap to zero
+        SrCase{"binades:6,5,4,3,2,1,0", -0.3f, -0.28125f, -0.3125f, 1.5f, 1000}),
     [](const ::testing::TestParamInfo<SrCase>& info) {
       return "Case" + std::to_string(info.index);
     });

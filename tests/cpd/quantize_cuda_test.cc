@@ -160,6 +160,10 @@ const char* const kFormats[] = {
     "fp152:room=2", "e4m3:inf",
 };
 
+// Per-binade lists (the table in device memory, shifts per tensor or channel).
+const char* const kBinadeFormats[] = {"binades:4x7,3,2,1,0", "binades:5,5,4x5,3,2,1,0:room=0:ch",
+                                      "binades:3,3,3:room=2"};
+
 const size_t kSizes[] = {0, 1, 1000, (size_t(1) << 20) + 3};
 
 using Param = std::tuple<const char*, Rounding>;
@@ -237,6 +241,12 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest,
                                                               Rounding::kStochastic,
                                                               Rounding::kZero)),
                          ParamName);
+INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaTest,
+                         ::testing::Combine(::testing::ValuesIn(kBinadeFormats),
+                                            ::testing::Values(Rounding::kNearest,
+                                                              Rounding::kStochastic,
+                                                              Rounding::kZero)),
+                         ParamName);
 
 // Groups whose scale comes from degenerate data: all zeros of both signs (uint minmax takes the
 // zero the CPU picks as its offset, and a zero scale maps everything to it), no finite element,
@@ -306,6 +316,8 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaDegenerateTest,
                                            "int8:ch", "fp134:ch", "log4", "bfp8:16", "bfp6:24",
                                            "mxfp4"),
                          SpecName);
+INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaDegenerateTest,
+                         ::testing::Values("binades:3,3,3:ch", "binades:0x7:room=0:ch"), SpecName);
 
 // Hysteresis: q starts from a quantisation of a perturbed copy of w, then both paths update it.
 class QuantizeHysteresisCudaTest : public ::testing::TestWithParam<const char*> {};
@@ -348,6 +360,9 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
                          ::testing::Values("e4m3", "bf16", "fp134", "fp143:ch", "log4", "int8",
                                            "int4:ch", "uint4:minmax", "mxfp8", "bfp8:16", "e2m1"),
+                         SpecName);
+INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeHysteresisCudaTest,
+                         ::testing::Values("binades:5,5,4x5,3,2,1,0:ch", "binades:3,3,3:room=2"),
                          SpecName);
 
 class QuantizeCudaArgumentsTest : public ::testing::TestWithParam<const char*> {};

@@ -148,6 +148,55 @@ TEST(CpdQuantQuantize, SameFloatsAsTheLibrary) {
   }
 }
 
+// Per-binade specs: info in canonical spelling, --list equal to Values(), quantize equal to the
+// library (and, for fp134's list, to fp134).
+TEST(CpdQuantBinades, InfoListAndQuantize) {
+  const RunResult info = RunCli({"info", "binades:4,4,4,4,4,4,4,3,2,1,0:ch"});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_EQ(Field(info.out, "format"), "binades:4x7,3,2,1,0:ch");
+  EXPECT_EQ(Field(info.out, "bits"), "8");
+  EXPECT_EQ(Field(info.out, "max finite"), "1.9375");
+  EXPECT_EQ(Field(info.out, "min normal"), "0.015625 (2^-6)");
+  EXPECT_EQ(Field(info.out, "min subnormal"), "0.0009765625 (2^-10)");
+  EXPECT_EQ(Field(info.out, "distinct finite"), "255");
+  EXPECT_NE(Field(info.out, "scale").find("channel"), std::string::npos);
+  const RunResult hybrid = RunCli({"info", "binades:5,5,4x5,3,2,1,0"});
+  ASSERT_EQ(hybrid.exit_code, 0) << hybrid.err;
+  EXPECT_EQ(Field(hybrid.out, "bits"), "9");
+  EXPECT_EQ(Field(hybrid.out, "distinct finite"), "319");
+
+  const RunResult list = RunCli({"info", "binades:3,3,3:room=0", "--list"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  std::istringstream in(list.out.substr(list.out.find("values:\n") + 8));
+  std::vector<float> values;
+  std::string line;
+  while (std::getline(in, line)) values.push_back(std::stof(line));
+  EXPECT_EQ(values, *MustParse("binades:3,3,3").Values());
+  EXPECT_EQ(values.size(), 49u);
+
+  const std::vector<float> x = Concat(RandomInputs(100000, 9, -20, 3, 1.9375f),
+                                      {0.0f, -0.0f, 1e30f, -1e30f, 0.0009765625f, NAN});
+  for (const char* rounding : {"nearest", "stochastic"}) {
+    const RunResult a = RunCli({"quantize", "--format", "binades:4x7,3,2,1,0:room=0", "--rounding",
+                                rounding, "--seed", "4"},
+                               ToBytes(x));
+    const RunResult b =
+        RunCli({"quantize", "--format", "fp134:room=0", "--rounding", rounding, "--seed", "4"},
+               ToBytes(x));
+    ASSERT_EQ(a.exit_code, 0) << a.err;
+    ASSERT_EQ(b.exit_code, 0) << b.err;
+    EXPECT_TRUE(a.out == b.out) << rounding << ": binades and fp134 differ";
+    QuantizeOptions o;
+    o.rounding = *ParseRounding(rounding);
+    o.seed = 4;
+    const std::vector<float> want = Q(MustParse("binades:4x7,3,2,1,0:room=0"), x, o);
+    EXPECT_TRUE(a.out == ToBytes(want)) << rounding << ": cli and library differ";
+  }
+  const RunResult bad = RunCli({"info", "binades:4,23"});
+  ExpectUsageError(bad, "info binades:4,23");
+  EXPECT_NE(bad.err.find("mantissa bits must be 0..22"), std::string::npos) << bad.err;
+}
+
 TEST(CpdQuantQuantize, RoundingSeedStepAndChannelsArePassedOn) {
   std::vector<float> x(4096);
   std::mt19937 rng(1);

@@ -2,6 +2,7 @@
 //
 //   cpd-quant info SPEC [--list]
 //   cpd-quant quantize --format SPEC [--rounding nearest|stochastic|zero] [--seed N] [--stats]
+//   cpd-quant candidates [--bits 8,7,6] [--specs]
 //
 // Errors (bad spec, truncated input) print one line to stderr, nothing to stdout, and exit 2.
 #include <unistd.h>
@@ -13,10 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "cpd/candidates.h"
 #include "cpd/config.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 #include "launcher/cli.h"
+#include "launcher/common.h"
 
 namespace {
 
@@ -118,6 +121,36 @@ int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t s
   return 0;
 }
 
+// The candidate formats of a data-format search (cpd/candidates.h states the rules): a table of
+// bits, family, name, range and spec, or (--specs) one spec per line for --candidates-file.
+int RunCandidates(const std::string& bits_list, bool specs_only) {
+  std::vector<cpd::BinadeCandidate> all;
+  for (const std::string& b : cpd::launcher::SplitCommas(bits_list)) {
+    char* end = nullptr;
+    const long n = std::strtol(b.c_str(), &end, 10);
+    if (b.empty() || *end != '\0') Fail("--bits: '" + b + "' is not a whole number");
+    auto list = cpd::EnumerateBinadeCandidates(int(n));
+    if (!list.ok()) Fail("--bits: " + list.status().message());
+    all.insert(all.end(), list->begin(), list->end());
+  }
+  if (all.empty()) Fail("--bits: no bit width given");
+  if (specs_only) {
+    for (const auto& c : all) std::printf("%s\n", c.spec.c_str());
+    return 0;
+  }
+  std::printf("%4s  %-7s %-24s %8s %9s  %s\n", "bits", "family", "name", "binades",
+              "range", "spec");
+  for (const auto& c : all) {
+    const cpd::FormatInfo info = cpd::Format::Parse(c.spec)->Info();
+    const double lowest = info.min_subnormal > 0 ? info.min_subnormal : info.min_normal;
+    std::printf("%4d  %-7s %-24s %8zu %7.1f b  %s\n", c.bits, c.family.c_str(),
+                c.name.size() > 24 ? (c.name.substr(0, 21) + "...").c_str() : c.name.c_str(),
+                c.mbits.size(), std::log2(info.max_finite / lowest), c.spec.c_str());
+  }
+  std::printf("%zu candidates\n", all.size());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,9 +190,20 @@ int main(int argc, char** argv) {
   quant->add_flag("--stats", stats,
                   "Print statistics (max|x|, saturated, flushed, error) to stderr");
 
+  std::string bits_list = "8,7,6";
+  bool specs_only = false;
+  CLI::App* cand = app.add_subcommand(
+      "candidates",
+      "List the candidate formats of a data-format search (per-binade lists under an exact code "
+      "budget; the rules are in cpd/candidates.h and the README)");
+  cand->add_option("--bits", bits_list, "Comma-separated widths, each 2..16")
+      ->capture_default_str();
+  cand->add_flag("--specs", specs_only, "Print only the specs, one per line");
+
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, "cpd-quant"); code >= 0) {
     return code;
   }
   if (info->parsed()) return RunInfo(info_spec, list);
+  if (cand->parsed()) return RunCandidates(bits_list, specs_only);
   return RunQuantize(spec, rounding, seed, step, channels, threads, stats);
 }

@@ -15,6 +15,8 @@
 #include <set>
 #include <sstream>
 
+#include "cpd/candidates.h"
+
 namespace cpd::runtime {
 
 namespace {
@@ -304,6 +306,8 @@ std::string CandidateFamily(const Format& f) {
       return "int";
     case FormatFamily::kUintMinMax:
       return "uint";
+    case FormatFamily::kBinades:
+      return BinadeFamily(f.binade_mbits());
   }
   return "?";
 }

@@ -197,6 +197,26 @@ TEST(CpdQuantBinades, InfoListAndQuantize) {
   EXPECT_NE(bad.err.find("mantissa bits must be 0..22"), std::string::npos) << bad.err;
 }
 
+// candidates: the enumerator's lists, as a table and as specs that parse back to themselves.
+TEST(CpdQuantCandidates, TableAndSpecs) {
+  const RunResult table = RunCli({"candidates", "--bits", "8,6"});
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("148 candidates"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("fp134"), std::string::npos);
+  EXPECT_NE(table.out.find("binades:4x7,3,2,1,0"), std::string::npos);
+  const RunResult specs = RunCli({"candidates", "--bits", "7", "--specs"});
+  ASSERT_EQ(specs.exit_code, 0) << specs.err;
+  std::istringstream in(specs.out);
+  int n = 0;
+  for (std::string line; std::getline(in, line); ++n) {
+    EXPECT_EQ(MustParse(line).spec(), line);
+    EXPECT_EQ(MustParse(line).bits(), 7) << line;
+  }
+  EXPECT_EQ(n, 58);
+  ExpectUsageError(RunCli({"candidates", "--bits", "8,x"}), "candidates --bits 8,x");
+  ExpectUsageError(RunCli({"candidates", "--bits", "17"}), "candidates --bits 17");
+}
+
 TEST(CpdQuantQuantize, RoundingSeedStepAndChannelsArePassedOn) {
   std::vector<float> x(4096);
   std::mt19937 rng(1);

@@ -1,0 +1,369 @@
+// cpd-format-search: ranks candidate number formats for a trained model by the gradient-angle
+// indicator of Lee, Park and Jeon (ICLR 2022): how far quantising the activations (A), the
+// errors (E) or both to a format turns the weight gradients, averaged over N mini-batches.
+// Under mpirun/srun the candidates are split over the ranks; rank 0 gathers the results, prints
+// the ranked table and writes PREFIX.csv, PREFIX.json and PREFIX.png (and, while it runs,
+// PREFIX.partial.csv, from which --resume continues an interrupted search).
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cpd/candidates.h"
+#include "cpd/config.h"
+#include "cpd/format.h"
+#include "kernels/grid.h"
+#include "launcher/cli.h"
+#include "launcher/common.h"
+#include "launcher/files.h"
+#include "launcher/world.h"
+#include "runtime/nn/models.h"
+#include "runtime/search/format_search.h"
+#include "runtime/train/checkpointer.h"
+#include "runtime/train/data.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace {
+
+using cpd::Status;
+using cpd::launcher::kUsageError;
+using cpd::runtime::CandidateResult;
+using cpd::runtime::SiteSet;
+
+constexpr const char* kTool = "cpd-format-search";
+
+[[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
+  cpd::launcher::FailWith(kTool, msg, code);
+}
+
+struct Flags {
+  std::string checkpoint, arch = "lenet5", dataset = "fashion-mnist", data_dir;
+  std::vector<std::string> formats;
+  std::string bits, candidates_file;
+  std::string sites = "A,E,A+E";
+  std::string a_rounding = "nearest", e_rounding = "nearest", keep_fp32;
+  int64_t batches = 100, batch_size = 128;
+  int group = 8, threads = 0, top = 20;
+  uint64_t seed = 1;
+  std::string device = "auto", comm = "auto", out;
+  bool resume = false, no_plot = false, no_progress = false;
+};
+
+void AddFlags(CLI::App* app, Flags* f) {
+  app->add_option("--checkpoint", f->checkpoint, "A cpd-train checkpoint of the trained model")
+      ->required();
+  app->add_option("--arch", f->arch, "The model (as cpd-train --arch)")->capture_default_str();
+  app->add_option("--dataset", f->dataset, "Its training data (as cpd-train --dataset)")
+      ->capture_default_str();
+  app->add_option("--data-dir", f->data_dir, "Dataset directory (as cpd-train --data-dir)");
+  app->add_option("--format", f->formats, "A candidate format spec (repeatable)");
+  app->add_option("--bits", f->bits,
+                  "Candidates: the enumerated per-binade formats of these widths, e.g. 8,7,6 "
+                  "(cpd-quant candidates); the default when no --format or file is given: 8");
+  app->add_option("--candidates-file", f->candidates_file,
+                  "Candidates: one format spec per line ('#' starts a comment)");
+  app->add_option("--sites", f->sites, "Site sets to evaluate: A, E, A+E (comma-separated)")
+      ->capture_default_str();
+  app->add_option("--batches", f->batches, "Mini-batches N the angles are averaged over")
+      ->capture_default_str()
+      ->check(cpd::launcher::IntegerAtLeast(1));
+  app->add_option("--batch-size", f->batch_size, "Mini-batch size")->capture_default_str()
+      ->check(cpd::launcher::IntegerAtLeast(1));
+  app->add_option("--seed", f->seed,
+                  "Seed of the batches' shuffle and of stochastic rounding (as cpd-train)")
+      ->capture_default_str();
+  app->add_option("--a-rounding", f->a_rounding, "Rounding at A: nearest | stochastic | zero")
+      ->capture_default_str();
+  app->add_option("--e-rounding", f->e_rounding, "Rounding at E: nearest | stochastic | zero")
+      ->capture_default_str();
+  app->add_option("--keep-fp32", f->keep_fp32,
+                  "Layers left in fp32 (as cpd-train --keep-fp32: first, last, names)");
+  app->add_option("--group", f->group, "Candidates a rank evaluates per round")
+      ->capture_default_str()
+      ->check(cpd::launcher::IntegerAtLeast(1));
+  app->add_option("--threads", f->threads, "Threads per rank (0: all cores)")
+      ->capture_default_str()
+      ->check(cpd::launcher::IntegerIn(0, 4096));
+  app->add_option("--device", f->device, "auto | cpu | cuda")->capture_default_str();
+  app->add_option("--comm", f->comm, "auto | self | mpi")->capture_default_str();
+  app->add_option("--out", f->out, "Output prefix: PREFIX.csv, PREFIX.json, PREFIX.png")
+      ->required();
+  app->add_flag("--resume", f->resume, "Continue from PREFIX.partial.csv");
+  app->add_option("--top", f->top, "Rows of the printed table (0: all)")->capture_default_str()
+      ->check(cpd::launcher::IntegerAtLeast(0));
+  app->add_flag("--no-plot", f->no_plot, "Write no PNG");
+  app->add_flag("--no-progress", f->no_progress, "No progress lines");
+}
+
+Status Bad(const std::string& msg) { return Status::InvalidArgument(msg); }
+
+// The candidate specs the flags name, in order, duplicates removed.
+cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
+  std::vector<std::string> out = f.formats;
+  if (!f.candidates_file.empty()) {
+    std::ifstream in(f.candidates_file);
+    if (!in) return Bad("--candidates-file: cannot read " + f.candidates_file);
+    for (std::string line; std::getline(in, line);) {
+      line = line.substr(0, line.find('#'));
+      const size_t b = line.find_first_not_of(" \t\r");
+      if (b == std::string::npos) continue;
+      out.push_back(line.substr(b, line.find_last_not_of(" \t\r") - b + 1));
+    }
+  }
+  std::string bits = f.bits;
+  if (bits.empty() && out.empty()) bits = "8";
+  for (const std::string& b : cpd::launcher::SplitCommas(bits)) {
+    int n = 0;
+    try {
+      n = std::stoi(b);
+    } catch (const std::exception&) {
+      return Bad("--bits: '" + b + "' is not a bit width");
+    }
+    auto list = cpd::EnumerateBinadeCandidates(n);
+    if (!list.ok()) return Bad("--bits: " + list.status().message());
+    for (const auto& c : *list) out.push_back(c.spec);
+  }
+  std::vector<std::string> unique;
+  for (const std::string& s : out) {
+    auto fmt = cpd::Format::Parse(s);
+    if (!fmt.ok()) return Bad("candidate: " + fmt.status().message());
+    bool seen = false;
+    for (const std::string& u : unique) seen = seen || u == fmt->spec();
+    if (!seen) unique.push_back(fmt->spec());
+  }
+  if (unique.empty()) return Bad("no candidate format (give --format, --bits or --candidates-file)");
+  return unique;
+}
+
+// The site set the ranking uses: A+E when evaluated, else the first one asked for.
+SiteSet RankingSite(const std::vector<SiteSet>& sites) {
+  for (SiteSet s : sites) {
+    if (s == SiteSet::kAE) return s;
+  }
+  return sites.front();
+}
+
+std::string Angle(const CandidateResult& r, SiteSet s) {
+  if (!r.has[int(s)]) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", r.mean[int(s)]);
+  return buf;
+}
+
+// The layer with the largest mean angle at site set `s`, as "name angle".
+std::string WorstLayer(const CandidateResult& r, const std::vector<std::string>& layers,
+                       SiteSet s) {
+  const auto& m = r.layer_mean[int(s)];
+  if (m.empty()) return "-";
+  const size_t i = size_t(std::max_element(m.begin(), m.end()) - m.begin());
+  char buf[32];
+  std::snprintf(buf, sizeof buf, " %.3f", m[i]);
+  return layers[i] + buf;
+}
+
+void PrintTable(const std::vector<CandidateResult>& ranked, const std::vector<std::string>& layers,
+                SiteSet by, int top) {
+  std::printf("%4s  %-44s %4s %-8s %9s %9s %9s  %s\n", "rank", "format", "bits", "family",
+              "A deg", "E deg", "A+E deg", "worst layer");
+  for (size_t i = 0; i < ranked.size() && (top <= 0 || int(i) < top); ++i) {
+    const CandidateResult& r = ranked[i];
+    std::string spec = r.spec.size() > 44 ? r.spec.substr(0, 41) + "..." : r.spec;
+    std::printf("%4zu  %-44s %4d %-8s %9s %9s %9s  %s\n", i + 1, spec.c_str(), r.bits,
+                r.family.c_str(), Angle(r, SiteSet::kA).c_str(), Angle(r, SiteSet::kE).c_str(),
+                Angle(r, SiteSet::kAE).c_str(), WorstLayer(r, layers, by).c_str());
+  }
+  if (top > 0 && int(ranked.size()) > top) {
+    std::printf("  (%zu more in the CSV)\n", ranked.size() - size_t(top));
+  }
+}
+
+nlohmann::json ToJson(const std::vector<CandidateResult>& ranked,
+                      const std::vector<std::string>& layers, const std::vector<SiteSet>& sites,
+                      const nlohmann::json& settings) {
+  using nlohmann::json;
+  json out = {{"settings", settings}, {"layers", layers}, {"candidates", json::array()}};
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    const CandidateResult& r = ranked[i];
+    json c = {{"rank", i + 1}, {"spec", r.spec}, {"bits", r.bits}, {"family", r.family}};
+    for (SiteSet s : sites) {
+      c["angles"][cpd::runtime::SiteSetName(s)] = {{"mean_deg", r.mean[int(s)]},
+                                                   {"std_deg", r.std[int(s)]},
+                                                   {"layer_mean_deg", r.layer_mean[int(s)]},
+                                                   {"layer_std_deg", r.layer_std[int(s)]}};
+    }
+    out["candidates"].push_back(c);
+  }
+  return out;
+}
+
+// Everything the flags say, checked before any work; every rank finds the same errors.
+cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
+  using namespace cpd::runtime;
+  FormatSearchOptions o;
+  CPD_ASSIGN_OR_RETURN(o.candidates, Candidates(f));
+  auto sites = ParseSiteSets(f.sites);
+  if (!sites.ok()) return Bad("--sites: " + sites.status().message());
+  o.indicator.sites = *sites;
+  auto ar = cpd::ParseRounding(f.a_rounding);
+  if (!ar.ok()) return Bad("--a-rounding: " + ar.status().message());
+  auto er = cpd::ParseRounding(f.e_rounding);
+  if (!er.ok()) return Bad("--e-rounding: " + er.status().message());
+  o.indicator.a_rounding = *ar;
+  o.indicator.e_rounding = *er;
+  o.indicator.keep_fp32 = cpd::launcher::SplitCommas(f.keep_fp32);
+  // The rounding stream cpd-train derives from its --seed, so that a format is judged with the
+  // random bits it would train with.
+  o.indicator.seed = cpd::kernels::SplitMix64(f.seed ^ 0x51u);
+  o.batches = f.batches;
+  o.batch_size = f.batch_size;
+  o.data_seed = f.seed;
+  o.group = f.group;
+  o.partial_path = f.out + ".partial.csv";
+  o.resume = f.resume;
+  o.progress = !f.no_progress;
+  o.settings = nlohmann::json({{"checkpoint", f.checkpoint},
+                               {"arch", f.arch},
+                               {"dataset", f.dataset},
+                               {"batches", f.batches},
+                               {"batch_size", f.batch_size},
+                               {"seed", f.seed},
+                               {"sites", f.sites},
+                               {"a_rounding", f.a_rounding},
+                               {"e_rounding", f.e_rounding},
+                               {"keep_fp32", f.keep_fp32}})
+                   .dump();
+  CPD_RETURN_IF_ERROR(CheckFormatSearch(o));
+  return o;
+}
+
+// The trained model on its device, and the normalised training set (as cpd-train sees it).
+struct Trained {
+  std::unique_ptr<cpd::runtime::Sequential> model;
+  cpd::runtime::Dataset train;
+  cpd::runtime::Device device = cpd::runtime::Device::kCpu;
+  int64_t step = 0;
+};
+
+cpd::Result<Trained> LoadTrained(const Flags& f) {
+  using namespace cpd::runtime;
+  Trained t;
+  CPD_ASSIGN_OR_RETURN(const DeviceChoice choice, ParseDeviceChoice(f.device));
+  CPD_ASSIGN_OR_RETURN(t.device, ResolveDevice(choice));
+  auto data = LoadDatasetPair(f.dataset, f.data_dir, f.seed);
+  if (!data.ok()) return Bad(data.status().message());  // the user's input: exit 2
+  t.train = std::move(data->first);
+  Normalize(&t.train, ComputeChannelStats(t.train));
+  CPD_ASSIGN_OR_RETURN(t.model,
+                       BuildModel(f.arch, t.train.channels, t.train.height, t.train.classes, 1));
+  if (t.device != Device::kCpu) MoveToDevice(t.model.get(), t.device);
+  auto step = LoadModelFromCheckpoint(f.checkpoint, f.arch, f.dataset, t.model.get());
+  if (!step.ok()) return Bad(step.status().message());
+  t.step = *step;
+  return t;
+}
+
+// Rank 0: the ranked table, PREFIX.csv, PREFIX.json, PREFIX.png; then the partial file goes.
+Status WriteOutputs(const Flags& f, const cpd::runtime::FormatSearchOptions& o,
+                    const std::vector<std::string>& layers, std::vector<CandidateResult> ranked) {
+  using namespace cpd::runtime;
+  const SiteSet by = RankingSite(o.indicator.sites);
+  std::stable_sort(ranked.begin(), ranked.end(), [by](const auto& a, const auto& b) {
+    return a.mean[int(by)] < b.mean[int(by)];
+  });
+  PrintTable(ranked, layers, by, f.top);
+  std::string csv = "rank," + ResultsCsvHeader(layers, o.indicator.sites) + "\n";
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    csv += std::to_string(i + 1) + "," + ResultCsvRow(ranked[i], o.indicator.sites) + "\n";
+  }
+  const nlohmann::json doc =
+      ToJson(ranked, layers, o.indicator.sites, nlohmann::json::parse(o.settings));
+  CPD_RETURN_IF_ERROR(cpd::launcher::WriteFileAtomically(f.out + ".csv", csv));
+  CPD_RETURN_IF_ERROR(cpd::launcher::WriteFileAtomically(f.out + ".json", doc.dump(1)));
+  std::string wrote = f.out + ".csv and " + f.out + ".json";
+  if (!f.no_plot) {
+    CPD_ASSIGN_OR_RETURN(
+        const std::string script,
+        cpd::launcher::FindScript(
+            "format_search_plot.py", "CPD_FORMAT_SEARCH_PLOT_SCRIPT",
+            {CPD_FORMAT_SEARCH_PLOT_SCRIPT,
+             cpd::launcher::ExecutableDir() + "/format_search_plot.py"}));
+    const char* py_env = std::getenv("CPD_PYTHON");
+    const std::string python = py_env != nullptr && *py_env ? py_env : CPD_FORMAT_SEARCH_PYTHON;
+    // The script writes a temporary that is renamed over PREFIX.png only when whole.
+    const std::string tmp_png = f.out + ".tmp.png";
+    const Status plotted = cpd::launcher::RunPythonScript(
+        python, script, {"--in", f.out + ".json", "--out", tmp_png});
+    if (!plotted.ok() || std::rename(tmp_png.c_str(), (f.out + ".png").c_str()) != 0) {
+      std::remove(tmp_png.c_str());
+      return Status::IoError("plot: " + (plotted.ok() ? "cannot write " + f.out + ".png"
+                                                      : plotted.message()));
+    }
+    wrote += " and " + f.out + ".png";
+  }
+  std::printf("wrote %s\n", wrote.c_str());
+  if (std::remove(o.partial_path.c_str()) != 0) {
+    std::fprintf(stderr, "%s: warning: cannot remove %s\n", kTool, o.partial_path.c_str());
+  }
+  return Status::Ok();
+}
+
+Status Search(const Flags& f, cpd::comm::Communicator* comm) {
+  using namespace cpd::runtime;
+  CPD_ASSIGN_OR_RETURN(const FormatSearchOptions o, SearchOptions(f));
+  const int threads = f.threads > 0 ? f.threads : omp_get_num_procs();
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
+  CPD_ASSIGN_OR_RETURN(Trained t, LoadTrained(f));
+  const bool lead = comm->rank() == 0;
+  if (lead && o.progress) {
+    std::printf("%s: %zu candidate(s) x %lld batch(es) of %lld, sites %s, %d rank(s) x %d "
+                "thread(s), checkpoint %s (step %lld)\n",
+                kTool, o.candidates.size(), static_cast<long long>(o.batches),
+                static_cast<long long>(o.batch_size), f.sites.c_str(), comm->size(), threads,
+                f.checkpoint.c_str(), static_cast<long long>(t.step));
+    std::fflush(stdout);
+  }
+  CPD_ASSIGN_OR_RETURN(std::vector<CandidateResult> results,
+                       RunFormatSearch(t.model.get(), t.device, t.train, comm, o));
+  if (!lead) return Status::Ok();
+  std::vector<std::string> layers;
+  for (Layer* l : t.model->Flatten()) {
+    if (l->Quantizable()) layers.push_back(l->name());
+  }
+  return WriteOutputs(f, o, layers, std::move(results));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cpd-format-search: rank candidate number formats for a trained model by the "
+      "gradient-angle indicator (Lee, Park, Jeon, ICLR 2022): the angle between the fp32 weight "
+      "gradients and those computed with the activations (A), the errors (E) or both quantised "
+      "to the candidate, averaged over N mini-batches. Smaller is better."};
+  app.set_version_flag("--version", std::string(kTool) + " " + CPD_VERSION);
+  Flags f;
+  AddFlags(&app, &f);
+  if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
+  auto world = cpd::launcher::MakeWorld(f.comm);
+  if (!world.ok()) {
+    Fail(world.status().message(),
+         world.status().code() == Status::Code::kInvalidArgument ? kUsageError : 1);
+  }
+  std::unique_ptr<cpd::comm::Communicator> comm = std::move(world).value();
+  // Layers throw on CUDA failures; the job still ends as one failure.
+  Status s;
+  try {
+    s = Search(f, comm.get());
+  } catch (const std::exception& e) {
+    s = Status::Internal(e.what());
+  }
+  return s.ok() ? 0 : cpd::launcher::EndFailedJob(kTool, s, std::move(comm));
+}

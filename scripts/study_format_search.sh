@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The format-search study of docs/studies/format-search.md: does the gradient-angle indicator
+# (Lee, Park, Jeon, ICLR 2022) rank formats by how well they train? On this machine (2 cores),
+# about an hour and a half.
+#   1. LeNet-5 on Fashion-MNIST in fp32, 10 epochs, seeds 1-3 (seed 1's checkpoint is the model
+#      the search judges; all three are the fp32 baseline);
+#   2. cpd-format-search over every enumerated 8-bit per-binade candidate plus the named 8-bit
+#      formats (fp134, fp143, fp152, e4m3, e5m2, int8, int8:ch, mxfp8), sites A, E and A+E,
+#      N = 100 batches, on 2 ranks (timed), and once on 1 rank (the scaling);
+#   3. from scratch, A and E quantised to each of about eight formats spread over the A+E
+#      ranking, seeds 1-3, 10 epochs;
+#   4. the report (scripts/study_format_search_report.py): tables, Spearman correlations.
+#   scripts/study_format_search.sh [OUTDIR]      (default: build/studies/format-search)
+# Environment: EPOCHS (10), SEEDS ("1 2 3"), BATCHES (100), RANKS (2), SKIP_SCALING (unset).
+# Re-running skips what is already there (finished runs leave their metrics files).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-build/studies/format-search}
+EPOCHS=${EPOCHS:-10}
+SEEDS=${SEEDS:-"1 2 3"}
+BATCHES=${BATCHES:-100}
+RANKS=${RANKS:-2}
+BIN=${BUILD_DIR:-build}/bin
+mkdir -p "$OUT"
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+mpi=(mpirun -np "$RANKS" --bind-to none)
+[ "$(id -u)" -ne 0 ] || mpi+=(--allow-run-as-root)
+[ "$RANKS" -le "$(nproc)" ] || mpi+=(--oversubscribe)
+
+# train NAME SEED [cpd-train flags...]: 10 epochs of LeNet-5, 1 thread per core; skipped when
+# its metrics file holds the last epoch already.
+train() {
+  local name=$1 seed=$2
+  shift 2
+  local metrics="$OUT/train/$name.seed$seed.jsonl"
+  mkdir -p "$OUT/train"
+  if [ -f "$metrics" ] && grep -q "\"epoch\":$EPOCHS[,}]" "$metrics"; then
+    log "train $name seed $seed: done already"
+    return
+  fi
+  rm -f "$metrics"
+  log "train $name seed $seed"
+  "$BIN/cpd-train" --arch lenet5 --dataset fashion-mnist --epochs "$EPOCHS" --seed "$seed" \
+    --threads "$(nproc)" --no-progress --stats-every 0 --metrics-out "$metrics" "$@" |
+    tail -n 2
+}
+
+# 1. The fp32 model and baseline.
+for s in $SEEDS; do
+  if [ "$s" = 1 ]; then
+    train fp32 1 --checkpoint-dir "$OUT/fp32-ckpt"
+  else
+    train fp32 "$s"
+  fi
+done
+CKPT=$(ls "$OUT"/fp32-ckpt/ckpt-*.cpd | sort | tail -n 1)
+
+# 2. The search: 2 ranks (timed), and 1 rank for the scaling.
+NAMED=(--format fp134 --format fp143 --format fp152 --format e4m3 --format e5m2 --format int8
+       --format int8:ch --format mxfp8)
+search() {
+  local prefix=$1
+  shift
+  if [ -f "$prefix.json" ]; then
+    log "search $prefix: done already"
+    return
+  fi
+  log "search $prefix: $*"
+  local t0 t1
+  t0=$(date +%s.%N)
+  "$@" "$BIN/cpd-format-search" --checkpoint "$CKPT" --arch lenet5 --dataset fashion-mnist \
+    --bits 8 "${NAMED[@]}" --sites A,E,A+E --batches "$BATCHES" --threads 1 --top 15 \
+    --out "$prefix" --resume
+  t1=$(date +%s.%N)
+  awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f\n", b - a}' >"$prefix.seconds"
+  log "search $prefix: $(cat "$prefix.seconds") s"
+}
+search "$OUT/search-np$RANKS" "${mpi[@]}"
+if [ -z "${SKIP_SCALING:-}" ]; then
+  search "$OUT/search-np1"
+fi
+
+# 3. Formats spread over the A+E ranking, trained from scratch with A and E in them.
+mapfile -t PICKS < <(python3 - "$OUT/search-np$RANKS.json" <<'EOF'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+c = [x["spec"] for x in doc["candidates"]]  # ranked by A+E
+n = len(c)
+picks = [c[0], c[n // 8], c[n // 4], c[n // 2], c[(3 * n) // 4], c[-1]]
+for named in ("fp134", "fp143", "e4m3", "int8"):
+    picks.append(named)
+seen = []
+for p in picks:
+    if p not in seen:
+        seen.append(p)
+print("\n".join(seen))
+EOF
+)
+printf '%s\n' "${PICKS[@]}" >"$OUT/picks.txt"
+for f in "${PICKS[@]}"; do
+  safe=$(echo "$f" | tr ':,=' '___')
+  for s in $SEEDS; do
+    train "q-$safe" "$s" --a-format "$f" --e-format "$f"
+  done
+done
+
+# 4. The report.
+python3 scripts/study_format_search_report.py --out "$OUT" --ranks "$RANKS" --seeds "$SEEDS" \
+  | tee "$OUT/report.md"
+log "report: $OUT/report.md"

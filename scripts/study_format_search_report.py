@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""The report of scripts/study_format_search.sh, in Markdown, from its outputs only: the search's
+ranking (PREFIX.json), the trainings' metrics files (the last epoch's test accuracy), the search
+times. Spearman's rank correlation between each site set's angle and the mean final accuracy
+(sign flipped, so that +1 means "a smaller angle trains better")."""
+import argparse
+import json
+import math
+import os
+import statistics
+
+
+def ranks(values):
+    """Average ranks (1-based) with ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    r = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
+
+
+def spearman(x, y):
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return num / den if den else float("nan")
+
+
+def final_accuracy(path):
+    acc = None
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("type") == "epoch":
+                acc = rec["test_accuracy"]
+    return acc
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ranks", default="2")
+    ap.add_argument("--seeds", default="1 2 3")
+    args = ap.parse_args()
+    seeds = args.seeds.split()
+    search = json.load(open(os.path.join(args.out, f"search-np{args.ranks}.json")))
+    cands = search["candidates"]
+    by_spec = {c["spec"]: c for c in cands}
+    n = len(cands)
+
+    def angle(c, s):
+        return c["angles"][s]["mean_deg"]
+
+    print(f"### The search ({n} candidates: {sum(1 for c in cands if c['spec'].startswith('binades:'))} "
+          f"enumerated 8-bit per-binade formats and the named ones), ranked by the A+E angle\n")
+    print("| rank | format | family | A (deg) | E (deg) | A+E (deg) |")
+    print("|---:|---|---|---:|---:|---:|")
+    named = {"fp134", "fp143", "fp152", "e4m3", "e5m2", "int8", "int8:ch", "mxfp8"}
+    for c in cands:
+        if c["rank"] <= 10 or c["spec"] in named or c["rank"] > n - 3:
+            print(f"| {c['rank']} | `{c['spec']}` | {c['family']} | "
+                  f"{angle(c, 'A'):.3f} ± {c['angles']['A']['std_deg']:.3f} | "
+                  f"{angle(c, 'E'):.3f} ± {c['angles']['E']['std_deg']:.3f} | "
+                  f"{angle(c, 'A+E'):.3f} ± {c['angles']['A+E']['std_deg']:.3f} |")
+    print()
+
+    times = {}
+    for r in ("1", args.ranks):
+        p = os.path.join(args.out, f"search-np{r}.seconds")
+        if os.path.exists(p):
+            times[r] = float(open(p).read())
+    if times:
+        print("### Search time (wall, including loading)\n")
+        print("| ranks | seconds | speed-up |")
+        print("|---:|---:|---:|")
+        for r, t in sorted(times.items(), key=lambda kv: int(kv[0])):
+            sp = times.get("1", t) / t
+            print(f"| {r} | {t:.1f} | {sp:.2f}x |")
+        print()
+
+    base = [final_accuracy(os.path.join(args.out, "train", f"fp32.seed{s}.jsonl")) for s in seeds]
+    picks = [l.strip() for l in open(os.path.join(args.out, "picks.txt")) if l.strip()]
+    rows = []
+    for f in picks:
+        safe = f.replace(":", "_").replace(",", "_").replace("=", "_")
+        accs = []
+        for s in seeds:
+            p = os.path.join(args.out, "train", f"q-{safe}.seed{s}.jsonl")
+            a = final_accuracy(p) if os.path.exists(p) else None
+            if a is not None:
+                accs.append(a)
+        if not accs or f not in by_spec:
+            continue
+        rows.append((f, by_spec[f], accs))
+    print(f"### Trained from scratch with A and E in the format (LeNet-5, Fashion-MNIST, "
+          f"seeds {', '.join(seeds)})\n")
+    print(f"fp32 baseline: {100 * statistics.mean(base):.2f} ± {100 * statistics.pstdev(base):.2f} % "
+          f"({', '.join(f'{100 * a:.2f}' for a in base)})\n")
+    print("| format | rank (of %d) | A+E (deg) | A (deg) | E (deg) | test accuracy %% (mean ± std) | per seed |" % n)
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for f, c, accs in sorted(rows, key=lambda r: r[1]["rank"]):
+        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        print(f"| `{f}` | {c['rank']} | {angle(c, 'A+E'):.3f} | {angle(c, 'A'):.3f} | "
+              f"{angle(c, 'E'):.3f} | {100 * statistics.mean(accs):.2f} ± {100 * sd:.2f} | "
+              f"{', '.join(f'{100 * a:.2f}' for a in accs)} |")
+    print()
+    if len(rows) >= 3:
+        mean_acc = [statistics.mean(a) for _, _, a in rows]
+        print("### Spearman rank correlation, -angle vs mean final accuracy\n")
+        print("| site set | rho | formats |")
+        print("|---|---:|---:|")
+        for s in ("A", "E", "A+E"):
+            rho = spearman([-angle(c, s) for _, c, _ in rows], mean_acc)
+            print(f"| {s} | {rho:.3f} | {len(rows)} |")
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@
 #   2. cpd-format-search over every enumerated 8-bit per-binade candidate plus the named 8-bit
 #      formats (fp134, fp143, fp152, e4m3, e5m2, int8, int8:ch, mxfp8), sites A, E and A+E,
 #      N = 100 batches, on 2 ranks (timed), and once on 1 rank (the scaling);
-#   3. from scratch, A and E quantised to each of about eight formats spread over the A+E
-#      ranking, seeds 1-3, 10 epochs;
+#   3. from scratch, A and E quantised to each of about ten formats: fp134, fp143, e4m3, int8,
+#      8-bit fixed point and ones spread over the A+E ranking (best, 1/8, 1/4, 1/2, 3/4, worst;
+#      equal grids picked once), seeds 1-3, 10 epochs;
 #   4. the report (scripts/study_format_search_report.py): tables, Spearman correlations.
 #   scripts/study_format_search.sh [OUTDIR]      (default: build/studies/format-search)
 # Environment: EPOCHS (10), SEEDS ("1 2 3"), BATCHES (100), RANKS (2), SKIP_SCALING (unset).
@@ -28,21 +29,30 @@ mpi=(mpirun -np "$RANKS" --bind-to none)
 [ "$RANKS" -le "$(nproc)" ] || mpi+=(--oversubscribe)
 
 # train NAME SEED [cpd-train flags...]: 10 epochs of LeNet-5, 1 thread per core; skipped when
-# its metrics file holds the last epoch already.
+# its metrics file holds the last epoch already, or when the run diverged before (cpd-train's
+# exit 3: a "stop" record in the metrics, which the report counts as chance accuracy).
 train() {
   local name=$1 seed=$2
   shift 2
   local metrics="$OUT/train/$name.seed$seed.jsonl"
   mkdir -p "$OUT/train"
-  if [ -f "$metrics" ] && grep -q "\"epoch\":$EPOCHS[,}]" "$metrics"; then
+  if [ -f "$metrics" ] && grep -q -E "\"epoch\":$EPOCHS[,}]|\"type\":\"stop\"" "$metrics"; then
     log "train $name seed $seed: done already"
     return
   fi
   rm -f "$metrics"
   log "train $name seed $seed"
+  local rc=0
   "$BIN/cpd-train" --arch lenet5 --dataset fashion-mnist --epochs "$EPOCHS" --seed "$seed" \
-    --threads "$(nproc)" --no-progress --stats-every 0 --metrics-out "$metrics" "$@" |
-    tail -n 2
+    --threads "$(nproc)" --no-progress --stats-every 0 --metrics-out "$metrics" "$@" \
+    >"$OUT/train/$name.seed$seed.log" 2>&1 || rc=$?
+  tail -n 2 "$OUT/train/$name.seed$seed.log"
+  if [ "$rc" -eq 3 ]; then
+    log "train $name seed $seed: diverged (exit 3)"
+  elif [ "$rc" -ne 0 ]; then
+    log "train $name seed $seed: failed (exit $rc)"
+    exit "$rc"
+  fi
 }
 
 # 1. The fp32 model and baseline.
@@ -84,15 +94,24 @@ fi
 mapfile -t PICKS < <(python3 - "$OUT/search-np$RANKS.json" <<'EOF'
 import json, sys
 doc = json.load(open(sys.argv[1]))
-c = [x["spec"] for x in doc["candidates"]]  # ranked by A+E
-n = len(c)
-picks = [c[0], c[n // 8], c[n // 4], c[n // 2], c[(3 * n) // 4], c[-1]]
-for named in ("fp134", "fp143", "e4m3", "int8"):
-    picks.append(named)
+cands = doc["candidates"]  # ranked by A+E
+n = len(cands)
+angle = {x["spec"]: x["angles"]["A+E"]["mean_deg"] for x in cands}
 seen = []
-for p in picks:
-    if p not in seen:
-        seen.append(p)
+def take(i, step):
+    # The candidate at rank i, or the nearest one (moving by `step`) whose grid is not already
+    # picked: equal grids (fp143 and binades:3x15,2,1,0) have equal angles to the last digit.
+    while 0 <= i < n:
+        spec = cands[i]["spec"]
+        if all(angle[spec] != angle[p] for p in seen):
+            seen.append(spec)
+            return
+        i += step
+for named in ("fp134", "fp143", "e4m3", "int8", "binades:6,5,4,3,2,1,0"):
+    take([x["spec"] for x in cands].index(named), 1)
+for i in (0, n // 8, n // 4, n // 2, (3 * n) // 4):
+    take(i, 1)
+take(n - 1, -1)
 print("\n".join(seen))
 EOF
 )

@@ -33,14 +33,21 @@ def spearman(x, y):
     return num / den if den else float("nan")
 
 
+CHANCE = 0.10  # Fashion-MNIST's ten classes
+
+
 def final_accuracy(path):
-    acc = None
+    """The last epoch's test accuracy; a run that diverged (cpd-train's "stop" record, exit 3)
+    counts as chance, and its step is returned too."""
+    acc, stopped = None, None
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
             if rec.get("type") == "epoch":
                 acc = rec["test_accuracy"]
-    return acc
+            elif rec.get("type") == "stop":
+                stopped = rec["step"]
+    return (CHANCE, stopped) if stopped is not None else (acc, None)
 
 
 def main():
@@ -85,39 +92,43 @@ def main():
             print(f"| {r} | {t:.1f} | {sp:.2f}x |")
         print()
 
-    base = [final_accuracy(os.path.join(args.out, "train", f"fp32.seed{s}.jsonl")) for s in seeds]
+    base = [final_accuracy(os.path.join(args.out, "train", f"fp32.seed{s}.jsonl"))[0]
+            for s in seeds]
     picks = [l.strip() for l in open(os.path.join(args.out, "picks.txt")) if l.strip()]
     rows = []
     for f in picks:
         safe = f.replace(":", "_").replace(",", "_").replace("=", "_")
-        accs = []
+        accs, notes = [], []
         for s in seeds:
             p = os.path.join(args.out, "train", f"q-{safe}.seed{s}.jsonl")
-            a = final_accuracy(p) if os.path.exists(p) else None
+            a, stopped = final_accuracy(p) if os.path.exists(p) else (None, None)
             if a is not None:
                 accs.append(a)
+                notes.append(f"{100 * a:.2f}" if stopped is None else f"diverged at step {stopped}")
         if not accs or f not in by_spec:
             continue
-        rows.append((f, by_spec[f], accs))
+        rows.append((f, by_spec[f], accs, notes))
     print(f"### Trained from scratch with A and E in the format (LeNet-5, Fashion-MNIST, "
           f"seeds {', '.join(seeds)})\n")
     print(f"fp32 baseline: {100 * statistics.mean(base):.2f} ± {100 * statistics.pstdev(base):.2f} % "
           f"({', '.join(f'{100 * a:.2f}' for a in base)})\n")
+    print(f"A run that diverged (cpd-train stops it, exit 3) counts as chance, {100 * CHANCE:.0f} %, "
+          "in the means and the correlations.\n")
     print("| format | rank (of %d) | A+E (deg) | A (deg) | E (deg) | test accuracy %% (mean ± std) | per seed |" % n)
     print("|---|---:|---:|---:|---:|---:|---|")
-    for f, c, accs in sorted(rows, key=lambda r: r[1]["rank"]):
+    for f, c, accs, notes in sorted(rows, key=lambda r: r[1]["rank"]):
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         print(f"| `{f}` | {c['rank']} | {angle(c, 'A+E'):.3f} | {angle(c, 'A'):.3f} | "
               f"{angle(c, 'E'):.3f} | {100 * statistics.mean(accs):.2f} ± {100 * sd:.2f} | "
-              f"{', '.join(f'{100 * a:.2f}' for a in accs)} |")
+              f"{', '.join(notes)} |")
     print()
     if len(rows) >= 3:
-        mean_acc = [statistics.mean(a) for _, _, a in rows]
+        mean_acc = [statistics.mean(r[2]) for r in rows]
         print("### Spearman rank correlation, -angle vs mean final accuracy\n")
         print("| site set | rho | formats |")
         print("|---|---:|---:|")
         for s in ("A", "E", "A+E"):
-            rho = spearman([-angle(c, s) for _, c, _ in rows], mean_acc)
+            rho = spearman([-angle(r[1], s) for r in rows], mean_acc)
             print(f"| {s} | {rho:.3f} | {len(rows)} |")
         print()
 

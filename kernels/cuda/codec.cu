@@ -16,90 +16,11 @@
 
 #include "kernels/cuda/codec.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/pack.h"
 
 namespace cpd::kernels::cuda {
 
 namespace {
-
-// Codes per thread: 8 codes of b bits are exactly b whole bytes, so a thread's bytes start on a
-// byte boundary and no two threads write the same byte.
-constexpr int kUnitCodes = 8;
-
-__device__ __forceinline__ uint32_t CodeMask(int bits) {
-  return bits >= 32 ? 0xffffffffu : (1u << bits) - 1u;
-}
-
-// Writes the first `len` codes of a unit (ceil(len * bits / 8) bytes) at dst. `words`: the unit
-// may be written as bits / 4 aligned 32-bit words (bits % 4 == 0, dst 4-byte aligned), which
-// a full unit fills exactly. The accumulator never holds more than 63 bits (bits <= 32).
-__device__ __forceinline__ void StoreUnit(const uint32_t (&codes)[kUnitCodes], int len, int bits,
-                                          bool words, uint8_t* dst) {
-  uint64_t acc = 0;
-  int filled = 0;
-  if (words && len == kUnitCodes) {
-    uint32_t* w = reinterpret_cast<uint32_t*>(dst);
-#pragma unroll
-    for (int k = 0; k < kUnitCodes; ++k) {
-      acc |= uint64_t(codes[k]) << filled;
-      filled += bits;
-      if (filled >= 32) {
-        *w++ = uint32_t(acc);
-        acc >>= 32;
-        filled -= 32;
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kUnitCodes; ++k) {
-    if (k < len) {
-      acc |= uint64_t(codes[k]) << filled;
-      filled += bits;
-      while (filled >= 8) {
-        *dst++ = uint8_t(acc);
-        acc >>= 8;
-        filled -= 8;
-      }
-    }
-  }
-  if (filled > 0) *dst = uint8_t(acc);  // the spare high bits are zero
-}
-
-// Reads the first `len` codes of a unit at src (never past its ceil(len * bits / 8) bytes);
-// codes[k] = 0 for k >= len.
-__device__ __forceinline__ void LoadUnit(const uint8_t* src, int len, int bits, bool words,
-                                         uint32_t (&codes)[kUnitCodes]) {
-  const uint32_t mask = CodeMask(bits);
-  uint64_t acc = 0;
-  int filled = 0;
-  if (words && len == kUnitCodes) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
-#pragma unroll
-    for (int k = 0; k < kUnitCodes; ++k) {
-      if (filled < bits) {
-        acc |= uint64_t(*w++) << filled;
-        filled += 32;
-      }
-      codes[k] = uint32_t(acc) & mask;
-      acc >>= bits;
-      filled -= bits;
-    }
-    return;
-  }
-#pragma unroll
-  for (int k = 0; k < kUnitCodes; ++k) {
-    codes[k] = 0;
-    if (k < len) {
-      while (filled < bits) {
-        acc |= uint64_t(*src++) << filled;
-        filled += 8;
-      }
-      codes[k] = uint32_t(acc) & mask;
-      acc >>= bits;
-      filled -= bits;
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Decode operations: the value of global element i with code `code`. Init() caches the scale of
@@ -185,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
         if constexpr (kStats) acc.Add(x[k], z, f);
       }
     }
-    StoreUnit(codes, len, bits, words, dst + u * uint64_t(bits));
+    StoreCodeUnit(codes, len, bits, words, dst + u * uint64_t(bits));
   }
   if constexpr (kStats) BlockStatsToPartial(acc, partials);
 }
@@ -203,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t first = u * kUnitCodes;
     const int len = n - first < uint64_t(kUnitCodes) ? int(n - first) : kUnitCodes;
     uint32_t codes[kUnitCodes];
-    LoadUnit(src + u * uint64_t(bits), len, bits, words, codes);
+    LoadCodeUnit(src + u * uint64_t(bits), len, bits, words, codes);
     float z[kUnitCodes];
 #pragma unroll
     for (int k = 0; k < kUnitCodes; ++k) z[k] = k < len ? o.Decode(codes[k], first + k) : 0.0f;

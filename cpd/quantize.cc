@@ -144,23 +144,17 @@ void QuantizeChunk(const Format& format, const Groups& groups, const float* in, 
 
 void WriteMeta(const Format& format, const Groups& groups, uint8_t* dst) {
   const size_t num = groups.count();
+  const size_t stride = format.meta_bytes_per_group();
   for (size_t gi = 0; gi < num; ++gi) {
     switch (format.family()) {
       case FormatFamily::kSharedShift:
-      case FormatFamily::kBinades: {
-        const int s = groups.shifts[gi];
-        // MX stores the E8M0 byte (biased by 127); the others a signed shift.
-        dst[gi] = format.scope() == ScaleScope::kBlock && format.shift_rule().lo == -127
-                      ? uint8_t(s + 127)
-                      : uint8_t(int8_t(s));
+      case FormatFamily::kBinades:
+        dst[gi] = kernels::ShiftMetaByte(groups.shifts[gi], internal::ShiftMetaIsE8M0(format));
         break;
-      }
       case FormatFamily::kIntSymmetric:
-        std::memcpy(dst + 4 * gi, &groups.linear[gi].scale, 4);
-        break;
       case FormatFamily::kUintMinMax:
-        std::memcpy(dst + 8 * gi, &groups.linear[gi].offset, 4);
-        std::memcpy(dst + 8 * gi + 4, &groups.linear[gi].scale, 4);
+        kernels::StoreLinearMeta(groups.linear[gi], internal::LinearMetaHasOffset(format),
+                                 dst + stride * gi);
         break;
       default:
         break;
@@ -172,28 +166,20 @@ Groups ReadMeta(const Format& format, size_t n, size_t channels, const uint8_t* 
   Groups groups;
   if (format.scope() == ScaleScope::kNone) return groups;
   const size_t num = format.num_groups(n, channels);
+  const size_t stride = format.meta_bytes_per_group();
   groups.group_len = GroupLength(format, n, channels);
   for (size_t gi = 0; gi < num; ++gi) {
     switch (format.family()) {
       case FormatFamily::kSharedShift:
       case FormatFamily::kBinades:
-        groups.shifts.push_back(format.shift_rule().lo == -127 ? int(src[gi]) - 127
-                                                               : int(int8_t(src[gi])));
+        groups.shifts.push_back(
+            kernels::ShiftFromMetaByte(src[gi], internal::ShiftMetaIsE8M0(format)));
         break;
-      case FormatFamily::kIntSymmetric: {
-        const int qmax = (1 << (format.bits() - 1)) - 1;
-        LinearGrid g{0.0f, 0.0f, -qmax, qmax};
-        std::memcpy(&g.scale, src + 4 * gi, 4);
-        groups.linear.push_back(g);
+      case FormatFamily::kIntSymmetric:
+      case FormatFamily::kUintMinMax:
+        groups.linear.push_back(kernels::LoadLinearMeta(
+            src + stride * gi, internal::LinearMetaHasOffset(format), format.bits()));
         break;
-      }
-      case FormatFamily::kUintMinMax: {
-        LinearGrid g{0.0f, 0.0f, 0, (1 << format.bits()) - 1};
-        std::memcpy(&g.offset, src + 8 * gi, 4);
-        std::memcpy(&g.scale, src + 8 * gi + 4, 4);
-        groups.linear.push_back(g);
-        break;
-      }
       default:
         break;
     }

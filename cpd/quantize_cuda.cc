@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpd/quantize_internal.h"
+#include "kernels/cuda/codec.h"
 #include "kernels/cuda/quantize.h"
 
 namespace cpd {
@@ -53,9 +54,10 @@ Status LaunchStatus(const CudaResult& r) {
     if (!cpd_launch_result_.ok()) return LaunchStatus(cpd_launch_result_); \
   } while (0)
 
-// The buffer must be memory the current device can read and write.
-Status CheckDeviceBuffer(const void* p, const char* what) {
-  if (reinterpret_cast<uintptr_t>(p) % alignof(float) != 0) {
+// The buffer must be memory the current device can read and write (float buffers: aligned to a
+// float; packed bytes may start anywhere).
+Status CheckDeviceBuffer(const void* p, const char* what, size_t align = alignof(float)) {
+  if (reinterpret_cast<uintptr_t>(p) % align != 0) {
     return Status::InvalidArgument(std::string(what) + " is not aligned to a float");
   }
   cudaPointerAttributes attr{};
@@ -147,7 +149,9 @@ struct Plan {
   bool chunked = false;
 };
 
-Plan MakePlan(const Format& format, size_t n, size_t channels, bool hysteresis) {
+// fused_ok: whether blocks may take the one-pass fused path, which never materialises the block
+// shifts (hysteresis reads previous values; the encoder stores the shifts as metadata).
+Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
   Plan plan;
   switch (format.family()) {
     case FormatFamily::kFloat32:
@@ -156,7 +160,7 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool hysteresis) 
       return plan;
     case FormatFamily::kBinades:  // per tensor or channel: never blocks
     case FormatFamily::kSharedShift:
-      plan.path = format.scope() == ScaleScope::kBlock && !hysteresis &&
+      plan.path = format.scope() == ScaleScope::kBlock && fused_ok &&
                           kernels::cuda::FusedBlockSupported(format.block_size())
                       ? Path::kFused
                       : Path::kShift;
@@ -231,28 +235,38 @@ ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
   return l;
 }
 
-// The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
-Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
-           bool hysteresis, QuantStats* stats, uint64_t* flips, void* stream_ptr) {
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const Plan plan = MakePlan(format, n, opts.channels, hysteresis);
-  const bool want_stats = stats != nullptr || flips != nullptr;
-  const bool binades = format.family() == FormatFamily::kBinades;
-  const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
+// The counter-based stream of stochastic rounding, as the CPU draws it.
+RandomParams RandomFor(const QuantizeOptions& opts) {
+  RandomParams rng;
+  rng.key = kernels::MakeRandomKey(opts.seed, opts.step);
+  rng.index_base = opts.index_offset;
+  return rng;
+}
 
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
-  uint8_t* base = scratch.data();
-  StatsTarget st;
-  if (want_stats) {
-    st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
-    st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
-  }
+// The per-group scales of a span, in scratch memory: shifts (Path::kShift) or linear grids
+// (kInt, kUint), and the binade table of kBinades formats. All null for fixed formats.
+struct DeviceScales {
   int32_t* shifts = nullptr;
   LinearGrid* grids = nullptr;
-  const size_t num = plan.num_groups;
+  kernels::BinadeGrid* binade = nullptr;
+};
 
-  // 1. Scales, on the device.
+// Copies the format's binade table into scratch (kBinades formats only).
+Status StoreBinadeTable(const Format& format, const ScratchLayout& layout, uint8_t* base,
+                        cudaStream_t stream, DeviceScales* scales) {
+  if (format.family() != FormatFamily::kBinades) return Status::Ok();
+  scales->binade = reinterpret_cast<kernels::BinadeGrid*>(base + layout.binade);
+  CPD_LAUNCH_RETURN_IF_ERROR(
+      kernels::cuda::LaunchStoreBinadeGrid(format.binade_grid(), scales->binade, stream));
+  return Status::Ok();
+}
+
+// Step 1 of every quantiser and of the encoder: the scale of each group, chosen on the device
+// from the data with the CPU's formulas (cpd/quantize.cc ComputeGroups).
+Status ComputeScales(const Format& format, const float* in, size_t n, const Plan& plan,
+                     const ScratchLayout& layout, uint8_t* base, cudaStream_t stream,
+                     DeviceScales* scales) {
+  const size_t num = plan.num_groups;
   switch (plan.path) {
     case Path::kShift:
     case Path::kInt: {
@@ -261,13 +275,13 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
       CPD_LAUNCH_RETURN_IF_ERROR(
           kernels::cuda::LaunchGroupMaxAbs(in, n, plan.reduce, max_bits, stream));
       if (plan.path == Path::kShift) {
-        shifts = reinterpret_cast<int32_t*>(base + layout.params);
+        scales->shifts = reinterpret_cast<int32_t*>(base + layout.params);
         CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchShiftsFromMaxAbs(
-            max_bits, num, format.shift_rule(), shifts, stream));
+            max_bits, num, format.shift_rule(), scales->shifts, stream));
       } else {
-        grids = reinterpret_cast<LinearGrid*>(base + layout.params);
-        CPD_LAUNCH_RETURN_IF_ERROR(
-            kernels::cuda::LaunchIntGridsFromMaxAbs(max_bits, num, format.bits(), grids, stream));
+        scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchIntGridsFromMaxAbs(
+            max_bits, num, format.bits(), scales->grids, stream));
       }
       break;
     }
@@ -278,21 +292,76 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
       CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hi_ord, 0, num * sizeof(uint32_t), stream));
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchGroupMinMax(in, n, plan.reduce, plan.chunked,
                                                                   lo_keys, hi_ord, stream));
-      grids = reinterpret_cast<LinearGrid*>(base + layout.params);
+      scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchUintGridsFromMinMax(
-          lo_keys, hi_ord, num, format.bits(), grids, stream));
+          lo_keys, hi_ord, num, format.bits(), scales->grids, stream));
       break;
     }
     default:
       break;
   }
+  return StoreBinadeTable(format, layout, base, stream, scales);
+}
 
-  kernels::BinadeGrid* d_binade = nullptr;
-  if (binades) {
-    d_binade = reinterpret_cast<kernels::BinadeGrid*>(base + layout.binade);
-    CPD_LAUNCH_RETURN_IF_ERROR(
-        kernels::cuda::LaunchStoreBinadeGrid(format.binade_grid(), d_binade, stream));
+// The last step of every driver: queues the statistics' copy to the host and the scratch's
+// release, then (only when statistics are wanted) waits for the stream and fills them in.
+Status CollectStats(const StatsTarget& st, size_t n, DeviceScratch* scratch, QuantStats* stats,
+                    uint64_t* flips, cudaStream_t stream) {
+  const bool want_stats = st.result != nullptr;
+  DeviceStats ds{};
+  if (want_stats) {
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(&ds, st.result, sizeof(DeviceStats), cudaMemcpyDeviceToHost, stream));
   }
+  CPD_RETURN_IF_ERROR(scratch->Release());
+  if (!want_stats) return Status::Ok();
+  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  if (stats != nullptr) {
+    *stats = QuantStats{};
+    stats->count = n;
+    float max_abs;
+    std::memcpy(&max_abs, &ds.max_bits, sizeof(max_abs));
+    stats->max_abs = max_abs;
+    stats->saturated = ds.saturated;
+    stats->flushed = ds.flushed;
+    stats->nonfinite = ds.nonfinite;
+    stats->sq_error = ds.sq_error;
+    stats->sq_input = ds.sq_input;
+  }
+  if (flips != nullptr) *flips = ds.flips;
+  return Status::Ok();
+}
+
+// Points `st` at the statistics' part of the scratch (when wanted).
+StatsTarget StatsIn(const ScratchLayout& layout, uint8_t* base, bool want_stats) {
+  StatsTarget st;
+  if (want_stats) {
+    st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
+    st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
+  }
+  return st;
+}
+
+// The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
+Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
+           bool hysteresis, QuantStats* stats, uint64_t* flips, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/!hysteresis);
+  const bool want_stats = stats != nullptr || flips != nullptr;
+  const bool binades = format.family() == FormatFamily::kBinades;
+  const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
+
+  DeviceScratch scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  uint8_t* base = scratch.data();
+  const StatsTarget st = StatsIn(layout, base, want_stats);
+
+  // 1. Scales, on the device.
+  DeviceScales scales;
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+  int32_t* const shifts = scales.shifts;
+  LinearGrid* const grids = scales.grids;
+  kernels::BinadeGrid* const d_binade = scales.binade;
 
   // 2. The element-wise pass (statistics fused).
   const FloatGrid& g = format.grid();
@@ -309,9 +378,7 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
     }
   } else {
     const RoundMode mode = internal::RoundModeFor(opts.rounding);
-    RandomParams rng;
-    rng.key = kernels::MakeRandomKey(opts.seed, opts.step);
-    rng.index_base = opts.index_offset;
+    const RandomParams rng = RandomFor(opts);
     switch (plan.path) {
       case Path::kFixed:
       case Path::kShift:
@@ -336,28 +403,97 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
   }
 
   // 3. Statistics: copy back and wait.
-  DeviceStats ds{};
-  if (want_stats) {
-    CPD_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(&ds, st.result, sizeof(DeviceStats), cudaMemcpyDeviceToHost, stream));
+  return CollectStats(st, n, &scratch, stats, flips, stream);
+}
+
+// The encoder: QuantizeCuda's scales (never the fused block path: the shifts are metadata), one
+// pass that rounds and packs, then the metadata after the codes (cpd/quantize.cc Run + WriteMeta).
+Status EncodeRun(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
+                 uint8_t* dst, QuantStats* stats, cudaStream_t stream) {
+  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/false);
+  const bool want_stats = stats != nullptr;
+  const ScratchLayout layout =
+      MakeLayout(plan, want_stats, format.family() == FormatFamily::kBinades);
+  DeviceScratch scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  uint8_t* base = scratch.data();
+  const StatsTarget st = StatsIn(layout, base, want_stats);
+
+  DeviceScales scales;
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+
+  const RoundMode mode = internal::RoundModeFor(opts.rounding);
+  const RandomParams rng = RandomFor(opts);
+  const int bits = format.bits();
+  switch (plan.path) {
+    case Path::kFixed:
+    case Path::kShift:
+      if (scales.binade != nullptr) {
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchEncodeBinadeGrid(
+            in, n, bits, scales.binade, scales.shifts, plan.apply, mode, rng, st, dst, stream));
+      } else {
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchEncodeFloatGrid(
+            in, n, bits, format.grid(), scales.shifts, plan.apply, mode, rng, st, dst, stream));
+      }
+      break;
+    case Path::kInt:
+    case Path::kUint:
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchEncodeLinearGrid(
+          in, n, bits, scales.grids, plan.apply, mode, rng, st, dst, stream));
+      break;
+    case Path::kFused:
+      return Status::Internal("EncodeCuda: the fused block path has no shifts to store");
   }
-  CPD_RETURN_IF_ERROR(scratch.Release());
-  if (!want_stats) return Status::Ok();
-  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  if (stats != nullptr) {
-    *stats = QuantStats{};
-    stats->count = n;
-    float max_abs;
-    std::memcpy(&max_abs, &ds.max_bits, sizeof(max_abs));
-    stats->max_abs = max_abs;
-    stats->saturated = ds.saturated;
-    stats->flushed = ds.flushed;
-    stats->nonfinite = ds.nonfinite;
-    stats->sq_error = ds.sq_error;
-    stats->sq_input = ds.sq_input;
+
+  uint8_t* meta = dst + PackedCodeBytes(format, n);
+  if (scales.shifts != nullptr) {
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteShiftMeta(
+        scales.shifts, plan.num_groups, internal::ShiftMetaIsE8M0(format), meta, stream));
+  } else if (scales.grids != nullptr) {
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteLinearMeta(
+        scales.grids, plan.num_groups, internal::LinearMetaHasOffset(format), meta, stream));
   }
-  if (flips != nullptr) *flips = ds.flips;
-  return Status::Ok();
+  return CollectStats(st, n, &scratch, stats, nullptr, stream);
+}
+
+// The decoder: the scales from the metadata (cpd/quantize.cc ReadMeta), then one pass that
+// unpacks and decodes.
+Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* out,
+                 cudaStream_t stream) {
+  const size_t n = packed.count;
+  const Plan plan = MakePlan(format, n, packed.channels, /*fused_ok=*/false);
+  const ScratchLayout layout =
+      MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades);
+  DeviceScratch scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  uint8_t* base = scratch.data();
+
+  DeviceScales scales;
+  const uint8_t* meta = packed.bytes + PackedCodeBytes(format, n);
+  if (plan.path == Path::kShift) {
+    scales.shifts = reinterpret_cast<int32_t*>(base + layout.params);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchReadShiftMeta(
+        meta, plan.num_groups, internal::ShiftMetaIsE8M0(format), scales.shifts, stream));
+  } else if (plan.path == Path::kInt || plan.path == Path::kUint) {
+    scales.grids = reinterpret_cast<LinearGrid*>(base + layout.params);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchReadLinearMeta(
+        meta, plan.num_groups, internal::LinearMetaHasOffset(format), format.bits(), scales.grids,
+        stream));
+  }
+  CPD_RETURN_IF_ERROR(StoreBinadeTable(format, layout, base, stream, &scales));
+
+  const int bits = format.bits();
+  if (scales.binade != nullptr) {
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeBinadeGrid(
+        packed.bytes, n, bits, scales.binade, scales.shifts, plan.apply, out, stream));
+  } else if (format.is_float_grid()) {
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeFloatGrid(
+        packed.bytes, n, bits, format.grid(), scales.shifts, plan.apply, out, stream));
+  } else {
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeLinearGrid(
+        packed.bytes, n, bits, scales.grids, plan.apply, out, stream));
+  }
+  return scratch.Release();
 }
 
 }  // namespace
@@ -402,6 +538,52 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
   return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, stats, flips, stream);
+}
+
+Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,
+                  PackedTensorCuda* out, QuantStats* stats, void* stream) {
+  if (out == nullptr || (n > 0 && d_in == nullptr)) {
+    return Status::InvalidArgument("EncodeCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  const size_t expected = PackedSize(format, n, opts.channels);
+  if (out->size != expected || (expected > 0 && out->bytes == nullptr)) {
+    return Status::InvalidArgument(
+        "EncodeCuda: " + std::to_string(n) + " '" + format.spec() + "' values in " +
+        std::to_string(opts.channels) + " channel(s) pack into " + std::to_string(expected) +
+        " bytes, but the output buffer holds " + std::to_string(out->size));
+  }
+  if (n > 0) CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "EncodeCuda: input"));
+  if (expected > 0) CPD_RETURN_IF_ERROR(CheckDeviceBuffer(out->bytes, "EncodeCuda: output", 1));
+  out->count = n;
+  out->channels = opts.channels;
+  if (expected == 0) {
+    if (stats != nullptr) *stats = QuantStats{};
+    return Status::Ok();
+  }
+  // n == 0 still writes the metadata of a per-tensor scale, as cpd::Encode does.
+  return EncodeRun(format, d_in, n, opts, out->bytes, stats, static_cast<cudaStream_t>(stream));
+}
+
+Status DecodeCuda(const Format& format, const PackedTensorCuda& packed, float* d_out,
+                  void* stream) {
+  const size_t n = packed.count;
+  QuantizeOptions opts;
+  opts.channels = packed.channels;
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  const size_t expected = PackedSize(format, n, packed.channels);
+  if (packed.size != expected) {
+    return Status::Corruption("packed tensor of " + std::to_string(n) + " '" + format.spec() +
+                              "' values must be " + std::to_string(expected) + " bytes, got " +
+                              std::to_string(packed.size));
+  }
+  if (n == 0) return Status::Ok();
+  if (packed.bytes == nullptr || d_out == nullptr) {
+    return Status::InvalidArgument("DecodeCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(packed.bytes, "DecodeCuda: packed bytes", 1));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "DecodeCuda: output"));
+  return DecodeRun(format, packed, d_out, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace cpd

@@ -1,4 +1,5 @@
-// Quantising float32 spans that live on a CUDA device (only in a CUDA build: CPD_WITH_CUDA).
+// Quantising float32 spans that live on a CUDA device (only in a CUDA build: CPD_WITH_CUDA), and
+// encoding them to packed codes and back (EncodeCuda / DecodeCuda, cpd::Encode / Decode's bytes).
 // Same semantics as cpd::Quantize / cpd::QuantizeHysteresis (cpd/quantize.h), and bit-identical
 // outputs for every format family and rounding mode: the same per-element math
 // (kernels/grid.h), the same per-group scales (computed on the device with the same formulas),
@@ -46,6 +47,39 @@ Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_
 Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
                               const QuantizeOptions& opts, QuantStats* stats = nullptr,
                               uint64_t* flips = nullptr, void* stream = nullptr);
+
+// ---- Packed tensors on the device ------------------------------------------------------------
+
+// A packed tensor in device memory: exactly cpd::PackedTensor's bytes (cpd/quantize.h: the
+// `bits`-bit codes, little-endian bit order, then each group's scale metadata), in a buffer the
+// caller owns. Why this representation:
+//  * a view, not an owning buffer: the all-reduce packs the segments of many tensors into one
+//    send buffer and receives into another, so packed tensors are slices of the caller's
+//    buffers, and the codec allocates nothing for them (only small stream-ordered scratch);
+//  * the CPU's byte layout, at any alignment: one cudaMemcpy of `size` bytes moves a packed
+//    tensor to or from PackedTensor::bytes (MPI staged through host memory, tests), and CPU and
+//    GPU ranks put the same bytes on the wire.
+struct PackedTensorCuda {
+  size_t count = 0;          // elements
+  size_t channels = 1;       // rows of the span, as QuantizeOptions::channels
+  uint8_t* bytes = nullptr;  // device memory (or memory the device can access); not owned
+  size_t size = 0;           // bytes at `bytes`: PackedSize(format, count, channels)
+};
+
+// cpd::Encode on the device: quantises n floats at d_in and packs them into out->bytes, whose
+// size out->size is REQUIRED on entry and must equal PackedSize(format, n, opts.channels) (else
+// InvalidArgument); sets out->count and out->channels. The bytes equal cpd::Encode's for the
+// same input and options, bit for bit, every family and rounding mode included; the values
+// they decode to are QuantizeCuda's. `stats` as QuantizeCuda's (asking for them waits for the
+// stream). opts.threads is ignored. An empty span of a per-tensor format still writes its one
+// metadata group, as cpd::Encode does.
+Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,
+                  PackedTensorCuda* out, QuantStats* stats = nullptr, void* stream = nullptr);
+
+// cpd::Decode on the device: writes packed.count floats to d_out, bit for bit cpd::Decode's
+// values. A size that does not match the format is Corruption, as in cpd::Decode.
+Status DecodeCuda(const Format& format, const PackedTensorCuda& packed, float* d_out,
+                  void* stream = nullptr);
 
 }  // namespace cpd
 

@@ -56,4 +56,15 @@ inline size_t GroupLength(const Format& format, size_t n, size_t channels) {
   return n;
 }
 
+// Whether a shifted format's metadata byte is MX's E8M0 scale (kernels::ShiftMetaByte): MX is
+// the one block format whose shifts reach down to -127.
+inline bool ShiftMetaIsE8M0(const Format& format) {
+  return format.scope() == ScaleScope::kBlock && format.shift_rule().lo == -127;
+}
+
+// Whether a linear format's metadata holds an offset too (kernels::StoreLinearMeta).
+inline bool LinearMetaHasOffset(const Format& format) {
+  return format.family() == FormatFamily::kUintMinMax;
+}
+
 }  // namespace cpd::internal

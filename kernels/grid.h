@@ -406,6 +406,44 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
 }
 
 // ---------------------------------------------------------------------------------------------
+// Scale metadata of packed tensors (cpd::PackedTensor), one home for the CPU codec
+// (cpd/quantize.cc) and the CUDA one (kernels/cuda/codec.cu), so that their bytes agree.
+// Shifted formats store one byte per group: MX the E8M0 scale byte (the scale is
+// 2^(byte - 127), OCP MX v1.0), every other format the shift as a two's-complement int8 (every
+// ShiftRule keeps shifts in -127..127). Linear grids store little-endian float32s at any
+// alignment: int<b> its scale, uint<b>:minmax its offset (the minimum) and then its scale.
+CPD_HD uint8_t ShiftMetaByte(int32_t shift, bool e8m0) {
+  return e8m0 ? uint8_t(shift + 127) : uint8_t(int8_t(shift));
+}
+CPD_HD int32_t ShiftFromMetaByte(uint8_t byte, bool e8m0) {
+  return e8m0 ? int32_t(byte) - 127 : int32_t(int8_t(byte));
+}
+
+CPD_HD void StoreLinearMeta(const LinearGrid& g, bool minmax, uint8_t* dst) {
+  if (minmax) {
+    memcpy(dst, &g.offset, 4);
+    memcpy(dst + 4, &g.scale, 4);
+  } else {
+    memcpy(dst, &g.scale, 4);
+  }
+}
+
+// The grid of a group of int<bits> (minmax false) or uint<bits>:minmax.
+CPD_HD LinearGrid LoadLinearMeta(const uint8_t* src, bool minmax, int32_t bits) {
+  LinearGrid g{0.0f, 0.0f, 0, 0};
+  if (minmax) {
+    memcpy(&g.offset, src, 4);
+    memcpy(&g.scale, src + 4, 4);
+    g.qmax = (1 << bits) - 1;
+  } else {
+    memcpy(&g.scale, src, 4);
+    g.qmax = (1 << (bits - 1)) - 1;
+    g.qmin = -g.qmax;
+  }
+  return g;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Per-binade grids (Lee, Park, Jeon, ICLR 2022, whose candidate formats the authors' code
 // describes this way): M_i mantissa bits in binade i, i = 0..L-1 from the top down. Unscaled,
 // binade i is [2^-i, 2^(1-i)) with the 2^M_i values (1 + k / 2^M_i) * 2^-i, k < 2^M_i; below

@@ -3,6 +3,7 @@
 // PackCodes/UnpackCodes against a bit-by-bit reference for every width 1..32.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -11,6 +12,7 @@
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "kernels/pack.h"
 #include "tests/cpd/format_test_util.h"
 
 namespace cpd::test {
@@ -371,6 +373,53 @@ TEST(PackCodes, RoundTripAndLayoutForEveryWidth) {
       EXPECT_TRUE(std::equal(codes.begin(), codes.end(), back.begin()))
           << "bits " << bits << " n " << n;
       EXPECT_EQ(back[n], 0xdeadbeefu) << "bits " << bits << " n " << n;
+    }
+  }
+}
+
+// The device codec's packing unit (kernels/pack.h, what one GPU thread does), run here on the
+// host: a stream packed unit by unit (unit u at byte u * bits, the kernels' addressing) equals
+// PackCodes' bytes, nothing is written past it, and unpacking it unit by unit gives the codes
+// back; for every width, every length of the last unit, byte and 32-bit word access.
+TEST(PackCodes, DeviceUnitsMatchPackCodes) {
+  std::mt19937_64 rng(7);
+  for (int bits = 1; bits <= 32; ++bits) {
+    const uint32_t mask = kernels::CodeMask(bits);
+    for (size_t n : {1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 29, 64, 77}) {
+      std::vector<uint32_t> codes(n);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t r = rng();
+        codes[i] = (r % 7 == 0) ? mask : (r % 7 == 1) ? 0u : uint32_t(r >> 20) & mask;
+      }
+      const std::vector<uint8_t> ref = ReferencePack(codes, bits);
+      const size_t units = (n + kernels::kUnitCodes - 1) / kernels::kUnitCodes;
+      for (bool words : {false, true}) {
+        if (words && bits % 4 != 0) continue;
+        const std::string what =
+            "bits " + std::to_string(bits) + " n " + std::to_string(n) + (words ? " words" : "");
+        std::vector<uint32_t> storage((ref.size() + 8) / 4 + 1);  // 4-byte aligned bytes
+        uint8_t* dst = reinterpret_cast<uint8_t*>(storage.data());
+        std::memset(dst, 0xab, storage.size() * 4);
+        std::vector<uint32_t> back(units * kernels::kUnitCodes, 0xdeadbeefu);
+        for (size_t u = 0; u < units; ++u) {
+          const size_t first = u * kernels::kUnitCodes;
+          const int len = int(std::min<size_t>(kernels::kUnitCodes, n - first));
+          uint32_t unit[kernels::kUnitCodes] = {};
+          for (int k = 0; k < len; ++k) unit[k] = codes[first + size_t(k)];
+          kernels::StoreCodeUnit(unit, len, bits, words, dst + u * size_t(bits));
+          uint32_t got[kernels::kUnitCodes];
+          kernels::LoadCodeUnit(ref.data() + u * size_t(bits), len, bits,
+                                words && (reinterpret_cast<uintptr_t>(ref.data()) & 3u) == 0, got);
+          for (int k = 0; k < kernels::kUnitCodes; ++k) back[first + size_t(k)] = got[k];
+        }
+        EXPECT_TRUE(std::equal(ref.begin(), ref.end(), dst)) << what;
+        for (size_t i = ref.size(); i < storage.size() * 4; ++i) {
+          ASSERT_EQ(dst[i], 0xab) << what << ": wrote past the end";
+        }
+        for (size_t i = 0; i < back.size(); ++i) {
+          ASSERT_EQ(back[i], i < n ? codes[i] : 0u) << what << ": code " << i;
+        }
+      }
     }
   }
 }

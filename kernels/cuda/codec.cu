@@ -1,0 +1,364 @@
+// CUDA kernels of the codec (see kernels/cuda/codec.h). Layout as quantize.cu: helpers, kernels
+// (names end in _kernel), launchers.
+//
+// Bit-exactness with the CPU codec (cpd/quantize.cc Encode/Decode, PackCodes/UnpackCodes):
+//  * codes come from the quantiser's element operations (common.cuh), i.e. from
+//    kernels::RoundToFloatGrid / RoundToBinadeGrid / RoundToLinearGrid, as the CPU loops do;
+//  * decoding is kernels::DecodeFloatGrid / DecodeBinadeGrid / LinearValue, and the product by
+//    2^shift keeps the decoded NaN's bits as the CPU's x86 multiply does (ScaleBack);
+//  * the bit order is PackCodes': code i at bits [i*bits, (i+1)*bits), little-endian, codes
+//    masked to `bits`, the last byte's spare bits zero;
+//  * scale metadata is written and read with grid.h's ShiftMetaByte / StoreLinearMeta and their
+//    inverses, the CPU codec's own helpers.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/codec.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/pack.h"
+
+namespace cpd::kernels::cuda {
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Decode operations: the value of global element i with code `code`. Init() caches the scale of
+// a single-group span.
+
+struct FloatDecodeOp {
+  FloatGrid g;
+  const int32_t* shifts;  // null: shift 0
+  uint64_t group_len;     // 0: one group
+  float up0;
+
+  __device__ __forceinline__ void Init() { up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f; }
+  __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
+    const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
+    return ScaleBack(FloatBits(DecodeFloatGrid(code, g)), up);
+  }
+};
+
+struct BinadeDecodeOp {
+  const BinadeGrid* g;
+  const int32_t* shifts;
+  uint64_t group_len;
+  float up0;
+
+  __device__ __forceinline__ void Init() { up0 = Pow2(shifts[0]); }
+  __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
+    const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
+    return ScaleBack(FloatBits(DecodeBinadeGrid(code, *g)), up);
+  }
+};
+
+struct LinearDecodeOp {
+  const LinearGrid* grids;
+  uint64_t group_len;
+  LinearGrid grid0;
+
+  __device__ __forceinline__ void Init() { grid0 = grids[0]; }
+  __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
+    const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
+    return LinearValue(int32_t(code) + lg.qmin, lg);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Kernels
+
+// Grid-stride over units of kUnitCodes elements: thread-private input (two 16-byte loads when
+// `vec_in`: in is 16-byte aligned, so is every full unit), rounding, packing into the unit's
+// `bits` bytes at dst + unit * bits. Elements past n are neither rounded nor packed (their group
+// may not exist).
+template <class Op, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    encode_kernel(const Op op, const float* in, uint64_t n, int bits, bool vec_in, bool words,
+                  uint8_t* dst, DeviceStats* partials) {
+  Op o = op;
+  o.Init();
+  Acc<kStats> acc;
+  const uint32_t mask = CodeMask(bits);
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    const uint64_t first = u * kUnitCodes;
+    const int len = n - first < uint64_t(kUnitCodes) ? int(n - first) : kUnitCodes;
+    float x[kUnitCodes];
+    if (vec_in && len == kUnitCodes) {
+      const float4* v = reinterpret_cast<const float4*>(in + first);
+      const float4 a = v[0], b = v[1];
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+      x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kUnitCodes; ++k) x[k] = k < len ? in[first + k] : 0.0f;
+    }
+    uint32_t codes[kUnitCodes];
+#pragma unroll
+    for (int k = 0; k < kUnitCodes; ++k) {
+      codes[k] = 0;
+      if (k < len) {
+        ElementFlags f;
+        uint32_t code = 0;
+        const float z = o.Apply(x[k], 0.0f, first + k, &code, kStats ? &f : nullptr);
+        codes[k] = code & mask;
+        if constexpr (kStats) acc.Add(x[k], z, f);
+      }
+    }
+    StoreCodeUnit(codes, len, bits, words, dst + u * uint64_t(bits));
+  }
+  if constexpr (kStats) BlockStatsToPartial(acc, partials);
+}
+
+// The inverse: unpack a unit, decode, store (two 16-byte stores when `vec_out`).
+template <class Op>
+__global__ void __launch_bounds__(kThreads)
+    decode_kernel(const Op op, const uint8_t* src, uint64_t n, int bits, bool words, bool vec_out,
+                  float* out) {
+  Op o = op;
+  o.Init();
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    const uint64_t first = u * kUnitCodes;
+    const int len = n - first < uint64_t(kUnitCodes) ? int(n - first) : kUnitCodes;
+    uint32_t codes[kUnitCodes];
+    LoadCodeUnit(src + u * uint64_t(bits), len, bits, words, codes);
+    float z[kUnitCodes];
+#pragma unroll
+    for (int k = 0; k < kUnitCodes; ++k) z[k] = k < len ? o.Decode(codes[k], first + k) : 0.0f;
+    if (vec_out && len == kUnitCodes) {
+      float4* v = reinterpret_cast<float4*>(out + first);
+      v[0] = make_float4(z[0], z[1], z[2], z[3]);
+      v[1] = make_float4(z[4], z[5], z[6], z[7]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kUnitCodes; ++k) {
+        if (k < len) out[first + k] = z[k];
+      }
+    }
+  }
+}
+
+__global__ void write_shift_meta_kernel(const int32_t* shifts, uint64_t num, bool e8m0,
+                                        uint8_t* dst) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < num) dst[g] = ShiftMetaByte(shifts[g], e8m0);
+}
+
+__global__ void read_shift_meta_kernel(const uint8_t* src, uint64_t num, bool e8m0,
+                                       int32_t* shifts) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < num) shifts[g] = ShiftFromMetaByte(src[g], e8m0);
+}
+
+__global__ void write_linear_meta_kernel(const LinearGrid* grids, uint64_t num, bool minmax,
+                                         uint8_t* dst) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < num) StoreLinearMeta(grids[g], minmax, dst + g * (minmax ? 8u : 4u));
+}
+
+__global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool minmax, int bits,
+                                        LinearGrid* grids) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < num) grids[g] = LoadLinearMeta(src + g * (minmax ? 8u : 4u), minmax, bits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch helpers
+
+template <class Op>
+CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
+                        const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
+  if (n == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(in != nullptr && dst != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= kMaxCodeBits, "codes need 1 to 32 bits");
+  CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(in) & 3u) == 0, "input must be 4-byte aligned");
+  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
+                     "statistics need a scratch buffer");
+  const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
+  const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  int blocks = 0;
+  if (stats.result != nullptr) {
+    CudaResult r = GridBlocks(encode_kernel<Op, true>, units, kThreads, true, &blocks);
+    if (!r.ok()) return r;
+    encode_kernel<Op, true>
+        <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, stats.scratch);
+    CPD_CUDA_CHECK(cudaGetLastError());
+    return FinalizeStats(stats, blocks, stream);
+  }
+  CudaResult r = GridBlocks(encode_kernel<Op, false>, units, kThreads, false, &blocks);
+  if (!r.ok()) return r;
+  encode_kernel<Op, false>
+      <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, nullptr);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+template <template <RoundMode> class OpT, class... Args>
+CudaResult DispatchEncodeMode(RoundMode mode, const float* in, uint64_t n, int bits,
+                              const StatsTarget& stats, uint8_t* dst, cudaStream_t stream,
+                              Args... args) {
+  switch (mode) {
+    case RoundMode::kNearestEven:
+      return LaunchEncode(OpT<RoundMode::kNearestEven>{args...}, in, n, bits, stats, dst, stream);
+    case RoundMode::kStochastic:
+      return LaunchEncode(OpT<RoundMode::kStochastic>{args...}, in, n, bits, stats, dst, stream);
+    case RoundMode::kTowardZero:
+      return LaunchEncode(OpT<RoundMode::kTowardZero>{args...}, in, n, bits, stats, dst, stream);
+    default:
+      break;
+  }
+  CPD_LAUNCH_REQUIRE(false, "rounding mode must be nearest-even, stochastic or toward zero");
+  return CudaResult{};
+}
+
+template <class Op>
+CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, float* out,
+                        cudaStream_t stream) {
+  if (n == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(src != nullptr && out != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= kMaxCodeBits, "codes need 1 to 32 bits");
+  CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(out) & 3u) == 0, "output must be 4-byte aligned");
+  const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
+  const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  int blocks = 0;
+  CudaResult r = GridBlocks(decode_kernel<Op>, units, kThreads, false, &blocks);
+  if (!r.ok()) return r;
+  decode_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, bits, words, vec_out, out);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+// Blocks of a one-thread-per-group kernel.
+CudaResult GroupBlocks(size_t num_groups, unsigned* blocks) {
+  const uint64_t b = CEIL_DIV(uint64_t(num_groups), uint64_t(kThreads));
+  CPD_LAUNCH_REQUIRE(b <= 0x7fffffffu, "too many groups");
+  *blocks = unsigned(b);
+  return CudaResult{};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+
+CudaResult LaunchEncodeFloatGrid(const float* in, size_t n, int bits, const FloatGrid& g,
+                                 const int32_t* shifts, GroupLayout groups, RoundMode mode,
+                                 RandomParams rng, StatsTarget stats, uint8_t* dst, void* stream) {
+  CudaResult r = CheckGroups(n, groups, shifts != nullptr);
+  if (!r.ok()) return r;
+  if (shifts == nullptr) {
+    return DispatchEncodeMode<FixedFloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g,
+                                                rng.key, rng.index_base);
+  }
+  return DispatchEncodeMode<FloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g, shifts,
+                                         groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
+}
+
+CudaResult LaunchEncodeBinadeGrid(const float* in, size_t n, int bits, const BinadeGrid* d_grid,
+                                  const int32_t* shifts, GroupLayout groups, RoundMode mode,
+                                  RandomParams rng, StatsTarget stats, uint8_t* dst, void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
+                     "binade grids need the grid and the shifts");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return DispatchEncodeMode<BinadeGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), d_grid,
+                                          shifts, groups.group_len, rng.key, rng.index_base, 0.0f,
+                                          0.0f);
+}
+
+CudaResult LaunchEncodeLinearGrid(const float* in, size_t n, int bits, const LinearGrid* grids,
+                                  GroupLayout groups, RoundMode mode, RandomParams rng,
+                                  StatsTarget stats, uint8_t* dst, void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || grids != nullptr, "linear grids are required");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return DispatchEncodeMode<LinearGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), grids,
+                                          groups.group_len, rng.key, rng.index_base, LinearGrid{});
+}
+
+CudaResult LaunchDecodeFloatGrid(const uint8_t* src, size_t n, int bits, const FloatGrid& g,
+                                 const int32_t* shifts, GroupLayout groups, float* out,
+                                 void* stream) {
+  CudaResult r = CheckGroups(n, groups, shifts != nullptr);
+  if (!r.ok()) return r;
+  return LaunchDecode(FloatDecodeOp{g, shifts, groups.group_len, 1.0f}, src, n, bits, out,
+                      AsStream(stream));
+}
+
+CudaResult LaunchDecodeBinadeGrid(const uint8_t* src, size_t n, int bits, const BinadeGrid* d_grid,
+                                  const int32_t* shifts, GroupLayout groups, float* out,
+                                  void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
+                     "binade grids need the grid and the shifts");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return LaunchDecode(BinadeDecodeOp{d_grid, shifts, groups.group_len, 1.0f}, src, n, bits, out,
+                      AsStream(stream));
+}
+
+CudaResult LaunchDecodeLinearGrid(const uint8_t* src, size_t n, int bits, const LinearGrid* grids,
+                                  GroupLayout groups, float* out, void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || grids != nullptr, "linear grids are required");
+  CudaResult r = CheckGroups(n, groups, true);
+  if (!r.ok()) return r;
+  return LaunchDecode(LinearDecodeOp{grids, groups.group_len, LinearGrid{}}, src, n, bits, out,
+                      AsStream(stream));
+}
+
+CudaResult LaunchWriteShiftMeta(const int32_t* shifts, size_t num_groups, bool e8m0, uint8_t* dst,
+                                void* stream) {
+  if (num_groups == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(shifts != nullptr && dst != nullptr, "null buffer");
+  unsigned blocks = 0;
+  CudaResult r = GroupBlocks(num_groups, &blocks);
+  if (!r.ok()) return r;
+  write_shift_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(shifts, num_groups, e8m0, dst);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0, int32_t* shifts,
+                               void* stream) {
+  if (num_groups == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(src != nullptr && shifts != nullptr, "null buffer");
+  unsigned blocks = 0;
+  CudaResult r = GroupBlocks(num_groups, &blocks);
+  if (!r.ok()) return r;
+  read_shift_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(src, num_groups, e8m0, shifts);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+CudaResult LaunchWriteLinearMeta(const LinearGrid* grids, size_t num_groups, bool minmax,
+                                 uint8_t* dst, void* stream) {
+  if (num_groups == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(grids != nullptr && dst != nullptr, "null buffer");
+  unsigned blocks = 0;
+  CudaResult r = GroupBlocks(num_groups, &blocks);
+  if (!r.ok()) return r;
+  write_linear_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(grids, num_groups, minmax,
+                                                                      dst);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+CudaResult LaunchReadLinearMeta(const uint8_t* src, size_t num_groups, bool minmax, int bits,
+                                LinearGrid* grids, void* stream) {
+  if (num_groups == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(src != nullptr && grids != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= 31, "linear grids need 1 to 31 bits");
+  unsigned blocks = 0;
+  CudaResult r = GroupBlocks(num_groups, &blocks);
+  if (!r.ok()) return r;
+  read_linear_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(src, num_groups, minmax, bits,
+                                                                     grids);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+}  // namespace cpd::kernels::cuda

@@ -1,0 +1,262 @@
+// Pieces shared by the CUDA kernels of the quantiser (quantize.cu) and of the codec (codec.cu):
+// the check macros, the launch geometry, per-thread statistics and the element operations.
+// Private to kernels/cuda/: include it only from .cu files there (it defines macros).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/quantize.h"
+#include "kernels/grid.h"
+
+namespace cpd::kernels::cuda {
+
+#define CEIL_DIV(a, b) (((a) + (b)-1) / (b))
+
+// Wraps a CUDA runtime call: on failure, returns a CudaResult naming the call and the error.
+#define CPD_CUDA_CHECK(expr)                                           \
+  do {                                                                 \
+    const cudaError_t cpd_cuda_err_ = (expr);                          \
+    if (cpd_cuda_err_ != cudaSuccess) {                                \
+      return CudaResult{int(cpd_cuda_err_), __FILE__, __LINE__, #expr, \
+                        cudaGetErrorString(cpd_cuda_err_)};            \
+    }                                                                  \
+  } while (0)
+
+// A launcher's own argument check.
+#define CPD_LAUNCH_REQUIRE(cond, msg)                                                \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      return CudaResult{int(cudaErrorInvalidValue), __FILE__, __LINE__, #cond, msg}; \
+    }                                                                                \
+  } while (0)
+
+constexpr int kThreads = 256;  // threads per block of every kernel
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+// Group of element i; 32-bit division when both fit (the common case, much cheaper).
+__device__ __forceinline__ uint64_t GroupOf(uint64_t i, uint64_t len) {
+  if (((i | len) >> 32) == 0) return uint32_t(i) / uint32_t(len);
+  return i / len;
+}
+
+// z * 2^s for the float bits zb of a grid value; NaN bits are kept as they are, which is what
+// the CPU's multiply does with a quiet NaN operand (the GPU would return the canonical NaN).
+__device__ __forceinline__ float ScaleBack(uint32_t zb, float up) {
+  return (zb & 0x7fffffffu) > 0x7f800000u ? BitsFloat(zb) : __fmul_rn(BitsFloat(zb), up);
+}
+
+// |x| bits for the max-abs reductions: finite elements only (kernels::MaxAbsFinite).
+__device__ __forceinline__ uint32_t FiniteAbsBits(float x) {
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  return a < 0x7f800000u ? a : 0u;
+}
+
+// The per-element statistics of kernels/quantize_cpu.cc (LaneStats::Add), per thread.
+template <bool kStats>
+struct Acc {
+  __device__ __forceinline__ void Add(float, float, const ElementFlags&) {}
+  __device__ __forceinline__ void Flip(bool) {}
+};
+
+template <>
+struct Acc<true> {
+  unsigned long long saturated = 0, flushed = 0, nonfinite = 0, flips = 0;
+  double sq_error = 0.0, sq_input = 0.0;
+  uint32_t max_bits = 0;
+
+  __device__ __forceinline__ void Add(float in, float out, const ElementFlags& f) {
+    const uint32_t a = FloatBits(in) & 0x7fffffffu;
+    const uint32_t abits = a > 0x7f800000u ? 0u : a;
+    max_bits = abits > max_bits ? abits : max_bits;
+    saturated += f.saturated;
+    flushed += f.flushed;
+    nonfinite += f.nonfinite;
+    const bool finite = a < 0x7f800000u && (FloatBits(out) & 0x7fffffffu) < 0x7f800000u;
+    const double d = finite ? double(out) - double(in) : 0.0;
+    const double x = finite ? double(in) : 0.0;
+    sq_error += d * d;
+    sq_input += x * x;
+  }
+  __device__ __forceinline__ void Flip(bool changed) { flips += changed; }
+};
+
+__device__ __forceinline__ void WarpSum(DeviceStats& s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    s.saturated += __shfl_down_sync(kFullMask, (unsigned long long)s.saturated, off);
+    s.flushed += __shfl_down_sync(kFullMask, (unsigned long long)s.flushed, off);
+    s.nonfinite += __shfl_down_sync(kFullMask, (unsigned long long)s.nonfinite, off);
+    s.flips += __shfl_down_sync(kFullMask, (unsigned long long)s.flips, off);
+    s.sq_error += __shfl_down_sync(kFullMask, s.sq_error, off);
+    s.sq_input += __shfl_down_sync(kFullMask, s.sq_input, off);
+    const uint32_t m = __shfl_down_sync(kFullMask, s.max_bits, off);
+    s.max_bits = m > s.max_bits ? m : s.max_bits;
+  }
+}
+
+__device__ __forceinline__ void Accumulate(DeviceStats& s, const DeviceStats& o) {
+  s.saturated += o.saturated;
+  s.flushed += o.flushed;
+  s.nonfinite += o.nonfinite;
+  s.flips += o.flips;
+  s.sq_error += o.sq_error;
+  s.sq_input += o.sq_input;
+  s.max_bits = o.max_bits > s.max_bits ? o.max_bits : s.max_bits;
+}
+
+// Reduces every thread's Acc in a fixed order and writes the block's sum to partials[block].
+// Must be reached by all threads of the block.
+__device__ __forceinline__ void BlockStatsToPartial(const Acc<true>& acc, DeviceStats* partials) {
+  __shared__ DeviceStats warp_sums[kWarpsPerBlock];
+  DeviceStats s{acc.saturated, acc.flushed,  acc.nonfinite, acc.flips,
+                acc.sq_error,  acc.sq_input, acc.max_bits,  0u};
+  WarpSum(s);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    DeviceStats t = warp_sums[0];
+    for (int w = 1; w < kWarpsPerBlock; ++w) Accumulate(t, warp_sums[w]);
+    partials[blockIdx.x] = t;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element operations: what one element becomes. Init() runs once per thread (caches the scale
+// of a single-group span in registers); Apply() maps x (and, for hysteresis, the previous
+// quantised value) of global element i to its output and, when `code` is non-null (the
+// encoder), writes its code as the CPU loops do (kernels/quantize_cpu.cc). Shared by
+// quantize.cu and codec.cu, so that QuantizeCuda and EncodeCuda round with the same code.
+
+// A fixed float grid (shift 0): x * 2^0 and z * 2^0 are identities, so they are left out.
+template <RoundMode kMode>
+struct FixedFloatGridOp {
+  static constexpr bool kReadsOut = false;
+  FloatGrid g;
+  uint64_t key, index_base;
+
+  __device__ __forceinline__ void Init() {}
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+                                         ElementFlags* f) const {
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    return BitsFloat(RoundToFloatGrid<kMode>(x, g, rnd, code, f));
+  }
+};
+
+// A float grid under a power-of-two shift per group.
+template <RoundMode kMode>
+struct FloatGridOp {
+  static constexpr bool kReadsOut = false;
+  FloatGrid g;
+  const int32_t* shifts;
+  uint64_t group_len;  // 0: one group
+  uint64_t key, index_base;
+  float down0, up0;  // the scale factors of a single group
+
+  __device__ __forceinline__ void Init() {
+    down0 = Pow2(-shifts[0]);
+    up0 = Pow2(shifts[0]);
+  }
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+                                         ElementFlags* f) const {
+    float down = down0, up = up0;
+    if (group_len != 0) {
+      const int32_t s = shifts[GroupOf(i, group_len)];
+      down = Pow2(-s);
+      up = Pow2(s);
+    }
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(x, down), g, rnd, code, f);
+    return ScaleBack(zb, up);
+  }
+};
+
+// A per-binade grid (table in device memory) under a power-of-two shift per group.
+template <RoundMode kMode>
+struct BinadeGridOp {
+  static constexpr bool kReadsOut = false;
+  const BinadeGrid* g;
+  const int32_t* shifts;
+  uint64_t group_len;  // 0: one group
+  uint64_t key, index_base;
+  float down0, up0;
+
+  __device__ __forceinline__ void Init() {
+    down0 = Pow2(-shifts[0]);
+    up0 = Pow2(shifts[0]);
+  }
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+                                         ElementFlags* f) const {
+    float down = down0, up = up0;
+    if (group_len != 0) {
+      const int32_t s = shifts[GroupOf(i, group_len)];
+      down = Pow2(-s);
+      up = Pow2(s);
+    }
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    const uint32_t zb = RoundToBinadeGrid<kMode>(__fmul_rn(x, down), *g, rnd, code, f);
+    return ScaleBack(zb, up);
+  }
+};
+
+template <RoundMode kMode>
+struct LinearGridOp {
+  static constexpr bool kReadsOut = false;
+  const LinearGrid* grids;
+  uint64_t group_len;
+  uint64_t key, index_base;
+  LinearGrid grid0;
+
+  __device__ __forceinline__ void Init() { grid0 = grids[0]; }
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+                                         ElementFlags* f) const {
+    const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
+    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    int32_t q;
+    const float value = RoundToLinearGrid<kMode>(x, lg, rnd, &q, f);
+    if (code != nullptr) *code = uint32_t(q - lg.qmin);  // kernels::QuantizeLinearGrid's codes
+    return value;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Launch helpers
+
+inline cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
+
+// Blocks for a grid-stride kernel: enough for `work` items of `per_block` each, at most the
+// number that fit on the device at once (and kMaxStatsBlocks when per-block stats are kept).
+template <class Kernel>
+CudaResult GridBlocks(Kernel kernel, uint64_t work, uint64_t per_block, bool stats, int* blocks) {
+  int device = 0, sms = 0, per_sm = 0;
+  CPD_CUDA_CHECK(cudaGetDevice(&device));
+  CPD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CPD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+  uint64_t cap = uint64_t(sms > 0 ? sms : 1) * uint64_t(per_sm > 0 ? per_sm : 1);
+  if (stats && cap > kMaxStatsBlocks) cap = kMaxStatsBlocks;
+  uint64_t b = CEIL_DIV(work, per_block);
+  b = b < cap ? b : cap;
+  *blocks = int(b > 0 ? b : 1);
+  return CudaResult{};
+}
+
+// The scales of a grouped span: present, and one for each group the span touches.
+inline CudaResult CheckGroups(uint64_t n, const GroupLayout& groups, bool has_params) {
+  CPD_LAUNCH_REQUIRE(groups.group_len == 0 || has_params, "grouped span without scales");
+  CPD_LAUNCH_REQUIRE(groups.group_len == 0 || groups.num_groups >= CEIL_DIV(n, groups.group_len),
+                     "fewer groups than the span needs");
+  return CudaResult{};
+}
+
+// Queues the sum of `blocks` per-block partials (BlockStatsToPartial) into stats.result, in
+// block order (quantize.cu).
+CudaResult FinalizeStats(const StatsTarget& stats, int blocks, cudaStream_t stream);
+
+}  // namespace cpd::kernels::cuda

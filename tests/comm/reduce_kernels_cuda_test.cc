@@ -312,6 +312,83 @@ TEST(ReduceKernelsCudaTest, ScaleMatchesCpuShift) {
   }
 }
 
+// A contribution's encoding on the device is the APS scaling of each segment (ScaleCuda) followed
+// by cpd::EncodeCuda of the whole chunk with the contribution's stream: the same bytes as
+// CodeTransport::EncodePiece, which rounds x * 2^s segment by segment (finite fast path included).
+TEST(ReduceKernelsCudaTest, ScaledContributionEncodeMatchesCodeTransport) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(16);
+  for (const char* spec : kFormats) {
+    const Format f = Format::Parse(spec).value();
+    for (std::size_t n : kCounts) {
+      for (RoundMode mode : kModes) {
+        SCOPED_TRACE(std::string(spec) + " n " + std::to_string(n) + " mode " +
+                     std::to_string(int(mode)));
+        const std::size_t chunk_begin = 8 * 1000;
+        const std::int64_t worker = 3, step = 9;
+        const std::uint64_t seed = 21;
+        std::vector<float> x = RandomGradient(n, rng);
+        // Segments of random lengths (one layer each), with APS shifts that keep every
+        // |x| * 2^s finite on the grid, as the scan guarantees.
+        std::vector<std::size_t> bounds{0};
+        std::uniform_int_distribution<std::size_t> len(1, 700);
+        while (bounds.back() < n) bounds.push_back(std::min(n, bounds.back() + len(rng)));
+        std::uniform_int_distribution<int> shift(-4, 3);
+        std::vector<int> shifts;
+        for (std::size_t s = 0; s + 1 < bounds.size(); ++s) shifts.push_back(shift(rng));
+
+        // CPU: codes of x * 2^s per segment, one stream counted from the flat index, packed.
+        std::vector<std::uint32_t> codes(n);
+        for (std::size_t s = 0; s + 1 < bounds.size(); ++s) {
+          const std::size_t lo = bounds[s], hi = bounds[s + 1];
+          const kernels::LoopParams p =
+              Loop(mode, seed, ContributionStage(worker), step, chunk_begin + lo);
+          const float scale = kernels::Pow2(shifts[s]);
+          if (f.bits() <= 8) {
+            std::vector<std::uint8_t> c(hi - lo);
+            EncodeCodes8(x.data() + lo, hi - lo, scale, f.grid(), p, c.data(), nullptr, true);
+            for (std::size_t i = lo; i < hi; ++i) codes[i] = c[i - lo];
+          } else {
+            std::vector<std::uint16_t> c(hi - lo);
+            EncodeCodes16(x.data() + lo, hi - lo, scale, f.grid(), p, c.data(), nullptr, true);
+            for (std::size_t i = lo; i < hi; ++i) codes[i] = c[i - lo];
+          }
+        }
+        std::vector<std::uint8_t> expected(CodeBytes(f, n) + 8, 0);
+        PackCodes(codes.data(), n, f.bits(), expected.data());
+        expected.resize(CodeBytes(f, n));
+
+        // Device: scale each segment in place, then encode the chunk.
+        DeviceBytes d_x(n * sizeof(float)), d_codes(PackedSize(f, n, 1));
+        d_x.Upload(x.data(), n * sizeof(float));
+        float* dx = reinterpret_cast<float*>(d_x.data());
+        for (std::size_t s = 0; s + 1 < bounds.size(); ++s) {
+          ASSERT_TRUE(ScaleCuda(dx + bounds[s], bounds[s + 1] - bounds[s], kernels::Pow2(shifts[s]),
+                                nullptr)
+                          .ok());
+        }
+        QuantizeOptions q;
+        q.rounding = mode == RoundMode::kStochastic   ? Rounding::kStochastic
+                     : mode == RoundMode::kTowardZero ? Rounding::kZero
+                                                      : Rounding::kNearest;
+        q.seed = RoundingSeed(seed, ContributionStage(worker));
+        q.step = std::uint64_t(step);
+        q.index_offset = chunk_begin;
+        q.channels = 1;
+        PackedTensorCuda packed;
+        packed.bytes = d_codes.data();
+        packed.size = PackedSize(f, n, 1);
+        const Status st = EncodeCuda(f, dx, n, q, &packed);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ASSERT_EQ(packed.size, expected.size());
+        std::vector<std::uint8_t> got(expected.size());
+        d_codes.Download(got.data(), got.size());
+        EXPECT_EQ(CountDifferent(got, expected), 0u);
+      }
+    }
+  }
+}
+
 TEST(ReduceKernelsCudaTest, PackedSumRequantizeMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(13);

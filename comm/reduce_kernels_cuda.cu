@@ -102,6 +102,15 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(float* x, std::uint64_t
   }
 }
 
+template <ElementOp kOp>
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(const float* a, const float* b, float* out, std::uint64_t n) {
+  const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
+  for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[i] = kOp == ElementOp::kAdd ? __fadd_rn(a[i], b[i]) : __fsub_rn(a[i], b[i]);
+  }
+}
+
 // How a chunk's contributions are combined: packed's float32 sum rounded once at the end, or
 // emulate's sum rounded after every addition, plain or Kahan-compensated.
 enum class SumKind { kRequantize, kRounded, kKahan };
@@ -268,6 +277,22 @@ Status ScaleCuda(float* d_x, std::size_t n, float scale, void* stream) {
   if (n == 0) return Status::Ok();
   if (d_x == nullptr) return Status::InvalidArgument("ScaleCuda: null buffer");
   scale_kernel<<<BlocksFor(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(d_x, n, scale);
+  CPD_REDUCE_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status CombineCuda(const float* d_a, const float* d_b, float* d_out, std::size_t n, ElementOp op,
+                   void* stream) {
+  if (n == 0) return Status::Ok();
+  if (d_a == nullptr || d_b == nullptr || d_out == nullptr) {
+    return Status::InvalidArgument("CombineCuda: null buffer");
+  }
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (op == ElementOp::kAdd) {
+    combine_kernel<ElementOp::kAdd><<<BlocksFor(n), kThreads, 0, s>>>(d_a, d_b, d_out, n);
+  } else {
+    combine_kernel<ElementOp::kSubtract><<<BlocksFor(n), kThreads, 0, s>>>(d_a, d_b, d_out, n);
+  }
   CPD_REDUCE_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

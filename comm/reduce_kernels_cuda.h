@@ -76,6 +76,20 @@ struct EmulateRounding {
 Status SumRoundedCodesCuda(const ContributionCodes& in, std::size_t n, const kernels::FloatGrid& g,
                            const EmulateRounding& r, std::uint8_t* d_dst, void* stream);
 
+// ---- Element-wise arithmetic of the scaled formats (MX, int, bfp)
+// --------------------------------
+
+// Formats other than fixed float grids travel as cpd::Encode'd segments (packed) or quantised
+// float32 values (emulate); their roundings are cpd::QuantizeCuda / EncodeCuda of whole segments
+// and only the float32 arithmetic between them is the reducer's own: out[i] = a[i] + b[i]
+// (kAdd) or a[i] - b[i] (kSubtract), as the loops of PackedSegments and EmulateFloats compute
+// them. Equal to the CPU's for every result that is not NaN; a NaN stays a NaN (its payload may
+// differ from x86's), and every rounding that follows maps it to the format's one NaN. out may
+// equal a or b.
+enum class ElementOp { kAdd, kSubtract };
+Status CombineCuda(const float* d_a, const float* d_b, float* d_out, std::size_t n, ElementOp op,
+                   void* stream);
+
 }  // namespace cpd::comm::internal
 
 #endif  // CPD_WITH_CUDA

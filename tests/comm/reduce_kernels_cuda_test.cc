@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -462,6 +463,108 @@ TEST(ReduceKernelsCudaTest, EmulateRoundedAndKahanSumsMatchCpu) {
   }
 }
 
+// Scaled formats: emulate's sum of quantised float32 contributions, rounded after every addition
+// (plain and Kahan), as EmulateFloats computes it on the CPU (cpd::Quantize of the segment, float32
+// loops) and as the device computes it (cpd::QuantizeCuda, CombineCuda): the same bits.
+TEST(ReduceKernelsCudaTest, ScaledFormatEmulateSumMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  const std::uint64_t seed = 31;
+  const std::int64_t step = 4;
+  for (const char* spec : {"int8", "mxfp8", "mxfp4", "e4m3"}) {
+    const Format f = Format::Parse(spec).value();
+    for (std::size_t n : {std::size_t{1}, std::size_t{37}, std::size_t{5000}}) {
+      for (int workers : {1, 2, 5}) {
+        for (Rounding rounding : {Rounding::kNearest, Rounding::kStochastic}) {
+          for (bool kahan : {false, true}) {
+            SCOPED_TRACE(std::string(spec) + " n " + std::to_string(n) + " W " +
+                         std::to_string(workers) + " " + RoundingName(rounding) +
+                         (kahan ? " kahan" : " rounded"));
+            const std::size_t begin = 640;  // the segment's flat index
+            auto options = [&](std::int64_t stage) {
+              QuantizeOptions q;
+              q.rounding = rounding;
+              q.seed = RoundingSeed(seed, stage);
+              q.step = std::uint64_t(step);
+              q.index_offset = begin;
+              q.channels = 1;
+              return q;
+            };
+            std::vector<std::vector<float>> contrib;
+            for (int w = 0; w < workers; ++w) {
+              std::vector<float> q(n);
+              ASSERT_TRUE(Quantize(f, RandomGradient(n, rng).data(), q.data(), n,
+                                   options(ContributionStage(w)))
+                              .ok());
+              contrib.push_back(std::move(q));
+            }
+            // CPU: EmulateFloats::AddRounded / AddKahan.
+            std::vector<float> acc = contrib[0], comp(n, 0.0f), tmp(n), y(n), high(n), t(n);
+            for (int w = 1; w < workers; ++w) {
+              const std::int64_t stage = AdditionStage(workers, w);
+              const std::vector<float>& qw = contrib[std::size_t(w)];
+              auto round = [&](std::vector<float>& out, int op) {
+                ASSERT_TRUE(Quantize(f, tmp.data(), out.data(), n, options(stage + op)).ok());
+              };
+              if (!kahan) {
+                for (std::size_t i = 0; i < n; ++i) tmp[i] = acc[i] + qw[i];
+                round(acc, 0);
+                continue;
+              }
+              for (std::size_t i = 0; i < n; ++i) tmp[i] = qw[i] - comp[i];
+              round(y, kKahanY);
+              for (std::size_t i = 0; i < n; ++i) tmp[i] = acc[i] + y[i];
+              round(t, kKahanT);
+              for (std::size_t i = 0; i < n; ++i) tmp[i] = t[i] - acc[i];
+              round(high, kKahanHigh);
+              for (std::size_t i = 0; i < n; ++i) tmp[i] = high[i] - y[i];
+              round(comp, kKahanC);
+              acc = t;
+            }
+
+            // Device: the same stages with QuantizeCuda and CombineCuda.
+            const std::size_t bytes = n * sizeof(float);
+            std::vector<std::unique_ptr<DeviceBytes>> d_q;
+            for (int w = 0; w < workers; ++w) {
+              d_q.push_back(std::make_unique<DeviceBytes>(bytes));
+              d_q.back()->Upload(contrib[std::size_t(w)].data(), bytes);
+            }
+            DeviceBytes d_acc(bytes), d_comp(bytes), d_y(bytes), d_high(bytes), d_t(bytes);
+            auto dev = [](DeviceBytes& b) { return reinterpret_cast<float*>(b.data()); };
+            ASSERT_EQ(cudaMemcpy(dev(d_acc), dev(*d_q[0]), bytes, cudaMemcpyDeviceToDevice),
+                      cudaSuccess);
+            ASSERT_EQ(cudaMemset(dev(d_comp), 0, bytes), cudaSuccess);
+            for (int w = 1; w < workers; ++w) {
+              const std::int64_t stage = AdditionStage(workers, w);
+              const float* qw = dev(*d_q[std::size_t(w)]);
+              auto step_of = [&](const float* a, const float* b, ElementOp op, float* out,
+                                 int kahan_op) {
+                ASSERT_TRUE(CombineCuda(a, b, out, n, op, nullptr).ok());
+                ASSERT_TRUE(QuantizeCuda(f, out, out, n, options(stage + kahan_op)).ok());
+              };
+              if (!kahan) {
+                step_of(dev(d_acc), qw, ElementOp::kAdd, dev(d_acc), 0);
+                continue;
+              }
+              step_of(qw, dev(d_comp), ElementOp::kSubtract, dev(d_y), kKahanY);
+              step_of(dev(d_acc), dev(d_y), ElementOp::kAdd, dev(d_t), kKahanT);
+              step_of(dev(d_t), dev(d_acc), ElementOp::kSubtract, dev(d_high), kKahanHigh);
+              step_of(dev(d_high), dev(d_y), ElementOp::kSubtract, dev(d_comp), kKahanC);
+              ASSERT_EQ(cudaMemcpy(dev(d_acc), dev(d_t), bytes, cudaMemcpyDeviceToDevice),
+                        cudaSuccess);
+            }
+            std::vector<float> got(n);
+            d_acc.Download(got.data(), bytes);
+            std::size_t wrong = 0;
+            for (std::size_t i = 0; i < n; ++i) wrong += Bits(got[i]) != Bits(acc[i]);
+            EXPECT_EQ(wrong, 0u);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Stochastic rounding must draw from the stream of its own stage: a different step or seed gives
 // different codes (so the equalities above do not hold by accident of a constant stream).
 TEST(ReduceKernelsCudaTest, StochasticStreamsDependOnSeedAndStep) {
@@ -514,6 +617,7 @@ TEST(ReduceKernelsCudaTest, RejectsInvalidArguments) {
   EXPECT_FALSE(SumRoundedCodesCuda(in, 8, e4m3.grid(), down, buf.data(), nullptr).ok());
   EXPECT_FALSE(ScanAbsCuda(nullptr, 8, nullptr, nullptr, nullptr).ok());
   EXPECT_FALSE(ScaleCuda(nullptr, 8, 2.0f, nullptr).ok());
+  EXPECT_FALSE(CombineCuda(nullptr, nullptr, nullptr, 8, ElementOp::kAdd, nullptr).ok());
 }
 
 }  // namespace

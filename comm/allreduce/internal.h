@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/allreduce/plan.h"
+#include "comm/allreduce/streams.h"
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
 #include "cpd/format.h"
@@ -20,28 +21,6 @@
 #include "kernels/quantize_cpu.h"
 
 namespace cpd::comm::internal {
-
-// ---- Stochastic rounding ------------------------------------------------------------------------
-// Every rounding of a step has its own stream: the rounding at `stage` uses QuantizeOptions{seed =
-// RoundingSeed(options.seed, stage), step, index_offset = the element's index in the flat
-// buffer}. With W workers:
-//   stage w (0 <= w < W)              quantises worker w's contribution;
-//   stage W + 4(w - 1) + j (1 <= w)   emulate's addition of worker w: j = 0 for the plain sum;
-//                                     kahan: j is the KahanOp below;
-//   stage 5W                          packed's re-quantisation of the sum.
-std::uint64_t RoundingSeed(std::uint64_t seed, std::int64_t stage);
-
-enum KahanOp : int {
-  kKahanY = 0,     // y = q_w - c
-  kKahanT = 1,     // t = sum + y
-  kKahanHigh = 2,  // t - sum
-  kKahanC = 3,     // c = (t - sum) - y
-};
-constexpr std::int64_t ContributionStage(std::int64_t worker) { return worker; }
-constexpr std::int64_t AdditionStage(int workers, int w, int op = 0) {
-  return workers + 4 * std::int64_t(w - 1) + op;
-}
-constexpr std::int64_t RequantizeStage(int workers) { return 5 * std::int64_t(workers); }
 
 // Elements per work item of the packed-code pipeline: small enough that a piece's codes, its
 // decoded floats and the partial sums stay in L1; a multiple of 8, so pieces start on a byte.

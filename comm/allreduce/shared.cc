@@ -19,11 +19,6 @@ constexpr std::size_t kScanBlock = std::size_t(1) << 16;
 
 }  // namespace
 
-std::uint64_t RoundingSeed(std::uint64_t seed, std::int64_t stage) {
-  return kernels::SplitMix64(seed ^
-                             kernels::SplitMix64(std::uint64_t(stage) ^ 0x9c6a1f3e5b7d2481ull));
-}
-
 QuantizeOptions ReducerSetup::QuantizeAt(std::int64_t stage, std::int64_t step,
                                          std::size_t index) const {
   QuantizeOptions q;

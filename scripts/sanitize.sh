@@ -17,8 +17,11 @@ cd "$(dirname "$0")/.."
 stage=${1:-all}
 JOBS=${JOBS:-$(nproc)}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1}
+# Third-party allocations kept for the process's life (libomp, c-ares) are not reported.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/sanitizers/lsan.supp}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+# gRPC (not instrumented) does its own fd synchronisation: tests/sanitizers/tsan.supp.
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/sanitizers/tsan.supp}
 
 passed=0
 failed=0

@@ -210,7 +210,9 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
   }
   for (const auto& arg : e.roundings) {
     CPD_ASSIGN_OR_RETURN(const auto rounding, ParseRoundingEdit(arg));
-    const auto& [site, mode] = rounding;
+    // Named copies, not a structured binding: clang before 16 cannot capture one in a lambda.
+    const auto site = rounding.first;
+    const auto mode = rounding.second;
     auto* formats = s->mutable_formats();
     auto it = std::find_if(formats->begin(), formats->end(),
                            [&](const cpd::v1::SiteFormat& x) { return x.site() == site; });
@@ -223,7 +225,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
   }
   for (const auto& arg : e.drop_overrides) {
     CPD_ASSIGN_OR_RETURN(const auto layer_site, ParseLayerSite("--drop-override", arg));
-    const auto& [layer, site] = layer_site;
+    const auto& layer = layer_site.first;
+    const auto site = layer_site.second;
     auto* ov = s->mutable_overrides();
     auto it = std::find_if(ov->begin(), ov->end(), [&](const cpd::v1::LayerOverride& x) {
       return x.layer() == layer && x.site() == site;

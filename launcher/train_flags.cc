@@ -190,6 +190,9 @@ void AddControlPlaneOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--job-name", o->coordinator.job_name,
                   "Job name at the coordinator, [A-Za-z0-9._-]{1,128}; a resumed run with the "
                   "same name continues the same job (default: <arch>-<dataset>-<UTC time>)");
+  app->add_option("--study", o->coordinator.study,
+                  "Study the job belongs to at the coordinator, [A-Za-z0-9._-]{1,64} "
+                  "(`cpdctl study NAME` lists its runs); a resumed job keeps its study");
   app->add_option("--token-file", f->token_file,
                   "File whose first line is the coordinator's token (sent as a bearer token)");
   app->add_option("--tls-ca", f->tls_ca, "PEM root certificates: talk TLS to the coordinator");
@@ -290,9 +293,10 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
                  "': expected HOST:PORT, e.g. 127.0.0.1:50051");
     }
   }
-  if ((!f->token_file.empty() || !f->tls_ca.empty() || !o->coordinator.job_name.empty()) &&
+  if ((!f->token_file.empty() || !f->tls_ca.empty() || !o->coordinator.job_name.empty() ||
+       !o->coordinator.study.empty()) &&
       o->coordinator.address.empty()) {
-    return bad("--job-name, --token-file and --tls-ca need --coordinator HOST:PORT");
+    return bad("--job-name, --study, --token-file and --tls-ca need --coordinator HOST:PORT");
   }
   if (!f->token_file.empty()) {
     auto token = ReadTokenFile(f->token_file);

@@ -20,9 +20,9 @@ class Coordinator::OperatorImpl final : public v1::OperatorService::CallbackServ
   explicit OperatorImpl(Coordinator* c) : c_(c) {}
 
   grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
-                                     const v1::ListJobsRequest* /*req*/,
+                                     const v1::ListJobsRequest* req,
                                      v1::ListJobsResponse* resp) override {
-    return c_->Unary(ctx, [&] { return c_->ListJobs(resp); });
+    return c_->Unary(ctx, [&] { return c_->ListJobs(*req, resp); });
   }
   grpc::ServerUnaryReactor* JobStatus(grpc::CallbackServerContext* ctx, const v1::JobRef* req,
                                       v1::JobStatusResponse* resp) override {
@@ -127,14 +127,23 @@ void Coordinator::FillSummary(const Job& j, int64_t now_ms, v1::JobSummary* out)
   out->set_last_report_ms(j.last_report_ms);
   out->set_arch(j.info.arch());
   out->set_dataset(j.info.dataset());
+  out->set_study(j.info.study());
+  out->set_epoch(j.latest_epoch);
+  out->set_epochs(j.info.epochs());
+  out->set_loss(j.latest_loss);
+  out->set_test_accuracy(j.test_accuracy);
 }
 
-grpc::Status Coordinator::ListJobs(v1::ListJobsResponse* resp) {
+grpc::Status Coordinator::ListJobs(const v1::ListJobsRequest& req, v1::ListJobsResponse* resp) {
+  Status v = ValidateListJobsRequest(req, options_.limits);
+  if (!v.ok()) return ToGrpc(v);
   const int64_t now = NowMs();
   std::lock_guard<std::mutex> l(mu_);
   std::vector<int64_t> ids;
   ids.reserve(jobs_.size());
-  for (const auto& [id, j] : jobs_) ids.push_back(id);
+  for (const auto& [id, j] : jobs_) {
+    if (req.study().empty() || j->info.study() == req.study()) ids.push_back(id);
+  }
   std::sort(ids.begin(), ids.end());
   for (int64_t id : ids) FillSummary(*jobs_.at(id), now, resp->add_jobs());
   return grpc::Status::OK;

@@ -115,6 +115,11 @@ Status Coordinator::Load() {
     CPD_RETURN_IF_ERROR(store_->QueryReports(q, [&](const StoredReport& r) {
       job->latest = std::make_shared<const std::string>(r.blob);
       job->latest_step = r.step;
+      v1::StatsReport rep;
+      if (rep.ParseFromArray(r.blob.data(), int(r.blob.size()))) {
+        job->latest_epoch = rep.epoch();
+        job->latest_loss = rep.loss();
+      }
       job->last_report_ms = r.received_ms;
       job->finished = r.finished && r.received_ms >= job->updated_ms;
       return false;

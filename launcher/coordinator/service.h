@@ -91,12 +91,15 @@ class Coordinator {
   // ---- the RPCs (each returns the status to finish with) ----
   grpc::Status RegisterJob(const v1::RegisterJobRequest& req, v1::RegisterJobResponse* resp);
   grpc::Status ReportStats(const v1::StatsReport& req, v1::ReportStatsResponse* resp);
-  grpc::Status ListJobs(v1::ListJobsResponse* resp);
+  grpc::Status ListJobs(const v1::ListJobsRequest& req, v1::ListJobsResponse* resp);
   grpc::Status JobStatus(const v1::JobRef& req, v1::JobStatusResponse* resp);
   grpc::Status LayerStats(const v1::LayerStatsRequest& req, v1::LayerStatsResponse* resp);
   grpc::Status GetSchedule(const v1::GetScheduleRequest& req, v1::GetScheduleResponse* resp);
   grpc::Status SetSchedule(const v1::SetScheduleRequest& req, v1::SetScheduleResponse* resp);
 
+  // A re-registration of job `id`: an empty study becomes the job's tag; another tag than the
+  // job's is refused (FAILED_PRECONDITION). meta_mu_ held.
+  grpc::Status KeepStudy(int64_t id, v1::RegisterJobRequest* req) const;
   void FillSummary(const Job& j, int64_t now_ms, v1::JobSummary* out) const;  // mu_ held
   void Register(StreamBase* s, int64_t job_id, int kind);                     // mu_ held
   void Unregister(StreamBase* s);

@@ -27,6 +27,9 @@ struct Coordinator::Job {
   std::shared_ptr<const v1::PrecisionSchedule> schedule;
   std::shared_ptr<const std::string> latest;  // serialized StatsReport with the highest step
   int64_t latest_step = -1;
+  // The latest report's epoch and loss, kept apart so that ListJobs does not parse reports.
+  int32_t latest_epoch = 0;
+  double latest_loss = 0;
   int64_t last_report_ms = 0;  // coordinator clock; 0: none
   bool finished = false;
   double train_accuracy = -1, test_accuracy = -1;

@@ -17,7 +17,8 @@
 namespace cpd::coordinator {
 namespace {
 
-constexpr int kSchemaVersion = 1;
+// 1: the first schema. 2: jobs.study (a study's runs), added to a version-1 file by Migrate().
+constexpr int kSchemaVersion = 2;
 
 constexpr const char* kSchema = R"sql(
 CREATE TABLE IF NOT EXISTS jobs(
@@ -32,7 +33,8 @@ CREATE TABLE IF NOT EXISTS jobs(
   total_steps INTEGER NOT NULL,
   epochs INTEGER NOT NULL,
   start_step INTEGER NOT NULL,
-  allreduce TEXT NOT NULL);
+  allreduce TEXT NOT NULL,
+  study TEXT NOT NULL DEFAULT '');
 CREATE TABLE IF NOT EXISTS workers(
   job_id INTEGER NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
   PRIMARY KEY(job_id, rank)) WITHOUT ROWID;
@@ -57,6 +59,27 @@ CREATE TABLE IF NOT EXISTS reports(
   report BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS reports_job_step ON reports(job_id, step);
 )sql";
+
+// Whether `table` has `column` (a file written by an older schema may lack it).
+Result<bool> HasColumn(sqlite3* db, const std::string& table, const std::string& column) {
+  Stmt s;
+  CPD_RETURN_IF_ERROR(s.Prepare(db, ("PRAGMA table_info(" + table + ")").c_str()));
+  for (;;) {
+    CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
+    if (!has_row) return false;
+    if (s.ColText(1) == column) return true;
+  }
+}
+
+// Brings a file of an older schema up to kSchemaVersion after kSchema ran (which creates what
+// is missing but never alters an existing table). Runs inside Init's transaction.
+Status Migrate(sqlite3* db) {
+  CPD_ASSIGN_OR_RETURN(const bool has_study, HasColumn(db, "jobs", "study"));
+  if (!has_study) {
+    CPD_RETURN_IF_ERROR(Exec(db, "ALTER TABLE jobs ADD COLUMN study TEXT NOT NULL DEFAULT ''"));
+  }
+  return Status::Ok();
+}
 
 Status WriteWorkersAndLayers(sqlite3* db, int64_t job_id, const v1::RegisterJobRequest& info) {
   if (info.workers_size() > 0) {
@@ -174,6 +197,11 @@ Status Store::Init() {
     Transaction t(writer_db_);
     CPD_RETURN_IF_ERROR(t.Begin());
     CPD_RETURN_IF_ERROR(Exec(writer_db_, kSchema));
+    Status migrated = Migrate(writer_db_);
+    if (!migrated.ok()) {
+      return Status::IoError("database '" + options_.path + "': cannot upgrade it to schema " +
+                             std::to_string(kSchemaVersion) + ": " + migrated.message());
+    }
     CPD_RETURN_IF_ERROR(
         Exec(writer_db_, ("PRAGMA user_version = " + std::to_string(kSchemaVersion)).c_str()));
     CPD_RETURN_IF_ERROR(t.Commit());
@@ -216,7 +244,7 @@ Result<std::vector<JobRecord>> Store::LoadJobs() {
   CPD_RETURN_IF_ERROR(s.Prepare(writer_db_,
                                 "SELECT job_id, name, registered_ms, updated_ms, world_size, "
                                 "emulated_workers_per_rank, arch, dataset, total_steps, epochs, "
-                                "start_step, allreduce FROM jobs ORDER BY job_id"));
+                                "start_step, allreduce, study FROM jobs ORDER BY job_id"));
   std::vector<JobRecord> jobs;
   for (;;) {
     CPD_ASSIGN_OR_RETURN(const bool has_row, s.Step());
@@ -234,6 +262,7 @@ Result<std::vector<JobRecord>> Store::LoadJobs() {
     j.info.set_epochs(int32_t(s.ColInt(9)));
     j.info.set_start_step(s.ColInt(10));
     j.info.set_allreduce(s.ColText(11));
+    j.info.set_study(s.ColText(12));
     jobs.push_back(std::move(j));
   }
   return jobs;
@@ -248,8 +277,8 @@ Result<int64_t> Store::CreateJob(const v1::RegisterJobRequest& info, int64_t now
   CPD_RETURN_IF_ERROR(ins.Prepare(writer_db_,
                                   "INSERT INTO jobs(name, registered_ms, updated_ms, world_size, "
                                   "emulated_workers_per_rank, arch, dataset, total_steps, epochs, "
-                                  "start_step, allreduce) "
-                                  "VALUES(?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"));
+                                  "start_step, allreduce, study) "
+                                  "VALUES(?1, ?2, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
   ins.Text(1, info.job_name());
   ins.Int(2, now_ms);
   ins.Int(3, info.world_size());
@@ -260,6 +289,7 @@ Result<int64_t> Store::CreateJob(const v1::RegisterJobRequest& info, int64_t now
   ins.Int(8, info.epochs());
   ins.Int(9, info.start_step());
   ins.Text(10, info.allreduce());
+  ins.Text(11, info.study());
   CPD_RETURN_IF_ERROR(ins.Run());
   const int64_t id = sqlite3_last_insert_rowid(writer_db_);
   CPD_RETURN_IF_ERROR(WriteWorkersAndLayers(writer_db_, id, info));
@@ -276,8 +306,8 @@ Status Store::UpdateJob(int64_t job_id, const v1::RegisterJobRequest& info, int6
   CPD_RETURN_IF_ERROR(up.Prepare(writer_db_,
                                  "UPDATE jobs SET updated_ms = ?2, world_size = ?3, "
                                  "emulated_workers_per_rank = ?4, arch = ?5, dataset = ?6, "
-                                 "total_steps = ?7, epochs = ?8, start_step = ?9, allreduce = ?10 "
-                                 "WHERE job_id = ?1"));
+                                 "total_steps = ?7, epochs = ?8, start_step = ?9, allreduce = ?10, "
+                                 "study = ?11 WHERE job_id = ?1"));
   up.Int(1, job_id);
   up.Int(2, now_ms);
   up.Int(3, info.world_size());
@@ -288,6 +318,7 @@ Status Store::UpdateJob(int64_t job_id, const v1::RegisterJobRequest& info, int6
   up.Int(8, info.epochs());
   up.Int(9, info.start_step());
   up.Text(10, info.allreduce());
+  up.Text(11, info.study());
   CPD_RETURN_IF_ERROR(up.Run());
   CPD_RETURN_IF_ERROR(WriteWorkersAndLayers(writer_db_, job_id, info));
   return t.Commit();

@@ -137,7 +137,8 @@ class Store {
   // Creates a job with `schedule` as version 1. Returns the new job_id.
   Result<int64_t> CreateJob(const v1::RegisterJobRequest& info, int64_t now_ms,
                             const v1::PrecisionSchedule& schedule);
-  // A re-registration: metadata replaced; workers/layers replaced when `info` lists any.
+  // A re-registration: metadata (the study included: the caller decides which one holds)
+  // replaced; workers/layers replaced when `info` lists any.
   Status UpdateJob(int64_t job_id, const v1::RegisterJobRequest& info, int64_t now_ms);
   Status LoadWorkersAndLayers(int64_t job_id, v1::JobStatusResponse* out);
   Status AppendSchedule(int64_t job_id, const v1::PrecisionSchedule& schedule);

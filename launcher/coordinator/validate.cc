@@ -129,22 +129,34 @@ bool LayerStatOk(const v1::LayerStat& l, const Limits& limits) {
          l.saturated() >= 0 && l.saturated() <= 1 && l.flushed() >= 0 && l.flushed() <= 1;
 }
 
-}  // namespace
-
-Status ValidateJobName(std::string_view name, const Limits& limits) {
-  if (name.empty()) return Bad("job_name", "must not be empty");
-  if (name.size() > limits.max_name) {
-    return Bad("job_name", "is " + std::to_string(name.size()) + " characters; at most " +
-                               std::to_string(limits.max_name) + " are accepted");
+// A name a client chooses (job names, study tags): [A-Za-z0-9._-]{1,max}.
+Status CheckTag(std::string_view name, const std::string& field, size_t max) {
+  if (name.size() > max) {
+    return Bad(field, "is " + std::to_string(name.size()) + " characters; at most " +
+                          std::to_string(max) + " are accepted");
   }
   for (unsigned char c : name) {
     const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
                     c == '.' || c == '_' || c == '-';
-    if (!ok) {
-      return Bad("job_name", Quote(name) + " may contain only A-Z a-z 0-9 . _ -");
-    }
+    if (!ok) return Bad(field, Quote(name) + " may contain only A-Z a-z 0-9 . _ -");
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateJobName(std::string_view name, const Limits& limits) {
+  if (name.empty()) return Bad("job_name", "must not be empty");
+  return CheckTag(name, "job_name", limits.max_name);
+}
+
+Status ValidateStudy(std::string_view study, std::string_view field, const Limits& limits) {
+  if (study.empty()) return Status::Ok();
+  return CheckTag(study, std::string(field), limits.max_study);
+}
+
+Status ValidateListJobsRequest(const v1::ListJobsRequest& r, const Limits& limits) {
+  return ValidateStudy(r.study(), "study", limits);
 }
 
 Status ValidateJobRef(const v1::JobRef& ref, std::string_view field, const Limits& limits) {
@@ -227,6 +239,7 @@ Status ValidateSchedule(const v1::PrecisionSchedule& s, std::string_view field,
 
 Status ValidateRegister(const v1::RegisterJobRequest& r, const Limits& limits) {
   CPD_RETURN_IF_ERROR(ValidateJobName(r.job_name(), limits));
+  CPD_RETURN_IF_ERROR(ValidateStudy(r.study(), "study", limits));
   CPD_RETURN_IF_ERROR(CheckRange(r.world_size(), 1, limits.max_world_size, "world_size"));
   // proto3 cannot tell 0 from unset: 0 means the default, one worker per rank.
   CPD_RETURN_IF_ERROR(CheckRange(r.emulated_workers_per_rank(), 0, limits.max_world_size,

@@ -16,6 +16,7 @@ namespace cpd::coordinator {
 // Bounds on what one request may carry. The defaults are the documented limits of cpd.v1.
 struct Limits {
   size_t max_name = 128;                  // job_name: [A-Za-z0-9._-]{1,max_name}
+  size_t max_study = 64;                  // study: [A-Za-z0-9._-]{0,max_study} (empty = none)
   size_t max_string = 256;                // layer names, hosts, arch, dataset, specs, ...
   int32_t max_world_size = 65536;         // world_size and emulated_workers_per_rank
   size_t max_layers_per_job = 10000;      // RegisterJobRequest.layers
@@ -28,6 +29,9 @@ struct Limits {
 using LayerNames = std::unordered_set<std::string>;
 
 Status ValidateJobName(std::string_view name, const Limits& limits);
+// A study tag: empty (none) or [A-Za-z0-9._-]{1,max_study}; errors name `field`.
+Status ValidateStudy(std::string_view study, std::string_view field, const Limits& limits);
+Status ValidateListJobsRequest(const v1::ListJobsRequest& r, const Limits& limits);
 
 // `ref` names exactly one of job_id (> 0) and job_name.
 Status ValidateJobRef(const v1::JobRef& ref, std::string_view field, const Limits& limits);

@@ -102,6 +102,21 @@ grpc::ServerWriteReactor<v1::PrecisionSchedule>* Coordinator::StartWatchSchedule
   return s;
 }
 
+grpc::Status Coordinator::KeepStudy(int64_t id, v1::RegisterJobRequest* req) const {
+  std::lock_guard<std::mutex> l(mu_);
+  const Job* j = FindLocked(id);
+  const std::string& tag = j->info.study();
+  if (req->study().empty()) {
+    req->set_study(tag);  // a resumed run started without --study
+    return grpc::Status::OK;
+  }
+  if (tag.empty() || tag == req->study()) return grpc::Status::OK;
+  return grpc::Status(StatusCode::FAILED_PRECONDITION,
+                      "study: " + JobLabel(id, j->info.job_name()) + " belongs to study '" + tag +
+                          "', not '" + req->study() +
+                          "'; a job keeps its study (register the run under another job_name)");
+}
+
 grpc::Status Coordinator::RegisterJob(const v1::RegisterJobRequest& req,
                                       v1::RegisterJobResponse* resp) {
   Status v = ValidateRegister(req, options_.limits);
@@ -118,7 +133,9 @@ grpc::Status Coordinator::RegisterJob(const v1::RegisterJobRequest& req,
     if (it != by_name_.end()) existing = it->second;
   }
   if (existing != 0) {
-    // A reconnect or a resumed run: the coordinator's current schedule wins.
+    // A reconnect or a resumed run: the coordinator's current schedule wins, the study stays.
+    grpc::Status kept = KeepStudy(existing, &normalized);
+    if (!kept.ok()) return kept;
     Status s = store_->UpdateJob(existing, normalized, now);
     if (!s.ok()) return ToGrpc(s);
     std::lock_guard<std::mutex> l(mu_);
@@ -214,6 +231,8 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
     if (req.step() >= j->latest_step) {
       j->latest = blob;
       j->latest_step = req.step();
+      j->latest_epoch = req.epoch();
+      j->latest_loss = req.loss();
     }
     j->last_report_ms = now;
     if (req.finished()) j->finished = true;

@@ -1,6 +1,6 @@
-// The commands of cpdctl, one file per group (jobs_status.cc, layers.cc, schedule.cc, watch.cc,
-// export_plot.cc); main.cc declares their options and calls the one the command line names.
-// Each returns the exit code, or exits through Usage()/Fail().
+// The commands of cpdctl, one file per group (jobs_status.cc, study.cc, layers.cc, schedule.cc,
+// watch.cc, export_plot.cc); main.cc declares their options and calls the one the command line
+// names. Each returns the exit code, or exits through Usage()/Fail().
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,9 @@ namespace cpd::ctl {
 
 int RunJobs(const Globals& g);
 int RunStatus(const Globals& g, const std::string& job);
+// `cpdctl study NAME`: the study's runs and their states; `cpdctl study` (empty NAME): the
+// studies known.
+int RunStudy(const Globals& g, const std::string& study);
 
 struct LayersArgs {
   std::string job;
@@ -53,6 +56,11 @@ int RunPlot(const Globals& g, const RangeArgs& a);
 std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms);
 // "a / b", "a / ?" when b is unknown.
 std::string Ratio(int64_t a, int64_t b);
+// Steps a job has done: a report's step is the index of the step just done (steps count from
+// 0), so one more; before any report, the summary's step is where the run starts.
+int64_t StepsDone(const v1::JobSummary& j);
+// "12.3 s ago" from the coordinator's last_report_ms and this machine's clock; "-" for none.
+std::string ReportAge(const v1::JobSummary& j, int64_t now_ms);
 // The layer rows of `resp` at `site` (empty: all), sorted, at most `top` per report (0: all).
 std::vector<LayerRow> SelectRows(const v1::LayerStatsResponse& resp, const std::string& site,
                                  const std::string& sort, int top);

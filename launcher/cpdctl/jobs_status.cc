@@ -11,18 +11,20 @@
 namespace cpd::ctl {
 namespace {
 
-// Steps a job has done: a report's step is the index of the step just done (steps count from
-// 0), so one more; before any report, the summary's step is where the run starts.
-int64_t StepsDone(const v1::JobSummary& j) {
-  return j.last_report_ms() > 0 ? j.step() + 1 : j.step();
-}
-
 // "NAME (id N)": how the status block names a job.
 std::string NameAndId(const v1::JobSummary& j) {
   return j.job_name() + " (id " + std::to_string(j.job_id()) + ")";
 }
 
 }  // namespace
+
+int64_t StepsDone(const v1::JobSummary& j) {
+  return j.last_report_ms() > 0 ? j.step() + 1 : j.step();
+}
+
+std::string ReportAge(const v1::JobSummary& j, int64_t now_ms) {
+  return j.last_report_ms() > 0 ? FormatDuration(now_ms - j.last_report_ms()) + " ago" : "-";
+}
 
 int RunJobs(const Globals& g) {
   Connection c(g);
@@ -41,25 +43,38 @@ int RunJobs(const Globals& g) {
     return 0;
   }
   using A = Table::Align;
-  Table t({{"ID", A::kRight},
-           {"NAME", A::kLeft},
-           {"STATE", A::kLeft},
-           {"STEP", A::kRight},
-           {"TOTAL", A::kRight},
-           {"DONE", A::kRight},
-           {"RANKS", A::kRight},
-           {"ARCH", A::kLeft},
-           {"DATASET", A::kLeft},
-           {"REGISTERED", A::kLeft},
-           {"LAST REPORT", A::kRight}});
+  // The study column only when some job has one (most coordinators run no studies).
+  const bool studies = std::any_of(resp.jobs().begin(), resp.jobs().end(),
+                                   [](const v1::JobSummary& j) { return !j.study().empty(); });
+  std::vector<Table::Column> cols = {{"ID", A::kRight}, {"NAME", A::kLeft}};
+  if (studies) cols.push_back({"STUDY", A::kLeft});
+  for (Table::Column c : std::initializer_list<Table::Column>{{"STATE", A::kLeft},
+                                                              {"STEP", A::kRight},
+                                                              {"TOTAL", A::kRight},
+                                                              {"DONE", A::kRight},
+                                                              {"RANKS", A::kRight},
+                                                              {"ARCH", A::kLeft},
+                                                              {"DATASET", A::kLeft},
+                                                              {"REGISTERED", A::kLeft},
+                                                              {"LAST REPORT", A::kRight}}) {
+    cols.push_back(std::move(c));
+  }
+  Table t(std::move(cols));
   const int64_t now = cpd::launcher::NowMs();
   for (const auto& j : resp.jobs()) {
-    t.AddRow({std::to_string(j.job_id()), j.job_name(), j.state(), std::to_string(j.step()),
-              j.total_steps() > 0 ? std::to_string(j.total_steps()) : "-",
-              j.total_steps() > 0 ? FormatPercent(double(StepsDone(j)) / j.total_steps()) : "-",
-              std::to_string(j.world_size()), j.arch().empty() ? "-" : j.arch(),
-              j.dataset().empty() ? "-" : j.dataset(), FormatTime(j.registered_ms()),
-              j.last_report_ms() > 0 ? FormatDuration(now - j.last_report_ms()) + " ago" : "-"});
+    std::vector<std::string> cells = {std::to_string(j.job_id()), j.job_name()};
+    if (studies) cells.push_back(j.study().empty() ? "-" : j.study());
+    for (std::string c :
+         {j.state(), std::to_string(j.step()),
+          j.total_steps() > 0 ? std::to_string(j.total_steps()) : std::string("-"),
+          j.total_steps() > 0 ? FormatPercent(double(StepsDone(j)) / j.total_steps())
+                              : std::string("-"),
+          std::to_string(j.world_size()), j.arch().empty() ? std::string("-") : j.arch(),
+          j.dataset().empty() ? std::string("-") : j.dataset(), FormatTime(j.registered_ms()),
+          ReportAge(j, now)}) {
+      cells.push_back(std::move(c));
+    }
+    t.AddRow(std::move(cells));
   }
   Print(t.Render());
   FlushStdout();

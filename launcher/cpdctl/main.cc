@@ -1,8 +1,8 @@
 // cpdctl: the operator's command line for cpd-coordinator (OperatorService of cpd.v1). Lists
-// jobs, shows a job's status and per-layer statistics, follows it live, reads and changes its
-// precision schedule (read, edit, write back with expected_version, so concurrent edits are
-// refused rather than lost), exports its history as CSV and plots it (scripts/cpdctl_plot.py on
-// Debian's matplotlib).
+// jobs and a study's runs, shows a job's status and per-layer statistics, follows it live, reads
+// and changes its precision schedule (read, edit, write back with expected_version, so
+// concurrent edits are refused rather than lost), exports its history as CSV and plots it
+// (scripts/cpdctl_plot.py on Debian's matplotlib).
 //
 // Exit codes: 0 success; 1 the coordinator could not be reached or refused the call, an unknown
 // job, a file that could not be written; 2 a usage error (including a bad format spec, which is
@@ -177,7 +177,7 @@ void RefuseUnknownCommand(CLI::App& app, int argc, char** argv) {
       app.get_subcommand_ptr(arg);
     } catch (const CLI::OptionNotFound&) {
       Usage("unknown command '" + arg +
-            "' (commands: jobs, status, layers, watch, schedule, export, plot)");
+            "' (commands: jobs, study, status, layers, watch, schedule, export, plot)");
     }
     break;
   }
@@ -189,7 +189,7 @@ void RefuseUnknownCommand(CLI::App& app, int argc, char** argv) {
 int main(int argc, char** argv) {
   using namespace cpd::ctl;  // NOLINT: this file is cpdctl
   CLI::App app{
-      "cpdctl: the operator's command line for cpd-coordinator: jobs, status, per-layer "
+      "cpdctl: the operator's command line for cpd-coordinator: jobs, studies, status, per-layer "
       "statistics, live watch, precision schedules, CSV export and plots.\nJOB is a job name or "
       "its numeric id."};
   app.set_version_flag("--version", std::string("cpdctl ") + CPD_VERSION);
@@ -197,6 +197,13 @@ int main(int argc, char** argv) {
   AddGlobals(&app, &g);
 
   auto* jobs = app.add_subcommand("jobs", "List the coordinator's jobs");
+  std::string study_name;
+  auto* study = app.add_subcommand(
+      "study",
+      "A study's runs (cpd-train --study NAME): run, state, step/total, epoch, latest test "
+      "accuracy, loss, last report age, then the runs per state. Without NAME: the studies "
+      "known, with their runs running, stale and finished");
+  study->add_option("NAME", study_name, "Study name (default: list the studies)");
   std::string status_job;
   auto* status = app.add_subcommand(
       "status",
@@ -227,7 +234,7 @@ int main(int argc, char** argv) {
       "version, loss, per-layer APS shift and per-layer flushed (underflow) fraction over steps",
       "--out", "Output FILE.png (written atomically)", &pa);
 
-  for (CLI::App* sub : {jobs, status, layers, watch, schedule, sget, sset, exp, plot}) {
+  for (CLI::App* sub : {jobs, study, status, layers, watch, schedule, sget, sset, exp, plot}) {
     AddGlobals(sub, &g);
     sub->footer(kExitCodes);
   }
@@ -239,11 +246,12 @@ int main(int argc, char** argv) {
 
   RefuseUnknownCommand(app, argc, argv);
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
-  for (CLI::App* a : {&app, jobs, status, layers, watch, schedule, sget, sset, exp, plot}) {
+  for (CLI::App* a : {&app, jobs, study, status, layers, watch, schedule, sget, sset, exp, plot}) {
     g.timeout_given = g.timeout_given || a->get_option("--timeout")->count() > 0;
   }
 
   if (*jobs) return RunJobs(g);
+  if (*study) return RunStudy(g, study_name);
   if (*status) return RunStatus(g, status_job);
   if (*layers) return RunLayers(g, la);
   if (*watch) return RunWatch(g, wa);

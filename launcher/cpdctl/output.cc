@@ -8,6 +8,7 @@
 #include <ctime>
 #include <functional>
 #include <limits>
+#include <map>
 
 namespace cpd::ctl {
 
@@ -275,6 +276,22 @@ std::string KeyValues(const std::vector<std::pair<std::string, std::string>>& kv
   for (const auto& [k, v] : kv) w = std::max(w, k.size());
   std::string out;
   for (const auto& [k, v] : kv) out += k + std::string(w - k.size() + 2, ' ') + v + "\n";
+  return out;
+}
+
+std::vector<StudyTally> TallyStudies(const cpd::v1::ListJobsResponse& jobs) {
+  std::map<std::string, StudyTally> by_name;
+  for (const auto& j : jobs.jobs()) {
+    if (j.study().empty()) continue;
+    StudyTally& t = by_name[j.study()];
+    t.study = j.study();
+    ++t.runs;
+    if (j.state() == "running") ++t.running;
+    if (j.state() == "stale") ++t.stale;
+    if (j.state() == "finished") ++t.finished;
+  }
+  std::vector<StudyTally> out;
+  for (auto& [name, t] : by_name) out.push_back(std::move(t));
   return out;
 }
 

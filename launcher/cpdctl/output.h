@@ -70,6 +70,14 @@ std::string ScheduleDetails(const cpd::v1::PrecisionSchedule& s);
 // One "key  value" line per pair, the values aligned two spaces after the longest key.
 std::string KeyValues(const std::vector<std::pair<std::string, std::string>>& kv);
 
+// A study's runs counted by state, as `cpdctl study` shows them.
+struct StudyTally {
+  std::string study;
+  int runs = 0, running = 0, stale = 0, finished = 0;
+};
+// One tally per study among `jobs` (untagged jobs are in none), ordered by study name.
+std::vector<StudyTally> TallyStudies(const cpd::v1::ListJobsResponse& jobs);
+
 // One per-layer row of a report.
 struct LayerRow {
   const cpd::v1::StatsReport* report = nullptr;

@@ -31,6 +31,10 @@ Status CheckCoordinatorOptions(const CoordinatorOptions& o) {
     return Status::InvalidArgument("--job-name '" + o.job_name +
                                    "': use 1 to 128 of A-Z a-z 0-9 . _ -");
   }
+  static const std::regex kStudy("[A-Za-z0-9._-]{0,64}");
+  if (!std::regex_match(o.study, kStudy)) {
+    return Status::InvalidArgument("--study '" + o.study + "': use 1 to 64 of A-Z a-z 0-9 . _ -");
+  }
   if (o.queue_capacity < 1) return Status::InvalidArgument("coordinator queue capacity < 1");
   if (o.rpc_timeout_ms < 1 || o.backoff_max_ms < 1) {
     return Status::InvalidArgument("coordinator timeouts must be positive");
@@ -185,6 +189,16 @@ bool SessionLost(grpc::StatusCode c) {
          c == grpc::StatusCode::INTERNAL;
 }
 
+// How the event line names a failed registration (each is retried all the same).
+const char* RegisterFailure(grpc::StatusCode c) {
+  if (c == grpc::StatusCode::UNAUTHENTICATED) return "the coordinator refused the token";
+  // e.g. a resumed run whose --study is not the job's: the coordinator is there and said why.
+  if (c == grpc::StatusCode::INVALID_ARGUMENT || c == grpc::StatusCode::FAILED_PRECONDITION) {
+    return "the coordinator refused the registration";
+  }
+  return "coordinator unreachable";
+}
+
 class GrpcCoordinatorClient final : public CoordinatorClient {
  public:
   GrpcCoordinatorClient(CoordinatorOptions o, JobDescription job)
@@ -313,6 +327,7 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
   grpc::Status Register() {
     v1::RegisterJobRequest req;
     req.set_job_name(o_.job_name);
+    req.set_study(o_.study);
     req.set_world_size(job_.world_size);
     req.set_emulated_workers_per_rank(job_.emulate_ranks);
     for (const auto& w : job_.workers) {
@@ -450,11 +465,8 @@ class GrpcCoordinatorClient final : public CoordinatorClient {
         {
           std::lock_guard<std::mutex> lock(mu_);
           if (!said_unreachable) {
-            Event(std::string(reg.error_code() == grpc::StatusCode::UNAUTHENTICATED
-                                  ? "the coordinator refused the token"
-                                  : "coordinator unreachable") +
-                  " at " + o_.address + " (" + reg.error_message() +
-                  "); training goes on with the schedule in force, retrying");
+            Event(std::string(RegisterFailure(reg.error_code())) + " at " + o_.address + " (" +
+                  reg.error_message() + "); training goes on with the schedule in force, retrying");
             said_unreachable = true;
           }
         }

@@ -33,13 +33,14 @@ struct CoordinatorOptions {
   std::string token;             // sent as "authorization: Bearer <token>" when not empty
   std::string tls_ca_pem;        // PEM root certificates: TLS when not empty, plaintext otherwise
   std::string job_name;          // REQUIRED: [A-Za-z0-9._-]{1,128}
+  std::string study;             // the job's study, [A-Za-z0-9._-]{1,64}; empty: none
   size_t queue_capacity = 1024;  // reports held while the coordinator is slow or away
   int rpc_timeout_ms = 5000;     // deadline of each unary call
   int backoff_max_ms = 2000;     // reconnect backoff cap
 };
 
-// OK, or why these options cannot work: an empty address, a bad job name, non-positive limits,
-// or a build without gRPC (Unavailable).
+// OK, or why these options cannot work: an empty address, a bad job name or study, non-positive
+// limits, or a build without gRPC (Unavailable).
 Status CheckCoordinatorOptions(const CoordinatorOptions& options);
 
 // A schedule as the trainer applies it. `precision` carries everything but the run's seed and

@@ -11,7 +11,10 @@ checks with cpdctl:
     and `export` return the whole history, from before the kill and after the restart;
   * a client without the token, or with a wrong one, is refused with one line and exit 1.
 
-usage: coordinator_integration_test.py BIN_DIR MPIRUN
+With CASE `study` instead: two cpd-train runs with --study register, `cpdctl study` lists both
+with their state and test accuracy, and a coordinator restarted on the same database still does.
+
+usage: coordinator_integration_test.py BIN_DIR MPIRUN [control|study]
 Every wait is bounded; the test stops by itself (exit 1 on the first failed check).
 """
 import csv
@@ -26,6 +29,7 @@ import tempfile
 import time
 
 BIN, MPIRUN = sys.argv[1], sys.argv[2]
+CASE = sys.argv[3] if len(sys.argv) > 3 else "control"
 TMP = tempfile.mkdtemp(prefix="cpd_coord_it_")
 TOKEN = os.path.join(TMP, "token")
 DB = os.path.join(TMP, "coordinator.db")
@@ -104,9 +108,80 @@ def job_step():
     return json.loads(r.stdout)["job"].get("step", 0)
 
 
-def main():
+def write_token():
     with open(TOKEN, "w") as f:
         f.write("it-token-%d\n" % os.getpid())
+
+
+def stop_all():
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
+    shutil.rmtree(TMP)
+    print("PASS", flush=True)
+
+
+def study_runs(study):
+    r = ctl("--json", "study", study, expect_ok=False)
+    return json.loads(r.stdout)["jobs"] if r.returncode == 0 else []
+
+
+def study_case():
+    """Two runs of one study, as a study driver launches them, and a coordinator restart."""
+    write_token()
+    coord = start_coordinator("first")
+    study, names = "sweep1", ["sweep1.lr-0.05", "sweep1.lr-0.1"]
+    runs = []
+    for name, lr in zip(names, ("0.05", "0.1")):
+        log = open(os.path.join(TMP, name + ".log"), "w")
+        runs.append(subprocess.Popen(
+            [os.path.join(BIN, "cpd-train"), "--arch", "mlp", "--dataset", "synthetic",
+             "--epochs", "3", "--global-batch", "256", "--lr", lr, "--threads", "1",
+             "--no-progress", "--report-interval", "0.2", "--coordinator", ADDR, "--job-name",
+             name, "--study", study, "--token-file", TOKEN, "--debug-step-sleep-ms", "30"],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1")))
+        procs.append(runs[-1])
+    running = wait_for("both runs of the study to report",
+                       lambda: len([j for j in study_runs(study) if j["state"] == "running" and
+                                    j["last_report_ms"] > 0]) == 2, 120)
+    check(running, "cpdctl study lists both runs as running while they train")
+    for name, p in zip(names, runs):
+        check(p.wait(timeout=300) == 0, "%s finished with exit 0 (log in %s)" % (name, TMP))
+
+    def finished_table():
+        jobs = study_runs(study)
+        check(sorted(j["job_name"] for j in jobs) == names, "the study holds exactly its 2 runs")
+        for j in jobs:
+            check(j["study"] == study and j["state"] == "finished" and
+                  0 < j["test_accuracy"] <= 1 and j["epoch"] >= 1 and j["epochs"] == 3,
+                  "%s: finished, test accuracy %.4f, epoch %d / %d" %
+                  (j["job_name"], j["test_accuracy"], j["epoch"], j["epochs"]))
+        text = ctl("study", study).stdout
+        check(all(n in text for n in names) and "2 runs: 0 running, 0 stale, 2 finished" in text,
+              "the study's table lists both runs and the counts per state")
+        return jobs
+
+    before = finished_table()
+    listing = ctl("study").stdout.splitlines()
+    check(len(listing) == 2 and listing[1].split() == [study, "2", "0", "0", "2"],
+          "cpdctl study lists the study with 2 finished runs (%s)" % listing)
+
+    # Restarted on the same database: the same runs, states and accuracies.
+    coord.send_signal(signal.SIGTERM)
+    coord.wait(timeout=30)
+    start_coordinator("second")
+    after = finished_table()
+    key = lambda jobs: [(j["job_name"], j["state"], j["test_accuracy"], j["step"]) for j in jobs]
+    check(key(after) == key(before), "the restarted coordinator lists the same runs")
+    stop_all()
+
+
+def main():
+    if CASE == "study":
+        study_case()
+        return
+    write_token()
     coord = start_coordinator("first")
 
     # The model's quantisable layers, by name.
@@ -218,12 +293,7 @@ def main():
     r = ctl("status", "no-such-job", expect_ok=False)
     check(r.returncode == 1 and "no-such-job" in r.stderr, "an unknown job: exit 1, named")
 
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=30)
-    shutil.rmtree(TMP)
-    print("PASS", flush=True)
+    stop_all()
 
 
 if __name__ == "__main__":

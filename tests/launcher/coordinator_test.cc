@@ -661,6 +661,8 @@ TEST_F(CoordinatorTest, RejectsMalformedRegistrations) {
       {"negative total_steps", [](auto* r) { r->set_total_steps(-5); }, "total_steps"},
       {"negative start_step", [](auto* r) { r->set_start_step(-1); }, "start_step"},
       {"control char in arch", [](auto* r) { r->set_arch(std::string("le\nnet")); }, "arch"},
+      {"space in study", [](auto* r) { r->set_study("my study"); }, "study"},
+      {"65-char study", [](auto* r) { r->set_study(std::string(65, 's')); }, "study"},
   };
   for (const BadRegister& c : cases) {
     v1::RegisterJobRequest req = LenetJob("good-name", 2);
@@ -684,6 +686,7 @@ TEST_F(CoordinatorTest, RejectsMalformedRegistrations) {
   edge.mutable_schedule()->set_grad_bits(16);
   edge.set_world_size(65536);
   edge.set_emulated_workers_per_rank(0);
+  edge.set_study("S-1.b_" + std::string(58, 'x'));
   EXPECT_GT(Register(edge), 0);
 }
 
@@ -1097,6 +1100,203 @@ TEST_F(CoordinatorTest, StaleAfterSilence) {
   EXPECT_EQ(Status(id).job().state(), "stale");
   ASSERT_TRUE(Send(Report(id, 2)).ok());
   EXPECT_EQ(Status(id).job().state(), "running");
+}
+
+// ---- Studies ------------------------------------------------------------------------------------
+
+// A report at the end of `epoch` with `loss` and a measured test accuracy.
+v1::StatsReport EpochEnd(int64_t id, int64_t step, int epoch, double loss, double test_acc) {
+  v1::StatsReport r = Report(id, step);
+  r.set_epoch(epoch);
+  r.set_loss(loss);
+  r.set_test_accuracy(test_acc);
+  return r;
+}
+
+v1::ListJobsResponse ListStudy(v1::OperatorService::Stub* op, const std::string& study) {
+  v1::ListJobsRequest req;
+  req.set_study(study);
+  v1::ListJobsResponse resp;
+  const grpc::Status s = op->ListJobs(Ctx().get(), req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp;
+}
+
+TEST_F(CoordinatorTest, StudyRunsAreListedWithStateAndAccuracyAndKeptAcrossRestarts) {
+  Start();
+  v1::RegisterJobRequest a = LenetJob("s1.lr-0.1", 1), b = LenetJob("s1.lr-0.2", 1),
+                         other = LenetJob("s2.lr-0.1", 1), loose = LenetJob("untagged", 1);
+  a.set_study("s1");
+  b.set_study("s1");
+  other.set_study("s2");
+  const int64_t ida = Register(a), idb = Register(b), ido = Register(other);
+  const int64_t idl = Register(loose);
+  ASSERT_TRUE(Send(EpochEnd(ida, 467, 0, 0.75, 0.625)).ok());
+  ASSERT_TRUE(Send(Report(ida, 500)).ok());  // a later step without an accuracy
+  v1::StatsReport fin = EpochEnd(idb, 935, 1, 0.5, 0.8125);
+  fin.set_finished(true);
+  ASSERT_TRUE(Send(fin).ok());
+  ASSERT_TRUE(Send(Report(ido, 3)).ok());
+
+  v1::ListJobsResponse s1 = ListStudy(op_.get(), "s1");
+  ASSERT_EQ(s1.jobs_size(), 2);
+  const v1::JobSummary &ja = s1.jobs(0), &jb = s1.jobs(1);
+  EXPECT_EQ(ja.job_id(), ida);
+  EXPECT_EQ(ja.study(), "s1");
+  EXPECT_EQ(ja.state(), "running");
+  EXPECT_EQ(ja.step(), 500);
+  EXPECT_EQ(ja.epoch(), 1);  // Report() derives the epoch from the step: 500 / 468
+  EXPECT_EQ(ja.epochs(), 10);
+  EXPECT_EQ(ja.loss(), 2.3 / 501.0);
+  EXPECT_EQ(ja.test_accuracy(), 0.625);
+  EXPECT_EQ(jb.job_id(), idb);
+  EXPECT_EQ(jb.state(), "finished");
+  EXPECT_EQ(jb.step(), 935);
+  EXPECT_EQ(jb.epoch(), 1);
+  EXPECT_EQ(jb.loss(), 0.5);
+  EXPECT_EQ(jb.test_accuracy(), 0.8125);
+  EXPECT_EQ(ListStudy(op_.get(), "s2").jobs_size(), 1);
+  EXPECT_EQ(ListStudy(op_.get(), "no-such-study").jobs_size(), 0);
+  v1::ListJobsResponse all = ListStudy(op_.get(), "");
+  ASSERT_EQ(all.jobs_size(), 4);
+  EXPECT_EQ(all.jobs(3).job_id(), idl);
+  EXPECT_EQ(all.jobs(3).study(), "");
+  EXPECT_EQ(all.jobs(3).test_accuracy(), -1);  // none measured yet
+
+  // A resumed run without --study keeps the tag; another study is refused by field; an untagged
+  // job takes the tag of its re-registration.
+  a.clear_study();
+  a.set_start_step(501);
+  v1::RegisterJobResponse again;
+  EXPECT_EQ(Register(a, &again), ida);
+  EXPECT_TRUE(again.existed());
+  a.set_study("s2");
+  grpc::Status moved = worker_->RegisterJob(Ctx().get(), a, &again);
+  EXPECT_EQ(moved.error_code(), StatusCode::FAILED_PRECONDITION) << moved.error_message();
+  EXPECT_EQ(moved.error_message().rfind("study: job " + std::to_string(ida), 0), 0u)
+      << moved.error_message();
+  EXPECT_NE(moved.error_message().find("'s1'"), std::string::npos) << moved.error_message();
+  loose.set_study("s2");
+  EXPECT_EQ(Register(loose), idl);
+  EXPECT_EQ(ListStudy(op_.get(), "s2").jobs_size(), 2);
+  ASSERT_TRUE(Send(Report(ida, 501)).ok());  // the resumed run reports
+  s1 = ListStudy(op_.get(), "s1");
+  ASSERT_EQ(s1.jobs_size(), 2);
+  EXPECT_EQ(s1.jobs(0).study(), "s1");
+  EXPECT_EQ(s1.jobs(0).step(), 501);
+  EXPECT_EQ(s1.jobs(0).test_accuracy(), 0.625);  // the resume keeps the last measured accuracy
+
+  // A bad filter is refused by field.
+  v1::ListJobsRequest bad;
+  bad.set_study("no spaces");
+  v1::ListJobsResponse none;
+  grpc::Status st = op_->ListJobs(Ctx().get(), bad, &none);
+  EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(st.error_message().rfind("study: ", 0), 0u) << st.error_message();
+
+  // Restarted on the same database: the same runs, tags, states, epochs, losses and accuracies.
+  all = ListStudy(op_.get(), "");
+  Stop();
+  Start();
+  EXPECT_EQ(Diff(ListStudy(op_.get(), ""), all), "");
+  EXPECT_EQ(Diff(ListStudy(op_.get(), "s1"), s1), "");
+  EXPECT_EQ(ListStudy(op_.get(), "s2").jobs_size(), 2);
+}
+
+// The first schema (version 1) as cpd-coordinator wrote it, without jobs.study.
+constexpr const char* kSchemaV1 = R"sql(
+CREATE TABLE jobs(
+  job_id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL UNIQUE,
+  registered_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, world_size INTEGER NOT NULL,
+  emulated_workers_per_rank INTEGER NOT NULL, arch TEXT NOT NULL, dataset TEXT NOT NULL,
+  total_steps INTEGER NOT NULL, epochs INTEGER NOT NULL, start_step INTEGER NOT NULL,
+  allreduce TEXT NOT NULL);
+CREATE TABLE workers(
+  job_id INTEGER NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
+  PRIMARY KEY(job_id, rank)) WITHOUT ROWID;
+CREATE TABLE layers(
+  job_id INTEGER NOT NULL, idx INTEGER NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
+  quantizable INTEGER NOT NULL, params INTEGER NOT NULL,
+  PRIMARY KEY(job_id, idx)) WITHOUT ROWID;
+CREATE TABLE schedules(
+  job_id INTEGER NOT NULL, version INTEGER NOT NULL, set_at_ms INTEGER NOT NULL,
+  set_by TEXT NOT NULL, schedule BLOB NOT NULL,
+  PRIMARY KEY(job_id, version)) WITHOUT ROWID;
+CREATE TABLE reports(
+  id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL,
+  has_layers INTEGER NOT NULL, keep INTEGER NOT NULL, finished INTEGER NOT NULL,
+  time_ms INTEGER NOT NULL, received_ms INTEGER NOT NULL, report BLOB NOT NULL);
+CREATE INDEX reports_job_step ON reports(job_id, step);
+INSERT INTO jobs VALUES(7, 'old-job', 1700000000000, 1700000000000, 1, 1, 'mlp', 'synthetic',
+                        100, 2, 0, 'ring');
+PRAGMA user_version = 1;
+)sql";
+
+// Runs `sql` with one bound blob (?1) when `blob` is not empty.
+void Sql(sqlite3* db, const std::string& sql, const std::string& blob = "") {
+  sqlite3_stmt* st = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(db, sql.c_str(), -1, &st, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+  if (!blob.empty()) sqlite3_bind_blob(st, 1, blob.data(), int(blob.size()), SQLITE_TRANSIENT);
+  EXPECT_EQ(sqlite3_step(st), SQLITE_DONE) << sqlite3_errmsg(db);
+  sqlite3_finalize(st);
+}
+
+int64_t UserVersion(const std::string& path) {
+  sqlite3* db = nullptr;
+  EXPECT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  sqlite3_stmt* st = nullptr;
+  int64_t v = -1;
+  if (sqlite3_prepare_v2(db, "PRAGMA user_version", -1, &st, nullptr) == SQLITE_OK &&
+      sqlite3_step(st) == SQLITE_ROW) {
+    v = sqlite3_column_int64(st, 0);
+  }
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+  return v;
+}
+
+TEST_F(CoordinatorTest, OldSchemaDatabaseMigratesAndKeepsItsJobs) {
+  const std::string path = dir_.File("v1.db");
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db, kSchemaV1, nullptr, nullptr, nullptr), SQLITE_OK)
+        << sqlite3_errmsg(db);
+    v1::PrecisionSchedule sched;
+    sched.set_version(1);
+    sched.set_set_by("register");
+    Sql(db, "INSERT INTO schedules VALUES(7, 1, 1700000000000, 'register', ?1)",
+        sched.SerializeAsString());
+    Sql(db, "INSERT INTO reports VALUES(1, 7, 41, 0, 0, 1, 0, 1700000000001, 1700000000002, ?1)",
+        EpochEnd(7, 41, 1, 0.25, 0.5).SerializeAsString());
+    sqlite3_close(db);
+  }
+  ASSERT_EQ(UserVersion(path), 1);
+  ServerOptions opt;
+  opt.store.path = path;
+  Start(opt);
+  v1::ListJobsResponse all = ListStudy(op_.get(), "");
+  ASSERT_EQ(all.jobs_size(), 1);
+  EXPECT_EQ(all.jobs(0).job_id(), 7);
+  EXPECT_EQ(all.jobs(0).job_name(), "old-job");
+  EXPECT_EQ(all.jobs(0).study(), "");
+  EXPECT_EQ(all.jobs(0).step(), 41);
+  EXPECT_EQ(all.jobs(0).epoch(), 1);
+  EXPECT_EQ(all.jobs(0).test_accuracy(), 0.5);
+  // The old job can be resumed into a study; new jobs get ids after it.
+  v1::RegisterJobRequest old = LenetJob("old-job", 1);
+  old.set_study("migrated");
+  EXPECT_EQ(Register(old), 7);
+  v1::RegisterJobRequest fresh = LenetJob("migrated.new", 1);
+  fresh.set_study("migrated");
+  EXPECT_GT(Register(fresh), 7);
+  Stop();
+  EXPECT_EQ(UserVersion(path), 2);
+  Start(opt);
+  const v1::ListJobsResponse study = ListStudy(op_.get(), "migrated");
+  ASSERT_EQ(study.jobs_size(), 2);
+  EXPECT_EQ(study.jobs(0).job_name(), "old-job");
+  EXPECT_EQ(study.jobs(1).job_name(), "migrated.new");
 }
 
 // ---- The store on its own: retention and opening errors ----------------------------------------

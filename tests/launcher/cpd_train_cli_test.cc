@@ -172,6 +172,16 @@ TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
   }
 }
 
+// --study is a coordinator tag: without --coordinator, or malformed, it is one line naming it.
+TEST(CpdTrainCli, StudyNeedsACoordinatorAndAValidName) {
+  ExpectUsageError(Train({"--dataset", "synthetic", "--arch", "mlp", "--study", "s1"}), "--study");
+  const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "1",
+                             "--coordinator", "127.0.0.1:1", "--study", "bad name"});
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find("--study 'bad name'"), std::string::npos) << r.err;
+}
+
 // The usual quick run on synthetic data, plus `extra`.
 RunResult QuickRun(std::vector<std::string> extra) {
   std::vector<std::string> args = {"--dataset", "synthetic",     "--arch",    "mlp", "--epochs",

@@ -1,5 +1,5 @@
 // cpdctl's pieces that need no coordinator: the table formatter, numbers for humans, CSV fields,
-// proto messages as JSON, the ordering of per-layer rows, and the schedule edits of
+// proto messages as JSON, the ordering of per-layer rows, study tallies, and the schedule edits of
 // `cpdctl schedule set` (local validation and application to a schedule).
 #include <gtest/gtest.h>
 
@@ -136,6 +136,30 @@ std::vector<std::string> Order(const StatsReport& r, const std::string& key) {
   std::vector<std::string> out;
   for (const auto& row : rows) out.push_back(row.stat->layer() + "." + SiteName(row.stat->site()));
   return out;
+}
+
+TEST(CpdctlStudies, TallyCountsRunsPerStateByStudyName) {
+  cpd::v1::ListJobsResponse jobs;
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"zeta", "running"}, {"", "running"},      {"alpha", "finished"},
+      {"zeta", "stale"},   {"zeta", "finished"}, {"alpha", "finished"}};
+  for (const auto& [study, state] : runs) {
+    auto* j = jobs.add_jobs();
+    j->set_study(study);
+    j->set_state(state);
+  }
+  const std::vector<StudyTally> t = TallyStudies(jobs);
+  ASSERT_EQ(t.size(), 2u);  // the untagged job is in no study
+  EXPECT_EQ(t[0].study, "alpha");
+  EXPECT_EQ(t[0].runs, 2);
+  EXPECT_EQ(t[0].finished, 2);
+  EXPECT_EQ(t[0].running + t[0].stale, 0);
+  EXPECT_EQ(t[1].study, "zeta");
+  EXPECT_EQ(t[1].runs, 3);
+  EXPECT_EQ(t[1].running, 1);
+  EXPECT_EQ(t[1].stale, 1);
+  EXPECT_EQ(t[1].finished, 1);
+  EXPECT_TRUE(TallyStudies(cpd::v1::ListJobsResponse()).empty());
 }
 
 TEST(CpdctlLayers, SortKeys) {

@@ -348,6 +348,22 @@ class CpdctlTest : public testing::Test {
     WaitStored(addr, token, 10);
   }
 
+  // Registers a one-rank run `name` of `study` (a study driver's run) and returns its id.
+  int64_t RegisterRun(const std::string& name, const std::string& study) {
+    v1::RegisterJobRequest req;
+    req.set_job_name(name);
+    req.set_study(study);
+    req.set_world_size(1);
+    req.set_total_steps(100);
+    req.set_epochs(4);
+    grpc::ClientContext ctx;
+    Prepare(&ctx, "");
+    v1::RegisterJobResponse resp;
+    const grpc::Status st = Worker(addr_)->RegisterJob(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.job_id();
+  }
+
   void Report(const std::string& addr, const std::string& token, const v1::StatsReport& r) {
     auto w = Worker(addr);
     grpc::ClientContext ctx;
@@ -471,6 +487,96 @@ TEST_F(CpdctlTest, StatusByNameAndById) {
   EXPECT_EQ(j["schedule"]["cyclic"]["max_bits"], 8);
   EXPECT_EQ(j["layers"].size(), 4u);
   EXPECT_GE(j["last_report_age_ms"].get<int64_t>(), 0);
+}
+
+// ---- study -----------------------------------------------------------------------------------
+
+TEST_F(CpdctlTest, StudyListsItsRunsWithStateAndAccuracyAndJobsShowsTheStudy) {
+  const int64_t a = RegisterRun("s1.lr-0.1", "s1"), b = RegisterRun("s1.lr-0.2", "s1");
+  RegisterRun("s2.only", "s2");
+  v1::StatsReport ra = MakeReport(a, 9, false);  // epoch 1, test accuracy 0.5
+  ra.set_ranks_alive(1);
+  Report(addr_, "", ra);
+  v1::StatsReport rb = MakeReport(b, 19, false, /*finished=*/true);
+  rb.set_ranks_alive(1);
+  rb.set_epoch(3);
+  rb.set_test_accuracy(0.8125);
+  Report(addr_, "", rb);
+
+  RunResult r = Ctl({"study", "s1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto lines = SplitLines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  EXPECT_EQ(Words(lines[0]), (std::vector<std::string>{"RUN", "STATE", "STEP", "EPOCH", "TEST",
+                                                       "ACC", "LOSS", "LAST", "REPORT"}))
+      << lines[0];
+  // RUN STATE STEP / TOTAL EPOCH / EPOCHS ACC LOSS AGE...
+  auto w = Words(lines[1]);
+  ASSERT_GE(w.size(), 11u) << lines[1];
+  EXPECT_EQ(w[0], "s1.lr-0.1");
+  EXPECT_EQ(w[1], "running");
+  EXPECT_EQ(std::vector<std::string>(w.begin() + 2, w.begin() + 10),
+            (std::vector<std::string>{"10", "/", "100", "1", "/", "4", "50.00%", "0.2"}))
+      << lines[1];
+  EXPECT_NE(lines[1].find(" ago"), std::string::npos) << lines[1];
+  w = Words(lines[2]);
+  ASSERT_GE(w.size(), 10u) << lines[2];
+  EXPECT_EQ(w[0], "s1.lr-0.2");
+  EXPECT_EQ(w[1], "finished");
+  EXPECT_EQ(std::vector<std::string>(w.begin() + 2, w.begin() + 10),
+            (std::vector<std::string>{"20", "/", "100", "3", "/", "4", "81.25%", "0.1"}))
+      << lines[2];
+  EXPECT_EQ(lines[3], "2 runs: 1 running, 0 stale, 1 finished");
+
+  const json j = Json(Ctl({"--json", "study", "s1"}));
+  EXPECT_EQ(j["study"], "s1");
+  ASSERT_EQ(j["jobs"].size(), 2u) << j.dump();
+  EXPECT_EQ(j["jobs"][1]["job_name"], "s1.lr-0.2");
+  EXPECT_EQ(j["jobs"][1]["study"], "s1");
+  EXPECT_EQ(j["jobs"][1]["state"], "finished");
+  EXPECT_EQ(j["jobs"][1]["test_accuracy"], 0.8125);
+  EXPECT_EQ(j["jobs"][1]["epoch"], 3);
+  EXPECT_EQ(j["jobs"][1]["epochs"], 4);
+  EXPECT_EQ(j["counts"]["runs"], 2);
+  EXPECT_EQ(j["counts"]["finished"], 1);
+
+  // Without NAME: the studies, by name; the untagged job is in none.
+  r = Ctl({"study"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  lines = SplitLines(r.out);
+  ASSERT_EQ(lines.size(), 3u) << r.out;
+  EXPECT_EQ(Words(lines[0]),
+            (std::vector<std::string>{"STUDY", "RUNS", "RUNNING", "STALE", "FINISHED"}));
+  EXPECT_EQ(Words(lines[1]), (std::vector<std::string>{"s1", "2", "1", "0", "1"}));
+  EXPECT_EQ(Words(lines[2]), (std::vector<std::string>{"s2", "1", "1", "0", "0"}));
+  const json all = Json(Ctl({"study", "--json"}));
+  ASSERT_EQ(all["studies"].size(), 2u) << all.dump();
+  EXPECT_EQ(all["studies"][0]["study"], "s1");
+  EXPECT_EQ(all["studies"][0]["running"], 1);
+
+  // jobs gains a STUDY column once a job has a study ("-" for the untagged one).
+  r = Ctl({"jobs"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  lines = SplitLines(r.out);
+  ASSERT_EQ(lines.size(), 5u) << r.out;
+  EXPECT_EQ(Words(lines[0])[2], "STUDY");
+  EXPECT_EQ(Words(lines[1])[1], kJob);
+  EXPECT_EQ(Words(lines[1])[2], "-");
+  EXPECT_EQ(Words(lines[2])[2], "s1");
+  EXPECT_EQ(Words(lines[2])[3], "running");
+
+  // An unknown study is empty, not an error; a malformed name is a usage error before any call.
+  r = Ctl({"study", "nope"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "no runs in study 'nope' on " + addr_ + " (cpdctl study lists the studies)\n");
+  ExpectError(Ctl({"study", "bad name"}), 2, "STUDY 'bad name'");
+  ExpectError(Ctl({"study", std::string(65, 's')}), 2, "[A-Za-z0-9._-]{1,64}");
+}
+
+TEST_F(CpdctlTest, StudyWithoutStudiesSaysSo) {
+  const RunResult r = Ctl({"study"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "no studies on " + addr_ + " (cpd-train --study NAME tags a run)\n");
 }
 
 // ---- layers ----------------------------------------------------------------------------------
@@ -1020,6 +1126,8 @@ int ClosedPort() {
 TEST_F(CpdctlTest, UnreachableCoordinatorAndUnknownJob) {
   const std::string dead = "127.0.0.1:" + std::to_string(ClosedPort());
   for (std::vector<std::string> args : {std::vector<std::string>{"jobs"},
+                                        {"study"},
+                                        {"study", "s1"},
                                         {"status", kJob},
                                         {"layers", kJob},
                                         {"watch", kJob},
@@ -1030,7 +1138,7 @@ TEST_F(CpdctlTest, UnreachableCoordinatorAndUnknownJob) {
     std::vector<std::string> a = args;
     a.insert(a.end(), {"--coordinator", dead, "--timeout", "5"});
     ExpectError(Ctl(a, {}, false), 1, "cannot reach the coordinator at " + dead);
-    if (args[0] != "jobs") {
+    if (args[0] != "jobs" && args[0] != "study") {
       std::vector<std::string> b = args;
       std::replace(b.begin(), b.end(), std::string(kJob), std::string("nope"));
       ExpectError(Ctl(b), 1, "no job 'nope' on " + addr_);
@@ -1111,8 +1219,11 @@ TEST_F(CpdctlTest, HelpDocumentsEveryCommandAndOption) {
   const std::vector<std::string> global = {"--coordinator", "--token-file", "--tls-ca",
                                            "--json",        "--timeout",    "Exit codes"};
   const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
-      {{}, {"jobs", "status", "layers", "watch", "schedule", "export", "plot", "CPD_COORDINATOR"}},
+      {{},
+       {"jobs", "study", "status", "layers", "watch", "schedule", "export", "plot",
+        "CPD_COORDINATOR"}},
       {{"jobs"}, {}},
+      {{"study"}, {"NAME", "--study"}},
       {{"status"}, {"JOB"}},
       {{"layers"}, {"--step", "--from", "--to", "--sort", "--site", "--top", "--limit"}},
       {{"watch"}, {"--layers", "--count", "--interval"}},

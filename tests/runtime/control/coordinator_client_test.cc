@@ -230,6 +230,44 @@ TEST_F(CoordinatorClientTest, RegistersReportsAndTakesPushedSchedules) {
   c.Finish(5000);
 }
 
+// The study travels with the registration; a resumed run under another study is refused with
+// the coordinator's reason (and keeps training: the client only retries).
+TEST_F(CoordinatorClientTest, RegistersTheStudyAndSaysWhenAnotherIsRefused) {
+  Coordinator coordinator(port_, dir_);
+  ASSERT_TRUE(coordinator.ready());
+  CoordinatorOptions o = Options("sweep.run-1");
+  o.study = "sweep";
+  auto first = CoordinatorClient::Start(o, Job());
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  ASSERT_TRUE(WaitFor([&] { return (*first)->job_id() > 0; }, 20)) << "never registered";
+  (*first)->Finish(2000);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ListJobsRequest req;
+  req.set_study("sweep");
+  v1::ListJobsResponse jobs;
+  ASSERT_TRUE(ops_->ListJobs(&ctx, req, &jobs).ok());
+  ASSERT_EQ(jobs.jobs_size(), 1);
+  EXPECT_EQ(jobs.jobs(0).job_name(), "sweep.run-1");
+  EXPECT_EQ(jobs.jobs(0).study(), "sweep");
+
+  o.study = "other";
+  auto moved = CoordinatorClient::Start(o, Job());
+  ASSERT_TRUE(moved.ok()) << moved.status().message();
+  std::string said;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        for (const auto& e : (*moved)->TakeEvents()) said += e + "\n";
+        return said.find("refused the registration") != std::string::npos;
+      },
+      20))
+      << said;
+  EXPECT_NE(said.find("study: job 1 ('sweep.run-1') belongs to study 'sweep'"), std::string::npos)
+      << said;
+  EXPECT_EQ((*moved)->job_id(), 0);
+  (*moved)->Finish(0);
+}
+
 TEST_F(CoordinatorClientTest, ALateCoordinatorGetsTheQueueAndTheDropCount) {
   CoordinatorOptions o = Options("client-late");
   o.queue_capacity = 3;
@@ -376,6 +414,14 @@ TEST(CoordinatorOptions, BadOptionsAreRefusedByName) {
   o.job_name = std::string(129, 'a');
   EXPECT_FALSE(CheckCoordinatorOptions(o).ok());
   o.job_name = std::string(128, 'a');
+  EXPECT_TRUE(CheckCoordinatorOptions(o).ok());
+  for (const std::string& bad : {std::string("has space"), std::string(65, 's')}) {
+    o.study = bad;
+    const Status s = CheckCoordinatorOptions(o);
+    EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("--study"), std::string::npos) << s.message();
+  }
+  o.study = "S-1.b_" + std::string(58, 'x');
   EXPECT_TRUE(CheckCoordinatorOptions(o).ok());
 }
 

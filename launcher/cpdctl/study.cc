@@ -1,0 +1,128 @@
+// cpdctl study: a study's runs (the jobs a study driver registered with --study), or the studies
+// the coordinator knows. One ListJobs call either way.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "launcher/common.h"
+#include "launcher/cpdctl/commands.h"
+#include "launcher/cpdctl/output.h"
+
+namespace cpd::ctl {
+namespace {
+
+// STUDY on the command line: the coordinator's rule for tags, checked before any call.
+void CheckStudyName(const std::string& study) {
+  if (study.size() > 64 ||
+      study.find_first_not_of(
+          "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
+          std::string::npos) {
+    Usage("STUDY '" + study + "': expected a study name ([A-Za-z0-9._-]{1,64})");
+  }
+}
+
+v1::ListJobsResponse ListJobs(Connection& c, const std::string& study) {
+  grpc::ClientContext ctx;
+  c.Prepare(&ctx);
+  v1::ListJobsRequest req;
+  req.set_study(study);
+  v1::ListJobsResponse resp;
+  const grpc::Status s = c.ops().ListJobs(&ctx, req, &resp);
+  if (!s.ok()) c.FailCall(s, "ListJobs");
+  // A coordinator older than studies ignores the filter and sends every job.
+  v1::ListJobsResponse runs;
+  for (auto& j : *resp.mutable_jobs()) {
+    if (study.empty() || j.study() == study) *runs.add_jobs() = std::move(j);
+  }
+  return runs;
+}
+
+nlohmann::json TallyJson(const StudyTally& t) {
+  return {{"study", t.study},
+          {"runs", t.runs},
+          {"running", t.running},
+          {"stale", t.stale},
+          {"finished", t.finished}};
+}
+
+// "3 runs: 1 running, 1 stale, 1 finished"
+std::string CountsLine(const StudyTally& t) {
+  return std::to_string(t.runs) + (t.runs == 1 ? " run: " : " runs: ") + std::to_string(t.running) +
+         " running, " + std::to_string(t.stale) + " stale, " + std::to_string(t.finished) +
+         " finished\n";
+}
+
+int ListStudies(Connection& c, bool json) {
+  const std::vector<StudyTally> studies = TallyStudies(ListJobs(c, ""));
+  if (json) {
+    nlohmann::json arr = nlohmann::json::array();
+    for (const StudyTally& t : studies) arr.push_back(TallyJson(t));
+    PrintJson({{"studies", std::move(arr)}});
+    return 0;
+  }
+  if (studies.empty()) {
+    Print("no studies on " + c.address() + " (cpd-train --study NAME tags a run)\n");
+    FlushStdout();
+    return 0;
+  }
+  using A = Table::Align;
+  Table t({{"STUDY", A::kLeft},
+           {"RUNS", A::kRight},
+           {"RUNNING", A::kRight},
+           {"STALE", A::kRight},
+           {"FINISHED", A::kRight}});
+  for (const StudyTally& s : studies) {
+    t.AddRow({s.study, std::to_string(s.runs), std::to_string(s.running), std::to_string(s.stale),
+              std::to_string(s.finished)});
+  }
+  Print(t.Render());
+  FlushStdout();
+  return 0;
+}
+
+int ShowStudy(Connection& c, const std::string& study, bool json) {
+  const v1::ListJobsResponse runs = ListJobs(c, study);
+  const std::vector<StudyTally> tally = TallyStudies(runs);
+  StudyTally counts = tally.empty() ? StudyTally{study} : tally[0];
+  if (json) {
+    nlohmann::json j = ToJson(runs);
+    j["study"] = study;
+    j["counts"] = TallyJson(counts);
+    PrintJson(j);
+    return 0;
+  }
+  if (runs.jobs().empty()) {
+    Print("no runs in study '" + study + "' on " + c.address() +
+          " (cpdctl study lists the studies)\n");
+    FlushStdout();
+    return 0;
+  }
+  using A = Table::Align;
+  Table t({{"RUN", A::kLeft},
+           {"STATE", A::kLeft},
+           {"STEP", A::kRight},
+           {"EPOCH", A::kRight},
+           {"TEST ACC", A::kRight},
+           {"LOSS", A::kRight},
+           {"LAST REPORT", A::kRight}});
+  const int64_t now = cpd::launcher::NowMs();
+  for (const auto& j : runs.jobs()) {
+    const bool reported = j.last_report_ms() > 0;
+    t.AddRow({j.job_name(), j.state(), Ratio(StepsDone(j), j.total_steps()),
+              Ratio(j.epoch(), j.epochs()), FormatAccuracy(j.test_accuracy()),
+              reported ? FormatG(j.loss(), 4) : "-", ReportAge(j, now)});
+  }
+  Print(t.Render() + CountsLine(counts));
+  FlushStdout();
+  return 0;
+}
+
+}  // namespace
+
+int RunStudy(const Globals& g, const std::string& study) {
+  if (!study.empty()) CheckStudyName(study);
+  Connection c(g);
+  return study.empty() ? ListStudies(c, g.json) : ShowStudy(c, study, g.json);
+}
+
+}  // namespace cpd::ctl

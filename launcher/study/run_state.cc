@@ -54,11 +54,27 @@ std::string HostName() {
   return buf;
 }
 
+namespace {
+
+// Whether process `pid` exists and is not a zombie (a killed run-one whose parent died too stays
+// one until init reaps it, and in a container nothing may).
+bool Alive(long pid) {
+  if (pid <= 0 || (::kill(pid_t(pid), 0) != 0 && errno != EPERM)) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= text.size()) return true;  // no /proc: trust kill
+  const char state = text[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace
+
 std::string Classify(const RunState& s) {
   if (s.state != "running") return s.state;
   if (s.host != HostName()) return "running";  // another machine's process: cannot check it
-  const bool alive = s.pid > 0 && (::kill(pid_t(s.pid), 0) == 0 || errno == EPERM);
-  return alive ? "running" : "interrupted";
+  return Alive(s.pid) ? "running" : "interrupted";
 }
 
 std::string LastErrorLine(const std::string& log_path) {

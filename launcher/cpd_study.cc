@@ -61,12 +61,12 @@ Loaded Load(const Flags& f) {
 
 // cpd-train: --cpd-train, else the one next to this executable.
 std::string CpdTrain(const Flags& f, bool must_exist) {
-  const std::string path = f.cpd_train.empty() ? cpd::launcher::ExecutableDir() + "/cpd-train"
-                                               : f.cpd_train;
+  const std::string path =
+      f.cpd_train.empty() ? cpd::launcher::ExecutableDir() + "/cpd-train" : f.cpd_train;
   if (must_exist && ::access(path.c_str(), X_OK) != 0) {
-    Fail(f.cpd_train.empty() ? "cannot find cpd-train next to cpd-study (" + path +
-                                   "); give --cpd-train PATH"
-                             : "--cpd-train " + path + ": not an executable file");
+    Fail(f.cpd_train.empty()
+             ? "cannot find cpd-train next to cpd-study (" + path + "); give --cpd-train PATH"
+             : "--cpd-train " + path + ": not an executable file");
   }
   return path;
 }
@@ -215,13 +215,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(cpd::launcher::IntegerIn(1, 1024));
   AddRunFlags(run, &f);
-  CLI::App* one = Command(app, "run-one", "Run the plan's run number --index (a launcher's task)", &f);
+  CLI::App* one =
+      Command(app, "run-one", "Run the plan's run number --index (a launcher's task)", &f);
   one->add_option("--index", f.index, "The run's index in the plan (0-based)")
       ->required()
       ->check(cpd::launcher::IntegerAtLeast(0));
   AddRunFlags(one, &f);
   CLI::App* status = Command(app, "status", "Each run's state, then the totals", &f);
-  CLI::App* report = Command(app, "report", "Tables and plots of the runs' metrics in <out>/report", &f);
+  CLI::App* report =
+      Command(app, "report", "Tables and plots of the runs' metrics in <out>/report", &f);
   report->add_option("--reference", f.reference,
                      "Glob of run names whose mean final test accuracy every row is compared to");
   report->add_flag("--no-plot", f.no_plot, "Write the tables only");

@@ -83,8 +83,7 @@ class RunChecker {
     }
     const long long workers = static_cast<long long>(s.ranks) * o_.emulate_ranks;
     if (o_.global_batch > 0 && o_.global_batch % workers != 0) {
-      return Status::InvalidArgument(origin + ": global-batch " +
-                                     std::to_string(o_.global_batch) +
+      return Status::InvalidArgument(origin + ": global-batch " + std::to_string(o_.global_batch) +
                                      " does not split evenly over " + std::to_string(workers) +
                                      " workers");
     }
@@ -118,9 +117,9 @@ Result<std::vector<PlannedRun>> ExpandPlan(const Study& study) {
       PlannedRun r = MakeRun(study, at, seed);
       if (Excluded(study, r.labels, seed)) continue;
       if (r.name.size() > kMaxNameLength) {
-        return Status::InvalidArgument(study.path + ": run " + r.name + ": the name is longer than " +
-                                       std::to_string(kMaxNameLength) +
-                                       " characters; use shorter values");
+        return Status::InvalidArgument(
+            study.path + ": run " + r.name + ": the name is longer than " +
+            std::to_string(kMaxNameLength) + " characters; use shorter values");
       }
       if (!names.insert(r.name).second) {
         return Status::InvalidArgument(study.path + ": run " + r.name +
@@ -163,7 +162,8 @@ std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,
   if (inline_flags) {
     for (size_t i = 0; i < run.flags.size(); ++i) {
       argv.push_back("--" + run.flags[i].key);
-      if (!run.boolean[i]) argv.insert(argv.end(), run.flags[i].values.begin(), run.flags[i].values.end());
+      if (!run.boolean[i])
+        argv.insert(argv.end(), run.flags[i].values.begin(), run.flags[i].values.end());
     }
   } else {
     argv.insert(argv.end(), {"--config", p.config});

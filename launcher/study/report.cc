@@ -105,8 +105,8 @@ void ReadStepLine(const std::string& line, RunMetrics* m) {
     ++m->malformed;
     return;
   }
-  const json arr = json::parse(line.begin() + long(begin), line.begin() + long(end) + 1, nullptr,
-                               false);
+  const json arr =
+      json::parse(line.begin() + long(begin), line.begin() + long(end) + 1, nullptr, false);
   if (!arr.is_array()) {
     ++m->malformed;
     return;
@@ -225,8 +225,9 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
     }
   }
   const bool diverged = row.m.stopped || (row.state == "failed" && row.s.exit_code == 3);
-  row.collapsed = diverged || (row.has_epochs && (!std::isfinite(row.final_loss) ||
-                                                  !(row.final_acc > 1.5 / row.classes)));
+  row.collapsed =
+      diverged ||
+      (row.has_epochs && (!std::isfinite(row.final_loss) || !(row.final_acc > 1.5 / row.classes)));
   return row;
 }
 
@@ -369,8 +370,8 @@ std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
   std::string csv = "run" + AxesHeader(s) +
                     ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s\n";
   for (const RunRow& r : rows) {
-    const std::string head = Csv(r.run->name) + AxesCells(*r.run) + "," +
-                             std::to_string(r.run->seed) + ",";
+    const std::string head =
+        Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
     for (const auto& [n, e] : r.m.epochs) {
       csv += head + std::to_string(n) + "," + std::to_string(e.step) + "," + Fmt(e.loss) + "," +
              Fmt(e.train_accuracy) + "," + Fmt(e.test_accuracy) + "," + Fmt(e.test_loss) + "," +
@@ -381,7 +382,8 @@ std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
 }
 
 std::string LayersCsv(const Study& s, const std::vector<RunRow>& rows) {
-  std::string csv = "run" + AxesHeader(s) + ",seed,layer_index,layer,steps,mean_flushed,mean_shift\n";
+  std::string csv =
+      "run" + AxesHeader(s) + ",seed,layer_index,layer,steps,mean_flushed,mean_shift\n";
   for (const RunRow& r : rows) {
     for (size_t i = 0; i < r.m.layer_order.size(); ++i) {
       const LayerSums& l = r.m.layers.at(r.m.layer_order[i]);

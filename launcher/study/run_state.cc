@@ -40,11 +40,10 @@ Result<RunState> ReadState(const std::string& path) {
 }
 
 Status WriteState(const std::string& path, const RunState& s) {
-  nlohmann::json j = {{"state", s.state},         {"exit_code", s.exit_code},
-                      {"start_ms", s.start_ms},   {"end_ms", s.end_ms},
-                      {"wall_s", s.wall_s},       {"total_wall_s", s.total_wall_s},
-                      {"attempts", s.attempts},   {"host", s.host},
-                      {"pid", s.pid}};
+  nlohmann::json j = {
+      {"state", s.state},       {"exit_code", s.exit_code}, {"start_ms", s.start_ms},
+      {"end_ms", s.end_ms},     {"wall_s", s.wall_s},       {"total_wall_s", s.total_wall_s},
+      {"attempts", s.attempts}, {"host", s.host},           {"pid", s.pid}};
   return WriteFileAtomically(path, j.dump(1) + "\n");
 }
 
@@ -119,7 +118,8 @@ int PrintStatus(const Study& study, const std::vector<PlannedRun>& runs, const s
     } else if (what == "failed") {
       std::snprintf(detail, sizeof detail, "  exit %d", s->exit_code);
     }
-    std::string line = what + std::string(12 - std::min<size_t>(11, what.size()), ' ') + r.name + detail;
+    std::string line =
+        what + std::string(12 - std::min<size_t>(11, what.size()), ' ') + r.name + detail;
     if (what == "failed") {
       const std::string why = LastErrorLine(p.log);
       if (!why.empty()) line += ": " + why;
@@ -127,8 +127,8 @@ int PrintStatus(const Study& study, const std::vector<PlannedRun>& runs, const s
     std::printf("%s\n", line.c_str());
   }
   std::printf("%s: %zu runs: %d done, %d running, %d failed, %d interrupted, %d pending\n",
-              study.name.c_str(), runs.size(), totals["done"], totals["running"],
-              totals["failed"], totals["interrupted"], totals["pending"]);
+              study.name.c_str(), runs.size(), totals["done"], totals["running"], totals["failed"],
+              totals["interrupted"], totals["pending"]);
   return rc;
 }
 

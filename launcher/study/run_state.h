@@ -12,8 +12,8 @@
 namespace cpd::launcher::study {
 
 struct RunState {
-  std::string state = "pending";  // pending (no file) | running | done | failed
-  int exit_code = -1;             // of the last attempt (done: 0)
+  std::string state = "pending";     // pending (no file) | running | done | failed
+  int exit_code = -1;                // of the last attempt (done: 0)
   int64_t start_ms = 0, end_ms = 0;  // the last attempt, Unix epoch milliseconds
   double wall_s = 0;                 // the last attempt
   double total_wall_s = 0;           // every attempt's, summed

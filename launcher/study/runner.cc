@@ -169,8 +169,8 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
     return 1;
   }
   const std::string header = "=== cpd-study " + study.name + " run " + run.name + " attempt " +
-                             std::to_string(s.attempts) + " on " + s.host + ": " +
-                             ShellLine(argv) + "\n";
+                             std::to_string(s.attempts) + " on " + s.host + ": " + ShellLine(argv) +
+                             "\n";
   if (::write(log, header.data(), header.size()) < 0) {
     Complain("run " + run.name + ": cannot write " + p.log + ": " + std::strerror(errno));
   }
@@ -212,10 +212,14 @@ struct Progress {
 };
 
 std::vector<std::string> RunOneCommand(const LocalOptions& o, size_t index) {
-  std::vector<std::string> argv = {o.self,          "run-one",
-                                   o.study_path,    "--index",
-                                   std::to_string(index), "--out",
-                                   o.run.launch.out_dir,  "--cpd-train",
+  std::vector<std::string> argv = {o.self,
+                                   "run-one",
+                                   o.study_path,
+                                   "--index",
+                                   std::to_string(index),
+                                   "--out",
+                                   o.run.launch.out_dir,
+                                   "--cpd-train",
                                    o.run.launch.cpd_train};
   if (!o.run.launch.coordinator.empty()) {
     argv.insert(argv.end(), {"--coordinator", o.run.launch.coordinator});

@@ -26,9 +26,9 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& options)
 
 struct LocalOptions {
   RunOptions run;
-  int parallel = 1;            // runs at a time
-  std::string self;            // this executable (run-one is started through it)
-  std::string study_path;      // the study file run-one is given
+  int parallel = 1;        // runs at a time
+  std::string self;        // this executable (run-one is started through it)
+  std::string study_path;  // the study file run-one is given
 };
 
 // `cpd-study run --launcher local`: every run that is not done (and not failed, unless

@@ -48,7 +48,8 @@ Result<FlagValue> ReadValue(const YAML::Node& n, const std::string& path, const 
     }
     if (v.empty()) return Bad(path, what + ": an empty list");
   } else {
-    return Bad(path, what + (boolean ? ": expected true or false" : ": expected a scalar or a list of scalars"));
+    return Bad(path, what + (boolean ? ": expected true or false"
+                                     : ": expected a scalar or a list of scalars"));
   }
   if (boolean) {
     v[0] = NormalBool(v[0]);
@@ -91,7 +92,8 @@ Status ReadBase(const YAML::Node& node, const CLI::App& app, Study* s) {
     const std::string key = kv.first.as<std::string>();
     bool boolean = false;
     CPD_RETURN_IF_ERROR(CheckKey(app, s->path, "base:", key, &boolean));
-    CPD_ASSIGN_OR_RETURN(FlagValue v, ReadValue(kv.second, s->path, "base: '" + key + "'", boolean));
+    CPD_ASSIGN_OR_RETURN(FlagValue v,
+                         ReadValue(kv.second, s->path, "base: '" + key + "'", boolean));
     if (key == kWorkersKey) {
       CPD_RETURN_IF_ERROR(ReadInt(kv.second, s->path, "base: 'workers'", 1).status());
     }
@@ -124,8 +126,7 @@ Status ReadGrid(const YAML::Node& node, const CLI::App& app, Study* s) {
         CPD_ASSIGN_OR_RETURN(const long long w, ReadInt(kv.second[i], s->path, what, 1));
         if (w % s->ranks != 0) {
           return Bad(s->path, what + ": " + std::to_string(w) +
-                                  " workers do not divide over ranks " +
-                                  std::to_string(s->ranks));
+                                  " workers do not divide over ranks " + std::to_string(s->ranks));
         }
       }
       if (!labels.insert(ValueLabel(v, a.boolean)).second) {
@@ -165,7 +166,8 @@ Status ReadExclude(const YAML::Node& node, Study* s) {
     for (const auto& kv : node[i]) {
       const std::string key = kv.first.as<std::string>();
       if (key == "seed") {
-        CPD_ASSIGN_OR_RETURN(const long long seed, ReadInt(kv.second, s->path, where + " 'seed'", 0));
+        CPD_ASSIGN_OR_RETURN(const long long seed,
+                             ReadInt(kv.second, s->path, where + " 'seed'", 0));
         e.match.push_back({key, std::to_string(seed)});
         continue;
       }
@@ -195,8 +197,8 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     if (!kKeys.count(key)) {
-      return Bad(s->path, "unknown key '" + key +
-                              "' (accepted: name, ranks, base, grid, seeds, exclude)");
+      return Bad(s->path,
+                 "unknown key '" + key + "' (accepted: name, ranks, base, grid, seeds, exclude)");
     }
   }
   static const std::regex kName("[A-Za-z0-9._-]{1,64}");
@@ -234,8 +236,9 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
     emulate = emulate || a.name == "emulate-ranks";
   }
   if (workers && emulate) {
-    return Bad(s->path, "'workers' and 'emulate-ranks' exclude each other (workers sets "
-                        "--emulate-ranks to workers / ranks)");
+    return Bad(s->path,
+               "'workers' and 'emulate-ranks' exclude each other (workers sets "
+               "--emulate-ranks to workers / ranks)");
   }
   if (root["seeds"]) {
     CPD_RETURN_IF_ERROR(ReadSeeds(root["seeds"], s));

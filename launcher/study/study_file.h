@@ -32,13 +32,13 @@ struct Exclusion {
 };
 
 struct Study {
-  std::string path;                  // the file it came from (messages)
-  std::string name;                  // [A-Za-z0-9._-]{1,64}
-  int ranks = 1;                     // mpirun -np per run
-  std::vector<ConfigEntry> base;     // flags of every run, in file order ("workers" may be one)
-  std::vector<bool> base_boolean;    // per base entry: a boolean flag
-  std::vector<Axis> axes;            // the grid, in file order
-  std::vector<long long> seeds;      // non-empty, distinct
+  std::string path;                // the file it came from (messages)
+  std::string name;                // [A-Za-z0-9._-]{1,64}
+  int ranks = 1;                   // mpirun -np per run
+  std::vector<ConfigEntry> base;   // flags of every run, in file order ("workers" may be one)
+  std::vector<bool> base_boolean;  // per base entry: a boolean flag
+  std::vector<Axis> axes;          // the grid, in file order
+  std::vector<long long> seeds;    // non-empty, distinct
   std::vector<Exclusion> exclude;
 };
 

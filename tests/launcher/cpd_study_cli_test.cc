@@ -13,8 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <map>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -168,19 +168,21 @@ TEST(CpdStudyCli, PlanExpandsTheGridWithStableNamesAndExclusions) {
   const std::string name = "global-batch_2048.workers_32.allreduce-format_e4m3.aps_on.seed_2";
   ASSERT_TRUE(plan.count(name)) << r.out.substr(0, 400);
   const std::string& cmd = plan.at(name);
-  for (const char* part : {"mpirun -np 2 ", "--emulate-ranks 16", " --aps ", "--seed 2",
-                           "--global-batch 2048", "--allreduce-format e4m3", "--optimizer lars",
-                           "--resume auto", "--no-progress"}) {
+  for (const char* part :
+       {"mpirun -np 2 ", "--emulate-ranks 16", " --aps ", "--seed 2", "--global-batch 2048",
+        "--allreduce-format e4m3", "--optimizer lars", "--resume auto", "--no-progress"}) {
     EXPECT_NE(cmd.find(part), std::string::npos) << part << " in " << cmd;
   }
   EXPECT_NE(cmd.find("--checkpoint-dir " + dir.File("o") + "/runs/" + name + "/checkpoints"),
             std::string::npos);
-  EXPECT_EQ(plan.at("global-batch_512.workers_8.allreduce-format_e4m3.aps_off.seed_1").find("--aps"),
-            std::string::npos);
+  EXPECT_EQ(
+      plan.at("global-batch_512.workers_8.allreduce-format_e4m3.aps_off.seed_1").find("--aps"),
+      std::string::npos);
   for (const auto& [n, c] : plan) {
     EXPECT_EQ(n.find("allreduce-format_fp32.aps_on"), std::string::npos) << n;
-    EXPECT_EQ(n.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"),
-              std::string::npos);
+    EXPECT_EQ(
+        n.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"),
+        std::string::npos);
   }
 
   // More values and seeds: every existing run keeps its name and its command.
@@ -317,9 +319,9 @@ TEST(CpdStudyCli, AnInterruptedRunResumesFromItsCheckpoints) {
   Write(dir.File("s.yaml"), std::string("name: resume\n") + kTinyBase +
                                 "  checkpoint-every: 4\n  debug-step-sleep-ms: 60\n"
                                 "grid:\n  max-steps: [40]\n");
-  const pid_t pid = StartGroup({BuiltProgram(CPD_STUDY_PATH), "run", dir.File("s.yaml"), "--out",
-                                out},
-                               dir.File("driver.log"));
+  const pid_t pid =
+      StartGroup({BuiltProgram(CPD_STUDY_PATH), "run", dir.File("s.yaml"), "--out", out},
+                 dir.File("driver.log"));
   // Killed once it has checkpointed at least step 8, long before step 40.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (!Exists(rd + "/checkpoints/ckpt-000000000008.cpd") &&
@@ -388,8 +390,12 @@ TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
   waitpid(gone, nullptr, 0);
   auto state = [&](const char* d, const std::string& s, long pid) {
     Write(out + "/runs/" + name(d) + "/state.json",
-          nlohmann::json({{"state", s}, {"exit_code", s == "done" ? 0 : -1}, {"host", host},
-                          {"pid", pid}, {"attempts", 1}, {"total_wall_s", 2.5}})
+          nlohmann::json({{"state", s},
+                          {"exit_code", s == "done" ? 0 : -1},
+                          {"host", host},
+                          {"pid", pid},
+                          {"attempts", 1},
+                          {"total_wall_s", 2.5}})
               .dump());
   };
   state("b", "done", 0);
@@ -446,15 +452,16 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   Write(dir.File("s.yaml"), std::string("name: rep\n") + kTinyBase +
                                 "grid:\n  allreduce-format: [e4m3, e5m2]\nseeds: [1, 2, 3]\n");
   auto metrics = [&](const char* fmt, int seed, const std::string& text) {
-    Write(out + "/runs/allreduce-format_" + fmt + ".seed_" + std::to_string(seed) +
-              "/metrics.jsonl",
-          text);
+    Write(
+        out + "/runs/allreduce-format_" + fmt + ".seed_" + std::to_string(seed) + "/metrics.jsonl",
+        text);
   };
   // e4m3: final accuracies 0.80, 0.70, 0.90 (seed 1 resumed: its epoch 2 logged twice, the last
   // wins; its step 2 logged twice, counted once).
   metrics("e4m3", 1,
           Epoch(1, 0.5, "1.5") + Step(1, 2, 0.1, 0.3) + Step(2, 4, 0.2, 0.4) +
-              Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") + "{\"type\":\"epo");
+              Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") +
+              "{\"type\":\"epo");
   metrics("e4m3", 2, Epoch(1, 0.75, "1.1") + Epoch(2, 0.7, "0.9"));
   metrics("e4m3", 3, Epoch(1, 0.9, "0.5"));
   // e5m2: seed 1 a 100-class run near chance (collapsed: 0.014 <= 1.5 / 100), seed 2 a NaN loss
@@ -462,8 +469,8 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   metrics("e5m2", 1, "{\"type\":\"run\",\"classes\":100,\"workers\":2}\n" + Epoch(1, 0.014, "4.6"));
   metrics("e5m2", 2, Epoch(1, 0.3, "null", 5));
   metrics("e5m2", 3, Epoch(1, 0.6, "2.0") + "{\"type\":\"stop\",\"step\":12,\"reason\":\"x\"}\n");
-  const RunResult r = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot",
-                             "--reference", "allreduce-format_e4m3.*"});
+  const RunResult r = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot", "--reference",
+                             "allreduce-format_e4m3.*"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto rows = ReadCsv(out + "/report/runs.csv");
   ASSERT_EQ(rows.size(), 6u);
@@ -488,8 +495,9 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   const auto sum = ReadCsv(out + "/report/summary.csv");
   ASSERT_EQ(sum.size(), 2u);
   const double m = (0.8 + 0.7 + 0.9) / 3;
-  const double sd = std::sqrt(((0.8 - m) * (0.8 - m) + (0.7 - m) * (0.7 - m) +
-                               (0.9 - m) * (0.9 - m)) / 2);  // sample std: n - 1
+  const double sd =
+      std::sqrt(((0.8 - m) * (0.8 - m) + (0.7 - m) * (0.7 - m) + (0.9 - m) * (0.9 - m)) /
+                2);  // sample std: n - 1
   EXPECT_EQ(sum[0].at("n_seeds"), "3");
   EXPECT_EQ(sum[0].at("n_collapsed"), "0");
   EXPECT_NEAR(std::stod(sum[0].at("final_test_accuracy_mean")), m, 1e-6);
@@ -508,8 +516,8 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_DOUBLE_EQ(std::stod(layers[1].at("mean_flushed")), 0.35);
   EXPECT_EQ(ReadCsv(out + "/report/curves.csv").size(), 2u + 2 + 1 + 1 + 1 + 1);
 
-  const RunResult bad = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot",
-                               "--reference", "nothing*"});
+  const RunResult bad =
+      Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot", "--reference", "nothing*"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--reference 'nothing*' matches no run"), std::string::npos) << bad.err;
 }

@@ -14,46 +14,56 @@ namespace cpd::launcher {
 
 using runtime::TrainOptions;
 
+Status ApplyConfigEntries(CLI::App& app, const std::vector<ConfigEntry>& entries,
+                          const std::string& origin) {
+  auto bad = [&](const std::string& m) { return Status::InvalidArgument(origin + ": " + m); };
+  for (const ConfigEntry& e : entries) {
+    if (e.key == "config") return bad("'config' cannot be nested");
+    CLI::Option* opt = nullptr;
+    try {
+      opt = app.get_option("--" + e.key);
+    } catch (const CLI::OptionNotFound&) {
+      return bad("unknown key '" + e.key + "' (keys are the long flag names)");
+    }
+    if (opt->count() > 0) continue;  // the command line wins
+    try {
+      for (const auto& v : e.values) opt->add_result(v);
+      opt->run_callback();
+    } catch (const CLI::Error& err) {
+      return bad("key '" + e.key + "': " + err.what());
+    }
+  }
+  return Status::Ok();
+}
+
 // The keys of a YAML mapping onto the options the command line did not give. yaml-cpp reports
 // problems by exceptions; each becomes an InvalidArgument naming `origin`.
 Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string& origin) {
   auto bad = [&](const std::string& m) { return Status::InvalidArgument(origin + ": " + m); };
+  std::vector<ConfigEntry> entries;
   try {
     const YAML::Node root = YAML::Load(yaml);
     if (!root.IsMap()) return bad("expected a mapping of option: value");
     for (const auto& kv : root) {
       if (!kv.first.IsScalar()) return bad("every key must be a flag name");
-      const std::string key = kv.first.as<std::string>();
-      if (key == "config") return bad("'config' cannot be nested");
-      CLI::Option* opt = nullptr;
-      try {
-        opt = app.get_option("--" + key);
-      } catch (const CLI::OptionNotFound&) {
-        return bad("unknown key '" + key + "' (keys are the long flag names)");
-      }
-      if (opt->count() > 0) continue;  // the command line wins
-      std::vector<std::string> values;
+      ConfigEntry e;
+      e.key = kv.first.as<std::string>();
       if (kv.second.IsSequence()) {
         for (const auto& v : kv.second) {
-          if (!v.IsScalar()) return bad("key '" + key + "': a list of scalars is expected");
-          values.push_back(v.as<std::string>());
+          if (!v.IsScalar()) return bad("key '" + e.key + "': a list of scalars is expected");
+          e.values.push_back(v.as<std::string>());
         }
       } else if (kv.second.IsScalar()) {
-        values.push_back(kv.second.as<std::string>());
+        e.values.push_back(kv.second.as<std::string>());
       } else {
-        return bad("key '" + key + "' must be a scalar or a list");
+        return bad("key '" + e.key + "' must be a scalar or a list");
       }
-      try {
-        for (const auto& v : values) opt->add_result(v);
-        opt->run_callback();
-      } catch (const CLI::Error& e) {
-        return bad("key '" + key + "': " + e.what());
-      }
+      entries.push_back(std::move(e));
     }
   } catch (const YAML::Exception& e) {
     return bad(e.what());
   }
-  return Status::Ok();
+  return ApplyConfigEntries(app, entries, origin);
 }
 
 Status ApplyConfigFile(CLI::App& app, const std::string& path) {

@@ -33,6 +33,18 @@ struct TrainFlags {
 // Adds every cpd-train flag to `app`, bound to *o and *f (which must outlive it).
 void AddTrainOptions(CLI::App* app, runtime::TrainOptions* o, TrainFlags* f);
 
+// One key of a config: a long flag name without dashes and its values (a scalar is one value).
+struct ConfigEntry {
+  std::string key;
+  std::vector<std::string> values;
+};
+
+// Applies `entries` in order to the options the command line did not give, as if each value had
+// been given to the flag: the one path from config keys to options (the YAML loader below and
+// cpd-study's check of every planned run use it). Errors name `origin` and the key.
+Status ApplyConfigEntries(CLI::App& app, const std::vector<ConfigEntry>& entries,
+                          const std::string& origin);
+
 // Applies the keys of a YAML mapping (`yaml`, called `origin` in messages) to the options the
 // command line did not give. Keys are the long flag names without dashes; values are scalars or
 // lists of scalars.

@@ -1,0 +1,452 @@
+#include "launcher/study/report.h"
+
+#include <fnmatch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "launcher/files.h"
+#include "launcher/study/run_state.h"
+
+namespace cpd::launcher::study {
+
+namespace {
+
+using nlohmann::json;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+struct EpochRow {
+  int64_t step = 0;
+  double loss = kNaN, train_accuracy = kNaN, test_accuracy = kNaN, test_loss = kNaN;
+  double images_per_s = kNaN, relative_cost = kNaN;
+  int64_t skipped_steps = 0;
+  std::string cost_reference;
+};
+
+struct LayerSums {
+  double flushed = 0, shift = 0;
+  int64_t n = 0;
+};
+
+// What one run's metrics say.
+struct RunMetrics {
+  std::map<int, EpochRow> epochs;
+  int classes = 0;  // from a "run" record; 0 when there is none
+  bool stopped = false;
+  int64_t last_comm_step = -1;  // steps up to here are counted (a resumed run repeats steps)
+  LayerSums all;
+  std::vector<std::string> layer_order;
+  std::map<std::string, LayerSums> layers;
+  int64_t malformed = 0;
+};
+
+// A number, or NaN for null (nlohmann writes NaN and Inf as null) or a missing key.
+double Num(const json& j, const char* key) {
+  auto it = j.find(key);
+  return it != j.end() && it->is_number() ? it->get<double>() : kNaN;
+}
+
+void AddComm(const json& comm, RunMetrics* m) {
+  for (const json& c : comm) {
+    const std::string layer = c.value("layer", std::string("?"));
+    const double flushed = Num(c, "flushed"), shift = Num(c, "shift");
+    auto [it, added] = m->layers.try_emplace(layer);
+    if (added) m->layer_order.push_back(layer);
+    for (LayerSums* s : {&it->second, &m->all}) {
+      s->flushed += std::isfinite(flushed) ? flushed : 0;
+      s->shift += std::isfinite(shift) ? shift : 0;
+      ++s->n;
+    }
+  }
+}
+
+// The end of the JSON array that starts at line[begin] ('['): strings may hold brackets.
+size_t ArrayEnd(const std::string& line, size_t begin) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = begin; i < line.size(); ++i) {
+    const char c = line[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      ++depth;
+    } else if (c == ']' || c == '}') {
+      if (--depth == 0) return i;
+    }
+  }
+  return std::string::npos;
+}
+
+// A "step" record: only its all-reduce statistics matter here, and they are a small part of the
+// line (the per-site "layers" are most of it), so only "step" and the "comm" array are parsed.
+void ReadStepLine(const std::string& line, RunMetrics* m) {
+  const size_t comm = line.find("\"comm\":[");
+  if (comm == std::string::npos) return;
+  const size_t key = line.rfind("\"step\":");
+  if (key == std::string::npos) {
+    ++m->malformed;
+    return;
+  }
+  const int64_t step = std::strtoll(line.c_str() + key + 7, nullptr, 10);
+  if (step <= m->last_comm_step) return;  // a resumed run's repeat of a counted step
+  const size_t begin = comm + 7, end = ArrayEnd(line, begin);
+  if (end == std::string::npos) {
+    ++m->malformed;
+    return;
+  }
+  const json arr =
+      json::parse(line.begin() + long(begin), line.begin() + long(end) + 1, nullptr, false);
+  if (!arr.is_array()) {
+    ++m->malformed;
+    return;
+  }
+  m->last_comm_step = step;
+  AddComm(arr, m);
+}
+
+void ReadRecord(const json& j, RunMetrics* m) {
+  const std::string type = j.value("type", std::string());
+  if (type == "epoch") {
+    EpochRow e;
+    e.step = j.value("step", int64_t{0});
+    e.loss = Num(j, "loss");
+    e.train_accuracy = Num(j, "train_accuracy");
+    e.test_accuracy = Num(j, "test_accuracy");
+    e.test_loss = Num(j, "test_loss");
+    e.images_per_s = Num(j, "images_per_s");
+    e.relative_cost = Num(j, "relative_cost");
+    e.skipped_steps = j.value("skipped_steps", int64_t{0});
+    if (auto it = j.find("cost_reference"); it != j.end()) {
+      e.cost_reference = it->is_string() ? it->get<std::string>() : it->dump();
+    }
+    m->epochs[j.value("epoch", 0)] = e;  // the last record of an epoch wins
+  } else if (type == "run") {
+    m->classes = j.value("classes", 0);
+  } else if (type == "stop") {
+    m->stopped = true;
+  } else if (type == "step") {
+    if (auto it = j.find("comm"); it != j.end() && it->is_array()) {
+      const int64_t step = j.value("step", int64_t{0});
+      if (step > m->last_comm_step) {
+        m->last_comm_step = step;
+        AddComm(*it, m);
+      }
+    }
+  }
+}
+
+RunMetrics ReadMetrics(const std::string& path) {
+  RunMetrics m;
+  std::ifstream in(path, std::ios::binary);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    if (line.find("\"type\":\"step\"") != std::string::npos) {
+      ReadStepLine(line, &m);
+      continue;
+    }
+    const json j = json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      ++m.malformed;  // e.g. the last line of a run killed while writing it
+      continue;
+    }
+    ReadRecord(j, &m);
+  }
+  return m;
+}
+
+// The run's classes when no "run" record says: its --classes, else its dataset's.
+int FallbackClasses(const PlannedRun& r) {
+  std::string dataset;
+  for (const ConfigEntry& e : r.flags) {
+    if (e.key == "classes") return std::atoi(e.values[0].c_str());
+    if (e.key == "dataset") dataset = e.values[0];
+  }
+  return dataset == "cifar100" ? 100 : 10;
+}
+
+std::string Fmt(double v) {
+  if (std::isnan(v)) return "";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+std::string Csv(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+// One run's row of runs.csv, and what the summary needs of it.
+struct RunRow {
+  const PlannedRun* run = nullptr;
+  std::string state;
+  RunMetrics m;
+  RunState s;
+  int classes = 10;
+  double final_acc = kNaN, best_acc = kNaN, final_loss = kNaN;
+  bool has_epochs = false, collapsed = false;
+};
+
+RunRow Summarise(const PlannedRun& r, const std::string& out) {
+  RunRow row;
+  row.run = &r;
+  const RunPaths p = PathsOf(out, r.name);
+  auto s = ReadState(p.state);
+  row.s = s.ok() ? *s : RunState{};
+  row.state = s.ok() ? Classify(*s) : "unreadable";
+  row.m = ReadMetrics(p.metrics);
+  if (row.m.malformed > 0) {
+    std::fprintf(stderr, "cpd-study: warning: %s: %lld malformed line(s) skipped\n",
+                 p.metrics.c_str(), static_cast<long long>(row.m.malformed));
+  }
+  row.classes = row.m.classes > 0 ? row.m.classes : FallbackClasses(r);
+  row.has_epochs = !row.m.epochs.empty();
+  if (row.has_epochs) {
+    const EpochRow& last = row.m.epochs.rbegin()->second;
+    row.final_acc = last.test_accuracy;
+    row.final_loss = last.loss;
+    for (const auto& [n, e] : row.m.epochs) {
+      if (!(row.best_acc >= e.test_accuracy)) row.best_acc = e.test_accuracy;
+    }
+  }
+  const bool diverged = row.m.stopped || (row.state == "failed" && row.s.exit_code == 3);
+  row.collapsed =
+      diverged ||
+      (row.has_epochs && (!std::isfinite(row.final_loss) || !(row.final_acc > 1.5 / row.classes)));
+  return row;
+}
+
+std::string AxesHeader(const Study& s) {
+  std::string h;
+  for (const Axis& a : s.axes) h += "," + Csv(a.name);
+  return h;
+}
+
+std::string AxesCells(const PlannedRun& r) {
+  std::string c;
+  for (const auto& l : r.labels) c += "," + Csv(l);
+  return c;
+}
+
+std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double reference) {
+  std::string csv = "run" + AxesHeader(s) +
+                    ",seed,state,epochs,final_test_accuracy,best_test_accuracy,final_loss,"
+                    "final_test_loss,skipped_steps,collapsed,classes,mean_aps_shift,"
+                    "mean_allreduce_flushed,images_per_s,wall_s,relative_cost,cost_reference,"
+                    "accuracy_vs_reference\n";
+  for (const RunRow& r : rows) {
+    const EpochRow last = r.has_epochs ? r.m.epochs.rbegin()->second : EpochRow{};
+    double ips = 0;
+    for (const auto& [n, e] : r.m.epochs) ips += e.images_per_s;
+    ips = r.has_epochs ? ips / double(r.m.epochs.size()) : kNaN;
+    const double n = double(r.m.all.n);
+    csv += Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
+           r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
+           Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
+           (r.has_epochs ? std::to_string(last.skipped_steps) : "") + "," +
+           (r.collapsed ? "1" : "0") + "," + std::to_string(r.classes) + "," +
+           Fmt(n > 0 ? r.m.all.shift / n : kNaN) + "," + Fmt(n > 0 ? r.m.all.flushed / n : kNaN) +
+           "," + Fmt(ips) + "," + (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," +
+           Fmt(last.relative_cost) + "," +
+           Csv(r.has_epochs ? (last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference)
+                            : "") +
+           "," + Fmt(r.final_acc - reference) + "\n";
+  }
+  return csv;
+}
+
+struct MeanStd {
+  double mean = kNaN, std = kNaN;
+};
+
+// Mean and sample standard deviation (n - 1); std is NaN (left empty) below two values.
+MeanStd Stats(const std::vector<double>& v) {
+  MeanStd r;
+  if (v.empty()) return r;
+  double sum = 0;
+  for (double x : v) sum += x;
+  r.mean = sum / double(v.size());
+  if (v.size() < 2) return r;
+  double sq = 0;
+  for (double x : v) sq += (x - r.mean) * (x - r.mean);
+  r.std = std::sqrt(sq / double(v.size() - 1));
+  return r;
+}
+
+struct Group {
+  const PlannedRun* first = nullptr;
+  std::vector<double> final_acc, best_acc, final_loss, delta;
+  int collapsed = 0;
+};
+
+std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double reference) {
+  std::vector<Group> groups;
+  std::map<std::vector<std::string>, size_t> at;
+  for (const RunRow& r : rows) {
+    auto [it, added] = at.try_emplace(r.run->labels, groups.size());
+    if (added) {
+      groups.emplace_back();
+      groups.back().first = r.run;
+    }
+    Group& g = groups[it->second];
+    if (!r.has_epochs) continue;  // no result yet
+    g.final_acc.push_back(r.final_acc);
+    g.best_acc.push_back(r.best_acc);
+    g.final_loss.push_back(r.final_loss);
+    g.delta.push_back(r.final_acc - reference);
+    g.collapsed += r.collapsed ? 1 : 0;
+  }
+  return groups;
+}
+
+std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
+  std::string csv = AxesHeader(s).substr(1) +
+                    ",n_seeds,n_collapsed,final_test_accuracy_mean,final_test_accuracy_std,"
+                    "best_test_accuracy_mean,best_test_accuracy_std,final_loss_mean,"
+                    "final_loss_std,accuracy_vs_reference_mean\n";
+  for (const Group& g : groups) {
+    const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss);
+    csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.final_acc.size()) + "," +
+           std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
+           Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
+           Fmt(Stats(g.delta).mean) + "\n";
+  }
+  return csv;
+}
+
+std::string PlusMinus(const MeanStd& m, double scale, const char* fmt) {
+  if (std::isnan(m.mean) && !std::isnan(m.std)) return "nan";
+  if (std::isnan(m.mean)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, fmt, m.mean * scale);
+  std::string out = buf;
+  if (!std::isnan(m.std)) {
+    std::snprintf(buf, sizeof buf, fmt, m.std * scale);
+    out += std::string(" ± ") + buf;
+  }
+  return out;
+}
+
+std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs) {
+  std::string md = "# Study " + s.name + "\n\n" + std::to_string(runs) + " runs, " +
+                   std::to_string(s.seeds.size()) +
+                   " seed(s) per setting. Accuracy in %, mean ± sample std over the seeds with "
+                   "results; collapsed: final test accuracy <= 1.5 x chance, a non-finite loss, "
+                   "or diverged.\n\n|";
+  std::string rule = "|";
+  for (const Axis& a : s.axes) {
+    md += " " + a.name + " |";
+    rule += "---|";
+  }
+  md += " seeds | collapsed | final test acc | best test acc | final loss |\n" + rule +
+        "---:|---:|---:|---:|---:|\n";
+  for (const Group& g : groups) {
+    md += "|";
+    for (const auto& l : g.first->labels) md += " " + l + " |";
+    md += " " + std::to_string(g.final_acc.size()) + " | " + std::to_string(g.collapsed) + " | " +
+          PlusMinus(Stats(g.final_acc), 100, "%.2f") + " | " +
+          PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | " +
+          PlusMinus(Stats(g.final_loss), 1, "%.4f") + " |\n";
+  }
+  return md;
+}
+
+std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
+  std::string csv = "run" + AxesHeader(s) +
+                    ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s\n";
+  for (const RunRow& r : rows) {
+    const std::string head =
+        Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
+    for (const auto& [n, e] : r.m.epochs) {
+      csv += head + std::to_string(n) + "," + std::to_string(e.step) + "," + Fmt(e.loss) + "," +
+             Fmt(e.train_accuracy) + "," + Fmt(e.test_accuracy) + "," + Fmt(e.test_loss) + "," +
+             Fmt(e.images_per_s) + "\n";
+    }
+  }
+  return csv;
+}
+
+std::string LayersCsv(const Study& s, const std::vector<RunRow>& rows) {
+  std::string csv =
+      "run" + AxesHeader(s) + ",seed,layer_index,layer,steps,mean_flushed,mean_shift\n";
+  for (const RunRow& r : rows) {
+    for (size_t i = 0; i < r.m.layer_order.size(); ++i) {
+      const LayerSums& l = r.m.layers.at(r.m.layer_order[i]);
+      csv += Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
+             std::to_string(i) + "," + Csv(r.m.layer_order[i]) + "," + std::to_string(l.n) + "," +
+             Fmt(l.flushed / double(l.n)) + "," + Fmt(l.shift / double(l.n)) + "\n";
+    }
+  }
+  return csv;
+}
+
+Result<double> ReferenceAccuracy(const std::vector<RunRow>& rows, const std::string& glob) {
+  if (glob.empty()) return kNaN;
+  std::vector<double> acc;
+  size_t matched = 0;
+  for (const RunRow& r : rows) {
+    if (::fnmatch(glob.c_str(), r.run->name.c_str(), 0) != 0) continue;
+    ++matched;
+    if (r.has_epochs) acc.push_back(r.final_acc);
+  }
+  if (matched == 0) {
+    return Status::InvalidArgument("--reference '" + glob + "' matches no run of the study");
+  }
+  if (acc.empty()) {
+    std::fprintf(stderr, "cpd-study: warning: the %zu reference run(s) have no results yet\n",
+                 matched);
+  }
+  return Stats(acc).mean;
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> WriteReport(const Study& study,
+                                             const std::vector<PlannedRun>& runs,
+                                             const ReportOptions& o) {
+  std::vector<RunRow> rows;
+  rows.reserve(runs.size());
+  for (const PlannedRun& r : runs) rows.push_back(Summarise(r, o.out_dir));
+  CPD_ASSIGN_OR_RETURN(const double reference, ReferenceAccuracy(rows, o.reference_glob));
+  const std::string dir = o.out_dir + "/report";
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
+  const std::vector<Group> groups = GroupOverSeeds(rows, reference);
+  const std::vector<std::pair<std::string, std::string>> files = {
+      {dir + "/runs.csv", RunsCsv(study, rows, reference)},
+      {dir + "/summary.csv", SummaryCsv(study, groups)},
+      {dir + "/summary.md", SummaryMd(study, groups, runs.size())},
+      {dir + "/curves.csv", CurvesCsv(study, rows)},
+      {dir + "/layers.csv", LayersCsv(study, rows)}};
+  std::vector<std::string> wrote;
+  for (const auto& [path, text] : files) {
+    CPD_RETURN_IF_ERROR(WriteFileAtomically(path, text));
+    wrote.push_back(path);
+  }
+  if (o.script.empty()) return wrote;
+  // The script writes each PNG under a temporary name and renames it when whole.
+  const Status plotted = RunPythonScript(o.python, o.script, {"--dir", dir});
+  if (!plotted.ok()) return Status::IoError("plots: " + plotted.message());
+  for (const char* png : {"accuracy_vs_batch.png", "loss_curves.png", "layer_flushed.png"}) {
+    wrote.push_back(dir + "/" + png);
+  }
+  return wrote;
+}
+
+}  // namespace cpd::launcher::study

@@ -1,0 +1,42 @@
+// Running a study's runs. RunOne is the per-run task: it runs one planned run to its end in the
+// run's directory (state file, config, command, log, checkpoints, metrics) and is what every
+// launcher executes for a run (`cpd-study run-one STUDY --index I`: the local launcher below
+// starts it K at a time; a Slurm array task runs it with its array index). A launcher only
+// decides which runs start where and when.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "launcher/study/plan.h"
+#include "launcher/study/study_file.h"
+
+namespace cpd::launcher::study {
+
+struct RunOptions {
+  LaunchSpec launch;
+  bool retry_failed = false;  // run a failed run again (it resumes from its checkpoints)
+};
+
+// Runs `run` unless it is done (nothing is touched), failed without retry_failed, or being run
+// by another process (its directory's lock is held). An interrupted run resumes from its
+// checkpoints (cpd-train --resume auto). Returns the process exit code: cpd-train's, 0 for a
+// run that was already done, 1 when it was not run or cpd-study itself failed (said on stderr).
+int RunOne(const Study& study, const PlannedRun& run, const RunOptions& options);
+
+struct LocalOptions {
+  RunOptions run;
+  int parallel = 1;        // runs at a time
+  std::string self;        // this executable (run-one is started through it)
+  std::string study_path;  // the study file run-one is given
+};
+
+// `cpd-study run --launcher local`: every run that is not done (and not failed, unless
+// retry_failed) in plan order, `parallel` at a time, with a progress line per start and end.
+// Returns 0 when every run of the study is done, 1 otherwise (after running the rest).
+int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const LocalOptions& o);
+
+// The first executable called `name` on $PATH ("" if none).
+std::string FindOnPath(const std::string& name);
+
+}  // namespace cpd::launcher::study

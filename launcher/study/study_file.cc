@@ -1,0 +1,292 @@
+#include "launcher/study/study_file.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <regex>
+#include <set>
+
+#include "launcher/cli.h"
+
+namespace cpd::launcher::study {
+
+namespace {
+
+Status Bad(const std::string& path, const std::string& msg) {
+  return Status::InvalidArgument(path + ": " + msg);
+}
+
+// The flag's option in cpd-train's option set, or null when cpd-train has no such flag.
+const CLI::Option* FindFlag(const CLI::App& app, const std::string& key) {
+  try {
+    return app.get_option("--" + key);
+  } catch (const CLI::OptionNotFound&) {
+    return nullptr;
+  }
+}
+
+// true/false (and YAML's other spellings) -> "true"/"false"; "" when not a boolean.
+std::string NormalBool(const std::string& s) {
+  static const std::set<std::string> kTrue = {"true", "True", "TRUE", "yes", "Yes", "on", "On"};
+  static const std::set<std::string> kFalse = {"false", "False", "FALSE", "no", "No", "off", "Off"};
+  if (kTrue.count(s)) return "true";
+  if (kFalse.count(s)) return "false";
+  return "";
+}
+
+// A scalar, or a list of scalars, as the values given to a flag.
+Result<FlagValue> ReadValue(const YAML::Node& n, const std::string& path, const std::string& what,
+                            bool boolean) {
+  FlagValue v;
+  if (n.IsScalar()) {
+    v.push_back(n.as<std::string>());
+  } else if (n.IsSequence() && !boolean) {
+    for (const auto& item : n) {
+      if (!item.IsScalar()) return Bad(path, what + ": expected a scalar or a list of scalars");
+      v.push_back(item.as<std::string>());
+    }
+    if (v.empty()) return Bad(path, what + ": an empty list");
+  } else {
+    return Bad(path, what + (boolean ? ": expected true or false"
+                                     : ": expected a scalar or a list of scalars"));
+  }
+  if (boolean) {
+    v[0] = NormalBool(v[0]);
+    if (v[0].empty()) return Bad(path, what + ": expected true or false (a boolean flag)");
+  }
+  return v;
+}
+
+Result<long long> ReadInt(const YAML::Node& n, const std::string& path, const std::string& what,
+                          long long lo) {
+  long long x = 0;
+  if (!n.IsScalar() || !YAML::convert<long long>::decode(n, x) || x < lo) {
+    return Bad(path, what + ": expected a whole number >= " + std::to_string(lo));
+  }
+  return x;
+}
+
+// A flag the study may set: cpd-train has it and cpd-study does not own it.
+Status CheckKey(const CLI::App& app, const std::string& path, const std::string& where,
+                const std::string& key, bool* boolean) {
+  *boolean = false;
+  if (key == kWorkersKey) return Status::Ok();
+  if (key == "seed") return Bad(path, where + " 'seed': give the seeds in 'seeds:'");
+  const auto& owned = DriverOwnedFlags();
+  if (std::find(owned.begin(), owned.end(), key) != owned.end()) {
+    return Bad(path, where + " '" + key + "': cpd-study sets --" + key + " itself");
+  }
+  const CLI::Option* opt = FindFlag(app, key);
+  if (opt == nullptr) {
+    return Bad(path, where + " '" + key + "': cpd-train has no flag --" + key +
+                         " (keys are its long flag names without dashes, or 'workers')");
+  }
+  *boolean = opt->get_expected_max() == 0;  // add_flag: takes no value
+  return Status::Ok();
+}
+
+Status ReadBase(const YAML::Node& node, const CLI::App& app, Study* s) {
+  if (!node.IsMap()) return Bad(s->path, "base: expected a mapping of flag: value");
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    bool boolean = false;
+    CPD_RETURN_IF_ERROR(CheckKey(app, s->path, "base:", key, &boolean));
+    CPD_ASSIGN_OR_RETURN(FlagValue v,
+                         ReadValue(kv.second, s->path, "base: '" + key + "'", boolean));
+    if (key == kWorkersKey) {
+      CPD_RETURN_IF_ERROR(ReadInt(kv.second, s->path, "base: 'workers'", 1).status());
+    }
+    s->base.push_back({key, std::move(v)});
+    s->base_boolean.push_back(boolean);
+  }
+  return Status::Ok();
+}
+
+Status ReadGrid(const YAML::Node& node, const CLI::App& app, Study* s) {
+  if (!node.IsMap() || node.size() == 0) {
+    return Bad(s->path, "grid: expected a non-empty mapping of flag: [values]");
+  }
+  for (const auto& kv : node) {
+    Axis a;
+    a.name = kv.first.as<std::string>();
+    const std::string where = "grid: '" + a.name + "'";
+    CPD_RETURN_IF_ERROR(CheckKey(app, s->path, "grid:", a.name, &a.boolean));
+    for (const auto& b : s->base) {
+      if (b.key == a.name) return Bad(s->path, where + " is also in base: give it in one place");
+    }
+    if (!kv.second.IsSequence() || kv.second.size() == 0) {
+      return Bad(s->path, where + ": expected a non-empty list of values");
+    }
+    std::set<std::string> labels;
+    for (size_t i = 0; i < kv.second.size(); ++i) {
+      const std::string what = where + " value " + std::to_string(i + 1);
+      CPD_ASSIGN_OR_RETURN(FlagValue v, ReadValue(kv.second[i], s->path, what, a.boolean));
+      if (a.name == kWorkersKey) {
+        CPD_ASSIGN_OR_RETURN(const long long w, ReadInt(kv.second[i], s->path, what, 1));
+        if (w % s->ranks != 0) {
+          return Bad(s->path, what + ": " + std::to_string(w) +
+                                  " workers do not divide over ranks " + std::to_string(s->ranks));
+        }
+      }
+      if (!labels.insert(ValueLabel(v, a.boolean)).second) {
+        return Bad(s->path, what + ": '" + ValueLabel(v, a.boolean) +
+                                "' repeats a value (as run names spell it)");
+      }
+      a.values.push_back(std::move(v));
+    }
+    s->axes.push_back(std::move(a));
+  }
+  return Status::Ok();
+}
+
+Status ReadSeeds(const YAML::Node& node, Study* s) {
+  if (!node.IsSequence() || node.size() == 0) {
+    return Bad(s->path, "seeds: expected a non-empty list of whole numbers");
+  }
+  for (size_t i = 0; i < node.size(); ++i) {
+    CPD_ASSIGN_OR_RETURN(const long long seed,
+                         ReadInt(node[i], s->path, "seeds: value " + std::to_string(i + 1), 0));
+    if (std::find(s->seeds.begin(), s->seeds.end(), seed) != s->seeds.end()) {
+      return Bad(s->path, "seeds: " + std::to_string(seed) + " is listed twice");
+    }
+    s->seeds.push_back(seed);
+  }
+  return Status::Ok();
+}
+
+Status ReadExclude(const YAML::Node& node, Study* s) {
+  if (!node.IsSequence()) return Bad(s->path, "exclude: expected a list of {axis: value} entries");
+  for (size_t i = 0; i < node.size(); ++i) {
+    const std::string where = "exclude: entry " + std::to_string(i + 1);
+    if (!node[i].IsMap() || node[i].size() == 0) {
+      return Bad(s->path, where + ": expected a non-empty mapping of axis: value");
+    }
+    Exclusion e;
+    for (const auto& kv : node[i]) {
+      const std::string key = kv.first.as<std::string>();
+      if (key == "seed") {
+        CPD_ASSIGN_OR_RETURN(const long long seed,
+                             ReadInt(kv.second, s->path, where + " 'seed'", 0));
+        e.match.push_back({key, std::to_string(seed)});
+        continue;
+      }
+      auto axis = std::find_if(s->axes.begin(), s->axes.end(),
+                               [&](const Axis& a) { return a.name == key; });
+      if (axis == s->axes.end()) {
+        return Bad(s->path, where + ": '" + key + "' is not an axis of the grid (or 'seed')");
+      }
+      CPD_ASSIGN_OR_RETURN(FlagValue v,
+                           ReadValue(kv.second, s->path, where + " '" + key + "'", axis->boolean));
+      const std::string label = ValueLabel(v, axis->boolean);
+      bool known = false;
+      for (const auto& av : axis->values) known = known || ValueLabel(av, axis->boolean) == label;
+      if (!known) {
+        return Bad(s->path, where + " '" + key + "': '" + label + "' is not one of its values");
+      }
+      e.match.push_back({key, label});
+    }
+    s->exclude.push_back(std::move(e));
+  }
+  return Status::Ok();
+}
+
+Status ReadStudy(const YAML::Node& root, Study* s) {
+  if (!root.IsMap()) return Bad(s->path, "expected a mapping (name, ranks, base, grid, seeds)");
+  static const std::set<std::string> kKeys = {"name", "ranks", "base", "grid", "seeds", "exclude"};
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    if (!kKeys.count(key)) {
+      return Bad(s->path,
+                 "unknown key '" + key + "' (accepted: name, ranks, base, grid, seeds, exclude)");
+    }
+  }
+  static const std::regex kName("[A-Za-z0-9._-]{1,64}");
+  if (!root["name"] || !root["name"].IsScalar() ||
+      !std::regex_match(root["name"].as<std::string>(), kName)) {
+    return Bad(s->path, "name: expected [A-Za-z0-9._-]{1,64}");
+  }
+  s->name = root["name"].as<std::string>();
+  if (root["ranks"]) {
+    CPD_ASSIGN_OR_RETURN(const long long r, ReadInt(root["ranks"], s->path, "ranks", 1));
+    if (r > 4096) return Bad(s->path, "ranks: expected a whole number from 1 to 4096");
+    s->ranks = int(r);
+  }
+  CLI::App app;
+  TrainFlags flags;
+  runtime::TrainOptions options;
+  AddTrainOptions(&app, &options, &flags);
+  if (root["base"]) CPD_RETURN_IF_ERROR(ReadBase(root["base"], app, s));
+  if (!root["grid"]) return Bad(s->path, "grid: missing (a mapping of flag: [values])");
+  CPD_RETURN_IF_ERROR(ReadGrid(root["grid"], app, s));
+  for (size_t i = 0; i < s->base.size(); ++i) {
+    if (s->base[i].key != kWorkersKey) continue;
+    if (std::stoll(s->base[i].values[0]) % s->ranks != 0) {
+      return Bad(s->path, "base: 'workers' " + s->base[i].values[0] +
+                              " does not divide over ranks " + std::to_string(s->ranks));
+    }
+  }
+  bool workers = false, emulate = false;
+  for (const auto& b : s->base) {
+    workers = workers || b.key == kWorkersKey;
+    emulate = emulate || b.key == "emulate-ranks";
+  }
+  for (const auto& a : s->axes) {
+    workers = workers || a.name == kWorkersKey;
+    emulate = emulate || a.name == "emulate-ranks";
+  }
+  if (workers && emulate) {
+    return Bad(s->path,
+               "'workers' and 'emulate-ranks' exclude each other (workers sets "
+               "--emulate-ranks to workers / ranks)");
+  }
+  if (root["seeds"]) {
+    CPD_RETURN_IF_ERROR(ReadSeeds(root["seeds"], s));
+  } else {
+    s->seeds = {1};
+  }
+  if (root["exclude"]) CPD_RETURN_IF_ERROR(ReadExclude(root["exclude"], s));
+  return Status::Ok();
+}
+
+}  // namespace
+
+const std::vector<std::string>& DriverOwnedFlags() {
+  static const std::vector<std::string> kOwned = {"config",      "resume",      "checkpoint-dir",
+                                                  "metrics-out", "no-progress", "coordinator",
+                                                  "job-name"};
+  return kOwned;
+}
+
+std::string ValueLabel(const FlagValue& v, bool boolean) {
+  if (boolean) return v[0] == "true" ? "on" : "off";
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) out += '-';
+    for (char c : v[i]) {
+      const bool keep = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') ||
+                        (c >= '0' && c <= '9') || c == '.' || c == '-';
+      out += keep ? c : '-';
+    }
+  }
+  return out.empty() ? "-" : out;
+}
+
+Result<Study> ParseStudy(const std::string& yaml, const std::string& path) {
+  Study s;
+  s.path = path;
+  try {
+    CPD_RETURN_IF_ERROR(ReadStudy(YAML::Load(yaml), &s));
+  } catch (const YAML::Exception& e) {
+    return Bad(path, e.what());
+  }
+  return s;
+}
+
+Result<Study> LoadStudy(const std::string& path) {
+  auto text = ReadWholeFile(path);
+  if (!text.ok()) return Status::InvalidArgument(text.status().message());
+  return ParseStudy(*text, path);
+}
+
+}  // namespace cpd::launcher::study

@@ -1,0 +1,560 @@
+// cpd-study as a user runs it (CPD_STUDY_PATH; cpd-train next to it): every study-file error is
+// one line and exit 2 with nothing written; the plan's names, exclusions and stability; real
+// runs under mpirun (2 ranks) and directly (1 rank) with their files; re-running skips finished
+// runs, resumes an interrupted one from its checkpoints and retries a failed one only when asked;
+// status; the report against statistics computed by hand from metrics written here; the plots.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/subprocess.h"
+#include "tests/temp_dir.h"
+
+#if !defined(CPD_STUDY_PATH) || !defined(CPD_PLOT_PYTHON)
+#error "CPD_STUDY_PATH and CPD_PLOT_PYTHON must be defined"
+#endif
+
+namespace cpd::test {
+namespace {
+
+bool Exists(const std::string& p) { return access(p.c_str(), F_OK) == 0; }
+
+void Write(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+RunResult Study(std::vector<std::string> args) {
+  return RunProgram(BuiltProgram(CPD_STUDY_PATH), args);
+}
+
+bool HaveMpirun() { return std::system("command -v mpirun > /dev/null 2>&1") == 0; }
+
+// A CSV as rows of name -> cell.
+std::vector<std::map<std::string, std::string>> ReadCsv(const std::string& path) {
+  std::vector<std::map<std::string, std::string>> rows;
+  std::vector<std::string> header;
+  for (const std::string& line : Lines(ReadFile(path))) {
+    std::vector<std::string> cells;
+    std::stringstream s(line);
+    for (std::string c; std::getline(s, c, ',');) cells.push_back(c);
+    if (line.back() == ',') cells.push_back("");
+    if (header.empty()) {
+      header = cells;
+      continue;
+    }
+    std::map<std::string, std::string> row;
+    for (size_t i = 0; i < header.size() && i < cells.size(); ++i) row[header[i]] = cells[i];
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+nlohmann::json State(const std::string& out, const std::string& run) {
+  return nlohmann::json::parse(ReadFile(out + "/runs/" + run + "/state.json"));
+}
+
+// A tiny training run: an MLP on the synthetic data set, a few steps.
+const char* kTinyBase = R"(base:
+  arch: mlp
+  dataset: synthetic
+  epochs: 1
+  threads: 1
+  allreduce: emulate
+  stats-every: 1
+)";
+
+TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
+  TempDir dir("cpd_study_errors");
+  const std::string grid = "grid:\n  lr: [0.1]\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"name: s\ngrids:\n  lr: [0.1]\n", "unknown key 'grids'"},
+      {"name: 'a b'\n" + grid, "name:"},
+      {grid, "name:"},
+      {"name: s\n", "grid: missing"},
+      {"name: s\nranks: 0\n" + grid, "ranks"},
+      {"name: s\nbase:\n  archh: mlp\n" + grid, "--archh"},
+      {"name: s\ngrid:\n  bogus: [1]\n", "'bogus'"},
+      {"name: s\ngrid: {}\n", "grid:"},
+      {"name: s\ngrid:\n  lr: []\n", "grid: 'lr'"},
+      {"name: s\nbase:\n  metrics-out: m.jsonl\n" + grid, "cpd-study sets --metrics-out"},
+      {"name: s\ngrid:\n  resume: [auto]\n", "cpd-study sets --resume"},
+      {"name: s\ngrid:\n  seed: [1, 2]\n", "seeds:"},
+      {"name: s\nbase:\n  lr: 0.1\n" + grid, "also in base"},
+      {"name: s\ngrid:\n  optimizer: [sgd, adam]\n", "run optimizer_adam.seed_1"},
+      {"name: s\ngrid:\n  epochs: [1, abc]\n", "key 'epochs'"},
+      {"name: s\ngrid:\n  aps: [maybe]\n", "true or false"},
+      {"name: s\nranks: 2\ngrid:\n  workers: [3]\n", "do not divide over ranks 2"},
+      {"name: s\nranks: 2\ngrid:\n  global-batch: [100]\n  workers: [8]\n",
+       "global-batch 100 does not split evenly over 8 workers"},
+      {"name: s\ngrid:\n  workers: [2]\n  emulate-ranks: [1]\n", "exclude each other"},
+      {"name: s\ngrid:\n  keep-fp32: ['a/b', 'a:b']\n", "repeats a value"},
+      {"name: s\n" + grid + "seeds: [1, 1]\n", "listed twice"},
+      {"name: s\n" + grid + "seeds: []\n", "seeds:"},
+      {"name: s\n" + grid + "exclude:\n  - {momentum: 0.9}\n", "not an axis"},
+      {"name: s\n" + grid + "exclude:\n  - {lr: 0.2}\n", "not one of its values"},
+      {"name: s\n" + grid + "exclude:\n  - {lr: 0.1}\n", "every run"},
+      {"name: s\ngrid: [unclosed\n", "study.yaml"},
+  };
+  const std::string study = dir.File("study.yaml"), out = dir.File("out");
+  for (const auto& [yaml, needle] : cases) {
+    Write(study, yaml);
+    for (const char* cmd : {"plan", "run", "status", "report"}) {
+      const RunResult r = Study({cmd, study, "--out", out});
+      EXPECT_EQ(r.exit_code, 2) << cmd << "\n" << yaml << r.err;
+      EXPECT_NE(r.err.find(needle), std::string::npos) << yaml << r.err;
+      EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    }
+  }
+  const RunResult missing = Study({"plan", dir.File("nope.yaml")});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.err.find("nope.yaml"), std::string::npos) << missing.err;
+  EXPECT_FALSE(Exists(out)) << "nothing may be written for a bad study";
+}
+
+const char* kPaperStudy = R"(name: aps-large-batch
+ranks: 2
+base:
+  arch: lenet5
+  epochs: 10
+  optimizer: lars
+  allreduce: emulate
+grid:
+  global-batch: [512, 2048, 8192]
+  workers: [8, 32, 64]
+  allreduce-format: [fp32, e5m2, e4m3, e3m0]
+  aps: [false, true]
+seeds: [1, 2, 3]
+exclude:
+  - {allreduce-format: fp32, aps: true}
+)";
+
+std::map<std::string, std::string> PlanLines(const std::string& out) {
+  std::map<std::string, std::string> m;
+  for (const std::string& l : Lines(out)) m[l.substr(0, l.find('\t'))] = l.substr(l.find('\t') + 1);
+  return m;
+}
+
+TEST(CpdStudyCli, PlanExpandsTheGridWithStableNamesAndExclusions) {
+  TempDir dir("cpd_study_plan");
+  Write(dir.File("s.yaml"), kPaperStudy);
+  const RunResult r = Study({"plan", dir.File("s.yaml"), "--out", dir.File("o")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto plan = PlanLines(r.out);
+  EXPECT_EQ(plan.size(), 3u * 3 * 4 * 2 * 3 - 3 * 3 * 3);  // the fp32 x APS runs are excluded
+  EXPECT_EQ(Lines(r.out).size(), plan.size()) << "names are unique";
+  const std::string name = "global-batch_2048.workers_32.allreduce-format_e4m3.aps_on.seed_2";
+  ASSERT_TRUE(plan.count(name)) << r.out.substr(0, 400);
+  const std::string& cmd = plan.at(name);
+  for (const char* part :
+       {"mpirun -np 2 ", "--emulate-ranks 16", " --aps ", "--seed 2", "--global-batch 2048",
+        "--allreduce-format e4m3", "--optimizer lars", "--resume auto", "--no-progress"}) {
+    EXPECT_NE(cmd.find(part), std::string::npos) << part << " in " << cmd;
+  }
+  EXPECT_NE(cmd.find("--checkpoint-dir " + dir.File("o") + "/runs/" + name + "/checkpoints"),
+            std::string::npos);
+  EXPECT_EQ(
+      plan.at("global-batch_512.workers_8.allreduce-format_e4m3.aps_off.seed_1").find("--aps"),
+      std::string::npos);
+  for (const auto& [n, c] : plan) {
+    EXPECT_EQ(n.find("allreduce-format_fp32.aps_on"), std::string::npos) << n;
+    EXPECT_EQ(
+        n.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-"),
+        std::string::npos);
+  }
+
+  // More values and seeds: every existing run keeps its name and its command.
+  std::string more = kPaperStudy;
+  more.replace(more.find("[512, 2048, 8192]"), 17, "[256, 512, 2048, 8192]");
+  more.replace(more.find("[1, 2, 3]"), 9, "[1, 2, 3, 4]");
+  Write(dir.File("more.yaml"), more);
+  const RunResult r2 = Study({"plan", dir.File("more.yaml"), "--out", dir.File("o")});
+  ASSERT_EQ(r2.exit_code, 0) << r2.err;
+  const auto plan2 = PlanLines(r2.out);
+  EXPECT_EQ(plan2.size(), 4u * 3 * 7 * 4);
+  for (const auto& [n, c] : plan) {
+    ASSERT_TRUE(plan2.count(n)) << n;
+    EXPECT_EQ(plan2.at(n), c);
+  }
+
+  const RunResult j = Study({"plan", dir.File("s.yaml"), "--json", "--out", dir.File("o")});
+  ASSERT_EQ(j.exit_code, 0) << j.err;
+  const auto doc = nlohmann::json::parse(j.out);
+  ASSERT_EQ(doc.size(), plan.size());
+  EXPECT_EQ(doc[0]["index"], 0);
+  EXPECT_EQ(doc[0]["name"], "global-batch_512.workers_8.allreduce-format_fp32.aps_off.seed_1");
+  EXPECT_EQ(doc[0]["axes"]["workers"], "8");
+  EXPECT_EQ(doc[0]["flags"]["emulate-ranks"], "4");
+  EXPECT_EQ(doc[1]["seed"], 2);
+  EXPECT_FALSE(Exists(dir.File("o"))) << "plan writes nothing";
+}
+
+TEST(CpdStudyCli, PlansATenThousandRunGrid) {
+  TempDir dir("cpd_study_big");
+  Write(dir.File("s.yaml"),
+        "name: big\nbase:\n  arch: mlp\ngrid:\n"
+        "  lr: [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09, 0.1]\n"
+        "  momentum: [0.8, 0.81, 0.82, 0.83, 0.84, 0.85, 0.86, 0.87, 0.88, 0.89]\n"
+        "  batch-size: [8, 16, 24, 32, 40, 48, 56, 64, 72, 80]\n"
+        "  allreduce-format: [e4m3, e5m2, e3m4, e2m5, e3m2, e2m3, e4m2, e2m1, e3m0, fp32]\n"
+        "seeds: [7]\n");
+  const RunResult r = Study({"plan", dir.File("s.yaml")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Lines(r.out).size(), 10000u);
+  EXPECT_EQ(PlanLines(r.out).size(), 10000u);
+}
+
+TEST(CpdStudyCli, RunsUnderMpirunThenSkipsFinishedRunsAndReports) {
+  if (!HaveMpirun()) GTEST_SKIP() << "no mpirun";
+  TempDir dir("cpd_study_run");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"), std::string("name: tiny\nranks: 2\n") + kTinyBase +
+                                "  max-steps: 4\ngrid:\n  global-batch: [32, 64]\n"
+                                "  aps: [false, true]\n");
+  const RunResult r = Study({"run", dir.File("s.yaml"), "--out", out, "--parallel", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("4 of 4 runs done, 0 failed"), std::string::npos) << r.out;
+  size_t starts = 0;
+  for (const auto& l : Lines(r.out)) starts += l.find("] start ") != std::string::npos;
+  EXPECT_EQ(starts, 4u);
+  const std::string run = "global-batch_64.aps_on.seed_1", rd = out + "/runs/" + run;
+  for (const char* f : {"cmd.txt", "config.yaml", "metrics.jsonl", "log.txt", "state.json"}) {
+    EXPECT_TRUE(Exists(rd + "/" + f)) << f;
+  }
+  EXPECT_FALSE(std::filesystem::is_empty(rd + "/checkpoints"));
+  const std::string cmd = ReadFile(rd + "/cmd.txt");
+  EXPECT_EQ(cmd.rfind("mpirun -np 2 ", 0), 0u) << cmd;
+  EXPECT_NE(cmd.find("--config " + rd + "/config.yaml"), std::string::npos) << cmd;
+  EXPECT_NE(ReadFile(rd + "/config.yaml").find("aps: \"true\""), std::string::npos);
+  EXPECT_NE(ReadFile(rd + "/log.txt").find("2 rank(s) x 1 worker(s)"), std::string::npos);
+  const auto st = State(out, run);
+  EXPECT_EQ(st["state"], "done");
+  EXPECT_EQ(st["exit_code"], 0);
+  EXPECT_EQ(st["attempts"], 1);
+  EXPECT_GT(st["wall_s"].get<double>(), 0);
+
+  // Again: nothing runs, nothing a finished run wrote changes.
+  const std::string metrics = ReadFile(rd + "/metrics.jsonl"), state = ReadFile(rd + "/state.json");
+  const RunResult again = Study({"run", dir.File("s.yaml"), "--out", out});
+  ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_NE(again.out.find("4 done, 0 failed (not retried), 0 running elsewhere, 0 to run"),
+            std::string::npos)
+      << again.out;
+  EXPECT_EQ(ReadFile(rd + "/metrics.jsonl"), metrics);
+  EXPECT_EQ(ReadFile(rd + "/state.json"), state);
+  const RunResult one = Study({"run-one", dir.File("s.yaml"), "--index", "3", "--out", out});
+  EXPECT_EQ(one.exit_code, 0) << one.err;
+  EXPECT_NE(one.out.find("already done"), std::string::npos);
+  EXPECT_EQ(ReadFile(rd + "/state.json"), state);
+
+  const RunResult status = Study({"status", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(status.exit_code, 0);
+  EXPECT_NE(status.out.find("4 runs: 4 done, 0 running, 0 failed, 0 interrupted, 0 pending"),
+            std::string::npos)
+      << status.out;
+
+  const RunResult rep = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot"});
+  ASSERT_EQ(rep.exit_code, 0) << rep.err;
+  const auto rows = ReadCsv(out + "/report/runs.csv");
+  ASSERT_EQ(rows.size(), 4u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.at("state"), "done");
+    EXPECT_FALSE(row.at("final_test_accuracy").empty());
+    EXPECT_FALSE(row.at("mean_allreduce_flushed").empty()) << "2 workers: all-reduce statistics";
+  }
+  EXPECT_EQ(rows[3].at("aps"), "on");
+  EXPECT_GT(std::stod(rows[3].at("mean_aps_shift")), 0) << "APS shifts the gradients up";
+  EXPECT_EQ(std::stod(rows[2].at("mean_aps_shift")), 0);
+  const auto layers = ReadCsv(out + "/report/layers.csv");
+  ASSERT_EQ(layers.size() % 4, 0u) << "every run has its layers";
+  EXPECT_GE(layers.size(), 4u * 2);
+  EXPECT_EQ(layers[0].at("layer"), "fc1");
+}
+
+// The process `args` started in a new process group (so that the test can kill it and all its
+// children at once, like a node going away).
+pid_t StartGroup(const std::vector<std::string>& args, const std::string& log) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    FILE* f = freopen(log.c_str(), "w", stdout);
+    (void)f;
+    std::vector<std::string> copy = args;
+    std::vector<char*> argv;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  return pid;
+}
+
+TEST(CpdStudyCli, AnInterruptedRunResumesFromItsCheckpoints) {
+  TempDir dir("cpd_study_resume");
+  const std::string out = dir.File("out"), run = "max-steps_40.seed_1";
+  const std::string rd = out + "/runs/" + run;
+  Write(dir.File("s.yaml"), std::string("name: resume\n") + kTinyBase +
+                                "  checkpoint-every: 4\n  debug-step-sleep-ms: 60\n"
+                                "grid:\n  max-steps: [40]\n");
+  const pid_t pid =
+      StartGroup({BuiltProgram(CPD_STUDY_PATH), "run", dir.File("s.yaml"), "--out", out},
+                 dir.File("driver.log"));
+  // Killed once it has checkpointed at least step 8, long before step 40.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!Exists(rd + "/checkpoints/ckpt-000000000008.cpd") &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(Exists(rd + "/checkpoints/ckpt-000000000008.cpd")) << ReadFile(rd + "/log.txt");
+  kill(-pid, SIGKILL);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_EQ(State(out, run)["state"], "running");
+  const RunResult st = Study({"status", dir.File("s.yaml"), "--out", out});
+  EXPECT_NE(st.out.find("interrupted"), std::string::npos) << st.out;
+  EXPECT_NE(st.out.find("1 interrupted"), std::string::npos) << st.out;
+
+  const RunResult r = Study({"run", dir.File("s.yaml"), "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err << ReadFile(rd + "/log.txt");
+  const auto s = State(out, run);
+  EXPECT_EQ(s["state"], "done");
+  EXPECT_EQ(s["attempts"], 2);
+  EXPECT_NE(ReadFile(rd + "/log.txt").find("resumed from " + rd + "/checkpoints/ckpt-"),
+            std::string::npos);
+  // The second attempt continued from a checkpoint of step >= 8: every step 0..39 is in the
+  // metrics, and none before that checkpoint was trained twice.
+  const std::string log = ReadFile(rd + "/log.txt");
+  const size_t at = log.find(" at step ", log.find("resumed from "));
+  ASSERT_NE(at, std::string::npos) << log;
+  const long long resumed = std::stoll(log.substr(at + 9));
+  EXPECT_GE(resumed, 8);
+  EXPECT_LT(resumed, 40);
+  std::map<long long, int> seen;
+  for (const auto& l : Lines(ReadFile(rd + "/metrics.jsonl"))) {
+    const auto j = nlohmann::json::parse(l, nullptr, false);
+    if (!j.is_discarded() && j.value("type", "") == "step") ++seen[j["step"].get<long long>()];
+  }
+  ASSERT_EQ(seen.size(), 40u);
+  EXPECT_EQ(seen.begin()->first, 0);
+  EXPECT_EQ(seen.rbegin()->first, 39);
+  for (const auto& [step, n] : seen) {
+    if (step < resumed) {
+      EXPECT_EQ(n, 1) << "step " << step << " trained again";
+    }
+  }
+}
+
+TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
+  TempDir dir("cpd_study_status");
+  const std::string out = dir.File("out");
+  // Runs that diverge (a NaN gradient at the first step, one skipped step allowed): exit 3.
+  Write(dir.File("s.yaml"), std::string("name: st\n") + kTinyBase +
+                                "  max-steps: 4\n  debug-nan-step: 0\n  max-skipped-steps: 1\n"
+                                "grid:\n  lr: [0.1, 0.2, 0.3, 0.4, 0.5]\n");
+  auto name = [](const char* d) {
+    const std::map<std::string, std::string> lr = {
+        {"a", "0.1"}, {"b", "0.2"}, {"c", "0.3"}, {"d", "0.4"}, {"e", "0.5"}};
+    return "lr_" + lr.at(d) + ".seed_1";
+  };
+  const RunResult r = Study({"run-one", dir.File("s.yaml"), "--out", out, "--index", "0"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(State(out, name("a"))["state"], "failed");
+  // b: done; c: running (this process); d: interrupted (a process that has exited); e: pending.
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  waitpid(gone, nullptr, 0);
+  auto state = [&](const char* d, const std::string& s, long pid) {
+    Write(out + "/runs/" + name(d) + "/state.json",
+          nlohmann::json({{"state", s},
+                          {"exit_code", s == "done" ? 0 : -1},
+                          {"host", host},
+                          {"pid", pid},
+                          {"attempts", 1},
+                          {"total_wall_s", 2.5}})
+              .dump());
+  };
+  state("b", "done", 0);
+  state("c", "running", long(getpid()));
+  state("d", "running", long(gone));
+  const RunResult st = Study({"status", dir.File("s.yaml"), "--out", out});
+  ASSERT_EQ(st.exit_code, 0) << st.err;
+  const auto lines = Lines(st.out);
+  ASSERT_EQ(lines.size(), 6u) << st.out;
+  EXPECT_EQ(lines[0].rfind("failed", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("exit 3: cpd-train: training diverged"), std::string::npos) << lines[0];
+  EXPECT_EQ(lines[1].rfind("done", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[2].rfind("running", 0), 0u) << lines[2];
+  EXPECT_NE(lines[2].find("pid " + std::to_string(getpid())), std::string::npos) << lines[2];
+  EXPECT_EQ(lines[3].rfind("interrupted", 0), 0u) << lines[3];
+  EXPECT_EQ(lines[4].rfind("pending", 0), 0u) << lines[4];
+  EXPECT_EQ(lines[5], "st: 5 runs: 1 done, 1 running, 1 failed, 1 interrupted, 1 pending");
+
+  // run: the failed run is not retried, the running one is left alone; d and e run (and fail).
+  state("c", "done", 0);
+  const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(run.exit_code, 1) << run.out;
+  EXPECT_NE(run.out.find("2 done, 1 failed (not retried), 0 running elsewhere, 2 to run"),
+            std::string::npos)
+      << run.out;
+  EXPECT_NE(run.out.find("FAILED " + name("e") + " (exit 3)"), std::string::npos) << run.out;
+  EXPECT_EQ(State(out, name("a"))["attempts"], 1);
+  const RunResult retry = Study({"run", dir.File("s.yaml"), "--out", out, "--retry-failed"});
+  EXPECT_EQ(retry.exit_code, 1);
+  EXPECT_NE(retry.out.find("3 to run"), std::string::npos) << retry.out;
+  EXPECT_EQ(State(out, name("a"))["attempts"], 2);
+}
+
+// Metrics of one run written by hand: epochs (test accuracy, loss), and the all-reduce's
+// statistics of some steps.
+std::string Epoch(int epoch, double acc, const std::string& loss, int skipped = 0) {
+  return R"({"type":"epoch","epoch":)" + std::to_string(epoch) + R"(,"step":)" +
+         std::to_string(10 * epoch) + R"(,"loss":)" + loss + R"(,"train_accuracy":0.5,)" +
+         R"("test_accuracy":)" + std::to_string(acc) + R"(,"test_loss":1.0,"images_per_s":100,)" +
+         R"("relative_cost":0,"skipped_steps":)" + std::to_string(skipped) + "}\n";
+}
+std::string Step(int step, double shift0, double flushed0, double flushed1) {
+  return R"({"bits":0,"comm":[{"flushed":)" + std::to_string(flushed0) +
+         R"(,"layer":"fc1","max_abs":1.0,"saturated":0,"shift":)" + std::to_string(shift0) +
+         R"(},{"flushed":)" + std::to_string(flushed1) +
+         R"(,"layer":"fc2","max_abs":1.0,"saturated":0,"shift":0}],"epoch":0,)" +
+         R"("layers":[{"layer":"fc1","site":"A","flushed":0.9}],"loss":1.0,"lr":0.1,)" +
+         R"("skipped":false,"step":)" + std::to_string(step) + R"(,"type":"step"})" + "\n";
+}
+
+TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
+  TempDir dir("cpd_study_report");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"), std::string("name: rep\n") + kTinyBase +
+                                "grid:\n  allreduce-format: [e4m3, e5m2]\nseeds: [1, 2, 3]\n");
+  auto metrics = [&](const char* fmt, int seed, const std::string& text) {
+    Write(
+        out + "/runs/allreduce-format_" + fmt + ".seed_" + std::to_string(seed) + "/metrics.jsonl",
+        text);
+  };
+  // e4m3: final accuracies 0.80, 0.70, 0.90 (seed 1 resumed: its epoch 2 logged twice, the last
+  // wins; its step 2 logged twice, counted once).
+  metrics("e4m3", 1,
+          Epoch(1, 0.5, "1.5") + Step(1, 2, 0.1, 0.3) + Step(2, 4, 0.2, 0.4) +
+              Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") +
+              "{\"type\":\"epo");
+  metrics("e4m3", 2, Epoch(1, 0.75, "1.1") + Epoch(2, 0.7, "0.9"));
+  metrics("e4m3", 3, Epoch(1, 0.9, "0.5"));
+  // e5m2: seed 1 a 100-class run near chance (collapsed: 0.014 <= 1.5 / 100), seed 2 a NaN loss
+  // (nlohmann writes null), seed 3 diverged (a stop record) at 0.6.
+  metrics("e5m2", 1, "{\"type\":\"run\",\"classes\":100,\"workers\":2}\n" + Epoch(1, 0.014, "4.6"));
+  metrics("e5m2", 2, Epoch(1, 0.3, "null", 5));
+  metrics("e5m2", 3, Epoch(1, 0.6, "2.0") + "{\"type\":\"stop\",\"step\":12,\"reason\":\"x\"}\n");
+  const RunResult r = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot", "--reference",
+                             "allreduce-format_e4m3.*"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto rows = ReadCsv(out + "/report/runs.csv");
+  ASSERT_EQ(rows.size(), 6u);
+  const auto& a = rows[0];
+  EXPECT_EQ(a.at("run"), "allreduce-format_e4m3.seed_1");
+  EXPECT_EQ(a.at("allreduce-format"), "e4m3");
+  EXPECT_EQ(a.at("state"), "pending");
+  EXPECT_EQ(a.at("epochs"), "2");
+  EXPECT_DOUBLE_EQ(std::stod(a.at("final_test_accuracy")), 0.8);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("best_test_accuracy")), 0.8);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("final_loss")), 1.0);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_aps_shift")), (2 + 0 + 4 + 0) / 4.0);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_allreduce_flushed")), (0.1 + 0.3 + 0.2 + 0.4) / 4.0);
+  EXPECT_EQ(a.at("collapsed"), "0");
+  EXPECT_NEAR(std::stod(a.at("accuracy_vs_reference")), 0.8 - 0.8, 1e-12);
+  EXPECT_DOUBLE_EQ(std::stod(rows[1].at("best_test_accuracy")), 0.75);
+  EXPECT_EQ(rows[3].at("classes"), "100");
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(rows[size_t(i)].at("collapsed"), "1") << i;
+  EXPECT_EQ(rows[4].at("final_loss"), "");
+  EXPECT_EQ(rows[4].at("skipped_steps"), "5");
+
+  const auto sum = ReadCsv(out + "/report/summary.csv");
+  ASSERT_EQ(sum.size(), 2u);
+  const double m = (0.8 + 0.7 + 0.9) / 3;
+  const double sd =
+      std::sqrt(((0.8 - m) * (0.8 - m) + (0.7 - m) * (0.7 - m) + (0.9 - m) * (0.9 - m)) /
+                2);  // sample std: n - 1
+  EXPECT_EQ(sum[0].at("n_seeds"), "3");
+  EXPECT_EQ(sum[0].at("n_collapsed"), "0");
+  EXPECT_NEAR(std::stod(sum[0].at("final_test_accuracy_mean")), m, 1e-6);
+  EXPECT_NEAR(std::stod(sum[0].at("final_test_accuracy_std")), sd, 1e-6);
+  const double bm = (0.8 + 0.75 + 0.9) / 3;
+  EXPECT_NEAR(std::stod(sum[0].at("best_test_accuracy_mean")), bm, 1e-6);
+  EXPECT_NEAR(std::stod(sum[0].at("final_loss_mean")), (1.0 + 0.9 + 0.5) / 3, 1e-6);
+  EXPECT_EQ(sum[1].at("n_collapsed"), "3");
+  const std::string md = ReadFile(out + "/report/summary.md");
+  char cell[64];
+  std::snprintf(cell, sizeof cell, "| e4m3 | 3 | 0 | %.2f ± %.2f |", 100 * m, 100 * sd);
+  EXPECT_NE(md.find(cell), std::string::npos) << md;
+  const auto layers = ReadCsv(out + "/report/layers.csv");
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[1].at("layer"), "fc2");
+  EXPECT_DOUBLE_EQ(std::stod(layers[1].at("mean_flushed")), 0.35);
+  EXPECT_EQ(ReadCsv(out + "/report/curves.csv").size(), 2u + 2 + 1 + 1 + 1 + 1);
+
+  const RunResult bad =
+      Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot", "--reference", "nothing*"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--reference 'nothing*' matches no run"), std::string::npos) << bad.err;
+}
+
+TEST(CpdStudyCli, TheReportDrawsItsPlots) {
+  if (std::system((std::string(CPD_PLOT_PYTHON) + " -c 'import matplotlib' 2>/dev/null").c_str()) !=
+      0) {
+    GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON;
+  }
+  TempDir dir("cpd_study_plots");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"), std::string("name: p\n") + kTinyBase +
+                                "grid:\n  global-batch: [32, 64]\n  aps: [false, true]\n"
+                                "seeds: [1, 2]\n");
+  int k = 0;
+  for (const char* gb : {"32", "64"}) {
+    for (const char* aps : {"off", "on"}) {
+      for (int seed : {1, 2}) {
+        Write(out + "/runs/global-batch_" + gb + ".aps_" + aps + ".seed_" + std::to_string(seed) +
+                  "/metrics.jsonl",
+              Step(1, 3, 0.1 * (k % 3), 0.2) + Epoch(1, 0.5 + 0.01 * k, "1.5") +
+                  Epoch(2, 0.6 + 0.01 * k, "1.2"));
+        ++k;
+      }
+    }
+  }
+  const RunResult r = Study({"report", dir.File("s.yaml"), "--out", out});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* png : {"accuracy_vs_batch.png", "loss_curves.png", "layer_flushed.png"}) {
+    const std::string data = ReadFile(out + "/report/" + png);
+    EXPECT_GT(data.size(), 1000u) << png;
+    EXPECT_EQ(data.substr(0, 4), "\x89PNG") << png;
+  }
+  for (const auto& e : std::filesystem::directory_iterator(out + "/report")) {
+    EXPECT_EQ(e.path().string().find(".tmp"), std::string::npos) << e.path();
+  }
+}
+
+}  // namespace
+}  // namespace cpd::test

@@ -19,6 +19,7 @@
 #include "launcher/study/report.h"
 #include "launcher/study/run_state.h"
 #include "launcher/study/runner.h"
+#include "launcher/study/slurm.h"
 #include "launcher/study/study_file.h"
 
 namespace {
@@ -36,7 +37,8 @@ struct Flags {
   std::string study_path, out, launcher = "local", coordinator, cpd_train, reference;
   int parallel = 1;
   long long index = -1;
-  bool json = false, retry_failed = false, no_plot = false;
+  bool json = false, retry_failed = false, no_plot = false, wait = false, parallel_given = false;
+  std::vector<std::string> sbatch_args;
 };
 
 // The study, its runs and where they go; exits 2 on any problem with the file.
@@ -91,7 +93,10 @@ study::RunOptions RunOptionsOf(const Flags& f, const Loaded& l) {
       }
     }
   }
-  if (l.study.ranks > 1 && study::FindOnPath("mpirun").empty()) {
+  o.launch.srun = f.launcher == "slurm";
+  if (o.launch.srun) {
+    if (study::FindOnPath("srun").empty()) Fail("--launcher slurm: srun is not on PATH", 1);
+  } else if (l.study.ranks > 1 && study::FindOnPath("mpirun").empty()) {
     Fail("ranks " + std::to_string(l.study.ranks) + " needs mpirun, which is not on PATH");
   }
   return o;
@@ -133,8 +138,32 @@ int Plan(const Flags& f) {
   return 0;
 }
 
+// The batch script of the Slurm launcher: $CPD_STUDY_SBATCH, the source tree's, or a copy
+// next to this executable.
+std::string SlurmScript() {
+  auto script = cpd::launcher::FindScript(
+      "cpd_study_array.sbatch", "CPD_STUDY_SBATCH",
+      {CPD_STUDY_SBATCH, cpd::launcher::ExecutableDir() + "/cpd_study_array.sbatch"});
+  if (!script.ok()) Fail(script.status().message(), 1);
+  return *script;
+}
+
+int RunOnSlurm(const Flags& f, const Loaded& l) {
+  study::SlurmOptions o;
+  o.run = RunOptionsOf(f, l);
+  o.parallel = f.parallel_given ? f.parallel : 0;
+  o.wait = f.wait;
+  o.self = cpd::launcher::ExecutableDir() + "/cpd-study";
+  o.study_path = f.study_path;
+  o.script = SlurmScript();
+  o.sbatch_args = f.sbatch_args;
+  return study::RunSlurm(l.study, l.runs, o);
+}
+
 int Run(const Flags& f) {
   const Loaded l = Load(f);
+  if (f.launcher == "slurm") return RunOnSlurm(f, l);
+  if (f.wait || !f.sbatch_args.empty()) Fail("--wait and --sbatch-arg need --launcher slurm");
   study::LocalOptions o;
   o.run = RunOptionsOf(f, l);
   o.parallel = f.parallel;
@@ -146,6 +175,9 @@ int Run(const Flags& f) {
 int RunOne(const Flags& f) {
   const Loaded l = Load(f);
   const study::RunOptions o = RunOptionsOf(f, l);
+  if (o.launch.srun) {
+    if (auto s = study::CheckSlurmTask(l.study); !s.ok()) Fail(s.message());
+  }
   if (f.index < 0 || size_t(f.index) >= l.runs.size()) {
     Fail("--index " + std::to_string(f.index) + ": the plan has runs 0 to " +
          std::to_string(l.runs.size() - 1));
@@ -208,15 +240,28 @@ int main(int argc, char** argv) {
   CLI::App* plan = Command(app, "plan", "The runs, one per line: name and cpd-train command", &f);
   plan->add_flag("--json", f.json, "A JSON array of the runs instead");
   CLI::App* run = Command(app, "run", "Run every run that is not done", &f);
-  run->add_option("--launcher", f.launcher, "Where the runs run: local (this machine)")
+  run->add_option("--launcher", f.launcher,
+                  "Where the runs run: local (this machine, mpirun) | slurm (one job array; "
+                  "each task starts its run's ranks with srun --mpi=pmix)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"local"}));
-  run->add_option("--parallel", f.parallel, "Runs at a time")
-      ->capture_default_str()
-      ->check(cpd::launcher::IntegerIn(1, 1024));
+      ->check(CLI::IsMember({"local", "slurm"}));
+  CLI::Option* parallel =
+      run->add_option("--parallel", f.parallel,
+                      "Runs at a time (slurm: array tasks at a time, default as Slurm schedules)")
+          ->capture_default_str()
+          ->check(cpd::launcher::IntegerIn(1, 1024));
+  run->add_flag("--wait", f.wait, "slurm: wait until the array has ended, then show the status");
+  run->add_option("--sbatch-arg", f.sbatch_args,
+                  "slurm: an sbatch option for the array, e.g. --sbatch-arg=--partition=gpu "
+                  "--sbatch-arg=--gpus-per-task=1 (repeatable)")
+      ->allow_extra_args(false);
   AddRunFlags(run, &f);
   CLI::App* one =
       Command(app, "run-one", "Run the plan's run number --index (a launcher's task)", &f);
+  one->add_option("--launcher", f.launcher,
+                  "How the ranks start: local (mpirun) | slurm (srun, inside an allocation)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"local", "slurm"}));
   one->add_option("--index", f.index, "The run's index in the plan (0-based)")
       ->required()
       ->check(cpd::launcher::IntegerAtLeast(0));
@@ -229,6 +274,7 @@ int main(int argc, char** argv) {
   report->add_flag("--no-plot", f.no_plot, "Write the tables only");
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
   if (plan->parsed()) return Plan(f);
+  f.parallel_given = parallel->count() > 0;
   if (run->parsed()) return Run(f);
   if (one->parsed()) return RunOne(f);
   if (status->parsed()) return Status(f);

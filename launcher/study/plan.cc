@@ -152,7 +152,10 @@ RunPaths PathsOf(const std::string& out_dir, const std::string& run_name) {
 std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,
                                     const LaunchSpec& launch, bool inline_flags) {
   std::vector<std::string> argv;
-  if (study.ranks > 1) {
+  if (launch.srun) {
+    // Slurm's own PMIx starts the ranks inside the array task's allocation (--ntasks = R).
+    argv = {"srun", "--mpi=pmix", "-n", std::to_string(study.ranks)};
+  } else if (study.ranks > 1) {
     argv = {"mpirun", "-np", std::to_string(study.ranks)};
     // Open MPI refuses root without the first; the second lets R exceed the cores (tests, CI).
     if (::geteuid() == 0) argv.insert(argv.end(), {"--allow-run-as-root", "--oversubscribe"});

@@ -35,6 +35,7 @@ struct LaunchSpec {
   std::string cpd_train;    // the executable
   std::string out_dir;      // the study's output directory
   std::string coordinator;  // HOST:PORT, or "" for none
+  bool srun = false;        // inside a Slurm allocation: the ranks start with srun, not mpirun
 };
 
 // The files of a run under <out>/runs/<name>/.
@@ -43,8 +44,8 @@ struct RunPaths {
 };
 RunPaths PathsOf(const std::string& out_dir, const std::string& run_name);
 
-// The command that runs `run`: "mpirun -np R [--allow-run-as-root --oversubscribe]" (as root)
-// unless R is 1, cpd-train, then either --config <run>/config.yaml (`inline_flags` false: what
+// The command that runs `run`: "srun --mpi=pmix -n R" (launch.srun), else "mpirun -np R
+// [--allow-run-as-root --oversubscribe]" (as root) unless R is 1; then cpd-train, then either --config <run>/config.yaml (`inline_flags` false: what
 // `run` executes) or the flags themselves (what `plan` shows), then the flags cpd-study owns:
 // --resume auto --checkpoint-dir --metrics-out --no-progress [--coordinator --job-name --study].
 std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,

@@ -40,43 +40,6 @@ std::string Clock() {
   return buf;
 }
 
-// Starts argv (execvp: a bare name is looked up on $PATH) with stdout and stderr on the given
-// descriptors (-1: inherited) and stdin on /dev/null. The child gets SIGTERM when its parent
-// dies, so a killed driver leaves no training behind (mpirun passes SIGTERM on to its ranks).
-pid_t Spawn(const std::vector<std::string>& args, int out_fd, int err_fd) {
-  std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid != 0) return pid;  // the parent, or -1
-  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (::getppid() != parent) ::_exit(1);  // the parent died before prctl
-  const int null_fd = ::open("/dev/null", O_RDWR);
-  if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
-  if (out_fd >= 0) ::dup2(out_fd, STDOUT_FILENO);
-  if (err_fd >= 0) ::dup2(err_fd, STDERR_FILENO);
-  ::execvp(argv[0], argv.data());
-  std::fprintf(stderr, "cpd-study: cannot run %s: %s\n", argv[0], std::strerror(errno));
-  ::_exit(127);
-}
-
-// The exit code of a finished child: its status, or 128 + the signal that ended it.
-int ExitCode(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-int WaitFor(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return 1;
-  }
-  return ExitCode(status);
-}
-
 // Holds the run directory's lock (flock: released when the process ends, however it ends) so
 // that two launchers never run the same run at once.
 class RunLock {
@@ -115,6 +78,47 @@ Status BeginAttempt(const Study& study, const PlannedRun& run, const RunPaths& p
 }
 
 }  // namespace
+
+// Starts argv (execvp: a bare name is looked up on $PATH) with stdout and stderr on the given
+// descriptors (-1: inherited) and stdin on /dev/null. The child gets SIGTERM when its parent
+// dies, so a killed driver leaves no training behind (mpirun passes SIGTERM on to its ranks).
+pid_t SpawnProcess(const std::vector<std::string>& args, int out_fd, int err_fd) {
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;  // the parent, or -1
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != parent) ::_exit(1);  // the parent died before prctl
+  const int null_fd = ::open("/dev/null", O_RDWR);
+  if (null_fd >= 0) ::dup2(null_fd, STDIN_FILENO);
+  if (out_fd >= 0) ::dup2(out_fd, STDOUT_FILENO);
+  if (err_fd >= 0) ::dup2(err_fd, STDERR_FILENO);
+  ::execvp(argv[0], argv.data());
+  std::fprintf(stderr, "cpd-study: cannot run %s: %s\n", argv[0], std::strerror(errno));
+  ::_exit(127);
+}
+
+namespace {
+
+// The exit code of a finished child: its status, or 128 + the signal that ended it.
+int ExitCode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace
+
+int WaitForExit(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return 1;
+  }
+  return ExitCode(status);
+}
 
 std::string FindOnPath(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -174,8 +178,8 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
   if (::write(log, header.data(), header.size()) < 0) {
     Complain("run " + run.name + ": cannot write " + p.log + ": " + std::strerror(errno));
   }
-  const pid_t pid = Spawn(argv, log, log);
-  const int code = pid < 0 ? 1 : WaitFor(pid);
+  const pid_t pid = SpawnProcess(argv, log, log);
+  const int code = pid < 0 ? 1 : WaitForExit(pid);
   ::close(log);
   s.end_ms = NowMs();
   s.wall_s = double(s.end_ms - s.start_ms) / 1e3;
@@ -267,7 +271,7 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
   while (next < todo.size() || !active.empty()) {
     while (next < todo.size() && active.size() < size_t(o.parallel)) {
       const PlannedRun& r = runs[todo[next]];
-      const pid_t pid = Spawn(RunOneCommand(o, r.index), null_fd, -1);
+      const pid_t pid = SpawnProcess(RunOneCommand(o, r.index), null_fd, -1);
       ++next;
       ++pr.started;
       if (pid < 0) {

@@ -5,6 +5,8 @@
 // decides which runs start where and when.
 #pragma once
 
+#include <sys/types.h>
+
 #include <string>
 #include <vector>
 
@@ -35,6 +37,13 @@ struct LocalOptions {
 // retry_failed) in plan order, `parallel` at a time, with a progress line per start and end.
 // Returns 0 when every run of the study is done, 1 otherwise (after running the rest).
 int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const LocalOptions& o);
+
+// Starts argv (execvp: a bare name is looked up on $PATH) with stdout and stderr on the given
+// descriptors (-1: inherited) and stdin on /dev/null; the child gets SIGTERM when this process
+// dies. Returns its pid, or -1.
+pid_t SpawnProcess(const std::vector<std::string>& argv, int out_fd, int err_fd);
+// Waits for a child: its exit status, or 128 + the signal that ended it.
+int WaitForExit(pid_t pid);
 
 // The first executable called `name` on $PATH ("" if none).
 std::string FindOnPath(const std::string& name);

@@ -145,6 +145,10 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_flag("--hysteresis", o->precision.hysteresis,
                 "Hysteresis rounding of W (Lee et al.); counts weight flips");
+  app->add_option("--cost-reference", f->cost_reference,
+                  "FWD/BWD bits of the static training that relative costs (CPT's cost model) "
+                  "are measured against")
+      ->capture_default_str();
 }
 
 void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
@@ -273,6 +277,9 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
     o->precision.cpt = c;
   }
+  auto ref = cpd::ParseStepBits(f.cost_reference);
+  if (!ref.ok()) return Status::InvalidArgument("--cost-reference: " + ref.status().message());
+  o->cost_reference = *ref;
   return Status::Ok();
 }
 

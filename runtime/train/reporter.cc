@@ -242,12 +242,15 @@ void Reporter::AfterEpoch(const EpochDone& e) {
   const PrecisionConfig& pc = *e.precision;
   if (!quiet_) {
     std::string extra;
+    char buf[128];
     if (pc.cpt) {
-      char buf[96];
-      std::snprintf(buf, sizeof(buf), " bits %d-%d/%d cost %+.2f%%", pc.cpt->min_bits,
-                    pc.cpt->max_bits, pc.grad_bits, 100.0 * e.relative_cost);
+      std::snprintf(buf, sizeof(buf), " bits %d-%d/%d", pc.cpt->min_bits, pc.cpt->max_bits,
+                    pc.grad_bits);
       extra += buf;
     }
+    std::snprintf(buf, sizeof(buf), " cost %+.2f%% vs %s", 100.0 * e.relative_cost,
+                  StepBitsText(o_.cost_reference).c_str());
+    extra += buf;
     if (o_.precision.hysteresis) extra += " flips " + std::to_string(total_flips);
     if (e.skipped_steps > 0) extra += " skipped " + std::to_string(e.skipped_steps);
     std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
@@ -265,6 +268,7 @@ void Reporter::AfterEpoch(const EpochDone& e) {
        {"bits", pc.cpt ? pc.cpt->max_bits : 0},
        {"images_per_s", e.totals.images_per_s},
        {"relative_cost", e.relative_cost},
+       {"cost_reference", StepBitsText(o_.cost_reference)},
        {"skipped_steps", e.skipped_steps},
        {"flips", flips_json}});
   if (control_) {

@@ -89,7 +89,8 @@ class Reporter {
   Status AfterStep(const StepDone& step);
   // The epoch so far (call before evaluating, so that the rate leaves evaluation out).
   EpochTotals Totals() const;
-  // The epoch line, the "epoch" record (with hysteresis flips) and the coordinator's report.
+  // The epoch line, the "epoch" record (with hysteresis flips, and the cost against
+  // --cost-reference) and the coordinator's report.
   void AfterEpoch(const EpochDone& epoch);
 
  private:

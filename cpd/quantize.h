@@ -32,7 +32,7 @@ struct QuantizeOptions {
   uint64_t step = 0;
   uint64_t index_offset = 0;
   // The span is viewed as `channels` contiguous rows of equal length (e.g. the output channels of
-  // a weight tensor). Used by :ch formats and log<b>; n must be a multiple of it. Default 1.
+  // a weight tensor). Used by :ch formats (log<b>:ch too); n must be a multiple of it. Default 1.
   size_t channels = 1;
   // Worker threads; 0 = all available cores.
   int threads = 0;

@@ -227,8 +227,9 @@ void AddTrainOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--config", f->config_path, "YAML file with the same keys as the flags");
   app->add_option("--preset", f->preset,
                   "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
-                  "lee2022: FP134 activations and errors, log4 weights with hysteresis, first and "
-                  "last layers fp32");
+                  "lee2022: FP134 activations and errors, log4 weights (per channel in "
+                  "convolutions, per tensor elsewhere) with hysteresis, first and last layers "
+                  "fp32");
   AddDataAndModelOptions(app, o, f);
   AddOptimisationOptions(app, o, f);
   AddPrecisionOptions(app, o, f);

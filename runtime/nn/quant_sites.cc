@@ -149,6 +149,7 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
   for (size_t i = 0; i < layers.size(); ++i) {
     LayerState st;
     st.index = int(i);
+    st.conv = std::string(layers[i]->kind()) == "Conv2d";
     q->layers_[layers[i]->name()] = st;
   }
   if (!layers.empty()) {
@@ -228,7 +229,20 @@ std::string SiteQuantizer::SpecFor(const std::string& layer, Site site) const {
     auto s = ov->second.find(site);
     if (s != ov->second.end()) spec = s->second;
   }
-  return spec;
+  if (spec == "fp32" || !CachedFormat(spec).scope_by_layer()) return spec;
+  // Lee et al. share a log scale per output channel in convolutions, per layer elsewhere.
+  const bool weights = site == Site::kWeight || site == Site::kWeightGrad;
+  return spec + (weights && it->second.conv ? ":ch" : ":tensor");
+}
+
+const Format& SiteQuantizer::CachedFormat(const std::string& spec) const {
+  auto it = format_cache_.find(spec);
+  if (it == format_cache_.end()) {
+    auto f = Format::Parse(spec);
+    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
+    it = format_cache_.emplace(spec, *f).first;
+  }
+  return it->second;
 }
 
 const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
@@ -240,13 +254,7 @@ const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
       spec == "uint" + std::to_string(config_.grad_bits) + ":minmax") {
     *rounding = Rounding::kStochastic;  // CPT's backward quantiser rounds stochastically
   }
-  auto it = format_cache_.find(spec);
-  if (it == format_cache_.end()) {
-    auto f = Format::Parse(spec);
-    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
-    it = format_cache_.emplace(spec, *f).first;
-  }
-  return &it->second;
+  return &CachedFormat(spec);
 }
 
 QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Rounding r,

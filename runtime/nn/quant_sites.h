@@ -8,6 +8,10 @@
 //      E = uint<grad_bits>:minmax with stochastic rounding (Fu et al., ICLR 2021);
 //   3. per-layer overrides NAME.SITE=SPEC;
 //   4. layers listed in keep_fp32 ("first", "last", or a layer name) stay fp32 at every site.
+// Then the grouping of a log<b> spec without :ch or :tensor (Format::scope_by_layer()): per
+// output channel ("log<b>:ch") for the W and G of convolutions (Conv2d), per tensor
+// ("log<b>:tensor") everywhere else, as Lee et al. (ICLR 2022) scale their log weights; SpecFor
+// and the statistics' records name the resolved spec.
 #pragma once
 
 #include <cstdint>
@@ -96,7 +100,8 @@ class SiteQuantizer : public QuantHooks {
   // The same counts without resetting them.
   std::map<std::string, uint64_t> Flips() const;
 
-  // The format spec in force for a layer and site at the current step ("fp32" if none).
+  // The format spec in force for a layer and site at the current step ("fp32" if none), with
+  // log<b>'s grouping resolved for the layer ("log4:ch" or "log4:tensor").
   std::string SpecFor(const std::string& layer, Site site) const;
   // Whether any site of `layer` can be quantised at some step (layers that never are need no
   // hooks, which saves the layer a copy of its input and incoming gradient).
@@ -125,6 +130,7 @@ class SiteQuantizer : public QuantHooks {
   struct LayerState {
     int index = 0;
     bool keep_fp32 = false;
+    bool conv = false;  // a convolution: log<b> groups its W and G per output channel
     // Previous quantised weights (hysteresis), in host memory, or on the GPU while the layer
     // runs there: hyst_on_device means hyst_dev holds the newest copy and hyst_prev may be stale.
     mutable std::vector<float> hyst_prev;
@@ -139,6 +145,8 @@ class SiteQuantizer : public QuantHooks {
   // `keep` with the layers kept fp32.
   Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
   const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
+  // The parsed format of a spec (checked in Create, so it parses).
+  const Format& CachedFormat(const std::string& spec) const;
   // Quantises `in` into `out` (which may be `in` itself) at one site.
   void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
   // QuantizeWeight for CUDA tensors.

@@ -64,6 +64,11 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
                           const QuantizeOptions& opts = {}, QuantStats* stats = nullptr,
                           uint64_t* flips = nullptr);
 
+// Weight flips of a quantisation without hysteresis: how many of q[i] differ from prev[i] (the
+// same weights quantised at the step before), bit for bit, as QuantizeHysteresis counts them.
+// InvalidArgument for a null buffer with n > 0.
+Result<uint64_t> CountFlips(const float* prev, const float* q, size_t n);
+
 // A quantised tensor as it travels: densely packed `bits`-bit codes, little-endian bit order
 // (code i occupies bits [i*bits, (i+1)*bits) of the byte stream), followed by the scale
 // metadata of each group (Format::meta_bytes_per_group() bytes each, in group order).

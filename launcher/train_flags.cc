@@ -144,7 +144,7 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--grad-bits", o->precision.grad_bits, "CPT: backward (E) bits")
       ->capture_default_str();
   app->add_flag("--hysteresis", o->precision.hysteresis,
-                "Hysteresis rounding of W (Lee et al.); counts weight flips");
+                "Hysteresis rounding of W (Lee et al.) instead of the W rounding");
   app->add_option("--cost-reference", f->cost_reference,
                   "FWD/BWD bits of the static training that relative costs (CPT's cost model) "
                   "are measured against")

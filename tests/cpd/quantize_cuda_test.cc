@@ -357,6 +357,40 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
   }
 }
 
+// Flips of nearest rounding: the GPU's count of changed bit patterns equals the CPU's, with
+// -0 against +0 counted as a change (bits, not values, are compared).
+TEST(CountFlipsCuda, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const Format f = *Format::Parse("e4m3");
+  for (size_t n : kSizes) {
+    const std::vector<float> w = MakeInput(n, 7u + uint32_t(n));
+    std::vector<float> w2 = w;
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> jitter(0.97f, 1.03f);
+    for (float& v : w2) v *= jitter(rng);
+    std::vector<float> prev(n), q(n);
+    ASSERT_TRUE(cpd::Quantize(f, w.data(), prev.data(), n).ok());
+    ASSERT_TRUE(cpd::Quantize(f, w2.data(), q.data(), n).ok());
+    if (n > 2) {
+      prev[0] = 0.0f;
+      q[0] = -0.0f;
+    }
+    const auto want = cpd::CountFlips(prev.data(), q.data(), n);
+    ASSERT_TRUE(want.ok());
+    DeviceBuffer dprev(n), dq(n);
+    dprev.Upload(prev);
+    dq.Upload(q);
+    const auto got = cpd::CountFlipsCuda(dprev.at(), dq.at(), n);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, *want) << "n=" << n;
+    if (n > 100) {
+      EXPECT_GT(*want, 0u) << "n=" << n;
+    }
+  }
+  EXPECT_EQ(*cpd::CountFlipsCuda(nullptr, nullptr, 0), 0u);
+  EXPECT_FALSE(cpd::CountFlipsCuda(nullptr, nullptr, 4).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
                          ::testing::Values("e4m3", "bf16", "fp134", "fp143:ch", "log4", "log4:ch",
                                            "int8", "int4:ch", "uint4:minmax", "mxfp8", "bfp8:16",

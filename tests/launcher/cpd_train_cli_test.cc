@@ -123,13 +123,14 @@ TEST(CpdTrainCli, CptPresetTrainsAndReportsBitsAndCost) {
   EXPECT_NE(r.out.find("epoch 1/1"), std::string::npos) << r.out;
 }
 
-// A static run has a cost too, against the reference given.
+// A static run has a cost too, against the reference given; a quantised W shows its flips.
 TEST(CpdTrainCli, StaticRunReportsCostAgainstTheReferenceAndFlips) {
   const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--w-format", "int4",
                              "--a-format", "int4", "--e-format", "int8", "--cost-reference", "8/8",
                              "--max-steps", "3", "--epochs", "1", "--no-progress"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("cost -58.33% vs 8/8"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" flips "), std::string::npos) << r.out;
 }
 
 // Runs cpd-train with every GPU hidden from the CUDA runtime (CUDA_VISIBLE_DEVICES=""), so that

@@ -76,6 +76,8 @@ TEST_F(SiteQuantizerTest, RefusedReconfigureKeepsThePolicyInForce) {
   EXPECT_EQ((*q)->SpecFor("fc1", Site::kWeight), "fp32");
 }
 
+// ---- Weight flips ----------------------------------------------------------------------------
+
 // Quantises `w` as the W of `layer` (one forward) and returns the weights as used.
 std::vector<float> QuantizeW(SiteQuantizer& q, const Layer& layer, std::vector<int64_t> shape,
                              const std::vector<float>& w) {
@@ -85,6 +87,49 @@ std::vector<float> QuantizeW(SiteQuantizer& q, const Layer& layer, std::vector<i
   std::vector<float> out(used.numel());
   used.CopyToHost(out.data());
   return out;
+}
+
+// e4m3 is a fixed grid (spacing 0.25 in [2, 4)), so every quantised value is known: a step whose
+// weights move from {1, 2, 3, 4} to {1, 2.01, 3.3, 4} changes one quantised weight (3 -> 3.25),
+// and moving 3.3 back to 3.1 changes it back under nearest rounding but not under hysteresis
+// (3.1 < 3.25: ceil to the grid keeps 3.25).
+TEST_F(SiteQuantizerTest, CountsFlipsOfNearestRoundedWeights) {
+  const std::vector<std::vector<float>> steps = {
+      {1.0f, 2.0f, 3.0f, 4.0f}, {1.0f, 2.01f, 3.3f, 4.0f}, {1.0f, 2.01f, 3.1f, 4.0f}};
+  for (const bool hysteresis : {false, true}) {
+    PrecisionConfig c;
+    c.global[int(Site::kWeight)].spec = "e4m3";
+    c.hysteresis = hysteresis;
+    auto q = SiteQuantizer::Create(c, Layers());
+    ASSERT_TRUE(q.ok()) << q.status().message();
+    EXPECT_TRUE((*q)->QuantizesWeights());
+    std::vector<uint64_t> flips;
+    for (const auto& w : steps) {
+      QuantizeW(**q, fc2_, {2, 2}, w);
+      flips.push_back((*q)->TakeFlips().at("fc2"));
+    }
+    // The first forward has nothing to compare with.
+    const std::vector<uint64_t> want =
+        hysteresis ? std::vector<uint64_t>{0, 1, 0} : std::vector<uint64_t>{0, 1, 1};
+    EXPECT_EQ(flips, want) << (hysteresis ? "hysteresis" : "nearest");
+    EXPECT_EQ((*q)->Flips().at("fc1"), 0u);  // no forward
+  }
+}
+
+TEST_F(SiteQuantizerTest, FlipsRestartWhenTheWeightFormatChangesAndStopAtFp32) {
+  PrecisionConfig c;
+  c.global[int(Site::kWeight)].spec = "e4m3";
+  auto q = SiteQuantizer::Create(c, Layers());
+  ASSERT_TRUE(q.ok());
+  QuantizeW(**q, fc2_, {4}, {1.0f, 2.0f, 3.0f, 4.0f});
+  EXPECT_EQ((*q)->HysteresisState().count("fc2"), 1u);  // kept without hysteresis too
+  c.global[int(Site::kWeight)].spec = "e2m1";
+  ASSERT_TRUE((*q)->Reconfigure(c).ok());
+  QuantizeW(**q, fc2_, {4}, {1.0f, 2.0f, 3.3f, 4.0f});  // another grid: nothing to compare
+  EXPECT_EQ((*q)->TakeFlips().at("fc2"), 0u);
+  ASSERT_TRUE((*q)->Reconfigure(PrecisionConfig{}).ok());
+  EXPECT_FALSE((*q)->QuantizesWeights());
+  EXPECT_TRUE((*q)->HysteresisState().empty());  // fp32 W keeps no previous weights
 }
 
 // ---- log<b> grouping per layer (Lee et al.) -----------------------------------------------------

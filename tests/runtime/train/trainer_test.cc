@@ -464,6 +464,11 @@ TEST(TrainerMetrics, StatsCoverEveryLayerAndSite) {
       // W e4m3, A e4m3, E e5m2: 8/8, as the default reference.
       EXPECT_EQ(j["cost_reference"], "8/8");
       EXPECT_EQ(j["relative_cost"].get<double>(), 0.0);
+      // Nearest-rounded W counts flips too: every quantised layer has an entry.
+      EXPECT_EQ(j["flips"].size(), 5u) << line;
+      uint64_t flips = 0;
+      for (const auto& [layer, f] : j["flips"].items()) flips += f.get<uint64_t>();
+      EXPECT_GT(flips, 0u) << line;
     }
   }
   EXPECT_EQ(step_lines, 3);  // steps 0, 5, 10

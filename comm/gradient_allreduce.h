@@ -33,10 +33,10 @@
 // - In a bucket, rank r owns chunk r, [chunk_bounds[r], chunk_bounds[r + 1]) (buckets()): the
 //   bucket split evenly, each boundary that falls inside a layer rounded down to a multiple of
 //   64 elements from that layer's start. A segment is a layer's part of one chunk.
-// - Scale groups of per-tensor-scaled formats (int<b>, uint<b>:minmax, fp134...) are segments,
-//   so their results depend on the world size; MX/bfp blocks count from the layer's start and
-//   fixed float grids are element-wise, so those results do not. A flat gradient has no
-//   channels: channel-scaled formats (:ch, log<b>) see each segment as one channel.
+// - Scale groups of per-tensor-scaled formats (int<b>, uint<b>:minmax, fp134, log<b>...) are
+//   segments, so their results depend on the world size; MX/bfp blocks count from the layer's
+//   start and fixed float grids are element-wise, so those results do not. A flat gradient has
+//   no channels: channel-scaled formats (:ch) see each segment as one channel.
 // - emulate with a fixed float grid of <= 16 bits ships the quantised values as packed codes (they
 //   are exact); otherwise as float32. The result is the same bits either way.
 // - emax(format), used by APS: the exponent of the largest finite value of the element grid

@@ -15,7 +15,7 @@ using kernels::NonFiniteStyle;
 constexpr char kAccepted[] =
     "accepted: fp32, bf16, fp16, eXmY (1<=X<=8, 0<=Y<=23), e4m3, e5m2, e3m2, e2m3, e2m1, "
     "int<b>[:ch], uint<b>:minmax[:ch] (2<=b<=16), fp134|fp143|fp152[:room=N][:ch], "
-    "log<b> (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
+    "log<b>[:ch|:tensor] (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
     "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
     "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
     ":nosub :ieee";
@@ -101,6 +101,7 @@ std::string CanonicalBinadeList(const std::vector<int32_t>& mbits) {
 // Modifiers after the base name, each used at most once.
 struct Modifiers {
   bool sat = false, inf = false, nosub = false, ieee = false, ch = false, minmax = false;
+  bool tensor = false;  // log<b>:tensor
   int room = 1;
   bool has_room = false;
   int block = 0;  // bfp
@@ -120,8 +121,11 @@ const char* FormatSpecHelp() {
          "uint<b>:minmax[:ch] asymmetric range (CPT), 2<=b<=16. Shared-exponent 8-bit floats "
          "(Lee et al.): fp134, fp143, fp152 with top binade [2^s, 2^(s+1)), "
          "s = floor(log2 max|x|) + room (:room=N, default 1), per tensor or per channel (:ch). "
-         "log<b> (2<=b<=8): sign and powers of two 2^(s-L+1)..2^s, L = 2^(b-1)-1, per-channel "
-         "s = floor(log2 max|x|). Block formats: mxfp8 (e4m3), mxfp6 (e2m3), mxfp4 (e2m1) with "
+         "log<b> (2<=b<=8): sign and powers of two 2^(s-L+1)..2^s, L = 2^(b-1)-1, "
+         "s = floor(log2 max|x|); in training per output channel for convolutions and per tensor "
+         "for other layers (Lee et al.), :ch per channel and :tensor per tensor for every layer; "
+         "elsewhere per tensor unless :ch. Block formats: mxfp8 (e4m3), mxfp6 (e2m3), mxfp4 (e2m1) "
+         "with "
          "32-element blocks and an E8M0 scale (OCP MX v1.0); bfp<b>:<block> block floating point "
          "(sign + b-1 magnitude bits under a shared exponent). Per-binade formats (Lee et al.'s "
          "candidates: fixed point, floats, float-fix hybrids): binades:M0,M1,...[:room=N][:ch] "
@@ -176,6 +180,8 @@ Result<Format> Format::Parse(std::string_view spec) {
       mod.ieee = true;
     } else if (p == "ch") {
       mod.ch = true;
+    } else if (p == "tensor") {
+      mod.tensor = true;
     } else if (p == "minmax") {
       mod.minmax = true;
     } else if (p.substr(0, 5) == "room=") {
@@ -190,6 +196,7 @@ Result<Format> Format::Parse(std::string_view spec) {
     }
   }
   if (mod.sat && mod.inf) return BadSpec(spec, ":sat and :inf exclude each other");
+  if (mod.ch && mod.tensor) return BadSpec(spec, ":ch and :tensor exclude each other");
 
   Format f;
   // Checks that only the listed modifiers were given.
@@ -277,12 +284,13 @@ Result<Format> Format::Parse(std::string_view spec) {
     // As fp134: the top binade [2^s, 2^(s+1)), s = floor(log2 max|x|) + room.
     f.shift_rule_ = {mod.room, -126, 127};
   } else if (with_prefix("log", &b)) {
-    CPD_RETURN_IF_ERROR(allow({}));
+    CPD_RETURN_IF_ERROR(allow({"ch", "tensor"}));
     if (b < 2 || b > 8) return BadSpec(spec, "log<b> needs 2 <= b <= 8");
     // Levels 2^(s-L+1)..2^s with L = 2^(b-1)-1: a float grid with M = 0 and b-1 exponent bits.
     const int ebits = b - 1;
     f.family_ = FormatFamily::kSharedShift;
-    f.scope_ = ScaleScope::kChannel;
+    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+    f.scope_by_layer_ = !mod.ch && !mod.tensor;
     f.bits_ = b;
     f.grid_ = MakeFloatGrid(ebits, 0, (1 << ebits) - 1, NonFiniteStyle::kAllFinite, true, false);
     f.shift_rule_ = {0, -126, 127};
@@ -347,6 +355,7 @@ Result<Format> Format::Parse(std::string_view spec) {
   if (mod.minmax) canon += ":minmax";
   if (mod.has_room && mod.room != 1) canon += ":room=" + std::to_string(mod.room);
   if (mod.ch) canon += ":ch";
+  if (mod.tensor) canon += ":tensor";
   if (f.family_ == FormatFamily::kSharedShift && f.scope_ == ScaleScope::kBlock &&
       name.substr(0, 3) == "bfp") {
     canon += ":" + std::to_string(mod.block);

@@ -1,7 +1,7 @@
 // Number formats named by spec strings, e.g. "e4m3", "e5m2:inf", "bf16", "int8:ch",
-// "uint4:minmax", "fp134:room=2", "log4", "mxfp4", "bfp8:16", "binades:5,5,4x5,3,2,1,0". See
-// FormatSpecHelp() for the grammar. A Format is an immutable value, cheap to copy and safe to share
-// between threads.
+// "uint4:minmax", "fp134:room=2", "log4", "log4:ch", "mxfp4", "bfp8:16", "binades:5,5,4x5,3,2,1,0".
+// See FormatSpecHelp() for the grammar. A Format is an immutable value, cheap to copy and safe to
+// share between threads.
 #pragma once
 
 #include <cstddef>
@@ -54,6 +54,11 @@ class Format {
   const std::string& spec() const { return spec_; }  // canonical spelling
   FormatFamily family() const { return family_; }
   ScaleScope scope() const { return scope_; }
+  // True for a log<b> spec without :ch or :tensor, whose grouping a training run's precision
+  // policy picks per layer (runtime/nn/quant_sites.h, after Lee et al., ICLR 2022: per output
+  // channel for convolutions, per tensor otherwise). scope() is then kTensor, what the format
+  // means where no layer is known (cpd-quant, the all-reduce).
+  bool scope_by_layer() const { return scope_by_layer_; }
   int bits() const { return bits_; }
   size_t block_size() const { return block_size_; }
   bool is_float_grid() const {
@@ -89,6 +94,7 @@ class Format {
   kernels::FloatGrid grid_{};
   kernels::ShiftRule shift_rule_{0, 0, 0};
   bool flush_subnormals_ = false;
+  bool scope_by_layer_ = false;
   // Shared, so that a Format stays cheap to copy (the table is half a kilobyte).
   std::shared_ptr<const kernels::BinadeGrid> binade_grid_;
 };

@@ -283,6 +283,13 @@ Status Quantize(const Format& format, const float* in, float* out, size_t n,
   return Run(format, in, out, nullptr, n, opts, stats);
 }
 
+Result<uint64_t> CountFlips(const float* prev, const float* q, size_t n) {
+  if (n > 0 && (prev == nullptr || q == nullptr)) {
+    return Status::InvalidArgument("CountFlips: null buffer");
+  }
+  return kernels::CountChangedBits(prev, q, n);
+}
+
 Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t n,
                           const QuantizeOptions& opts, QuantStats* stats, uint64_t* flips) {
   if (n > 0 && (w == nullptr || q == nullptr)) {

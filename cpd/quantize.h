@@ -32,7 +32,7 @@ struct QuantizeOptions {
   uint64_t step = 0;
   uint64_t index_offset = 0;
   // The span is viewed as `channels` contiguous rows of equal length (e.g. the output channels of
-  // a weight tensor). Used by :ch formats and log<b>; n must be a multiple of it. Default 1.
+  // a weight tensor). Used by :ch formats (log<b>:ch too); n must be a multiple of it. Default 1.
   size_t channels = 1;
   // Worker threads; 0 = all available cores.
   int threads = 0;
@@ -63,6 +63,11 @@ Status Quantize(const Format& format, const float* in, float* out, size_t n,
 Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t n,
                           const QuantizeOptions& opts = {}, QuantStats* stats = nullptr,
                           uint64_t* flips = nullptr);
+
+// Weight flips of a quantisation without hysteresis: how many of q[i] differ from prev[i] (the
+// same weights quantised at the step before), bit for bit, as QuantizeHysteresis counts them.
+// InvalidArgument for a null buffer with n > 0.
+Result<uint64_t> CountFlips(const float* prev, const float* q, size_t n);
 
 // A quantised tensor as it travels: densely packed `bits`-bit codes, little-endian bit order
 // (code i occupies bits [i*bits, (i+1)*bits) of the byte stream), followed by the scale

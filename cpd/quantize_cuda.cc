@@ -540,6 +540,27 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
   return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, stats, flips, stream);
 }
 
+Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n, void* stream) {
+  if (n > 0 && (d_prev == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("CountFlipsCuda: null buffer");
+  }
+  if (n == 0) return uint64_t(0);
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "CountFlipsCuda: previous weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsCuda: quantised weights"));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  DeviceScratch scratch;
+  CPD_RETURN_IF_ERROR(scratch.Allocate(sizeof(unsigned long long), s));
+  auto* d_count = reinterpret_cast<unsigned long long*>(scratch.data());
+  CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s));
+  CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_count, s));
+  unsigned long long count = 0;
+  CPD_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost, s));
+  CPD_RETURN_IF_ERROR(scratch.Release());
+  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  return uint64_t(count);
+}
+
 Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,
                   PackedTensorCuda* out, QuantStats* stats, void* stream) {
   if (out == nullptr || (n > 0 && d_in == nullptr)) {

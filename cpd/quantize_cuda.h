@@ -48,6 +48,11 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
                               const QuantizeOptions& opts, QuantStats* stats = nullptr,
                               uint64_t* flips = nullptr, void* stream = nullptr);
 
+// cpd::CountFlips on the device: how many of d_q[i] differ from d_prev[i], bit for bit. Queued on
+// `stream`; waits for it to return the count.
+Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
+                                void* stream = nullptr);
+
 // ---- Packed tensors on the device ------------------------------------------------------------
 
 // A packed tensor in device memory: exactly cpd::PackedTensor's bytes (cpd/quantize.h: the

@@ -105,6 +105,42 @@ double CptRelativeCost(const CyclicPrecision& cpt, int grad_bits, int static_bit
   return Relative(full * cycle + partial, cpt.total_iters, grad_bits, static_bits);
 }
 
+std::string StepBitsText(StepBits bits) {
+  return std::to_string(bits.fwd) + "/" + std::to_string(bits.grad);
+}
+
+Result<StepBits> ParseStepBits(std::string_view text) {
+  auto bits = [](std::string_view s, int* out) {
+    if (s.empty() || s.size() > 2 || s[0] == '0') return false;
+    int v = 0;
+    for (char c : s) {
+      if (c < '0' || c > '9') return false;
+      v = v * 10 + (c - '0');
+    }
+    *out = v;
+    return v >= 1 && v <= 32;
+  };
+  const size_t slash = text.find('/');
+  StepBits b;
+  if (slash == std::string_view::npos || !bits(text.substr(0, slash), &b.fwd) ||
+      !bits(text.substr(slash + 1), &b.grad)) {
+    return Status::InvalidArgument("'" + std::string(text) +
+                                   "' is not FWD/BWD bits (expected two integers in 1..32, e.g. "
+                                   "8/8)");
+  }
+  return b;
+}
+
+double RelativeCost(const std::vector<StepBits>& steps, StepBits reference) {
+  if (reference.fwd < 1 || reference.grad < 0) return kNaN;
+  int64_t units = 0;
+  for (const StepBits& s : steps) {
+    if (s.fwd < 0 || s.grad < 0) return kNaN;
+    units += MacCostUnits(s.fwd, s.grad);
+  }
+  return Relative(units, int64_t(steps.size()), reference.grad, reference.fwd);
+}
+
 // ---- Learning-rate schedules ---------------------------------------------------------------
 
 double LrSchedule::At(int64_t step) const {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -84,6 +85,28 @@ double RelativeCost(const std::vector<int>& bits_per_iter, int grad_bits, int st
 // RelativeCost of the whole cyclic schedule (iterations 0..total_iters-1), without building it:
 // O(T) time. NaN when cpt.Validate() fails or static_bits < 1 or grad_bits < 0.
 double CptRelativeCost(const CyclicPrecision& cpt, int grad_bits, int static_bits);
+
+// The cost model's two precisions of one iteration: forward bits b (weights and activations)
+// and backward bits g (errors; CPT's "grad bits"). Used for the schedule of any run and for the
+// static reference it is compared with ("8/8": b = 8, g = 8).
+struct StepBits {
+  int fwd = 8;
+  int grad = 8;
+  bool operator==(const StepBits&) const = default;
+};
+
+// "FWD/BWD", e.g. "8/8".
+std::string StepBitsText(StepBits bits);
+// Parses "FWD/BWD", two integers in 1..32 (nothing else, no spaces); InvalidArgument quoting the
+// text and saying what is accepted otherwise.
+Result<StepBits> ParseStepBits(std::string_view text);
+
+// RelativeCost of a schedule whose backward bits may change too, against static training at
+// `reference` (the forward and the backward bits of the reference both enter its cost):
+//   (1/N * sum_t c(b_t, g_t)) / c(reference.fwd, reference.grad) - 1.
+// With g_t = reference.grad = g this is RelativeCost(b, g, reference.fwd). 0 for an empty
+// schedule. NaN when reference.fwd < 1, reference.grad < 0 or some b_t, g_t < 0.
+double RelativeCost(const std::vector<StepBits>& steps, StepBits reference);
 
 // ---- Learning-rate schedules ---------------------------------------------------------------
 

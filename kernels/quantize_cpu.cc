@@ -351,6 +351,12 @@ void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n, 
   }
 }
 
+uint64_t CountChangedBits(const float* a, const float* b, size_t n) {
+  uint64_t changed = 0;
+  for (size_t i = 0; i < n; ++i) changed += FloatBits(a[i]) != FloatBits(b[i]);
+  return changed;
+}
+
 namespace {
 
 // Hysteresis is applied to weights once per step: a plain scalar loop is fast enough.

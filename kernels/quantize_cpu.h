@@ -51,6 +51,10 @@ uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats);
 
+// How many of a[i] and b[i] differ in their float32 bits (weight flips: the quantised weights of
+// one step against those of the step before, counted as the hysteresis loops count them).
+uint64_t CountChangedBits(const float* a, const float* b, size_t n);
+
 // Per-binade grids (binades:M0,M1,...): QuantizeFloatGrid, HysteresisFloatGrid and
 // DecodeFloatGridSpan on a BinadeGrid, with the same shift convention.
 void QuantizeBinadeGrid(const float* in, float* out, uint32_t* codes, size_t n, const BinadeGrid& g,

@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   quant
       ->add_option("--channels", channels,
-                   "View the input as this many equal rows (for :ch formats and log<b>)")
+                   "View the input as this many equal rows (for :ch formats, log<b>:ch included)")
       ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(1));
   quant->add_option("--threads", threads, "Worker threads (0 = all cores)")

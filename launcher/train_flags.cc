@@ -154,7 +154,11 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--grad-bits", o->precision.grad_bits, "CPT: backward (E) bits")
       ->capture_default_str();
   app->add_flag("--hysteresis", o->precision.hysteresis,
-                "Hysteresis rounding of W (Lee et al.); counts weight flips");
+                "Hysteresis rounding of W (Lee et al.) instead of the W rounding");
+  app->add_option("--cost-reference", f->cost_reference,
+                  "FWD/BWD bits of the static training that relative costs (CPT's cost model) "
+                  "are measured against")
+      ->capture_default_str();
 }
 
 void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
@@ -236,8 +240,9 @@ void AddTrainOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--config", f->config_path, "YAML file with the same keys as the flags");
   app->add_option("--preset", f->preset,
                   "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
-                  "lee2022: FP134 activations and errors, log4 weights with hysteresis, first and "
-                  "last layers fp32");
+                  "lee2022: FP134 activations and errors, log4 weights (per channel in "
+                  "convolutions, per tensor elsewhere) with hysteresis, first and last layers "
+                  "fp32");
   AddDataAndModelOptions(app, o, f);
   AddOptimisationOptions(app, o, f);
   AddPrecisionOptions(app, o, f);
@@ -286,6 +291,9 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
     o->precision.cpt = c;
   }
+  auto ref = cpd::ParseStepBits(f.cost_reference);
+  if (!ref.ok()) return Status::InvalidArgument("--cost-reference: " + ref.status().message());
+  o->cost_reference = *ref;
   return Status::Ok();
 }
 

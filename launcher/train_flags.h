@@ -24,6 +24,7 @@ struct TrainFlags {
   std::string keep_fp32;
   std::vector<int> cyclic_bits;
   int cyclic_periods = 32;
+  std::string cost_reference = "8/8";
   std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
   std::string token_file, tls_ca;
   bool no_progress = false;

@@ -371,6 +371,19 @@ __global__ void stats_finalize_kernel(const DeviceStats* partials, int count, De
   if (threadIdx.x == 0) *result = s;
 }
 
+// Grid-stride count of differing bit patterns; one atomic per warp.
+__global__ void count_changed_bits_kernel(const float* a, const float* b, uint64_t n,
+                                          unsigned long long* count) {
+  unsigned long long c = 0;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    c += FloatBits(a[i]) != FloatBits(b[i]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) c += __shfl_down_sync(kFullMask, c, off);
+  if (threadIdx.x % 32 == 0 && c > 0) atomicAdd(count, c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
@@ -655,6 +668,18 @@ CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const 
   if (!r.ok()) return r;
   return LaunchElementwise(BinadeHysteresisOp{d_grid, shifts, groups.group_len, 0}, w, q, n, stats,
                            AsStream(stream));
+}
+
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+                                  unsigned long long* count, void* stream) {
+  if (n == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(a != nullptr && b != nullptr && count != nullptr, "null buffer");
+  int blocks = 0;
+  CudaResult r = GridBlocks(count_changed_bits_kernel, n, kThreads, false, &blocks);
+  if (!r.ok()) return r;
+  count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, count);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
 }
 
 }  // namespace cpd::kernels::cuda

@@ -137,4 +137,10 @@ CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const 
                                       const int32_t* shifts, GroupLayout groups, StatsTarget stats,
                                       void* stream);
 
+// kernels::CountChangedBits on the device: adds to *count (device memory, zeroed by the caller)
+// how many of a[i] and b[i] differ in their float32 bits. Integer atomics, so the count is exact
+// and independent of the launch geometry.
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+                                  unsigned long long* count, void* stream);
+
 }  // namespace cpd::kernels::cuda

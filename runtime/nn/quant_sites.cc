@@ -149,6 +149,7 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
   for (size_t i = 0; i < layers.size(); ++i) {
     LayerState st;
     st.index = int(i);
+    st.conv = std::string(layers[i]->kind()) == "Conv2d";
     q->layers_[layers[i]->name()] = st;
   }
   if (!layers.empty()) {
@@ -191,6 +192,9 @@ Status SiteQuantizer::Reconfigure(PrecisionConfig config) {
     st.keep_fp32 = std::find(keep.begin(), keep.end(), name) != keep.end();
   }
   config_ = std::move(config);
+  for (auto& [name, st] : layers_) {
+    if (!Quantizes(name)) DropPrevious(st);  // its hooks go: no forward would drop them
+  }
   return Status::Ok();
 }
 
@@ -228,7 +232,27 @@ std::string SiteQuantizer::SpecFor(const std::string& layer, Site site) const {
     auto s = ov->second.find(site);
     if (s != ov->second.end()) spec = s->second;
   }
-  return spec;
+  if (spec == "fp32" || !CachedFormat(spec).scope_by_layer()) return spec;
+  // Lee et al. share a log scale per output channel in convolutions, per layer elsewhere.
+  const bool weights = site == Site::kWeight || site == Site::kWeightGrad;
+  return spec + (weights && it->second.conv ? ":ch" : ":tensor");
+}
+
+bool SiteQuantizer::QuantizesWeights() const {
+  for (const auto& [name, st] : layers_) {
+    if (SpecFor(name, Site::kWeight) != "fp32") return true;
+  }
+  return false;
+}
+
+const Format& SiteQuantizer::CachedFormat(const std::string& spec) const {
+  auto it = format_cache_.find(spec);
+  if (it == format_cache_.end()) {
+    auto f = Format::Parse(spec);
+    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
+    it = format_cache_.emplace(spec, *f).first;
+  }
+  return it->second;
 }
 
 const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
@@ -240,13 +264,7 @@ const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
       spec == "uint" + std::to_string(config_.grad_bits) + ":minmax") {
     *rounding = Rounding::kStochastic;  // CPT's backward quantiser rounds stochastically
   }
-  auto it = format_cache_.find(spec);
-  if (it == format_cache_.end()) {
-    auto f = Format::Parse(spec);
-    if (!f.ok()) throw std::invalid_argument(f.status().message());  // validated in Create
-    it = format_cache_.emplace(spec, *f).first;
-  }
-  return &it->second;
+  return &CachedFormat(spec);
 }
 
 QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Rounding r,
@@ -297,40 +315,54 @@ void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tenso
 void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) {
   Rounding r = Rounding::kNearest;
   const Format* f = FormatFor(layer.name(), Site::kWeight, &r);
+  LayerState& st = layers_.at(layer.name());
   if (f == nullptr) {
     w_used->CopyFrom(w_master);
+    DropPrevious(st);
     return;
   }
-  LayerState& st = layers_.at(layer.name());
   if (w_master.device() != Device::kCpu) {
     QuantizeWeightCuda(layer, st, *f, r, w_master, w_used);
     return;
   }
-  if (st.hyst_on_device) {  // the layer ran on the GPU before: its newest state is there
-    st.hyst_prev.resize(st.hyst_dev.numel());
-    st.hyst_dev.CopyToHost(st.hyst_prev.data());
-    st.hyst_on_device = false;
+  if (st.prev_on_device) {  // the layer ran on the GPU before: its newest state is there
+    st.prev.resize(st.prev_dev.numel());
+    st.prev_dev.CopyToHost(st.prev.data());
+    st.prev_on_device = false;
   }
   const size_t n = w_master.numel();
   const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
   const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
   QuantStats stats;
   QuantStats* sp = collect_ ? &stats : nullptr;
+  // The previous weights continue into this step when they were quantised to the same format.
+  const bool continues = st.prev.size() == n && st.prev_spec == f->spec();
   Status s;
-  if (config_.hysteresis && st.hyst_prev.size() == n && st.hyst_spec == f->spec()) {
-    std::memcpy(w_used->data(), st.hyst_prev.data(), n * sizeof(float));
+  if (config_.hysteresis && continues) {
+    std::memcpy(w_used->data(), st.prev.data(), n * sizeof(float));
     uint64_t flips = 0;
     s = QuantizeHysteresis(*f, w_master.data(), w_used->data(), n, opts, sp, &flips);
     st.flips += flips;
   } else {
     s = Quantize(*f, w_master.data(), w_used->data(), n, opts, sp);
+    if (s.ok() && continues) {
+      auto flips = CountFlips(st.prev.data(), w_used->data(), n);
+      s = flips.status();
+      if (flips.ok()) st.flips += *flips;
+    }
   }
   if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
-  if (config_.hysteresis) {
-    st.hyst_prev.assign(w_used->data(), w_used->data() + n);
-    st.hyst_spec = f->spec();
-  }
+  st.prev.assign(w_used->data(), w_used->data() + n);
+  st.prev_spec = f->spec();
   if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
+}
+
+void SiteQuantizer::DropPrevious(LayerState& st) {
+  if (st.prev_spec.empty() && st.prev.empty()) return;
+  st.prev = {};
+  st.prev_dev = Tensor();
+  st.prev_on_device = false;
+  st.prev_spec.clear();
 }
 
 void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f,
@@ -345,30 +377,33 @@ void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const
   const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
   QuantStats stats;
   QuantStats* sp = collect_ ? &stats : nullptr;
-  if (config_.hysteresis && !st.hyst_on_device && st.hyst_prev.size() == n) {
+  if (!st.prev_on_device && st.prev.size() == n) {
     // State from a CPU run or a checkpoint: continue from it on the GPU.
-    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
-    st.hyst_dev.CopyFromHost(st.hyst_prev.data());
-    st.hyst_on_device = true;
+    ResizeOn(&st.prev_dev, w_master.shape(), w_master.device());
+    st.prev_dev.CopyFromHost(st.prev.data());
+    st.prev_on_device = true;
   }
+  const bool continues = st.prev_on_device && st.prev_dev.numel() == n && st.prev_spec == f.spec();
   Status s;
-  if (config_.hysteresis && st.hyst_on_device && st.hyst_dev.numel() == n &&
-      st.hyst_spec == f.spec()) {
-    w_used->CopyFrom(st.hyst_dev);
+  if (config_.hysteresis && continues) {
+    w_used->CopyFrom(st.prev_dev);
     uint64_t flips = 0;
     s = QuantizeHysteresisCuda(f, w_master.data(), w_used->data(), n, opts, sp, &flips,
                                cuda::Stream());
     st.flips += flips;
   } else {
     s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, sp, cuda::Stream());
+    if (s.ok() && continues) {  // waits for the stream, as the hysteresis count does
+      auto flips = CountFlipsCuda(st.prev_dev.data(), w_used->data(), n, cuda::Stream());
+      s = flips.status();
+      if (flips.ok()) st.flips += *flips;
+    }
   }
   if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
-  if (config_.hysteresis) {
-    ResizeOn(&st.hyst_dev, w_master.shape(), w_master.device());
-    st.hyst_dev.CopyFrom(*w_used);
-    st.hyst_on_device = true;
-    st.hyst_spec = f.spec();
-  }
+  ResizeOn(&st.prev_dev, w_master.shape(), w_master.device());
+  st.prev_dev.CopyFrom(*w_used);
+  st.prev_on_device = true;
+  st.prev_spec = f.spec();
   if (collect_) records_.push_back({layer.name(), Site::kWeight, f.spec(), stats});
 #else
   (void)st;
@@ -416,11 +451,11 @@ std::map<std::string, uint64_t> SiteQuantizer::Flips() const {
 std::map<std::string, const std::vector<float>*> SiteQuantizer::HysteresisState() const {
   std::map<std::string, const std::vector<float>*> out;
   for (const auto& [name, st] : layers_) {
-    if (st.hyst_on_device) {  // copy the GPU's newest state back (it stays the newest there)
-      st.hyst_prev.resize(st.hyst_dev.numel());
-      st.hyst_dev.CopyToHost(st.hyst_prev.data());
+    if (st.prev_on_device) {  // copy the GPU's newest state back (it stays the newest there)
+      st.prev.resize(st.prev_dev.numel());
+      st.prev_dev.CopyToHost(st.prev.data());
     }
-    if (!st.hyst_prev.empty()) out[name] = &st.hyst_prev;
+    if (!st.prev.empty()) out[name] = &st.prev;
   }
   return out;
 }
@@ -428,11 +463,11 @@ std::map<std::string, const std::vector<float>*> SiteQuantizer::HysteresisState(
 void SiteQuantizer::RestoreHysteresisState(const std::string& layer, std::vector<float> q) {
   auto it = layers_.find(layer);
   if (it == layers_.end()) return;
-  it->second.hyst_prev = std::move(q);
-  it->second.hyst_on_device = false;  // the restored state replaces whatever the GPU held
+  it->second.prev = std::move(q);
+  it->second.prev_on_device = false;  // the restored state replaces whatever the GPU held
   Rounding r = Rounding::kNearest;
   const Format* f = FormatFor(layer, Site::kWeight, &r);
-  it->second.hyst_spec = f != nullptr ? f->spec() : "";
+  it->second.prev_spec = f != nullptr ? f->spec() : "";
 }
 
 }  // namespace cpd::runtime

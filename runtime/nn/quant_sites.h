@@ -8,6 +8,16 @@
 //      E = uint<grad_bits>:minmax with stochastic rounding (Fu et al., ICLR 2021);
 //   3. per-layer overrides NAME.SITE=SPEC;
 //   4. layers listed in keep_fp32 ("first", "last", or a layer name) stay fp32 at every site.
+// Then the grouping of a log<b> spec without :ch or :tensor (Format::scope_by_layer()): per
+// output channel ("log<b>:ch") for the W and G of convolutions (Conv2d), per tensor
+// ("log<b>:tensor") everywhere else, as Lee et al. (ICLR 2022) scale their log weights; SpecFor
+// and the statistics' records name the resolved spec.
+//
+// Weight flips: for every layer whose W is quantised, the quantised weights of each forward are
+// kept (one copy per layer, on the layer's device) and compared with the next forward's, bit for
+// bit; the number that changed is the layer's flip count, with nearest (or any) rounding as with
+// hysteresis, so the two can be compared. A forward whose W format differs from the previous
+// one's (a CPT step to other bits, a pushed schedule) counts no flips and starts afresh.
 #pragma once
 
 #include <cstdint>
@@ -58,8 +68,9 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text);
 // Devices: the hooks quantise where the layer's tensors are: cpd::Quantize /
 // cpd::QuantizeHysteresis for CPU tensors, cpd::QuantizeCuda / cpd::QuantizeHysteresisCuda
 // (cpd/quantize_cuda.h: bit-identical results and statistics counts) for CUDA tensors, queued
-// on the runtime's CUDA stream (runtime/engine/cuda_ops.h). Collecting statistics, or counting
-// hysteresis flips, waits for that stream.
+// on the runtime's CUDA stream (runtime/engine/cuda_ops.h); flips are counted there too
+// (cpd::CountFlipsCuda, or the hysteresis kernel's own count). Collecting statistics, or counting
+// flips, waits for that stream.
 
 // Statistics of one site of one layer at one step.
 struct SiteRecord {
@@ -91,13 +102,16 @@ class SiteQuantizer : public QuantHooks {
   // While on, every site records its statistics (TakeRecords() hands them over).
   void SetCollectStats(bool on) { collect_ = on; }
   std::vector<SiteRecord> TakeRecords();
-  // Weight flips under hysteresis per layer since the last call.
+  // Weight flips per layer since the last call (every layer; 0 where W is not quantised).
   std::map<std::string, uint64_t> TakeFlips();
   // The same counts without resetting them.
   std::map<std::string, uint64_t> Flips() const;
 
-  // The format spec in force for a layer and site at the current step ("fp32" if none).
+  // The format spec in force for a layer and site at the current step ("fp32" if none), with
+  // log<b>'s grouping resolved for the layer ("log4:ch" or "log4:tensor").
   std::string SpecFor(const std::string& layer, Site site) const;
+  // Whether some layer's W is quantised at the current step (so flips are counted).
+  bool QuantizesWeights() const;
   // Whether any site of `layer` can be quantised at some step (layers that never are need no
   // hooks, which saves the layer a copy of its input and incoming gradient).
   bool Quantizes(const std::string& layer) const;
@@ -110,8 +124,9 @@ class SiteQuantizer : public QuantHooks {
   void SetEval(bool eval) { eval_ = eval; }
   const PrecisionConfig& config() const { return config_; }
 
-  // Hysteresis state (previous quantised weights) for checkpoints, in host memory (state kept
-  // on the GPU is copied back first). The pointers stay valid until the next hook call.
+  // The previous quantised weights of every layer whose W is quantised (hysteresis's Q_{t-1},
+  // and what the next flip count compares with) for checkpoints, in host memory (state kept on
+  // the GPU is copied back first). The pointers stay valid until the next hook call.
   std::map<std::string, const std::vector<float>*> HysteresisState() const;
   void RestoreHysteresisState(const std::string& layer, std::vector<float> q);
 
@@ -125,12 +140,14 @@ class SiteQuantizer : public QuantHooks {
   struct LayerState {
     int index = 0;
     bool keep_fp32 = false;
-    // Previous quantised weights (hysteresis), in host memory, or on the GPU while the layer
-    // runs there: hyst_on_device means hyst_dev holds the newest copy and hyst_prev may be stale.
-    mutable std::vector<float> hyst_prev;
-    Tensor hyst_dev;
-    bool hyst_on_device = false;
-    std::string hyst_spec;  // the format the previous weights were quantised to
+    bool conv = false;  // a convolution: log<b> groups its W and G per output channel
+    // Previous quantised weights (kept while W is quantised), in host memory, or on the GPU
+    // while the layer runs there: prev_on_device means prev_dev holds the newest copy and
+    // prev may be stale.
+    mutable std::vector<float> prev;
+    Tensor prev_dev;
+    bool prev_on_device = false;
+    std::string prev_spec;  // the format the previous weights were quantised to
     uint64_t flips = 0;
   };
 
@@ -139,6 +156,10 @@ class SiteQuantizer : public QuantHooks {
   // `keep` with the layers kept fp32.
   Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
   const Format* FormatFor(const std::string& layer, Site site, Rounding* rounding) const;
+  // The parsed format of a spec (checked in Create, so it parses).
+  const Format& CachedFormat(const std::string& spec) const;
+  // Forgets a layer's previous quantised weights (its W is no longer quantised).
+  static void DropPrevious(LayerState& st);
   // Quantises `in` into `out` (which may be `in` itself) at one site.
   void Apply(const Layer& layer, Site site, const Tensor& in, Tensor* out, size_t channels);
   // QuantizeWeight for CUDA tensors.

@@ -56,7 +56,7 @@ int FormatBits(const std::string& spec) {
 }
 
 // The per-layer rows of a coordinator report: the quantisation sites (reduced over the ranks),
-// hysteresis flips since the last report, and the all-reduce's per-layer statistics.
+// weight flips since the last report, and the all-reduce's per-layer statistics.
 std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
                                       const std::map<std::string, uint64_t>& flips,
                                       const std::vector<comm::LayerCommStats>& comm_stats,
@@ -233,22 +233,27 @@ void Reporter::AfterEpoch(const EpochDone& e) {
   progress_.EndLine();
   const auto flips = setup_.quant->TakeFlips();
   flips_reported_.clear();
+  // Flips are counted wherever W is quantised (nearest rounding as well as hysteresis).
+  const bool show_flips = setup_.quant->QuantizesWeights();
   uint64_t total_flips = 0;
   json flips_json = json::object();
   for (const auto& [name, f] : flips) {
-    if (o_.precision.hysteresis) flips_json[name] = f;
+    if (show_flips) flips_json[name] = f;
     total_flips += f;
   }
   const PrecisionConfig& pc = *e.precision;
   if (!quiet_) {
     std::string extra;
+    char buf[128];
     if (pc.cpt) {
-      char buf[96];
-      std::snprintf(buf, sizeof(buf), " bits %d-%d/%d cost %+.2f%%", pc.cpt->min_bits,
-                    pc.cpt->max_bits, pc.grad_bits, 100.0 * e.relative_cost);
+      std::snprintf(buf, sizeof(buf), " bits %d-%d/%d", pc.cpt->min_bits, pc.cpt->max_bits,
+                    pc.grad_bits);
       extra += buf;
     }
-    if (o_.precision.hysteresis) extra += " flips " + std::to_string(total_flips);
+    std::snprintf(buf, sizeof(buf), " cost %+.2f%% vs %s", 100.0 * e.relative_cost,
+                  StepBitsText(o_.cost_reference).c_str());
+    extra += buf;
+    if (show_flips) extra += " flips " + std::to_string(total_flips);
     if (e.skipped_steps > 0) extra += " skipped " + std::to_string(e.skipped_steps);
     std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
                 e.epoch, o_.epochs, e.totals.train_loss, 100 * e.totals.train_accuracy,
@@ -265,6 +270,7 @@ void Reporter::AfterEpoch(const EpochDone& e) {
        {"bits", pc.cpt ? pc.cpt->max_bits : 0},
        {"images_per_s", e.totals.images_per_s},
        {"relative_cost", e.relative_cost},
+       {"cost_reference", StepBitsText(o_.cost_reference)},
        {"skipped_steps", e.skipped_steps},
        {"flips", flips_json}});
   if (control_) {

@@ -89,7 +89,8 @@ class Reporter {
   Status AfterStep(const StepDone& step);
   // The epoch so far (call before evaluating, so that the rate leaves evaluation out).
   EpochTotals Totals() const;
-  // The epoch line, the "epoch" record (with hysteresis flips) and the coordinator's report.
+  // The epoch line, the "epoch" record (with weight flips where W is quantised, and the cost
+  // against --cost-reference) and the coordinator's report.
   void AfterEpoch(const EpochDone& epoch);
 
  private:
@@ -103,7 +104,7 @@ class Reporter {
   JobControl* control_ = nullptr;
   std::ofstream metrics_;
   Progress progress_;
-  std::map<std::string, uint64_t> flips_reported_;  // hysteresis flips already reported
+  std::map<std::string, uint64_t> flips_reported_;  // weight flips already reported
   std::chrono::steady_clock::time_point epoch_start_;
   double loss_sum_ = 0;
   int64_t correct_ = 0, seen_ = 0, epoch_steps_ = 0;

@@ -321,7 +321,7 @@ Status Trainer::BuildOutputs() {
   checkpointer_ =
       std::make_unique<Checkpointer>(o_, global_batch_, batches_per_epoch_, state, &replicas_);
   CPD_RETURN_IF_ERROR(checkpointer_->CheckDirectory());
-  cost_ = std::make_unique<CostPlan>(total_steps_, precision_);
+  cost_ = std::make_unique<CostPlan>(total_steps_, precision_, o_.cost_reference);
   return Status::Ok();
 }
 

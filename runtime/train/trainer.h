@@ -59,6 +59,9 @@ struct TrainOptions {
   int threads = 0;  // 0: all cores
   // Precision.
   PrecisionConfig precision;
+  // --cost-reference: the static forward/backward bits that relative costs are measured
+  // against (runtime/train/cost_plan.h).
+  StepBits cost_reference{8, 8};
   // Gradient all-reduce (see comm/gradient_allreduce.h).
   comm::GradientAllReduceOptions allreduce;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
@@ -94,7 +97,7 @@ struct TrainResult {
   double test_accuracy = 0;
   double ms_per_step = 0;
   std::vector<double> step_losses;  // every step's training loss, in order
-  double relative_cost = 0;         // CPT cost model vs static max bits (0 without CPT)
+  double relative_cost = 0;         // CPT's cost model vs static cost_reference bits
   int world_size = 1;               // ranks
   int workers = 1;                  // logical workers W
   int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient

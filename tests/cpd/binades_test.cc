@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpd/format.h"
@@ -227,11 +228,17 @@ std::vector<ListPair> LibraryCases() {
       cases.push_back({p.named + s, p.binades + s});
     }
   }
-  // log<b> has room 0 and one scale per channel: the zero-bit lists with :room=0:ch.
-  cases.push_back({"log2", "binades:0:room=0:ch"});
-  cases.push_back({"log4", "binades:0x7:room=0:ch"});
-  cases.push_back({"log5", "binades:0x15:room=0:ch"});
-  cases.push_back({"log8", "binades:0x127:room=0:ch"});
+  // log<b> has room 0: the zero-bit lists with :room=0, per tensor (the policy's per-layer
+  // default outside training, and :tensor) or per channel (:ch).
+  for (const auto& [log, list] :
+       std::vector<std::pair<std::string, std::string>>{{"log2", "binades:0"},
+                                                        {"log4", "binades:0x7"},
+                                                        {"log5", "binades:0x15"},
+                                                        {"log8", "binades:0x127"}}) {
+    cases.push_back({log, list + ":room=0"});
+    cases.push_back({log + ":tensor", list + ":room=0"});
+    cases.push_back({log + ":ch", list + ":room=0:ch"});
+  }
   return cases;
 }
 

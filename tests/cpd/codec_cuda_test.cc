@@ -162,7 +162,7 @@ const char* const kFormats[] = {
     "fp143:ch",     "fp152:room=2", "log4",   "log8",         "int8",
     "int4:ch",      "int2",         "int16",  "uint4:minmax", "uint8:minmax:ch",
     "uint5:minmax", "mxfp8",        "mxfp6",  "mxfp4",        "bfp8:16",
-    "bfp6:24",      "bfp3:5",       "bfp5:1",
+    "bfp6:24",      "bfp3:5",       "bfp5:1", "log4:ch",
 };
 
 // Per-binade lists: fp134's list, a gapped per-channel list (9 bits), a small-range one, the
@@ -398,7 +398,7 @@ std::string SpecName(const ::testing::TestParamInfo<const char*>& info) {
 
 INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaDegenerateTest,
                          ::testing::Values("uint4:minmax", "uint4:minmax:ch", "uint8:minmax",
-                                           "int8:ch", "fp134:ch", "log4", "bfp8:16", "mxfp4",
+                                           "int8:ch", "fp134:ch", "log4:ch", "bfp8:16", "mxfp4",
                                            "binades:3,3,3:ch"),
                          SpecName);
 

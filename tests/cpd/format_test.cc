@@ -75,11 +75,14 @@ std::vector<InfoCase> InfoCases() {
       {"fp152:room=-3", "fp152:room=-3", F::kSharedShift, S::kTensor, 8, 1.75, P2(-30), P2(-32),
        255, 0},
       {"fp134:room=1", "fp134", F::kSharedShift, S::kTensor, 8, 1.9375, P2(-6), P2(-10), 255, 0},
-      // Logarithmic: powers of two 2^(-L+1)..1, L = 2^(b-1)-1, and zero.
-      {"log2", "log2", F::kSharedShift, S::kChannel, 2, 1, 1, 0, 3, 0},
-      {"log4", "log4", F::kSharedShift, S::kChannel, 4, 1, P2(-6), 0, 15, 0},
-      {"log5", "log5", F::kSharedShift, S::kChannel, 5, 1, P2(-14), 0, 31, 0},
-      {"log8", "log8", F::kSharedShift, S::kChannel, 8, 1, P2(-126), 0, 255, 0},
+      // Logarithmic: powers of two 2^(-L+1)..1, L = 2^(b-1)-1, and zero. Per tensor where no
+      // layer picks the grouping; :ch and :tensor are explicit.
+      {"log2", "log2", F::kSharedShift, S::kTensor, 2, 1, 1, 0, 3, 0},
+      {"log4", "log4", F::kSharedShift, S::kTensor, 4, 1, P2(-6), 0, 15, 0},
+      {"log5", "log5", F::kSharedShift, S::kTensor, 5, 1, P2(-14), 0, 31, 0},
+      {"log8", "log8", F::kSharedShift, S::kTensor, 8, 1, P2(-126), 0, 255, 0},
+      {"log4:ch", "log4:ch", F::kSharedShift, S::kChannel, 4, 1, P2(-6), 0, 15, 0},
+      {"log4:tensor", "log4:tensor", F::kSharedShift, S::kTensor, 4, 1, P2(-6), 0, 15, 0},
       // Integers.
       {"int8", "int8", F::kIntSymmetric, S::kTensor, 8, 127, 1, 0, 255, 0},
       {"int4:ch", "int4:ch", F::kIntSymmetric, S::kChannel, 4, 7, 1, 0, 15, 0},
@@ -255,7 +258,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"e4m3:bogus", "unknown modifier ':bogus'"}, BadCase{"e4m3:", "unknown modifier"},
         BadCase{"fp134:room=9", "room"}, BadCase{"fp134:room=x", "room"},
         BadCase{"fp134:inf", "does not apply"}, BadCase{"int8:minmax", "does not apply"},
-        BadCase{"mxfp4:ch", "does not apply"}, BadCase{"log4:ch", "does not apply"},
+        BadCase{"mxfp4:ch", "does not apply"}, BadCase{"log4:room=2", "does not apply"},
+        BadCase{"log4:ch:tensor", ":ch and :tensor exclude each other"},
+        BadCase{"int8:tensor", "does not apply"}, BadCase{"log4:tensor:tensor", "given twice"},
         BadCase{"e1m0", "no nonzero finite value"},
         BadCase{"e1m2:nosub", "no nonzero finite value"}, BadCase{"E4M3", "unknown format name"},
         BadCase{"e4m3 ", "unknown format name"},
@@ -310,7 +315,9 @@ TEST(FormatParse, NumGroups) {
   EXPECT_EQ(MustParse("e4m3").num_groups(100, 1), 0u);
   EXPECT_EQ(MustParse("int8").num_groups(100, 4), 1u);
   EXPECT_EQ(MustParse("int8:ch").num_groups(100, 4), 4u);
-  EXPECT_EQ(MustParse("log4").num_groups(100, 5), 5u);
+  EXPECT_EQ(MustParse("log4").num_groups(100, 5), 1u);
+  EXPECT_EQ(MustParse("log4:tensor").num_groups(100, 5), 1u);
+  EXPECT_EQ(MustParse("log4:ch").num_groups(100, 5), 5u);
   EXPECT_EQ(MustParse("mxfp4").num_groups(64, 1), 2u);
   EXPECT_EQ(MustParse("mxfp4").num_groups(65, 1), 3u);
   EXPECT_EQ(MustParse("bfp4:7").num_groups(15, 1), 3u);

@@ -32,7 +32,7 @@ const std::vector<std::string>& AllSpecs() {
                                                  "fp134",        "fp143",
                                                  "fp152",        "fp134:ch",
                                                  "fp143:room=3", "fp152:room=0:ch",
-                                                 "log4",         "log8",
+                                                 "log4",         "log8:ch",
                                                  "int8",         "int4:ch",
                                                  "uint4:minmax", "uint8:minmax:ch",
                                                  "mxfp8",        "mxfp6",
@@ -60,7 +60,7 @@ std::string TestName(const ::testing::TestParamInfo<std::string>& info) {
 
 bool IsFixed(const Format& f) { return f.scope() == ScaleScope::kNone; }
 
-// Channels used for :ch formats (and log<b>, which always scales per channel).
+// Channels used for :ch formats.
 constexpr size_t kChannels = 4;
 
 // Element counts: multiples of kChannels and of no block size (7, 16, 32), so the last block

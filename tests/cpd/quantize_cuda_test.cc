@@ -109,7 +109,7 @@ std::vector<float> MakeInput(size_t n, uint32_t seed) {
   return x;
 }
 
-// Channels that divide n, so that :ch formats and log<b> get several groups.
+// Channels that divide n, so that :ch formats get several groups.
 size_t ChannelsFor(size_t n) {
   for (size_t c : {8, 7, 5, 3}) {
     if (n % c == 0) return c;
@@ -157,7 +157,7 @@ const char* const kFormats[] = {
     "e3m0",         "fp32:nosub", "fp32",    "fp134",        "fp143:ch",
     "log4",         "int8",       "int4:ch", "uint4:minmax", "uint8:minmax:ch",
     "mxfp8",        "mxfp6",      "mxfp4",   "bfp8:16",      "bfp6:24",
-    "fp152:room=2", "e4m3:inf",
+    "fp152:room=2", "e4m3:inf",   "log4:ch",
 };
 
 // Per-binade lists (the table in device memory, shifts per tensor or channel).
@@ -313,7 +313,7 @@ std::string SpecName(const ::testing::TestParamInfo<const char*>& info) {
 
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaDegenerateTest,
                          ::testing::Values("uint4:minmax", "uint4:minmax:ch", "uint8:minmax",
-                                           "int8:ch", "fp134:ch", "log4", "bfp8:16", "bfp6:24",
+                                           "int8:ch", "fp134:ch", "log4:ch", "bfp8:16", "bfp6:24",
                                            "mxfp4"),
                          SpecName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaDegenerateTest,
@@ -357,9 +357,44 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
   }
 }
 
+// Flips of nearest rounding: the GPU's count of changed bit patterns equals the CPU's, with
+// -0 against +0 counted as a change (bits, not values, are compared).
+TEST(CountFlipsCuda, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const Format f = *Format::Parse("e4m3");
+  for (size_t n : kSizes) {
+    const std::vector<float> w = MakeInput(n, 7u + uint32_t(n));
+    std::vector<float> w2 = w;
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> jitter(0.97f, 1.03f);
+    for (float& v : w2) v *= jitter(rng);
+    std::vector<float> prev(n), q(n);
+    ASSERT_TRUE(cpd::Quantize(f, w.data(), prev.data(), n).ok());
+    ASSERT_TRUE(cpd::Quantize(f, w2.data(), q.data(), n).ok());
+    if (n > 2) {
+      prev[0] = 0.0f;
+      q[0] = -0.0f;
+    }
+    const auto want = cpd::CountFlips(prev.data(), q.data(), n);
+    ASSERT_TRUE(want.ok());
+    DeviceBuffer dprev(n), dq(n);
+    dprev.Upload(prev);
+    dq.Upload(q);
+    const auto got = cpd::CountFlipsCuda(dprev.at(), dq.at(), n);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, *want) << "n=" << n;
+    if (n > 100) {
+      EXPECT_GT(*want, 0u) << "n=" << n;
+    }
+  }
+  EXPECT_EQ(*cpd::CountFlipsCuda(nullptr, nullptr, 0), 0u);
+  EXPECT_FALSE(cpd::CountFlipsCuda(nullptr, nullptr, 4).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
-                         ::testing::Values("e4m3", "bf16", "fp134", "fp143:ch", "log4", "int8",
-                                           "int4:ch", "uint4:minmax", "mxfp8", "bfp8:16", "e2m1"),
+                         ::testing::Values("e4m3", "bf16", "fp134", "fp143:ch", "log4", "log4:ch",
+                                           "int8", "int4:ch", "uint4:minmax", "mxfp8", "bfp8:16",
+                                           "e2m1"),
                          SpecName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeHysteresisCudaTest,
                          ::testing::Values("binades:5,5,4x5,3,2,1,0:ch", "binades:3,3,3:room=2"),

@@ -162,6 +162,45 @@ TEST(CptCost, StaticScheduleCostsNothingExtra) {
   EXPECT_TRUE(std::isnan(CptRelativeCost(CyclicPrecision{8, 3, 1, 10}, 8, 8)));
 }
 
+// Backward bits enter both sides of the ratio: c(b, g) = b^2 + 2bg (in units of 1/3072).
+TEST(CptCost, StepBitsAgainstAReference) {
+  const StepBits ref{8, 8};  // c = 64 + 128 = 192
+  EXPECT_EQ(RelativeCost(std::vector<StepBits>(5, {8, 8}), ref), 0.0);
+  EXPECT_EQ(RelativeCost({}, ref), 0.0);
+  // Static 4/8: (16 + 64) / 192 - 1 < 0; 3/8: (9 + 48) / 192 - 1.
+  EXPECT_DOUBLE_EQ(RelativeCost(std::vector<StepBits>(3, {4, 8}), ref), 80.0 / 192.0 - 1.0);
+  EXPECT_DOUBLE_EQ(RelativeCost({{3, 8}}, ref), 57.0 / 192.0 - 1.0);
+  // fp32 everywhere: (1024 + 2048) / 192 - 1 = 15.
+  EXPECT_DOUBLE_EQ(RelativeCost({{32, 32}}, ref), 15.0);
+  // A backward precision of its own: 8/4 = 64 + 64 against 8/8.
+  EXPECT_DOUBLE_EQ(RelativeCost({{8, 4}}, ref), 128.0 / 192.0 - 1.0);
+  // Against another reference: 8/8 vs 4/4 (16 + 32 = 48).
+  EXPECT_DOUBLE_EQ(RelativeCost({{8, 8}}, StepBits{4, 4}), 192.0 / 48.0 - 1.0);
+  // Same g on both sides: the int overload's answer.
+  const std::vector<int> bits = {3, 5, 8, 8, 4};
+  std::vector<StepBits> steps;
+  for (int b : bits) steps.push_back({b, 6});
+  EXPECT_NEAR(RelativeCost(steps, StepBits{8, 6}), RelativeCost(bits, 6, 8), 1e-15);
+  EXPECT_TRUE(std::isnan(RelativeCost({{8, 8}}, StepBits{0, 8})));
+  EXPECT_TRUE(std::isnan(RelativeCost({{-1, 8}}, ref)));
+}
+
+TEST(CptCost, ParseStepBits) {
+  auto ok = ParseStepBits("8/8");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(*ok, (StepBits{8, 8}));
+  EXPECT_EQ(*ParseStepBits("32/16"), (StepBits{32, 16}));
+  EXPECT_EQ(*ParseStepBits("1/1"), (StepBits{1, 1}));
+  EXPECT_EQ(StepBitsText({4, 8}), "4/8");
+  for (const char* bad : {"", "8", "8/", "/8", "8/8/8", "0/8", "8/33", "08/8", " 8/8", "8/8 ",
+                          "8-8", "a/b", "8/-1", "100/8"}) {
+    const auto r = ParseStepBits(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("FWD/BWD"), std::string::npos) << r.status().message();
+    EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
+  }
+}
+
 // ---- Learning-rate schedules ---------------------------------------------------------------
 
 LrSchedule MustParse(std::string_view name, double lr, int64_t total, int64_t warmup = 0,

@@ -316,7 +316,7 @@ TEST(CpdQuantErrors, BadArguments) {
 // exit 134 with std::length_error or std::bad_alloc).
 TEST(CpdQuantErrors, ChannelsBeyondTheInputAreRefused) {
   for (const auto& [spec, channels] : std::vector<std::pair<std::string, std::string>>{
-           {"int8:ch", "4611686018427387904"}, {"log4", "1000000000000"}, {"int8:ch", "8"}}) {
+           {"int8:ch", "4611686018427387904"}, {"log4:ch", "1000000000000"}, {"int8:ch", "8"}}) {
     const RunResult r = RunCli({"quantize", "--format", spec, "--channels", channels},
                                channels == "8" ? ToBytes({1.0f, 2.0f}) : "");
     ExpectUsageError(r, spec + " --channels " + channels);

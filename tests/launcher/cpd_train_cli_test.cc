@@ -66,7 +66,7 @@ TEST(CpdTrainCli, HelpDocumentsEveryGroupOfOptions) {
         "--cyclic-bits", "--cyclic-periods", "--grad-bits",      "--hysteresis",
         "--stats-every", "--metrics-out",    "--checkpoint-dir", "--checkpoint-every",
         "--resume",      "--device",         "--config",         "--print-model",
-        "--optimizer"}) {
+        "--optimizer",   "--cost-reference"}) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   }
 }
@@ -79,6 +79,9 @@ TEST(CpdTrainCli, BadInputIsOneLineAndExitTwo) {
   ExpectUsageError(Train({"--preset", "fast"}), "fast");
   ExpectUsageError(Train({"--arch", "resnet21"}), "resnet21");
   ExpectUsageError(Train({"--keep-fp32", "conv7"}), "conv7");
+  for (const char* ref : {"8", "8/0", "8/8/8", "x/8", "8-8", "33/8", ""}) {
+    ExpectUsageError(Train({"--cost-reference", ref}), "--cost-reference");
+  }
   const std::string bad_key = WriteTemp("bad.yaml", "epoch: 3\n");
   ExpectUsageError(Train({"--config", bad_key}), "'epoch'");
   std::remove(bad_key.c_str());
@@ -115,8 +118,19 @@ TEST(CpdTrainCli, CptPresetTrainsAndReportsBitsAndCost) {
                              "--epochs", "1", "--no-progress"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("bits 3-8/8"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("cost -"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("cost -"), std::string::npos) << r.out;  // T = 2 steps: not -36.67 %
+  EXPECT_NE(r.out.find("% vs 8/8"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("epoch 1/1"), std::string::npos) << r.out;
+}
+
+// A static run has a cost too, against the reference given; a quantised W shows its flips.
+TEST(CpdTrainCli, StaticRunReportsCostAgainstTheReferenceAndFlips) {
+  const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--w-format", "int4",
+                             "--a-format", "int4", "--e-format", "int8", "--cost-reference", "8/8",
+                             "--max-steps", "3", "--epochs", "1", "--no-progress"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("cost -58.33% vs 8/8"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" flips "), std::string::npos) << r.out;
 }
 
 // Runs cpd-train with every GPU hidden from the CUDA runtime (CUDA_VISIBLE_DEVICES=""), so that

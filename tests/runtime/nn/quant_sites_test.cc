@@ -8,6 +8,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpd/format.h"
+#include "cpd/quantize.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 
@@ -72,6 +74,118 @@ TEST_F(SiteQuantizerTest, RefusedReconfigureKeepsThePolicyInForce) {
   EXPECT_FALSE((*q)->Reconfigure(bad_cpt).ok());
   EXPECT_EQ((*q)->SpecFor("fc1", Site::kError), "e5m2");
   EXPECT_EQ((*q)->SpecFor("fc1", Site::kWeight), "fp32");
+}
+
+// ---- Weight flips ----------------------------------------------------------------------------
+
+// Quantises `w` as the W of `layer` (one forward) and returns the weights as used.
+std::vector<float> QuantizeW(SiteQuantizer& q, const Layer& layer, std::vector<int64_t> shape,
+                             const std::vector<float>& w) {
+  Tensor master(shape), used(shape);
+  master.CopyFromHost(w.data());
+  q.QuantizeWeight(layer, master, &used);
+  std::vector<float> out(used.numel());
+  used.CopyToHost(out.data());
+  return out;
+}
+
+// e4m3 is a fixed grid (spacing 0.25 in [2, 4)), so every quantised value is known: a step whose
+// weights move from {1, 2, 3, 4} to {1, 2.01, 3.3, 4} changes one quantised weight (3 -> 3.25),
+// and moving 3.3 back to 3.1 changes it back under nearest rounding but not under hysteresis
+// (3.1 < 3.25: ceil to the grid keeps 3.25).
+TEST_F(SiteQuantizerTest, CountsFlipsOfNearestRoundedWeights) {
+  const std::vector<std::vector<float>> steps = {
+      {1.0f, 2.0f, 3.0f, 4.0f}, {1.0f, 2.01f, 3.3f, 4.0f}, {1.0f, 2.01f, 3.1f, 4.0f}};
+  for (const bool hysteresis : {false, true}) {
+    PrecisionConfig c;
+    c.global[int(Site::kWeight)].spec = "e4m3";
+    c.hysteresis = hysteresis;
+    auto q = SiteQuantizer::Create(c, Layers());
+    ASSERT_TRUE(q.ok()) << q.status().message();
+    EXPECT_TRUE((*q)->QuantizesWeights());
+    std::vector<uint64_t> flips;
+    for (const auto& w : steps) {
+      QuantizeW(**q, fc2_, {2, 2}, w);
+      flips.push_back((*q)->TakeFlips().at("fc2"));
+    }
+    // The first forward has nothing to compare with.
+    const std::vector<uint64_t> want =
+        hysteresis ? std::vector<uint64_t>{0, 1, 0} : std::vector<uint64_t>{0, 1, 1};
+    EXPECT_EQ(flips, want) << (hysteresis ? "hysteresis" : "nearest");
+    EXPECT_EQ((*q)->Flips().at("fc1"), 0u);  // no forward
+  }
+}
+
+TEST_F(SiteQuantizerTest, FlipsRestartWhenTheWeightFormatChangesAndStopAtFp32) {
+  PrecisionConfig c;
+  c.global[int(Site::kWeight)].spec = "e4m3";
+  auto q = SiteQuantizer::Create(c, Layers());
+  ASSERT_TRUE(q.ok());
+  QuantizeW(**q, fc2_, {4}, {1.0f, 2.0f, 3.0f, 4.0f});
+  EXPECT_EQ((*q)->HysteresisState().count("fc2"), 1u);  // kept without hysteresis too
+  c.global[int(Site::kWeight)].spec = "e2m1";
+  ASSERT_TRUE((*q)->Reconfigure(c).ok());
+  QuantizeW(**q, fc2_, {4}, {1.0f, 2.0f, 3.3f, 4.0f});  // another grid: nothing to compare
+  EXPECT_EQ((*q)->TakeFlips().at("fc2"), 0u);
+  ASSERT_TRUE((*q)->Reconfigure(PrecisionConfig{}).ok());
+  EXPECT_FALSE((*q)->QuantizesWeights());
+  EXPECT_TRUE((*q)->HysteresisState().empty());  // fp32 W keeps no previous weights
+}
+
+// ---- log<b> grouping per layer (Lee et al.) -----------------------------------------------------
+
+// Two output channels of very different magnitudes: one log4 scale for the tensor flushes the
+// small channel (its values lie below 2^-7, half the smallest level 2^-6 of a max-1 tensor),
+// one scale per channel keeps it.
+TEST(SiteQuantizerLogScope, ConvolutionsPerChannelOtherLayersPerTensor) {
+  Linear fc("fc", 2, 2, true, 1);
+  Conv2d conv("conv", 2, 2, 1, 1, 0, true, 2);
+  const std::vector<float> w = {1.0f, 0.5f, 0.003f, 0.002f};  // [2, 2] or [2, 2, 1, 1]
+  auto quantize = [&w](const std::string& spec, size_t channels) {
+    std::vector<float> out(w.size());
+    QuantizeOptions o;
+    o.channels = channels;
+    EXPECT_TRUE(Quantize(*Format::Parse(spec), w.data(), out.data(), w.size(), o).ok());
+    return out;
+  };
+  const std::vector<float> per_tensor = quantize("log4:tensor", 2);
+  const std::vector<float> per_channel = quantize("log4:ch", 2);
+  ASSERT_NE(per_tensor, per_channel);
+  EXPECT_EQ(per_tensor[2], 0.0f);
+  EXPECT_NE(per_channel[2], 0.0f);
+
+  struct Case {
+    std::string spec, fc_want, conv_want;
+  };
+  for (const Case& k :
+       {Case{"log4", "log4:tensor", "log4:ch"}, Case{"log4:ch", "log4:ch", "log4:ch"},
+        Case{"log4:tensor", "log4:tensor", "log4:tensor"}}) {
+    PrecisionConfig c;
+    c.global[int(Site::kWeight)].spec = k.spec;
+    c.global[int(Site::kWeightGrad)].spec = k.spec;
+    c.global[int(Site::kActivation)].spec = k.spec;
+    auto q = SiteQuantizer::Create(c, {&conv, &fc});
+    ASSERT_TRUE(q.ok()) << q.status().message();
+    EXPECT_EQ((*q)->SpecFor("fc", Site::kWeight), k.fc_want) << k.spec;
+    EXPECT_EQ((*q)->SpecFor("fc", Site::kWeightGrad), k.fc_want) << k.spec;
+    EXPECT_EQ((*q)->SpecFor("conv", Site::kWeight), k.conv_want) << k.spec;
+    EXPECT_EQ((*q)->SpecFor("conv", Site::kWeightGrad), k.conv_want) << k.spec;
+    // Activations have no output channels: per tensor unless :ch is asked for.
+    EXPECT_EQ((*q)->SpecFor("conv", Site::kActivation),
+              k.spec == "log4:ch" ? "log4:ch" : "log4:tensor")
+        << k.spec;
+    auto want = [&](const std::string& spec) {
+      return spec == "log4:ch" ? per_channel : per_tensor;
+    };
+    EXPECT_EQ(QuantizeW(**q, fc, {2, 2}, w), want(k.fc_want)) << k.spec;
+    EXPECT_EQ(QuantizeW(**q, conv, {2, 2, 1, 1}, w), want(k.conv_want)) << k.spec;
+    Tensor g({2, 2});  // G as the layer hands it over
+    g.CopyFromHost(w.data());
+    (*q)->QuantizeWeightGrad(fc, &g);
+    std::vector<float> got(4);
+    g.CopyToHost(got.data());
+    EXPECT_EQ(got, want(k.fc_want)) << k.spec;
+  }
 }
 
 TEST(PrecisionConfigJson, RoundTripsEveryField) {

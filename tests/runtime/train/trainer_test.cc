@@ -461,9 +461,41 @@ TEST(TrainerMetrics, StatsCoverEveryLayerAndSite) {
     } else if (j["type"] == "epoch") {
       ++epoch_lines;
       EXPECT_GT(j["test_accuracy"].get<double>(), 0.0);
+      // W e4m3, A e4m3, E e5m2: 8/8, as the default reference.
+      EXPECT_EQ(j["cost_reference"], "8/8");
+      EXPECT_EQ(j["relative_cost"].get<double>(), 0.0);
+      // Nearest-rounded W counts flips too: every quantised layer has an entry.
+      EXPECT_EQ(j["flips"].size(), 5u) << line;
+      uint64_t flips = 0;
+      for (const auto& [layer, f] : j["flips"].items()) flips += f.get<uint64_t>();
+      EXPECT_GT(flips, 0u) << line;
     }
   }
   EXPECT_EQ(step_lines, 3);  // steps 0, 5, 10
+  EXPECT_EQ(epoch_lines, 1);
+}
+
+TEST(TrainerMetrics, Fp32RunCostsAgainstTheReferenceAndHasNoFlips) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.max_steps = 2;
+  o.epochs = 1;
+  o.metrics_out = dir.path() + "/m.jsonl";
+  o.cost_reference = {4, 4};  // c = 16 + 32 = 48; fp32: 3072 / 48 - 1 = 63
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_DOUBLE_EQ(r->relative_cost, 63.0);
+  std::ifstream in(o.metrics_out);
+  std::string line;
+  int epoch_lines = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] != "epoch") continue;
+    ++epoch_lines;
+    EXPECT_EQ(j["cost_reference"], "4/4");
+    EXPECT_DOUBLE_EQ(j["relative_cost"].get<double>(), 63.0);
+    EXPECT_TRUE(j["flips"].empty()) << line;
+  }
   EXPECT_EQ(epoch_lines, 1);
 }
 

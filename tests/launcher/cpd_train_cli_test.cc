@@ -165,6 +165,11 @@ TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
                                                         {"--classes", "0"},
                                                         {"--in-channels", "0"},
                                                         {"--max-skipped-steps", "-1"},
+                                                        {"--lr-scaling", "cube"},
+                                                        {"--lr-base-batch", "0"},
+                                                        {"--warmup-epochs", "-1"},
+                                                        {"--lars-exclude", "all"},
+                                                        {"--lars-excluded-lr-ratio", "0"},
                                                         {"--coordinator", "nohostport"}}) {
     const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", flag, value});
     ExpectUsageError(r, flag);
@@ -178,6 +183,25 @@ RunResult QuickRun(std::vector<std::string> extra) {
                                    "1",         "--no-progress", "--threads", "2"};
   args.insert(args.end(), extra.begin(), extra.end());
   return Train(args);
+}
+
+// Rank 0 says once how the lr came about: the rule, the global batch, the warm-up in epochs and
+// steps, and LARS's ratio for biases and BatchNorm.
+TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {
+  // 8192 samples / 1024 = 8 steps per epoch; half an epoch = 4 steps.
+  const RunResult r =
+      QuickRun({"--global-batch", "1024", "--emulate-ranks", "4", "--lr", "0.05", "--lr-scaling",
+                "sqrt", "--warmup-epochs", "0.5", "--optimizer", "lars", "--max-steps", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\nlr 0.05 x sqrt(1024/256) = 0.1 (cosine), warm-up 0.5 epochs = 4 steps, "
+                       "LARS biases/BatchNorm at lr x 0.024\n"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(CpdTrainCli, WarmupStepsAndEpochsExcludeEachOther) {
+  ExpectUsageError(QuickRun({"--warmup-steps", "0", "--warmup-epochs", "1"}),
+                   "--warmup-steps and --warmup-epochs exclude each other");
 }
 
 // An unwritable --checkpoint-dir is found at start-up (exit 1), before any step; it used to fail

@@ -127,6 +127,98 @@ TEST(TrainerResume, ResNet20IsBitIdentical) {
   ExpectBitIdenticalResume(o, 4, 10);
 }
 
+// Large-batch lr rules and a warm-up in epochs with LARS: still a pure function of the options.
+TEST(TrainerResume, LrScalingWarmupEpochsAndLarsAreBitIdentical) {
+  TrainOptions o = SmallRun();
+  o.optimizer = OptimizerKind::kLars;
+  o.lr = 0.5;
+  o.lr_scaling = LrScaling::kSqrt;
+  o.warmup_epochs = 0.5;
+  ExpectBitIdenticalResume(o, 30, 80);
+}
+
+// ---- Learning-rate rules -------------------------------------------------------------------
+
+// Runs `o` for 12 steps and returns the result (which must be OK).
+TrainResult RunTwelve(TrainOptions o) {
+  o.max_steps = 12;
+  auto r = Train(o);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? *r : TrainResult{};
+}
+
+// A scaled lr trains exactly like the same lr given directly: global batch 64, base batch 32
+// (linear: x2) or 256 (sqrt: x0.5), all exact in binary.
+TEST(TrainerLr, ScalingRulesSetTheScheduleBaseLr) {
+  TrainOptions plain = SmallRun();
+  plain.lr = 0.05;
+  const TrainResult want = RunTwelve(plain);
+  EXPECT_EQ(want.lr_effective, 0.05);
+
+  TrainOptions linear = SmallRun();
+  linear.lr = 0.025;
+  linear.lr_scaling = LrScaling::kLinear;
+  linear.lr_base_batch = 32;
+  TrainOptions sqrt = SmallRun();
+  sqrt.lr = 0.1;
+  sqrt.lr_scaling = LrScaling::kSqrt;
+  for (const TrainOptions& o : {linear, sqrt}) {
+    const TrainResult got = RunTwelve(o);
+    EXPECT_EQ(got.lr_effective, 0.05) << LrScalingName(o.lr_scaling);
+    EXPECT_EQ(got.step_losses, want.step_losses) << LrScalingName(o.lr_scaling);
+    EXPECT_EQ(got.param_hash, want.param_hash) << LrScalingName(o.lr_scaling);
+  }
+}
+
+// The global batch of the rule is the real one: per-worker batch x workers without
+// --global-batch.
+TEST(TrainerLr, ScalingUsesTheGlobalBatchOfAllWorkers) {
+  TrainOptions o = SmallRun();
+  o.batch_size = 32;
+  o.emulate_ranks = 4;  // 128 in all
+  o.lr = 0.01;
+  o.lr_scaling = LrScaling::kLinear;
+  o.lr_base_batch = 32;
+  EXPECT_EQ(RunTwelve(o).lr_effective, 0.04);
+}
+
+// 0.5 epochs of 128 steps = 64 steps, the same schedule as --warmup-steps 64.
+TEST(TrainerLr, WarmupEpochsAreStepsPerEpochTimesEpochs) {
+  TrainOptions steps = SmallRun();
+  steps.warmup_steps = 64;
+  TrainOptions epochs = SmallRun();
+  epochs.warmup_epochs = 0.5;
+  const TrainResult a = RunTwelve(steps), b = RunTwelve(epochs);
+  EXPECT_EQ(b.warmup_steps, 64);
+  EXPECT_EQ(a.step_losses, b.step_losses);
+  EXPECT_EQ(a.param_hash, b.param_hash);
+}
+
+TEST(TrainerLr, BadWarmupAndScalingOptionsNameTheFlags) {
+  auto refused = [](TrainOptions o, const std::string& part) {
+    auto r = Train(o);
+    ASSERT_FALSE(r.ok()) << part;
+    EXPECT_NE(r.status().message().find(part), std::string::npos) << r.status().message();
+  };
+  TrainOptions o = SmallRun();
+  o.warmup_steps = 10;
+  o.warmup_epochs = 1;
+  refused(o, "--warmup-steps and --warmup-epochs exclude each other");
+  o = SmallRun();
+  o.warmup_epochs = 3;  // 2 epochs in the run
+  refused(o, "--warmup-epochs 3 (384 steps) is longer than the run (2 epochs = 256 steps)");
+  o = SmallRun();
+  o.warmup_epochs = std::numeric_limits<double>::quiet_NaN();
+  refused(o, "--warmup-epochs must be a number >= 0, got nan");
+  o = SmallRun();
+  o.lr_base_batch = 0;
+  refused(o, "--lr-base-batch must be >= 1");
+  o = SmallRun();
+  o.optimizer = OptimizerKind::kLars;
+  o.lars_excluded_lr_ratio = 0;
+  refused(o, "--lars-excluded-lr-ratio");
+}
+
 TEST(TrainerCheckpoint, CorruptCheckpointIsRefused) {
   TempDir dir;
   TrainOptions o = SmallRun();

@@ -48,7 +48,7 @@ const char* LarsExcludeName(LarsExclude exclude);
 // Barlow Twins (Zbontar et al., "Barlow Twins: Self-Supervised Learning via Redundancy
 // Reduction", 2021; the official code's --learning-rate-biases 0.0048 and
 // --learning-rate-weights 0.2, with LARS excluding biases and BatchNorm from adaptation).
-constexpr double kLarsExcludedLrRatio = 0.0048 / 0.2;
+constexpr double kLarsExcludedLrRatio = 0.024;  // = 0.0048 / 0.2
 
 struct OptimizerOptions {
   double momentum = 0.9;      // >= 0; 0 keeps no momentum buffers

@@ -406,6 +406,7 @@ Status Trainer::ResumeOrStart() {
   return Status::Ok();
 }
 
+// The header and the lr on the console; the "run" record in the metrics.
 void Trainer::Announce() {
   std::string parallel;
   if (group_.workers > 1) {
@@ -424,6 +425,15 @@ void Trainer::Announce() {
                 static_cast<long long>(batches_per_epoch_));
   reporter_->Say(line);
   reporter_->Say(DescribeLr());
+  RunStart run;
+  run.step = step_;
+  run.classes = train_.classes;
+  run.total_steps = total_steps_;
+  run.lr_effective = result_.lr_effective;
+  run.warmup_steps = result_.warmup_steps;
+  run.precision = DescribePrecision(precision_);
+  run.device = DeviceName(device_);
+  reporter_->Started(run);
 }
 
 // The control plane: the coordinator's schedules (same step on every rank) and reports.

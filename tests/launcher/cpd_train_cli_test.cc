@@ -44,13 +44,17 @@ std::string WriteTemp(const std::string& name, const std::string& text) {
   return path;
 }
 
-// The number of "step" records in a metrics file, and its last epoch record.
+// The number of "step" records in a metrics file, and its last epoch record. A file with records
+// must open with the "run" record.
 int CountSteps(const std::string& path, nlohmann::json* last_epoch) {
   std::ifstream in(path);
   std::string line;
   int steps = 0;
+  bool first = true;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
+    if (first) EXPECT_EQ(j["type"], "run") << line;
+    first = false;
     if (j["type"] == "step") ++steps;
     if (j["type"] == "epoch") *last_epoch = j;
   }
@@ -106,6 +110,14 @@ TEST(CpdTrainCli, ConfigFileWithFlagsWinning) {
   nlohmann::json epoch;
   EXPECT_EQ(CountSteps(metrics, &epoch), 4);
   EXPECT_EQ(epoch["step"].get<int>(), 4);
+  std::ifstream in(metrics);
+  std::string first;
+  std::getline(in, first);
+  const nlohmann::json run = nlohmann::json::parse(first);
+  EXPECT_EQ(run["arch"], "mlp") << first;
+  EXPECT_EQ(run["precision"], "W=e4m3") << first;
+  EXPECT_EQ(run["total_steps"], 640) << first;  // the schedule's horizon: 10 epochs x 64 steps
+  EXPECT_EQ(run["max_steps"], 4) << first;
   std::remove(cfg.c_str());
   std::remove(metrics.c_str());
 }

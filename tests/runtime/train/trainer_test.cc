@@ -559,6 +559,83 @@ TEST(TrainerMetrics, StatsCoverEveryLayerAndSite) {
   EXPECT_EQ(epoch_lines, 1);
 }
 
+std::vector<nlohmann::json> ReadRecords(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The "run" record opens the metrics file with what a report needs without any other source,
+// and opens each resumed part again at its start step.
+TEST(TrainerMetrics, RunRecordComesFirstAndAgainOnResume) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.metrics_out = dir.File("m.jsonl");
+  o.checkpoint_dir = dir.File("ck");
+  o.checkpoint_every = 10;
+  o.max_steps = 10;
+  o.stats_every = 4;
+  o.emulate_ranks = 2;
+  o.global_batch = 128;  // 8192 / 128 = 64 steps per epoch
+  o.optimizer = OptimizerKind::kLars;
+  o.lr = 0.1;
+  o.lr_scaling = LrScaling::kLinear;
+  o.warmup_epochs = 0.25;
+  o.allreduce.algo = comm::AllReduceAlgo::kEmulate;
+  o.allreduce.format = "e5m2";
+  o.allreduce.aps = true;
+  o.precision.global[int(Site::kActivation)].spec = "e4m3";
+  ASSERT_TRUE(Train(o).ok());
+  o.resume = "auto";
+  o.max_steps = 14;
+  ASSERT_TRUE(Train(o).ok());
+
+  const std::vector<nlohmann::json> records = ReadRecords(o.metrics_out);
+  std::vector<size_t> runs;
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i]["type"] == "run") runs.push_back(i);
+  }
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0], 0u) << "the run record must be the first line";
+  const nlohmann::json& run = records[0];
+  EXPECT_EQ(run["step"], 0);
+  EXPECT_EQ(run["arch"], "mlp");
+  EXPECT_EQ(run["dataset"], "synthetic");
+  EXPECT_EQ(run["classes"], 10);
+  EXPECT_EQ(run["ranks"], 1);
+  EXPECT_EQ(run["workers"], 2);
+  EXPECT_EQ(run["global_batch"], 128);
+  EXPECT_EQ(run["epochs"], 2);
+  EXPECT_EQ(run["steps_per_epoch"], 64);
+  EXPECT_EQ(run["total_steps"], 128);
+  EXPECT_EQ(run["seed"], 1);
+  EXPECT_EQ(run["optimizer"], "lars");
+  EXPECT_EQ(run["lr"], 0.1);
+  EXPECT_EQ(run["lr_effective"], 0.1 * 128 / 256);
+  EXPECT_EQ(run["warmup_steps"], 16);
+  EXPECT_EQ(run["lars_exclude"], "bias-bn");
+  EXPECT_EQ(run["lars_excluded_lr_ratio"], kLarsExcludedLrRatio);
+  EXPECT_EQ(run["allreduce"], "emulate");
+  EXPECT_EQ(run["allreduce_format"], "e5m2");
+  EXPECT_EQ(run["aps"], true);
+  EXPECT_EQ(run["precision"], DescribePrecision(o.precision));
+  EXPECT_NE(run["precision"].get<std::string>().find("A=e4m3"), std::string::npos) << run;
+  EXPECT_EQ(run["device"], "cpu");
+  // The resumed part's record differs only in its start step.
+  nlohmann::json resumed = records[runs[1]];
+  EXPECT_EQ(resumed["step"], 10);
+  EXPECT_EQ(resumed["max_steps"], 14);
+  resumed["step"] = 0;
+  resumed["max_steps"] = 10;
+  EXPECT_EQ(resumed, run);
+  // Every record after it belongs to the resumed part.
+  for (size_t i = runs[1] + 1; i < records.size(); ++i) {
+    EXPECT_GE(records[i]["step"].get<int64_t>(), 10) << records[i];
+  }
+}
+
 TEST(TrainerCpt, RelativeCostOfThreeToEightBits) {
   TrainOptions o = SmallRun();
   o.max_steps = 4;

@@ -231,6 +231,11 @@ void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
       ->capture_default_str();
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
+  app->add_option("--progress-interval", o->progress_interval_s,
+                  "When stdout is not a terminal: a progress line when at least this many "
+                  "seconds have passed since the last one, and at each epoch's end (0: every "
+                  "step)")
+      ->capture_default_str();
   app->add_flag("--quiet", o->quiet, "Print nothing but errors");
 }
 

@@ -102,13 +102,22 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
   return out;
 }
 
+// The progress display of stdout: a bar on a terminal, timed plain lines otherwise.
+ProgressOptions ConsoleProgress(const TrainOptions& o, bool quiet) {
+  ProgressOptions p;
+  p.enabled = o.progress && !quiet;
+  p.tty = isatty(STDOUT_FILENO) != 0;
+  p.interval_s = o.progress_interval_s;
+  return p;
+}
+
 }  // namespace
 
 Reporter::Reporter(ReporterSetup setup)
     : setup_(setup),
       o_(*setup.options),
       quiet_(o_.quiet || setup.rank != 0),
-      progress_(o_.progress && !quiet_, isatty(STDOUT_FILENO) != 0) {}
+      progress_(ConsoleProgress(o_, quiet_)) {}
 
 Result<std::unique_ptr<Reporter>> Reporter::Create(ReporterSetup setup) {
   std::unique_ptr<Reporter> r(new Reporter(setup));

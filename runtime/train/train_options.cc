@@ -66,6 +66,9 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
   if (o.weight_decay < 0) return bad("--weight-decay must be >= 0");
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
+  if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {
+    return bad("--progress-interval must be a number of seconds >= 0 (0: every step)");
+  }
   if (o.checkpoint_every < 0) return bad("--checkpoint-every must be >= 0");
   if (!o.resume.empty() && o.resume != "auto" && access(o.resume.c_str(), R_OK) != 0) {
     return bad("--resume: cannot read checkpoint '" + o.resume + "'");

@@ -92,6 +92,9 @@ struct TrainOptions {
   double report_interval_s = 1.0;
   bool print_model = false;
   bool progress = true;  // a bar on a terminal; plain lines otherwise
+  // Plain progress lines at least this many seconds apart, plus each epoch's last batch
+  // (0: every step); >= 0.
+  double progress_interval_s = 5;
   bool quiet = false;
   bool eval_each_epoch = true;
 };

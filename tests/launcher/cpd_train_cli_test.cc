@@ -53,7 +53,9 @@ int CountSteps(const std::string& path, nlohmann::json* last_epoch) {
   bool first = true;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    if (first) EXPECT_EQ(j["type"], "run") << line;
+    if (first) {
+      EXPECT_EQ(j["type"], "run") << line;
+    }
     first = false;
     if (j["type"] == "step") ++steps;
     if (j["type"] == "epoch") *last_epoch = j;
@@ -214,6 +216,35 @@ TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {
 TEST(CpdTrainCli, WarmupStepsAndEpochsExcludeEachOther) {
   ExpectUsageError(QuickRun({"--warmup-steps", "0", "--warmup-epochs", "1"}),
                    "--warmup-steps and --warmup-epochs exclude each other");
+}
+
+// stdout a pipe (a cluster job's log): plain progress lines by time, never a '\r'. Interval 0
+// gives one line per step; a long interval only the epoch's last batch.
+TEST(CpdTrainCli, ProgressLinesInAPipeAreTimed) {
+  auto run = [](const std::string& interval) {
+    return RunProgram(BuiltProgram(CPD_TRAIN_PATH),
+                      {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--threads", "2",
+                       "--global-batch", "1024", "--progress-interval", interval},
+                      "", StdoutTo::kPipe);
+  };
+  auto progress_lines = [](const std::string& out) {
+    size_t n = 0;
+    for (size_t at = 0; (at = out.find("  epoch 1/1 step ", at)) != std::string::npos; ++at) ++n;
+    return n;
+  };
+  RunResult r = run("0");  // 8192 / 1024 = 8 steps
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(progress_lines(r.out), 8u) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 1/8 "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+
+  r = run("3600");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(progress_lines(r.out), 1u) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 8/8 "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+
+  ExpectUsageError(run("-1"), "--progress-interval");
 }
 
 // An unwritable --checkpoint-dir is found at start-up (exit 1), before any step; it used to fail

@@ -75,6 +75,10 @@ TEST(CpdTrainCli, HelpDocumentsEveryGroupOfOptions) {
         "--optimizer"}) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   }
+  for (const char* flag : {"--lr-scaling", "--lr-base-batch", "--warmup-epochs", "--lars-exclude",
+                           "--lars-excluded-lr-ratio", "--progress-interval"}) {
+    EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
+  }
 }
 
 TEST(CpdTrainCli, BadInputIsOneLineAndExitTwo) {

@@ -246,4 +246,39 @@ Result<LrSchedule> MakeLrSchedule(LrSchedule::Kind kind, double base_lr, int64_t
   return s;
 }
 
+// ---- Large-batch learning-rate scaling -----------------------------------------------------
+
+const char* LrScalingName(LrScaling rule) {
+  switch (rule) {
+    case LrScaling::kLinear:
+      return "linear";
+    case LrScaling::kSqrt:
+      return "sqrt";
+    case LrScaling::kNone:
+      break;
+  }
+  return "none";
+}
+
+Result<LrScaling> ParseLrScaling(std::string_view name) {
+  if (name == "none") return LrScaling::kNone;
+  if (name == "linear") return LrScaling::kLinear;
+  if (name == "sqrt") return LrScaling::kSqrt;
+  return Status::InvalidArgument("lr-scaling '" + std::string(name) +
+                                 "' (accepted: none, linear, sqrt)");
+}
+
+double ScaleLr(double lr, LrScaling rule, int64_t global_batch, int64_t base_batch) {
+  const double ratio = double(global_batch) / double(base_batch);
+  switch (rule) {
+    case LrScaling::kLinear:
+      return lr * ratio;  // Goyal et al. 2017
+    case LrScaling::kSqrt:
+      return lr * std::sqrt(ratio);  // Krizhevsky 2014; Hoffer et al. 2017
+    case LrScaling::kNone:
+      break;
+  }
+  return lr;
+}
+
 }  // namespace cpd

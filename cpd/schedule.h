@@ -158,4 +158,21 @@ Result<LrSchedule> ParseLrSchedule(std::string_view name, double base_lr, int64_
                                    int64_t warmup_steps = 0, std::vector<int64_t> milestones = {},
                                    double gamma = 0.1, double min_lr = 0.0);
 
+// ---- Large-batch learning-rate scaling -----------------------------------------------------
+
+// The base learning rate of a run at global batch B, from an lr tuned at batch B0:
+//   kNone:   lr
+//   kLinear: lr * B / B0          (Goyal et al., "Accurate, Large Minibatch SGD: Training
+//                                  ImageNet in 1 Hour", 2017)
+//   kSqrt:   lr * sqrt(B / B0)    (Krizhevsky, "One weird trick for parallelizing
+//                                  convolutional neural networks", 2014; Hoffer, Hubara, Soudry,
+//                                  "Train longer, generalize better", 2017)
+// A pure function of its arguments, so a resumed run gets the same lr.
+enum class LrScaling { kNone, kLinear, kSqrt };
+const char* LrScalingName(LrScaling rule);  // "none" | "linear" | "sqrt"
+// The rule named `name`; InvalidArgument "lr-scaling 'NAME' (accepted: none, linear, sqrt)".
+Result<LrScaling> ParseLrScaling(std::string_view name);
+// REQUIRES global_batch >= 1 and base_batch >= 1.
+double ScaleLr(double lr, LrScaling rule, int64_t global_batch, int64_t base_batch);
+
 }  // namespace cpd

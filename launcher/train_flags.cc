@@ -123,9 +123,26 @@ void AddOptimisationOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_flag("--nesterov", o->nesterov, "Nesterov momentum");
   app->add_option("--lars-eta", o->lars_eta, "LARS trust coefficient")->capture_default_str();
+  app->add_option("--lars-exclude", f->lars_exclude,
+                  "LARS: bias-bn (biases and BatchNorm take no trust ratio and run at lr x "
+                  "--lars-excluded-lr-ratio) | none (every param takes the trust ratio)")
+      ->capture_default_str();
+  app->add_option("--lars-excluded-lr-ratio", o->lars_excluded_lr_ratio,
+                  "LARS bias-bn: the biases' and BatchNorm's lr as a fraction of --lr (default "
+                  "0.024 = 0.0048/0.2, Barlow Twins)");
   app->add_option("--lr-schedule", f->lr_schedule, "constant | step | cosine (per step)")
       ->capture_default_str();
+  app->add_option("--lr-scaling", f->lr_scaling,
+                  "Large-batch rule for the base lr: none | linear (lr x B/--lr-base-batch, "
+                  "Goyal et al. 2017) | sqrt (lr x sqrt(B/--lr-base-batch), Krizhevsky 2014, "
+                  "Hoffer et al. 2017); B is the global batch")
+      ->capture_default_str();
+  app->add_option("--lr-base-batch", o->lr_base_batch, "The batch at which --lr was tuned")
+      ->capture_default_str();
   app->add_option("--warmup-steps", o->warmup_steps, "Linear warm-up steps")->capture_default_str();
+  app->add_option("--warmup-epochs", o->warmup_epochs,
+                  "Linear warm-up in epochs (x steps per epoch, to the nearest step); excludes "
+                  "--warmup-steps");
   app->add_option("--lr-milestones", o->lr_milestones,
                   "Epochs at which 'step' multiplies by gamma");
   app->add_option("--lr-gamma", o->lr_gamma, "Factor of the 'step' schedule")
@@ -231,6 +248,11 @@ void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
       ->capture_default_str();
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
+  app->add_option("--progress-interval", o->progress_interval_s,
+                  "When stdout is not a terminal: a progress line when at least this many "
+                  "seconds have passed since the last one, and at each epoch's end (0: every "
+                  "step)")
+      ->capture_default_str();
   app->add_flag("--quiet", o->quiet, "Print nothing but errors");
 }
 
@@ -301,6 +323,7 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
 
 Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
   if (!f->preset.empty()) CPD_RETURN_IF_ERROR(ApplyPreset(app, f, o));
   if (f->augment && f->no_augment) return bad("--augment and --no-augment exclude each other");
   if (!o->coordinator.address.empty()) {
@@ -329,6 +352,19 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   // Names become enums here, at the edge; the trainer sees only valid values.
   if (auto k = cpd::runtime::ParseOptimizerKind(f->optimizer); k.ok()) {
     o->optimizer = *k;
+  } else {
+    return bad("--" + k.status().message());
+  }
+  if (given("--warmup-steps") && given("--warmup-epochs")) {
+    return bad("--warmup-steps and --warmup-epochs exclude each other; give one");
+  }
+  if (auto k = cpd::ParseLrScaling(f->lr_scaling); k.ok()) {
+    o->lr_scaling = *k;
+  } else {
+    return bad("--" + k.status().message());
+  }
+  if (auto k = cpd::runtime::ParseLarsExclude(f->lars_exclude); k.ok()) {
+    o->lars_exclude = *k;
   } else {
     return bad("--" + k.status().message());
   }

@@ -29,6 +29,7 @@ struct TrainFlags {
   std::string token_file, tls_ca;
   bool no_progress = false;
   std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
+  std::string lars_exclude = "bias-bn", lr_scaling = "none";
 };
 
 // Adds every cpd-train flag to `app`, bound to *o and *f (which must outlive it).

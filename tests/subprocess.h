@@ -1,6 +1,7 @@
 // Runs a built program as a subprocess for the command-line tests.
 #pragma once
 
+#include <errno.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -38,9 +39,14 @@ inline std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
-// Runs `binary` with `args`, feeding `input` on stdin; stdout and stderr go to files.
+// Where a child's stdout goes: a file, or a pipe (as in `cpd-train | tee log`) that the parent
+// reads to the end.
+enum class StdoutTo { kFile, kPipe };
+
+// Runs `binary` with `args`, feeding `input` on stdin; stdout goes to a file or a pipe, stderr
+// to a file.
 inline RunResult RunProgram(const std::string& binary, const std::vector<std::string>& args,
-                            const std::string& input = "") {
+                            const std::string& input = "", StdoutTo stdout_to = StdoutTo::kFile) {
   char dir_template[] = "/tmp/cpd_cli_test_XXXXXX";
   const char* dir = mkdtemp(dir_template);
   EXPECT_NE(dir, nullptr);
@@ -55,12 +61,19 @@ inline RunResult RunProgram(const std::string& binary, const std::vector<std::st
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
   argv.push_back(nullptr);
+  int pipe_fds[2] = {-1, -1};
+  const bool piped = stdout_to == StdoutTo::kPipe;
+  if (piped) {
+    EXPECT_EQ(pipe(pipe_fds), 0);
+  }
   const pid_t pid = fork();
   if (pid == 0) {
     const int in = open(in_path.c_str(), O_RDONLY);
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int out =
+        piped ? pipe_fds[1] : open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (in < 0 || out < 0 || err < 0) _exit(126);
+    if (piped) close(pipe_fds[0]);
     dup2(in, 0);
     dup2(out, 1);
     dup2(err, 2);
@@ -68,11 +81,21 @@ inline RunResult RunProgram(const std::string& binary, const std::vector<std::st
     _exit(127);
   }
   RunResult r;
+  if (piped) {
+    close(pipe_fds[1]);
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(pipe_fds[0], buf, sizeof buf)) != 0) {
+      if (n > 0) r.out.append(buf, size_t(n));
+      if (n < 0 && errno != EINTR) break;
+    }
+    close(pipe_fds[0]);
+  }
   int status = 0;
   EXPECT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFEXITED(status)) << binary << " did not exit normally";
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.out = ReadFile(out_path);
+  if (!piped) r.out = ReadFile(out_path);
   r.err = ReadFile(err_path);
   std::remove(in_path.c_str());
   std::remove(out_path.c_str());

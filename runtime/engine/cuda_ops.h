@@ -131,7 +131,7 @@ struct OptimizerChunk {
 };
 // Per parameter, the coefficients of one step (Optimizer's Coeffs).
 struct OptimizerCoeffs {
-  float lr;       // SGD: lr; LARS: lr * trust
+  float lr;       // the param's lr (Optimizer::ParamLr: SGD lr; LARS lr * trust or excluded ratio)
   float wd;       // weight decay
   int32_t decay;  // 1: d = g + wd * w; 0: d = g
   int32_t pad;

@@ -32,7 +32,7 @@ std::string Str(double v) {
 }
 
 struct Coeffs {
-  float lr;  // SGD: lr; LARS: lr * trust
+  float lr;  // Optimizer::ParamLr
   float wd;  // 0 for params without weight decay
   float m;
 };
@@ -111,6 +111,17 @@ const char* OptimizerKindName(OptimizerKind kind) {
   return kind == OptimizerKind::kLars ? "lars" : "sgd";
 }
 
+Result<LarsExclude> ParseLarsExclude(std::string_view name) {
+  if (name == "bias-bn") return LarsExclude::kBiasBn;
+  if (name == "none") return LarsExclude::kNone;
+  return Status::InvalidArgument("lars-exclude '" + std::string(name) +
+                                 "' (accepted: bias-bn, none)");
+}
+
+const char* LarsExcludeName(LarsExclude exclude) {
+  return exclude == LarsExclude::kNone ? "none" : "bias-bn";
+}
+
 Status OptimizerOptions::Validate() const {
   auto bad = [](const std::string& m) { return Status::InvalidArgument("optimizer: " + m); };
   if (!(momentum >= 0) || !std::isfinite(momentum)) {
@@ -122,6 +133,10 @@ Status OptimizerOptions::Validate() const {
   if (nesterov && momentum == 0) return bad("Nesterov momentum needs momentum > 0");
   if (!(lars_eta > 0) || !std::isfinite(lars_eta)) {
     return bad("LARS eta " + Str(lars_eta) + " must be a positive number");
+  }
+  if (!(lars_excluded_lr_ratio > 0) || !std::isfinite(lars_excluded_lr_ratio)) {
+    return bad("LARS excluded-param lr ratio " + Str(lars_excluded_lr_ratio) +
+               " must be a positive number");
   }
   if (threads < 0) return bad("threads " + std::to_string(threads) + " must be >= 0");
   return Status::Ok();
@@ -217,13 +232,23 @@ void Optimizer::TrustFromPartials() {
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     trust_[i] = 1.0;
-    if (!params_[i]->weight_decay) continue;
+    if (Excluded(i)) continue;
     const double wn = std::sqrt(ww[i]), gn = std::sqrt(gg[i]);
+    const double wd = params_[i]->weight_decay ? options_.weight_decay : 0.0;
     if (wn > 0 && gn > 0) {
       // LARS (You et al., 2017): eta * ||w|| / (||g|| + wd * ||w||).
-      trust_[i] = options_.lars_eta * wn / (gn + options_.weight_decay * wn);
+      trust_[i] = options_.lars_eta * wn / (gn + wd * wn);
     }
   }
+}
+
+bool Optimizer::Excluded(size_t i) const {
+  return options_.lars_exclude == LarsExclude::kBiasBn && !params_[i]->weight_decay;
+}
+
+double Optimizer::ParamLr(size_t i, double lr) const {
+  if (!lars()) return lr;
+  return Excluded(i) ? lr * options_.lars_excluded_lr_ratio : lr * trust_[i];
 }
 
 void Optimizer::Step(double lr) {
@@ -241,7 +266,7 @@ void Optimizer::Step(double lr) {
     Param* p = params_[ch.param];
     const bool decay = p->weight_decay && options_.weight_decay != 0;
     Coeffs k;
-    k.lr = float(lars() ? lr * trust_[ch.param] : lr);
+    k.lr = float(ParamLr(ch.param, lr));
     k.wd = decay ? float(options_.weight_decay) : 0.0f;
     k.m = float(options_.momentum);
     float* buf = momentum ? momentum_[ch.param].data() + ch.begin : nullptr;
@@ -297,7 +322,7 @@ void Optimizer::StepCuda(double lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const bool decay = params_[i]->weight_decay && options_.weight_decay != 0;
     cuda::OptimizerCoeffs& k = cs.coeffs[i];
-    k.lr = float(lars() ? lr * trust_[i] : lr);
+    k.lr = float(ParamLr(i, lr));
     k.wd = decay ? float(options_.weight_decay) : 0.0f;
     k.decay = decay ? 1 : 0;
     k.pad = 0;

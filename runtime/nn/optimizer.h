@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "cpd/status.h"
-#include "runtime/nn/layer.h"
 #include "runtime/engine/tensor.h"
+#include "runtime/nn/layer.h"
 
 namespace cpd::runtime {
 
@@ -38,13 +38,30 @@ enum class OptimizerKind { kSgd, kLars };
 Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
 const char* OptimizerKindName(OptimizerKind kind);
 
+// Which params LARS leaves out of its trust ratio (below).
+enum class LarsExclude { kBiasBn, kNone };
+// "bias-bn" | "none"; else InvalidArgument "lars-exclude 'NAME' (accepted: bias-bn, none)".
+Result<LarsExclude> ParseLarsExclude(std::string_view name);
+const char* LarsExcludeName(LarsExclude exclude);
+
+// The bias/BatchNorm learning rate as a fraction of the weights' under LARS: 0.0048 / 0.2 from
+// Barlow Twins (Zbontar et al., "Barlow Twins: Self-Supervised Learning via Redundancy
+// Reduction", 2021; the official code's --learning-rate-biases 0.0048 and
+// --learning-rate-weights 0.2, with LARS excluding biases and BatchNorm from adaptation).
+constexpr double kLarsExcludedLrRatio = 0.024;  // = 0.0048 / 0.2
+
 struct OptimizerOptions {
   double momentum = 0.9;      // >= 0; 0 keeps no momentum buffers
   double weight_decay = 0.0;  // >= 0; coupled L2, only for params with Param::weight_decay
   bool nesterov = false;      // REQUIRES momentum > 0 (as torch.optim.SGD)
   OptimizerKind kind = OptimizerKind::kSgd;
   double lars_eta = 0.001;  // LARS trust coefficient, > 0
-  int threads = 0;          // OpenMP threads for Step; 0 = the OpenMP default
+  // LARS only: kBiasBn leaves params with weight_decay == false (biases, BatchNorm) out of the
+  // trust ratio and runs them at lr * lars_excluded_lr_ratio (finite, > 0); kNone applies the
+  // trust ratio to every param (the ratio is then unused).
+  LarsExclude lars_exclude = LarsExclude::kBiasBn;
+  double lars_excluded_lr_ratio = kLarsExcludedLrRatio;
+  int threads = 0;  // OpenMP threads for Step; 0 = the OpenMP default
 
   // OK, or InvalidArgument naming the field, its value and what is accepted.
   Status Validate() const;
@@ -63,11 +80,16 @@ struct OptimizerOptions {
 // LARS (You, Gitman, Ginsburg, "Large Batch Training of Convolutional Networks", 2017,
 // Algorithm 1, in the form of the MLPerf reference LARS optimiser):
 //   trust = eta * ||w|| / (||g|| + wd * ||w||)     (per tensor; L2 norms, ratio in double)
-//   trust = 1 when the param has weight_decay == false (biases, BatchNorm), or ||w|| = 0, or
-//           ||g|| = 0: those tensors get plain momentum SGD at lr and no decay
-//   d = g + wd * w
-//   v = m * v + (lr * trust) * d   (the velocity v includes the learning rate)
-//   w = w - (nesterov ? m * v + (lr * trust) * d : v)
+//   trust = 1 when ||w|| = 0 or ||g|| = 0 (plain momentum SGD at lr for that step)
+//   excluded params (lars_exclude kBiasBn: those with weight_decay == false, i.e. biases and
+//           BatchNorm) take no trust ratio: plain momentum SGD at lr * lars_excluded_lr_ratio.
+//           Without the ratio they would run at the raw base lr, which for large-batch LRs
+//           (e.g. 16) throws the network to chance level within a few steps.
+//   with kNone every param takes the trust ratio (You et al.'s original); a zero-initialised
+//           bias then runs its first step at the raw lr (||w|| = 0)
+//   d = g + wd * w                 (wd = 0 for params with weight_decay == false, in every mode)
+//   v = m * v + (lr * f) * d       (f = trust, or the excluded ratio; v includes the lr)
+//   w = w - (nesterov ? m * v + (lr * f) * d : v)
 //
 // Optimiser state (for checkpoints) is one buffer per param, shaped like it, under the key
 // "momentum/<param name>" (SGD) or "lars_momentum/<param name>" (LARS, whose buffer includes lr):
@@ -100,8 +122,12 @@ class Optimizer {
 
   const OptimizerOptions& options() const { return options_; }
   const std::vector<Param*>& params() const { return params_; }
-  // Per param, the LARS trust ratio used by the last Step (1 for SGD and skipped params).
+  // Per param, the LARS trust ratio used by the last Step (1 for SGD and for params that took
+  // none: excluded, ||w|| = 0 or ||g|| = 0).
   const std::vector<double>& last_trust_ratios() const { return trust_; }
+  // The learning rate param i gets from Step(lr): lr * trust, lr * the excluded ratio, or lr.
+  // The one formula of the CPU and the GPU paths, so their coefficients are identical.
+  double ParamLr(size_t i, double lr) const;
 
  private:
   struct Chunk {
@@ -109,6 +135,8 @@ class Optimizer {
     size_t begin, end;
   };
   bool lars() const { return options_.kind == OptimizerKind::kLars; }
+  // LARS leaves param i out of the trust ratio (lars_exclude kBiasBn and no weight decay).
+  bool Excluded(size_t i) const;
   static Status Check(const std::vector<Param*>& params, const OptimizerOptions& options);
   std::string StateKey(size_t i) const;
   void ComputeTrustRatios(int threads);

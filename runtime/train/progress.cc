@@ -1,33 +1,49 @@
 #include "runtime/train/progress.h"
 
-#include <cstdio>
 #include <string>
+#include <utility>
 
 namespace cpd::runtime {
 
+Progress::Progress(ProgressOptions options) : o_(std::move(options)) { last_line_ = Now(); }
+
+std::chrono::steady_clock::time_point Progress::Now() const {
+  return o_.now ? o_.now() : std::chrono::steady_clock::now();
+}
+
+bool Progress::LineDue(int64_t batch, int64_t batches) {
+  const auto now = Now();
+  if (batch != batches && std::chrono::duration<double>(now - last_line_).count() < o_.interval_s) {
+    return false;
+  }
+  last_line_ = now;
+  return true;
+}
+
 void Progress::Update(int epoch, int epochs, int64_t batch, int64_t batches, double loss,
                       double images_per_s, double eta_s, int bits) {
-  if (!enabled_) return;
-  if (tty_) {
+  if (!o_.enabled) return;
+  if (o_.tty) {
     const int width = 30;
     const int filled = batches > 0 ? int(width * batch / batches) : width;
     std::string bar(size_t(filled), '#');
     bar.resize(size_t(width), '.');
-    std::printf("\r  epoch %d/%d [%s] %lld/%lld loss %.4f %6.0f img/s ETA %5.0fs%s", epoch, epochs,
-                bar.c_str(), static_cast<long long>(batch), static_cast<long long>(batches), loss,
-                images_per_s, eta_s, bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
-    std::fflush(stdout);
+    std::fprintf(o_.out, "\r  epoch %d/%d [%s] %lld/%lld loss %.4f %6.0f img/s ETA %5.0fs%s", epoch,
+                 epochs, bar.c_str(), static_cast<long long>(batch),
+                 static_cast<long long>(batches), loss, images_per_s, eta_s,
+                 bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
+    std::fflush(o_.out);
     dirty_ = true;
-  } else if (batch % 100 == 0 || batch == batches) {
-    std::printf("  epoch %d/%d step %lld/%lld loss %.4f %.0f img/s eta %.0fs\n", epoch, epochs,
-                static_cast<long long>(batch), static_cast<long long>(batches), loss, images_per_s,
-                eta_s);
-    std::fflush(stdout);
+  } else if (LineDue(batch, batches)) {
+    std::fprintf(o_.out, "  epoch %d/%d step %lld/%lld loss %.4f %.0f img/s eta %.0fs%s\n", epoch,
+                 epochs, static_cast<long long>(batch), static_cast<long long>(batches), loss,
+                 images_per_s, eta_s, bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
+    std::fflush(o_.out);
   }
 }
 
 void Progress::EndLine() {
-  if (dirty_) std::printf("\r%100s\r", "");
+  if (dirty_) std::fprintf(o_.out, "\r%100s\r", "");
   dirty_ = false;
 }
 

@@ -48,6 +48,11 @@ json CommStatsJson(const std::vector<comm::LayerCommStats>& stats) {
   return layers;
 }
 
+// The gradient format on the wire: fp32 for the backend's all-reduce.
+std::string AllReduceFormat(const comm::GradientAllReduceOptions& ar) {
+  return ar.algo == comm::AllReduceAlgo::kFp32 ? "fp32" : ar.format;
+}
+
 // Storage bits of a format spec (0 for fp32, which is not quantised).
 int FormatBits(const std::string& spec) {
   if (spec == "fp32") return 0;
@@ -97,13 +102,22 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
   return out;
 }
 
+// The progress display of stdout: a bar on a terminal, timed plain lines otherwise.
+ProgressOptions ConsoleProgress(const TrainOptions& o, bool quiet) {
+  ProgressOptions p;
+  p.enabled = o.progress && !quiet;
+  p.tty = isatty(STDOUT_FILENO) != 0;
+  p.interval_s = o.progress_interval_s;
+  return p;
+}
+
 }  // namespace
 
 Reporter::Reporter(ReporterSetup setup)
     : setup_(setup),
       o_(*setup.options),
       quiet_(o_.quiet || setup.rank != 0),
-      progress_(o_.progress && !quiet_, isatty(STDOUT_FILENO) != 0) {}
+      progress_(ConsoleProgress(o_, quiet_)) {}
 
 Result<std::unique_ptr<Reporter>> Reporter::Create(ReporterSetup setup) {
   std::unique_ptr<Reporter> r(new Reporter(setup));
@@ -130,6 +144,44 @@ void Reporter::Log(const json& record) {
   if (!metrics_.is_open()) return;
   metrics_ << record.dump() << '\n';
   metrics_.flush();
+}
+
+void Reporter::Started(const RunStart& run) {
+  json j = {{"type", "run"},
+            {"step", run.step},
+            {"arch", o_.arch},
+            {"dataset", o_.dataset},
+            {"classes", run.classes},
+            {"ranks", setup_.world},
+            {"workers", setup_.workers},
+            {"global_batch", setup_.global_batch},
+            {"epochs", o_.epochs},
+            {"total_steps", run.total_steps},
+            {"steps_per_epoch", setup_.batches_per_epoch},
+            {"max_steps", o_.max_steps},
+            {"seed", o_.seed},
+            {"optimizer", OptimizerKindName(o_.optimizer)},
+            {"lr", o_.lr},
+            {"lr_scaling", LrScalingName(o_.lr_scaling)},
+            {"lr_base_batch", o_.lr_base_batch},
+            {"lr_effective", run.lr_effective},
+            {"lr_schedule", LrScheduleName(o_.lr_schedule)},
+            {"warmup_steps", run.warmup_steps},
+            {"momentum", o_.momentum},
+            {"weight_decay", o_.weight_decay},
+            {"allreduce", comm::AllReduceAlgoName(o_.allreduce.algo)},
+            {"allreduce_format", AllReduceFormat(o_.allreduce)},
+            {"aps", o_.allreduce.aps},
+            {"precision", run.precision},
+            {"device", run.device}};
+  if (o_.optimizer == OptimizerKind::kLars) {
+    j["lars_eta"] = o_.lars_eta;
+    j["lars_exclude"] = LarsExcludeName(o_.lars_exclude);
+    if (o_.lars_exclude == LarsExclude::kBiasBn) {
+      j["lars_excluded_lr_ratio"] = o_.lars_excluded_lr_ratio;
+    }
+  }
+  Log(j);
 }
 
 void Reporter::BeginEpoch() {
@@ -206,12 +258,10 @@ Status Reporter::AfterStep(const StepDone& s) {
       std::map<std::string, uint64_t> delta;
       for (const auto& [name, f] : flips) delta[name] = f - flips_reported_[name];
       flips_reported_ = std::move(flips);
-      const std::string& ar_format =
-          o_.allreduce.algo == comm::AllReduceAlgo::kFp32 ? "fp32" : o_.allreduce.format;
       r.layers = LayerReports(
           records, delta,
           comm_stats ? setup_.reducer->last_stats() : std::vector<comm::LayerCommStats>{},
-          ar_format);
+          AllReduceFormat(o_.allreduce));
     }
     control_->Report(std::move(r));
   }

@@ -1,6 +1,7 @@
 // What a run tells the world, in one place: the console (rank 0: header, progress, skipped
-// steps, one line per epoch), the metrics file (JSON lines: "step" records with per-layer
-// statistics, "skip" and "epoch" records) and the coordinator's reports (through JobControl).
+// steps, one line per epoch), the metrics file (JSON lines: a "run" record first, then "step"
+// records with per-layer statistics, "skip" and "epoch" records) and the coordinator's reports
+// (through JobControl).
 // It also keeps the running totals of the epoch (loss, accuracy, images/s).
 #pragma once
 
@@ -30,6 +31,17 @@ struct ReporterSetup {
   SiteQuantizer* quant = nullptr;                     // REQUIRED
   const Replicas* replicas = nullptr;                 // REQUIRED
   const comm::GradientAllReducer* reducer = nullptr;  // REQUIRED
+};
+
+// A run (re)starting, as the "run" record needs it beyond the options and the setup.
+struct RunStart {
+  int64_t step = 0;  // the first step this process runs (> 0 on a resume)
+  int classes = 0;   // the dataset's classes (chance level = 1 / classes)
+  int64_t total_steps = 0;
+  double lr_effective = 0;   // the schedule's base lr after --lr-scaling
+  int64_t warmup_steps = 0;  // after --warmup-epochs
+  std::string precision;     // DescribePrecision of the policy at the start
+  std::string device;        // "cpu" | "cuda"
 };
 
 // A step just done, as the reporter needs it.
@@ -76,6 +88,12 @@ class Reporter {
   void Say(const std::string& line);
   // One metrics record (every rank that keeps metrics).
   void Log(const nlohmann::json& record);
+
+  // The "run" record: everything a report needs to read the metrics file on its own (the
+  // model, data, workers, batch, schedule, optimiser, all-reduce, precision and device). The
+  // first record of a run, and again at the start step of each resume (the file is appended
+  // to).
+  void Started(const RunStart& run);
 
   void BeginEpoch();
   // The step's gradient held NaN/Inf on some rank: a "skip" record, and a console line for the

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -42,9 +43,32 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (o.debug_step_sleep_ms < 0) return bad("--debug-step-sleep-ms must be >= 0");
   CPD_RETURN_IF_ERROR(o.allreduce.Validate());
   if (o.lr <= 0 || !std::isfinite(o.lr)) return bad("--lr must be a positive number");
+  if (o.lr_base_batch < 1) {
+    return bad("--lr-base-batch must be >= 1, got " + std::to_string(o.lr_base_batch));
+  }
+  if (o.warmup_steps < 0) {
+    return bad("--warmup-steps must be >= 0, got " + std::to_string(o.warmup_steps));
+  }
+  if (!(o.warmup_epochs >= 0) || !std::isfinite(o.warmup_epochs)) {
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", o.warmup_epochs);
+    return bad(std::string("--warmup-epochs must be a number >= 0, got ") + got);
+  }
+  if (o.warmup_steps > 0 && o.warmup_epochs > 0) {
+    return bad("--warmup-steps and --warmup-epochs exclude each other; give one");
+  }
+  if (!(o.lars_eta > 0) || !std::isfinite(o.lars_eta)) {
+    return bad("--lars-eta must be a positive number");
+  }
+  if (!(o.lars_excluded_lr_ratio > 0) || !std::isfinite(o.lars_excluded_lr_ratio)) {
+    return bad("--lars-excluded-lr-ratio must be a positive number (default 0.024)");
+  }
   if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
   if (o.weight_decay < 0) return bad("--weight-decay must be >= 0");
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
+  if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {
+    return bad("--progress-interval must be a number of seconds >= 0 (0: every step)");
+  }
   if (o.checkpoint_every < 0) return bad("--checkpoint-every must be >= 0");
   if (!o.resume.empty() && o.resume != "auto" && access(o.resume.c_str(), R_OK) != 0) {
     return bad("--resume: cannot read checkpoint '" + o.resume + "'");

@@ -97,11 +97,13 @@ class Trainer {
   Status BuildIterator();
   Status BuildPrecision();
   Status BuildOptimizer();
+  Status BuildLrSchedule();
   Status BuildReducer();
   Status BuildOutputs();
   Status ResumeOrStart();
   Status StartControl();
   void Announce();
+  std::string DescribeLr() const;
 
   // The loop.
   Status RunEpoch(int epoch);
@@ -277,14 +279,72 @@ Status Trainer::BuildOptimizer() {
   oo.nesterov = o_.nesterov;
   oo.kind = o_.optimizer;
   oo.lars_eta = o_.lars_eta;
+  oo.lars_exclude = o_.lars_exclude;
+  oo.lars_excluded_lr_ratio = o_.lars_excluded_lr_ratio;
   oo.threads = threads_;
   CPD_RETURN_IF_ERROR(oo.Validate());
   optimizer_ = std::make_unique<Optimizer>(model_->Params(), oo);
+  return BuildLrSchedule();
+}
+
+// The schedule from the scaled base lr and the warm-up in steps: pure functions of the options
+// and the global batch, so a resumed run (same global batch) continues with the same lrs.
+Status Trainer::BuildLrSchedule() {
+  result_.lr_effective = ScaleLr(o_.lr, o_.lr_scaling, global_batch_, o_.lr_base_batch);
+  result_.warmup_steps = o_.warmup_steps;
+  if (o_.warmup_epochs > 0) {
+    result_.warmup_steps = std::llround(o_.warmup_epochs * double(batches_per_epoch_));
+    if (result_.warmup_steps > total_steps_) {
+      char line[160];
+      std::snprintf(line, sizeof line,
+                    "--warmup-epochs %g (%lld steps) is longer than the run (%d epochs = %lld "
+                    "steps)",
+                    o_.warmup_epochs, static_cast<long long>(result_.warmup_steps), o_.epochs,
+                    static_cast<long long>(total_steps_));
+      return Status::InvalidArgument(line);
+    }
+  }
   std::vector<int64_t> milestones;
   for (int64_t e : o_.lr_milestones) milestones.push_back(e * batches_per_epoch_);
-  CPD_ASSIGN_OR_RETURN(lr_, MakeLrSchedule(o_.lr_schedule, o_.lr, total_steps_, o_.warmup_steps,
-                                           milestones, o_.lr_gamma));
+  CPD_ASSIGN_OR_RETURN(lr_, MakeLrSchedule(o_.lr_schedule, result_.lr_effective, total_steps_,
+                                           result_.warmup_steps, milestones, o_.lr_gamma));
   return Status::Ok();
+}
+
+// "lr 0.1 x sqrt(8192/256) = 0.566 (cosine), warm-up 2 epochs = 94 steps[, LARS biases/BN at
+// lr x 0.024]": how the lr of the first steps came about.
+std::string Trainer::DescribeLr() const {
+  char buf[256];
+  std::string out;
+  std::snprintf(buf, sizeof buf, "lr %g", o_.lr);
+  out = buf;
+  if (o_.lr_scaling != LrScaling::kNone) {
+    const bool sqrt = o_.lr_scaling == LrScaling::kSqrt;
+    std::snprintf(buf, sizeof buf, " x %s%lld/%lld%s = %.3g", sqrt ? "sqrt(" : "",
+                  static_cast<long long>(global_batch_), static_cast<long long>(o_.lr_base_batch),
+                  sqrt ? ")" : "", result_.lr_effective);
+    out += buf;
+  }
+  out += std::string(" (") + LrScheduleName(o_.lr_schedule) + ")";
+  if (o_.warmup_epochs > 0) {
+    std::snprintf(buf, sizeof buf, ", warm-up %g epochs = %lld steps", o_.warmup_epochs,
+                  static_cast<long long>(result_.warmup_steps));
+    out += buf;
+  } else if (result_.warmup_steps > 0) {
+    out += ", warm-up " + std::to_string(result_.warmup_steps) + " steps";
+  } else {
+    out += ", no warm-up";
+  }
+  if (o_.optimizer == OptimizerKind::kLars) {
+    if (o_.lars_exclude == LarsExclude::kBiasBn) {
+      std::snprintf(buf, sizeof buf, ", LARS biases/BatchNorm at lr x %g",
+                    o_.lars_excluded_lr_ratio);
+      out += buf;
+    } else {
+      out += ", LARS trust ratio on every param";
+    }
+  }
+  return out;
 }
 
 // The gradient all-reducer over the flat gradients of the K local workers.
@@ -346,6 +406,7 @@ Status Trainer::ResumeOrStart() {
   return Status::Ok();
 }
 
+// The header and the lr on the console; the "run" record in the metrics.
 void Trainer::Announce() {
   std::string parallel;
   if (group_.workers > 1) {
@@ -363,6 +424,16 @@ void Trainer::Announce() {
                 static_cast<long long>(global_batch_ / group_.workers), parallel.c_str(), o_.epochs,
                 static_cast<long long>(batches_per_epoch_));
   reporter_->Say(line);
+  reporter_->Say(DescribeLr());
+  RunStart run;
+  run.step = step_;
+  run.classes = train_.classes;
+  run.total_steps = total_steps_;
+  run.lr_effective = result_.lr_effective;
+  run.warmup_steps = result_.warmup_steps;
+  run.precision = DescribePrecision(precision_);
+  run.device = DeviceName(device_);
+  reporter_->Started(run);
 }
 
 // The control plane: the coordinator's schedules (same step on every rank) and reports.

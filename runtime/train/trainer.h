@@ -51,8 +51,19 @@ struct TrainOptions {
   double lr = 0.05, momentum = 0.9, weight_decay = 5e-4;
   bool nesterov = false;
   double lars_eta = 0.001;
+  // LARS: biases and BatchNorm out of the trust ratio at lr x ratio, or every param in it
+  // (runtime/nn/optimizer.h).
+  LarsExclude lars_exclude = LarsExclude::kBiasBn;
+  double lars_excluded_lr_ratio = kLarsExcludedLrRatio;
   LrSchedule::Kind lr_schedule = LrSchedule::kCosine;
+  // The schedule's base lr is ScaleLr(lr, lr_scaling, global batch, lr_base_batch)
+  // (cpd/schedule.h); the global batch is the real one (per-worker batch x workers).
+  LrScaling lr_scaling = LrScaling::kNone;
+  int64_t lr_base_batch = 256;  // >= 1
+  // Linear warm-up, in steps or in epochs (x steps per epoch, rounded to the nearest step);
+  // at most one of the two may be > 0.
   int64_t warmup_steps = 0;
+  double warmup_epochs = 0;
   std::vector<int64_t> lr_milestones;  // epochs, for "step"
   double lr_gamma = 0.1;
   uint64_t seed = 1;
@@ -84,6 +95,9 @@ struct TrainOptions {
   double report_interval_s = 1.0;
   bool print_model = false;
   bool progress = true;  // a bar on a terminal; plain lines otherwise
+  // Plain progress lines at least this many seconds apart, plus each epoch's last batch
+  // (0: every step); >= 0.
+  double progress_interval_s = 5;
   bool quiet = false;
   bool eval_each_epoch = true;
 };
@@ -96,6 +110,8 @@ struct TrainResult {
   double train_accuracy = 0;
   double test_accuracy = 0;
   double ms_per_step = 0;
+  double lr_effective = 0;          // the schedule's base lr after --lr-scaling
+  int64_t warmup_steps = 0;         // after --warmup-epochs
   std::vector<double> step_losses;  // every step's training loss, in order
   double relative_cost = 0;         // CPT's cost model vs static cost_reference bits
   int world_size = 1;               // ranks

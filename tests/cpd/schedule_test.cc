@@ -268,6 +268,28 @@ TEST(LrSchedule, ConstantWithWarmup) {
   EXPECT_EQ(s.At(8), 0.4);
 }
 
+TEST(LrScaling, LinearAndSqrtRules) {
+  EXPECT_EQ(ScaleLr(0.1, LrScaling::kNone, 8192, 256), 0.1);
+  EXPECT_EQ(ScaleLr(0.1, LrScaling::kLinear, 8192, 256), 0.1 * 32.0);
+  EXPECT_EQ(ScaleLr(0.1, LrScaling::kSqrt, 8192, 256), 0.1 * std::sqrt(32.0));
+  EXPECT_NEAR(ScaleLr(0.1, LrScaling::kSqrt, 8192, 256), 0.5657, 1e-4);
+  // Smaller than the base batch scales down.
+  EXPECT_EQ(ScaleLr(0.2, LrScaling::kLinear, 64, 256), 0.05);
+  EXPECT_EQ(ScaleLr(0.2, LrScaling::kSqrt, 64, 256), 0.1);
+  EXPECT_EQ(ScaleLr(0.2, LrScaling::kSqrt, 256, 256), 0.2);
+}
+
+TEST(LrScaling, NamesParse) {
+  for (LrScaling r : {LrScaling::kNone, LrScaling::kLinear, LrScaling::kSqrt}) {
+    auto parsed = ParseLrScaling(LrScalingName(r));
+    ASSERT_TRUE(parsed.ok()) << LrScalingName(r);
+    EXPECT_EQ(*parsed, r);
+  }
+  const auto bad = ParseLrScaling("square");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "lr-scaling 'square' (accepted: none, linear, sqrt)");
+}
+
 TEST(LrSchedule, ParseErrorsNameTheProblem) {
   auto unknown = ParseLrSchedule("linear", 0.1, 100);
   ASSERT_FALSE(unknown.ok());

@@ -44,13 +44,19 @@ std::string WriteTemp(const std::string& name, const std::string& text) {
   return path;
 }
 
-// The number of "step" records in a metrics file, and its last epoch record.
+// The number of "step" records in a metrics file, and its last epoch record. A file with records
+// must open with the "run" record.
 int CountSteps(const std::string& path, nlohmann::json* last_epoch) {
   std::ifstream in(path);
   std::string line;
   int steps = 0;
+  bool first = true;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
+    if (first) {
+      EXPECT_EQ(j["type"], "run") << line;
+    }
+    first = false;
     if (j["type"] == "step") ++steps;
     if (j["type"] == "epoch") *last_epoch = j;
   }
@@ -67,6 +73,10 @@ TEST(CpdTrainCli, HelpDocumentsEveryGroupOfOptions) {
         "--stats-every", "--metrics-out",    "--checkpoint-dir", "--checkpoint-every",
         "--resume",      "--device",         "--config",         "--print-model",
         "--optimizer",   "--cost-reference"}) {
+    EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
+  }
+  for (const char* flag : {"--lr-scaling", "--lr-base-batch", "--warmup-epochs", "--lars-exclude",
+                           "--lars-excluded-lr-ratio", "--progress-interval"}) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   }
 }
@@ -109,6 +119,14 @@ TEST(CpdTrainCli, ConfigFileWithFlagsWinning) {
   nlohmann::json epoch;
   EXPECT_EQ(CountSteps(metrics, &epoch), 4);
   EXPECT_EQ(epoch["step"].get<int>(), 4);
+  std::ifstream in(metrics);
+  std::string first;
+  std::getline(in, first);
+  const nlohmann::json run = nlohmann::json::parse(first);
+  EXPECT_EQ(run["arch"], "mlp") << first;
+  EXPECT_EQ(run["precision"], "W=e4m3") << first;
+  EXPECT_EQ(run["total_steps"], 640) << first;  // the schedule's horizon: 10 epochs x 64 steps
+  EXPECT_EQ(run["max_steps"], 4) << first;
   std::remove(cfg.c_str());
   std::remove(metrics.c_str());
 }
@@ -179,6 +197,11 @@ TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
                                                         {"--classes", "0"},
                                                         {"--in-channels", "0"},
                                                         {"--max-skipped-steps", "-1"},
+                                                        {"--lr-scaling", "cube"},
+                                                        {"--lr-base-batch", "0"},
+                                                        {"--warmup-epochs", "-1"},
+                                                        {"--lars-exclude", "all"},
+                                                        {"--lars-excluded-lr-ratio", "0"},
                                                         {"--coordinator", "nohostport"}}) {
     const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", flag, value});
     ExpectUsageError(r, flag);
@@ -202,6 +225,54 @@ RunResult QuickRun(std::vector<std::string> extra) {
                                    "1",         "--no-progress", "--threads", "2"};
   args.insert(args.end(), extra.begin(), extra.end());
   return Train(args);
+}
+
+// Rank 0 says once how the lr came about: the rule, the global batch, the warm-up in epochs and
+// steps, and LARS's ratio for biases and BatchNorm.
+TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {
+  // 8192 samples / 1024 = 8 steps per epoch; half an epoch = 4 steps.
+  const RunResult r =
+      QuickRun({"--global-batch", "1024", "--emulate-ranks", "4", "--lr", "0.05", "--lr-scaling",
+                "sqrt", "--warmup-epochs", "0.5", "--optimizer", "lars", "--max-steps", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\nlr 0.05 x sqrt(1024/256) = 0.1 (cosine), warm-up 0.5 epochs = 4 steps, "
+                       "LARS biases/BatchNorm at lr x 0.024\n"),
+            std::string::npos)
+      << r.out;
+}
+
+TEST(CpdTrainCli, WarmupStepsAndEpochsExcludeEachOther) {
+  ExpectUsageError(QuickRun({"--warmup-steps", "0", "--warmup-epochs", "1"}),
+                   "--warmup-steps and --warmup-epochs exclude each other");
+}
+
+// stdout a pipe (a cluster job's log): plain progress lines by time, never a '\r'. Interval 0
+// gives one line per step; a long interval only the epoch's last batch.
+TEST(CpdTrainCli, ProgressLinesInAPipeAreTimed) {
+  auto run = [](const std::string& interval) {
+    return RunProgram(BuiltProgram(CPD_TRAIN_PATH),
+                      {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--threads", "2",
+                       "--global-batch", "1024", "--progress-interval", interval},
+                      "", StdoutTo::kPipe);
+  };
+  auto progress_lines = [](const std::string& out) {
+    size_t n = 0;
+    for (size_t at = 0; (at = out.find("  epoch 1/1 step ", at)) != std::string::npos; ++at) ++n;
+    return n;
+  };
+  RunResult r = run("0");  // 8192 / 1024 = 8 steps
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(progress_lines(r.out), 8u) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 1/8 "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+
+  r = run("3600");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(progress_lines(r.out), 1u) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 8/8 "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+
+  ExpectUsageError(run("-1"), "--progress-interval");
 }
 
 // An unwritable --checkpoint-dir is found at start-up (exit 1), before any step; it used to fail

@@ -574,6 +574,12 @@ TEST(CudaOptimizer, LarsIsExactTrustRatiosIncluded) {
   CompareOptimizerSteps(oo, "lars");
   oo.nesterov = true;
   CompareOptimizerSteps(oo, "lars nesterov");
+  // Biases (the params without "weight") at another ratio, and in the trust ratio.
+  oo.nesterov = false;
+  oo.lars_excluded_lr_ratio = 0.1;
+  CompareOptimizerSteps(oo, "lars excluded ratio 0.1");
+  oo.lars_exclude = LarsExclude::kNone;
+  CompareOptimizerSteps(oo, "lars exclude none");
 }
 
 TEST(CudaOptimizer, LoadStateOnTheDevice) {

@@ -153,9 +153,10 @@ TEST(Lars, TrustRatioAndThreeSteps) {
   const double trust[] = {1.0 / 110.0, 0.004995 / 0.54995, 0.004985505 / 0.54985505};
   const double v[3][2] = {{0.003, 0.004}, {0.005697, 0.007596}, {0.008118603, 0.010824804}};
   const double wv[3][2] = {{2.997, 3.996}, {2.991303, 3.988404}, {2.983184397, 3.977579196}};
-  // The bias (no weight decay) skips LARS: plain momentum at lr 1 with g = -0.5:
-  // v = -0.5, -0.95, -1.355; w = 1.5, 2.45, 3.805.
-  const double bias_w[] = {1.5, 2.45, 3.805};
+  // The bias (no weight decay) skips the trust ratio (lars_exclude bias-bn, the default): plain
+  // momentum at lr 1 x 0.024 with g = -0.5: v = -0.012, -0.0228, -0.03252;
+  // w = 1.012, 1.0348, 1.06732.
+  const double bias_w[] = {1.012, 1.0348, 1.06732};
   for (int s = 0; s < 3; ++s) {
     SetGrad(w.get(), {0.3f, 0.4f});
     SetGrad(b.get(), {-0.5f});
@@ -197,6 +198,87 @@ TEST(Lars, NesterovAndZeroGradient) {
   EXPECT_EQ(opt.last_trust_ratios()[0], 1.0);
   ExpectClose(w->value.data()[0], 2.9943 - (0.9 * 0.0056943 + 0.0029943), "w0 step 2");
   ExpectClose(w->value.data()[1], 3.9924 - (0.9 * 0.0075924 + 0.0039924), "w1 step 2");
+}
+
+// Params w (decayed), b (a bias) and the same w and b under `o`, one step at lr 1 with
+// momentum 0 from w = [3, 4], g = [0.3, 0.4] and b = [3, 4], g = [0.3, 0.4] as well.
+struct ExcludeCase {
+  std::unique_ptr<Param> w = MakeParam("fc.weight", {3.0f, 4.0f});
+  std::unique_ptr<Param> b = MakeParam("fc.bias", {3.0f, 4.0f}, /*weight_decay=*/false);
+  std::vector<double> trust;
+  explicit ExcludeCase(OptimizerOptions o) {
+    Optimizer opt({w.get(), b.get()}, o);
+    SetGrad(w.get(), {0.3f, 0.4f});
+    SetGrad(b.get(), {0.3f, 0.4f});
+    opt.Step(1.0);
+    trust = opt.last_trust_ratios();
+  }
+};
+
+OptimizerOptions LarsNoMomentum(double wd) {
+  OptimizerOptions o = Sgd(0.0, wd, false);
+  o.kind = OptimizerKind::kLars;
+  o.lars_eta = 0.001;
+  return o;
+}
+
+TEST(Lars, ExcludedRatioChangesOnlyBiasesAndBatchNorm) {
+  // wd 0.01: the weight's trust = 0.001 * 5 / (0.5 + 0.05) = 1/110, d = 0.55 [0.6, 0.8],
+  // w = [3, 4] - [0.003, 0.004] whatever the ratio. The bias: w = b - ratio * g.
+  OptimizerOptions half = LarsNoMomentum(0.01), quarter = LarsNoMomentum(0.01);
+  half.lars_excluded_lr_ratio = 0.5;
+  quarter.lars_excluded_lr_ratio = 0.25;
+  ExcludeCase a(half), b(quarter);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(a.w->value.data()[i], b.w->value.data()[i]) << "the weight must not see the ratio";
+  }
+  ExpectClose(a.w->value.data()[0], 2.997, "weight");
+  ExpectClose(a.w->value.data()[1], 3.996, "weight");
+  // Exact in float: 3 - 0.5 * 0.3f etc.
+  EXPECT_EQ(a.b->value.data()[0], 3.0f - 0.5f * 0.3f);
+  EXPECT_EQ(a.b->value.data()[1], 4.0f - 0.5f * 0.4f);
+  EXPECT_EQ(b.b->value.data()[0], 3.0f - 0.25f * 0.3f);
+  EXPECT_EQ(b.b->value.data()[1], 4.0f - 0.25f * 0.4f);
+  EXPECT_EQ(a.trust[1], 1.0);
+  EXPECT_NEAR(a.trust[0], 1.0 / 110.0, 1e-8);
+}
+
+TEST(Lars, ExcludeNoneGivesEveryParamATrustRatioButNoDecay) {
+  // The bias now takes trust = 0.001 * 5 / (0.5 + 0 * 5) = 0.01 (no decay for it, though the
+  // optimiser has wd 0.01): w = [3, 4] - 0.01 [0.3, 0.4] = [2.997, 3.996]. The weight is as
+  // under bias-bn; the ratio is unused.
+  OptimizerOptions none = LarsNoMomentum(0.01), bias_bn = LarsNoMomentum(0.01);
+  none.lars_exclude = LarsExclude::kNone;
+  none.lars_excluded_lr_ratio = 0.5;
+  ExcludeCase a(none), b(bias_bn);
+  EXPECT_NEAR(a.trust[1], 0.01, 1e-8);  // norms of float inputs
+  ExpectClose(a.b->value.data()[0], 2.997, "bias");
+  ExpectClose(a.b->value.data()[1], 3.996, "bias");
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(a.w->value.data()[i], b.w->value.data()[i]);
+  EXPECT_EQ(a.trust[0], b.trust[0]);
+}
+
+TEST(Sgd, LarsExcludeOptionsDoNotChangeSgd) {
+  OptimizerOptions plain = Sgd(0.0, 0.01, false), odd = Sgd(0.0, 0.01, false);
+  odd.lars_exclude = LarsExclude::kNone;
+  odd.lars_excluded_lr_ratio = 0.5;
+  ExcludeCase a(plain), b(odd);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(a.w->value.data()[i], b.w->value.data()[i]);
+    EXPECT_EQ(a.b->value.data()[i], b.b->value.data()[i]);
+  }
+  // Plain SGD at lr 1: the bias w = b - g, exactly.
+  EXPECT_EQ(a.b->value.data()[0], 3.0f - 0.3f);
+  EXPECT_EQ(a.trust, (std::vector<double>{1.0, 1.0}));
+}
+
+TEST(Lars, ExcludeNamesParse) {
+  EXPECT_EQ(*ParseLarsExclude("bias-bn"), LarsExclude::kBiasBn);
+  EXPECT_EQ(*ParseLarsExclude("none"), LarsExclude::kNone);
+  EXPECT_STREQ(LarsExcludeName(LarsExclude::kNone), "none");
+  const auto bad = ParseLarsExclude("biases");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "lars-exclude 'biases' (accepted: bias-bn, none)");
 }
 
 // ---- State, determinism, validation ----------------------------------------------------------
@@ -369,6 +451,11 @@ TEST(Optimizer, ValidationNamesTheProblem) {
   OptimizerOptions o;
   o.lars_eta = 0;
   expect(Optimizer::Create({w.get()}, o), "LARS eta 0");
+  o = OptimizerOptions{};
+  o.lars_excluded_lr_ratio = -0.1;
+  expect(Optimizer::Create({w.get()}, o), "excluded-param lr ratio -0.1");
+  o.lars_excluded_lr_ratio = std::nan("");
+  expect(Optimizer::Create({w.get()}, o), "excluded-param lr ratio nan");
   EXPECT_THROW(Optimizer({w.get(), w2.get()}, OptimizerOptions{}), std::invalid_argument);
   EXPECT_TRUE(Optimizer::Create({w.get()}, {}).ok());
 }

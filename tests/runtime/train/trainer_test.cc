@@ -127,6 +127,98 @@ TEST(TrainerResume, ResNet20IsBitIdentical) {
   ExpectBitIdenticalResume(o, 4, 10);
 }
 
+// Large-batch lr rules and a warm-up in epochs with LARS: still a pure function of the options.
+TEST(TrainerResume, LrScalingWarmupEpochsAndLarsAreBitIdentical) {
+  TrainOptions o = SmallRun();
+  o.optimizer = OptimizerKind::kLars;
+  o.lr = 0.5;
+  o.lr_scaling = LrScaling::kSqrt;
+  o.warmup_epochs = 0.5;
+  ExpectBitIdenticalResume(o, 30, 80);
+}
+
+// ---- Learning-rate rules -------------------------------------------------------------------
+
+// Runs `o` for 12 steps and returns the result (which must be OK).
+TrainResult RunTwelve(TrainOptions o) {
+  o.max_steps = 12;
+  auto r = Train(o);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? *r : TrainResult{};
+}
+
+// A scaled lr trains exactly like the same lr given directly: global batch 64, base batch 32
+// (linear: x2) or 256 (sqrt: x0.5), all exact in binary.
+TEST(TrainerLr, ScalingRulesSetTheScheduleBaseLr) {
+  TrainOptions plain = SmallRun();
+  plain.lr = 0.05;
+  const TrainResult want = RunTwelve(plain);
+  EXPECT_EQ(want.lr_effective, 0.05);
+
+  TrainOptions linear = SmallRun();
+  linear.lr = 0.025;
+  linear.lr_scaling = LrScaling::kLinear;
+  linear.lr_base_batch = 32;
+  TrainOptions sqrt = SmallRun();
+  sqrt.lr = 0.1;
+  sqrt.lr_scaling = LrScaling::kSqrt;
+  for (const TrainOptions& o : {linear, sqrt}) {
+    const TrainResult got = RunTwelve(o);
+    EXPECT_EQ(got.lr_effective, 0.05) << LrScalingName(o.lr_scaling);
+    EXPECT_EQ(got.step_losses, want.step_losses) << LrScalingName(o.lr_scaling);
+    EXPECT_EQ(got.param_hash, want.param_hash) << LrScalingName(o.lr_scaling);
+  }
+}
+
+// The global batch of the rule is the real one: per-worker batch x workers without
+// --global-batch.
+TEST(TrainerLr, ScalingUsesTheGlobalBatchOfAllWorkers) {
+  TrainOptions o = SmallRun();
+  o.batch_size = 32;
+  o.emulate_ranks = 4;  // 128 in all
+  o.lr = 0.01;
+  o.lr_scaling = LrScaling::kLinear;
+  o.lr_base_batch = 32;
+  EXPECT_EQ(RunTwelve(o).lr_effective, 0.04);
+}
+
+// 0.5 epochs of 128 steps = 64 steps, the same schedule as --warmup-steps 64.
+TEST(TrainerLr, WarmupEpochsAreStepsPerEpochTimesEpochs) {
+  TrainOptions steps = SmallRun();
+  steps.warmup_steps = 64;
+  TrainOptions epochs = SmallRun();
+  epochs.warmup_epochs = 0.5;
+  const TrainResult a = RunTwelve(steps), b = RunTwelve(epochs);
+  EXPECT_EQ(b.warmup_steps, 64);
+  EXPECT_EQ(a.step_losses, b.step_losses);
+  EXPECT_EQ(a.param_hash, b.param_hash);
+}
+
+TEST(TrainerLr, BadWarmupAndScalingOptionsNameTheFlags) {
+  auto refused = [](TrainOptions o, const std::string& part) {
+    auto r = Train(o);
+    ASSERT_FALSE(r.ok()) << part;
+    EXPECT_NE(r.status().message().find(part), std::string::npos) << r.status().message();
+  };
+  TrainOptions o = SmallRun();
+  o.warmup_steps = 10;
+  o.warmup_epochs = 1;
+  refused(o, "--warmup-steps and --warmup-epochs exclude each other");
+  o = SmallRun();
+  o.warmup_epochs = 3;  // 2 epochs in the run
+  refused(o, "--warmup-epochs 3 (384 steps) is longer than the run (2 epochs = 256 steps)");
+  o = SmallRun();
+  o.warmup_epochs = std::numeric_limits<double>::quiet_NaN();
+  refused(o, "--warmup-epochs must be a number >= 0, got nan");
+  o = SmallRun();
+  o.lr_base_batch = 0;
+  refused(o, "--lr-base-batch must be >= 1");
+  o = SmallRun();
+  o.optimizer = OptimizerKind::kLars;
+  o.lars_excluded_lr_ratio = 0;
+  refused(o, "--lars-excluded-lr-ratio");
+}
+
 TEST(TrainerCheckpoint, CorruptCheckpointIsRefused) {
   TempDir dir;
   TrainOptions o = SmallRun();
@@ -497,6 +589,83 @@ TEST(TrainerMetrics, Fp32RunCostsAgainstTheReferenceAndHasNoFlips) {
     EXPECT_TRUE(j["flips"].empty()) << line;
   }
   EXPECT_EQ(epoch_lines, 1);
+}
+
+std::vector<nlohmann::json> ReadRecords(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> out;
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The "run" record opens the metrics file with what a report needs without any other source,
+// and opens each resumed part again at its start step.
+TEST(TrainerMetrics, RunRecordComesFirstAndAgainOnResume) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.metrics_out = dir.File("m.jsonl");
+  o.checkpoint_dir = dir.File("ck");
+  o.checkpoint_every = 10;
+  o.max_steps = 10;
+  o.stats_every = 4;
+  o.emulate_ranks = 2;
+  o.global_batch = 128;  // 8192 / 128 = 64 steps per epoch
+  o.optimizer = OptimizerKind::kLars;
+  o.lr = 0.1;
+  o.lr_scaling = LrScaling::kLinear;
+  o.warmup_epochs = 0.25;
+  o.allreduce.algo = comm::AllReduceAlgo::kEmulate;
+  o.allreduce.format = "e5m2";
+  o.allreduce.aps = true;
+  o.precision.global[int(Site::kActivation)].spec = "e4m3";
+  ASSERT_TRUE(Train(o).ok());
+  o.resume = "auto";
+  o.max_steps = 14;
+  ASSERT_TRUE(Train(o).ok());
+
+  const std::vector<nlohmann::json> records = ReadRecords(o.metrics_out);
+  std::vector<size_t> runs;
+  for (size_t i = 0; i < records.size(); ++i) {
+    if (records[i]["type"] == "run") runs.push_back(i);
+  }
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0], 0u) << "the run record must be the first line";
+  const nlohmann::json& run = records[0];
+  EXPECT_EQ(run["step"], 0);
+  EXPECT_EQ(run["arch"], "mlp");
+  EXPECT_EQ(run["dataset"], "synthetic");
+  EXPECT_EQ(run["classes"], 10);
+  EXPECT_EQ(run["ranks"], 1);
+  EXPECT_EQ(run["workers"], 2);
+  EXPECT_EQ(run["global_batch"], 128);
+  EXPECT_EQ(run["epochs"], 2);
+  EXPECT_EQ(run["steps_per_epoch"], 64);
+  EXPECT_EQ(run["total_steps"], 128);
+  EXPECT_EQ(run["seed"], 1);
+  EXPECT_EQ(run["optimizer"], "lars");
+  EXPECT_EQ(run["lr"], 0.1);
+  EXPECT_EQ(run["lr_effective"], 0.1 * 128 / 256);
+  EXPECT_EQ(run["warmup_steps"], 16);
+  EXPECT_EQ(run["lars_exclude"], "bias-bn");
+  EXPECT_EQ(run["lars_excluded_lr_ratio"], kLarsExcludedLrRatio);
+  EXPECT_EQ(run["allreduce"], "emulate");
+  EXPECT_EQ(run["allreduce_format"], "e5m2");
+  EXPECT_EQ(run["aps"], true);
+  EXPECT_EQ(run["precision"], DescribePrecision(o.precision));
+  EXPECT_NE(run["precision"].get<std::string>().find("A=e4m3"), std::string::npos) << run;
+  EXPECT_EQ(run["device"], "cpu");
+  // The resumed part's record differs only in its start step.
+  nlohmann::json resumed = records[runs[1]];
+  EXPECT_EQ(resumed["step"], 10);
+  EXPECT_EQ(resumed["max_steps"], 14);
+  resumed["step"] = 0;
+  resumed["max_steps"] = 10;
+  EXPECT_EQ(resumed, run);
+  // Every record after it belongs to the resumed part.
+  for (size_t i = runs[1] + 1; i < records.size(); ++i) {
+    EXPECT_GE(records[i]["step"].get<int64_t>(), 10) << records[i];
+  }
 }
 
 TEST(TrainerCpt, RelativeCostOfThreeToEightBits) {

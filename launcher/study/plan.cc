@@ -172,7 +172,7 @@ std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,
     argv.insert(argv.end(), {"--config", p.config});
   }
   argv.insert(argv.end(), {"--resume", "auto", "--checkpoint-dir", p.checkpoints, "--metrics-out",
-                           p.metrics, "--no-progress"});
+                           p.metrics});
   if (!launch.coordinator.empty()) {
     // --study is cpd-train's from the coordinator's study support on; only passed with a
     // coordinator, so runs without one work with any cpd-train.

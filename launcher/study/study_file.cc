@@ -253,8 +253,8 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
 
 const std::vector<std::string>& DriverOwnedFlags() {
   static const std::vector<std::string> kOwned = {"config",      "resume",      "checkpoint-dir",
-                                                  "metrics-out", "no-progress", "coordinator",
-                                                  "job-name"};
+                                                  "metrics-out", "coordinator",
+                                                  "job-name",    "study"};
   return kOwned;
 }
 

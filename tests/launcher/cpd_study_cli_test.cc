@@ -170,7 +170,7 @@ TEST(CpdStudyCli, PlanExpandsTheGridWithStableNamesAndExclusions) {
   const std::string& cmd = plan.at(name);
   for (const char* part :
        {"mpirun -np 2 ", "--emulate-ranks 16", " --aps ", "--seed 2", "--global-batch 2048",
-        "--allreduce-format e4m3", "--optimizer lars", "--resume auto", "--no-progress"}) {
+        "--allreduce-format e4m3", "--optimizer lars", "--resume auto", "--metrics-out"}) {
     EXPECT_NE(cmd.find(part), std::string::npos) << part << " in " << cmd;
   }
   EXPECT_NE(cmd.find("--checkpoint-dir " + dir.File("o") + "/runs/" + name + "/checkpoints"),

@@ -234,29 +234,38 @@ std::vector<std::string> RunOneCommand(const LocalOptions& o, size_t index) {
 
 }  // namespace
 
+Result<RunTally> TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
+                           bool retry_failed) {
+  RunTally t;
+  for (const PlannedRun& r : runs) {
+    CPD_ASSIGN_OR_RETURN(const RunState s, ReadState(PathsOf(out_dir, r.name).state));
+    const std::string what = Classify(s);
+    if (what == "done") {
+      ++t.done;
+    } else if (what == "failed" && !retry_failed) {
+      ++t.failed;
+    } else if (what == "running") {
+      ++t.running;
+    } else {
+      t.to_run.push_back(r.index);
+    }
+  }
+  return t;
+}
+
 int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const LocalOptions& o) {
   Progress pr;
   pr.total = runs.size();
   pr.parallel = o.parallel;
-  std::vector<size_t> todo;
-  size_t elsewhere = 0;
-  for (const PlannedRun& r : runs) {
-    auto s = ReadState(PathsOf(o.run.launch.out_dir, r.name).state);
-    if (!s.ok()) {
-      Complain(s.status().message());
-      return 1;
-    }
-    const std::string what = Classify(*s);
-    if (what == "done") {
-      ++pr.done;
-    } else if (what == "failed" && !o.run.retry_failed) {
-      ++pr.failed;
-    } else if (what == "running") {
-      ++elsewhere;
-    } else {
-      todo.push_back(r.index);
-    }
+  auto tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  if (!tally.ok()) {
+    Complain(tally.status().message());
+    return 1;
   }
+  const std::vector<size_t>& todo = tally->to_run;
+  const size_t elsewhere = tally->running;
+  pr.done = tally->done;
+  pr.failed = tally->failed;
   pr.to_run = todo.size();
   char head[256];
   std::snprintf(head, sizeof head,

@@ -26,6 +26,16 @@ struct RunOptions {
 // run that was already done, 1 when it was not run or cpd-study itself failed (said on stderr).
 int RunOne(const Study& study, const PlannedRun& run, const RunOptions& options);
 
+// Where a study's runs stand before a launcher starts any: done, failed (not to be retried),
+// running elsewhere, and the plan indices to run (pending, interrupted, and failed ones when
+// retry_failed), in plan order.
+struct RunTally {
+  size_t done = 0, failed = 0, running = 0;
+  std::vector<size_t> to_run;
+};
+Result<RunTally> TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
+                           bool retry_failed);
+
 struct LocalOptions {
   RunOptions run;
   int parallel = 1;        // runs at a time

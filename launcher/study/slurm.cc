@@ -98,23 +98,13 @@ int RunSlurm(const Study& study, const std::vector<PlannedRun>& runs, const Slur
     Complain(s.message());
     return 1;
   }
-  std::vector<size_t> todo;
-  size_t done = 0, skipped = 0;
-  for (const PlannedRun& r : runs) {
-    auto s = ReadState(PathsOf(o.run.launch.out_dir, r.name).state);
-    if (!s.ok()) {
-      Complain(s.status().message());
-      return 1;
-    }
-    const std::string what = Classify(*s);
-    if (what == "done") {
-      ++done;
-    } else if (what == "running" || (what == "failed" && !o.run.retry_failed)) {
-      ++skipped;
-    } else {
-      todo.push_back(r.index);
-    }
+  auto tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  if (!tally.ok()) {
+    Complain(tally.status().message());
+    return 1;
   }
+  const std::vector<size_t>& todo = tally->to_run;
+  const size_t done = tally->done, skipped = tally->failed + tally->running;
   std::printf("%s: %zu runs: %zu done, %zu failed or running (not submitted), %zu to submit\n",
               study.name.c_str(), runs.size(), done, skipped, todo.size());
   std::fflush(stdout);

@@ -171,8 +171,8 @@ std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,
   } else {
     argv.insert(argv.end(), {"--config", p.config});
   }
-  argv.insert(argv.end(), {"--resume", "auto", "--checkpoint-dir", p.checkpoints, "--metrics-out",
-                           p.metrics});
+  argv.insert(argv.end(),
+              {"--resume", "auto", "--checkpoint-dir", p.checkpoints, "--metrics-out", p.metrics});
   if (!launch.coordinator.empty()) {
     // --study is cpd-train's from the coordinator's study support on; only passed with a
     // coordinator, so runs without one work with any cpd-train.

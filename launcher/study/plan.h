@@ -45,8 +45,9 @@ struct RunPaths {
 RunPaths PathsOf(const std::string& out_dir, const std::string& run_name);
 
 // The command that runs `run`: "srun --mpi=pmix -n R" (launch.srun), else "mpirun -np R
-// [--allow-run-as-root --oversubscribe]" (as root) unless R is 1; then cpd-train, then either --config <run>/config.yaml (`inline_flags` false: what
-// `run` executes) or the flags themselves (what `plan` shows), then the flags cpd-study owns:
+// [--allow-run-as-root --oversubscribe]" (as root) unless R is 1; then cpd-train, then either
+// --config <run>/config.yaml (`inline_flags` false: what `run` executes) or the flags themselves
+// (what `plan` shows), then the flags cpd-study owns:
 // --resume auto --checkpoint-dir --metrics-out [--coordinator --job-name --study]. (Progress
 // stays on: without a terminal it is a plain line every few seconds, which log.txt keeps.)
 std::vector<std::string> RunCommand(const Study& study, const PlannedRun& run,

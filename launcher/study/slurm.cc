@@ -44,7 +44,8 @@ int Capture(const std::vector<std::string>& argv, std::string* out) {
 // minutes, hence the bound.
 Status CheckSlurmAnswers() {
   if (FindOnPath("sbatch").empty() || FindOnPath("sinfo").empty()) {
-    return Status::NotFound("--launcher slurm: sbatch/sinfo not found on PATH (is Slurm installed?)");
+    return Status::NotFound(
+        "--launcher slurm: sbatch/sinfo not found on PATH (is Slurm installed?)");
   }
   std::string states;
   const int code = Capture({"timeout", "20", "sinfo", "-h", "-o", "%T"}, &states);
@@ -84,8 +85,8 @@ std::vector<std::string> SbatchCommand(const Study& study, const std::vector<siz
                                    "--output=" + out + "/slurm/%A_%a.log"};
   if (o.wait) argv.push_back("--wait");
   argv.insert(argv.end(), o.sbatch_args.begin(), o.sbatch_args.end());
-  argv.insert(argv.end(), {Absolute(o.script), Absolute(o.study_path), "--out", out,
-                           "--cpd-train", Absolute(o.run.launch.cpd_train)});
+  argv.insert(argv.end(), {Absolute(o.script), Absolute(o.study_path), "--out", out, "--cpd-train",
+                           Absolute(o.run.launch.cpd_train)});
   if (!o.run.launch.coordinator.empty()) {
     argv.insert(argv.end(), {"--coordinator", o.run.launch.coordinator});
   }
@@ -124,15 +125,17 @@ int RunSlurm(const Study& study, const std::vector<PlannedRun>& runs, const Slur
   const int code = Capture(argv, &job);
   while (!job.empty() && (job.back() == '\n' || job.back() == '\r')) job.pop_back();
   if (job.empty()) {
-    Complain("sbatch " + std::string(code < 0 ? "could not start" : "failed (exit " +
-                                                          std::to_string(code) + ")") +
-             "; nothing was submitted");
+    Complain(
+        "sbatch " +
+        std::string(code < 0 ? "could not start" : "failed (exit " + std::to_string(code) + ")") +
+        "; nothing was submitted");
     return 1;
   }
   if (!o.wait) {
-    std::printf("submitted job array %s (%zu runs); `cpd-study status` shows progress, logs in "
-                "%s/slurm/\n",
-                job.c_str(), todo.size(), o.run.launch.out_dir.c_str());
+    std::printf(
+        "submitted job array %s (%zu runs); `cpd-study status` shows progress, logs in "
+        "%s/slurm/\n",
+        job.c_str(), todo.size(), o.run.launch.out_dir.c_str());
     return 0;
   }
   std::printf("job array %s ended (sbatch exit %d)\n", job.c_str(), code);
@@ -149,10 +152,9 @@ Status CheckSlurmTask(const Study& study) {
   const char* ntasks = std::getenv("SLURM_NTASKS");
   if (ntasks == nullptr || *ntasks == '\0') return Status::Ok();
   if (std::string(ntasks) != std::to_string(study.ranks)) {
-    return Status::InvalidArgument("the Slurm task has " + std::string(ntasks) +
-                                   " tasks but the study's ranks is " +
-                                   std::to_string(study.ranks) + ": submit with --ntasks=" +
-                                   std::to_string(study.ranks));
+    return Status::InvalidArgument(
+        "the Slurm task has " + std::string(ntasks) + " tasks but the study's ranks is " +
+        std::to_string(study.ranks) + ": submit with --ntasks=" + std::to_string(study.ranks));
   }
   return Status::Ok();
 }

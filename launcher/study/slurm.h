@@ -18,8 +18,8 @@ namespace cpd::launcher::study {
 
 struct SlurmOptions {
   RunOptions run;
-  int parallel = 0;   // array tasks at a time (sbatch --array=...%K); 0: as Slurm schedules
-  bool wait = false;  // sbatch --wait: return when every task has ended
+  int parallel = 0;        // array tasks at a time (sbatch --array=...%K); 0: as Slurm schedules
+  bool wait = false;       // sbatch --wait: return when every task has ended
   std::string self;        // this cpd-study (exported to the tasks as CPD_STUDY)
   std::string study_path;  // the study file the tasks read
   std::string script;      // the batch script

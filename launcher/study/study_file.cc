@@ -252,9 +252,8 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
 }  // namespace
 
 const std::vector<std::string>& DriverOwnedFlags() {
-  static const std::vector<std::string> kOwned = {"config",      "resume",      "checkpoint-dir",
-                                                  "metrics-out", "coordinator",
-                                                  "job-name",    "study"};
+  static const std::vector<std::string> kOwned = {
+      "config", "resume", "checkpoint-dir", "metrics-out", "coordinator", "job-name", "study"};
   return kOwned;
 }
 

@@ -5,8 +5,8 @@
 // Compute: GEMMs through cuBLAS (cublasGemmEx, CUBLAS_COMPUTE_32F: float32 multiply-adds, never
 // TF32), convolutions through cuDNN's convolution API (libcudnn_cnn; math type CUDNN_FMA_MATH,
 // so never TF32, and only algorithms cuDNN reports as CUDNN_DETERMINISTIC), everything else in
-// own kernels (runtime/engine/cuda_ops.cu and runtime/cuda_kernels_*.cu, built with -fmad=false like
-// the CPU code's -ffp-contract=off).
+// own kernels (runtime/engine/cuda_ops.cu and runtime/cuda_kernels_*.cu, built with -fmad=false
+// like the CPU code's -ffp-contract=off).
 //
 // Agreement with the CPU functions of the same name:
 //  * bit for bit: Relu, ReluBackward, AddRelu, Add, AddInPlace, DropoutApply (the same

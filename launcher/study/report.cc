@@ -291,6 +291,7 @@ MeanStd Stats(const std::vector<double>& v) {
 struct Group {
   const PlannedRun* first = nullptr;
   std::vector<double> final_acc, best_acc, final_loss, delta;
+  std::vector<double> flushed, shift;  // per run with all-reduce statistics: its step mean
   int collapsed = 0;
 };
 
@@ -310,6 +311,10 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
     g.final_loss.push_back(r.final_loss);
     g.delta.push_back(r.final_acc - reference);
     g.collapsed += r.collapsed ? 1 : 0;
+    if (r.m.all.n > 0) {
+      g.flushed.push_back(r.m.all.flushed / double(r.m.all.n));
+      g.shift.push_back(r.m.all.shift / double(r.m.all.n));
+    }
   }
   return groups;
 }
@@ -318,13 +323,15 @@ std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
   std::string csv = AxesHeader(s).substr(1) +
                     ",n_seeds,n_collapsed,final_test_accuracy_mean,final_test_accuracy_std,"
                     "best_test_accuracy_mean,best_test_accuracy_std,final_loss_mean,"
-                    "final_loss_std,accuracy_vs_reference_mean\n";
+                    "final_loss_std,accuracy_vs_reference_mean,allreduce_flushed_mean,"
+                    "allreduce_flushed_std,aps_shift_mean\n";
   for (const Group& g : groups) {
     const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss);
     csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.final_acc.size()) + "," +
            std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
            Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
-           Fmt(Stats(g.delta).mean) + "\n";
+           Fmt(Stats(g.delta).mean) + "," + Fmt(Stats(g.flushed).mean) + "," +
+           Fmt(Stats(g.flushed).std) + "," + Fmt(Stats(g.shift).mean) + "\n";
   }
   return csv;
 }
@@ -347,21 +354,25 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
                    std::to_string(s.seeds.size()) +
                    " seed(s) per setting. Accuracy in %, mean ± sample std over the seeds with "
                    "results; collapsed: final test accuracy <= 1.5 x chance, a non-finite loss, "
-                   "or diverged.\n\n|";
+                   "or diverged; flushed: the fraction of gradient values the all-reduce flushed "
+                   "to zero and shift: the APS shift, means over the logged steps and layers, "
+                   "then over the seeds.\n\n|";
   std::string rule = "|";
   for (const Axis& a : s.axes) {
     md += " " + a.name + " |";
     rule += "---|";
   }
-  md += " seeds | collapsed | final test acc | best test acc | final loss |\n" + rule +
-        "---:|---:|---:|---:|---:|\n";
+  md += " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |\n" +
+        rule + "---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Group& g : groups) {
     md += "|";
     for (const auto& l : g.first->labels) md += " " + l + " |";
     md += " " + std::to_string(g.final_acc.size()) + " | " + std::to_string(g.collapsed) + " | " +
           PlusMinus(Stats(g.final_acc), 100, "%.2f") + " | " +
           PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | " +
-          PlusMinus(Stats(g.final_loss), 1, "%.4f") + " |\n";
+          PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | " +
+          PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
+          PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " |\n";
   }
   return md;
 }

@@ -505,11 +505,16 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   const double bm = (0.8 + 0.75 + 0.9) / 3;
   EXPECT_NEAR(std::stod(sum[0].at("best_test_accuracy_mean")), bm, 1e-6);
   EXPECT_NEAR(std::stod(sum[0].at("final_loss_mean")), (1.0 + 0.9 + 0.5) / 3, 1e-6);
+  // Only seed 1 logged all-reduce statistics: the group's means are its means.
+  EXPECT_DOUBLE_EQ(std::stod(sum[0].at("allreduce_flushed_mean")), 0.25);
+  EXPECT_DOUBLE_EQ(std::stod(sum[0].at("aps_shift_mean")), 1.5);
+  EXPECT_EQ(sum[1].at("allreduce_flushed_mean"), "");
   EXPECT_EQ(sum[1].at("n_collapsed"), "3");
   const std::string md = ReadFile(out + "/report/summary.md");
   char cell[64];
   std::snprintf(cell, sizeof cell, "| e4m3 | 3 | 0 | %.2f ± %.2f |", 100 * m, 100 * sd);
   EXPECT_NE(md.find(cell), std::string::npos) << md;
+  EXPECT_NE(md.find("| 25.00 | 1.5 |"), std::string::npos) << md;
   const auto layers = ReadCsv(out + "/report/layers.csv");
   ASSERT_EQ(layers.size(), 2u);
   EXPECT_EQ(layers[1].at("layer"), "fc2");

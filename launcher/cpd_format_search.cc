@@ -74,7 +74,8 @@ void AddFlags(CLI::App* app, Flags* f) {
   app->add_option("--batches", f->batches, "Mini-batches N the angles are averaged over")
       ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(1));
-  app->add_option("--batch-size", f->batch_size, "Mini-batch size")->capture_default_str()
+  app->add_option("--batch-size", f->batch_size, "Mini-batch size")
+      ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(1));
   app->add_option("--seed", f->seed,
                   "Seed of the batches' shuffle and of stochastic rounding (as cpd-train)")
@@ -96,7 +97,8 @@ void AddFlags(CLI::App* app, Flags* f) {
   app->add_option("--out", f->out, "Output prefix: PREFIX.csv, PREFIX.json, PREFIX.png")
       ->required();
   app->add_flag("--resume", f->resume, "Continue from PREFIX.partial.csv");
-  app->add_option("--top", f->top, "Rows of the printed table (0: all)")->capture_default_str()
+  app->add_option("--top", f->top, "Rows of the printed table (0: all)")
+      ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(0));
   app->add_flag("--no-plot", f->no_plot, "Write no PNG");
   app->add_flag("--no-progress", f->no_progress, "No progress lines");
@@ -138,7 +140,8 @@ cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
     for (const std::string& u : unique) seen = seen || u == fmt->spec();
     if (!seen) unique.push_back(fmt->spec());
   }
-  if (unique.empty()) return Bad("no candidate format (give --format, --bits or --candidates-file)");
+  if (unique.empty())
+    return Bad("no candidate format (give --format, --bits or --candidates-file)");
   return unique;
 }
 
@@ -170,8 +173,8 @@ std::string WorstLayer(const CandidateResult& r, const std::vector<std::string>&
 
 void PrintTable(const std::vector<CandidateResult>& ranked, const std::vector<std::string>& layers,
                 SiteSet by, int top) {
-  std::printf("%4s  %-44s %4s %-8s %9s %9s %9s  %s\n", "rank", "format", "bits", "family",
-              "A deg", "E deg", "A+E deg", "worst layer");
+  std::printf("%4s  %-44s %4s %-8s %9s %9s %9s  %s\n", "rank", "format", "bits", "family", "A deg",
+              "E deg", "A+E deg", "worst layer");
   for (size_t i = 0; i < ranked.size() && (top <= 0 || int(i) < top); ++i) {
     const CandidateResult& r = ranked[i];
     std::string spec = r.spec.size() > 44 ? r.spec.substr(0, 41) + "..." : r.spec;
@@ -290,20 +293,19 @@ Status WriteOutputs(const Flags& f, const cpd::runtime::FormatSearchOptions& o,
   if (!f.no_plot) {
     CPD_ASSIGN_OR_RETURN(
         const std::string script,
-        cpd::launcher::FindScript(
-            "format_search_plot.py", "CPD_FORMAT_SEARCH_PLOT_SCRIPT",
-            {CPD_FORMAT_SEARCH_PLOT_SCRIPT,
-             cpd::launcher::ExecutableDir() + "/format_search_plot.py"}));
+        cpd::launcher::FindScript("format_search_plot.py", "CPD_FORMAT_SEARCH_PLOT_SCRIPT",
+                                  {CPD_FORMAT_SEARCH_PLOT_SCRIPT,
+                                   cpd::launcher::ExecutableDir() + "/format_search_plot.py"}));
     const char* py_env = std::getenv("CPD_PYTHON");
     const std::string python = py_env != nullptr && *py_env ? py_env : CPD_FORMAT_SEARCH_PYTHON;
     // The script writes a temporary that is renamed over PREFIX.png only when whole.
     const std::string tmp_png = f.out + ".tmp.png";
-    const Status plotted = cpd::launcher::RunPythonScript(
-        python, script, {"--in", f.out + ".json", "--out", tmp_png});
+    const Status plotted =
+        cpd::launcher::RunPythonScript(python, script, {"--in", f.out + ".json", "--out", tmp_png});
     if (!plotted.ok() || std::rename(tmp_png.c_str(), (f.out + ".png").c_str()) != 0) {
       std::remove(tmp_png.c_str());
-      return Status::IoError("plot: " + (plotted.ok() ? "cannot write " + f.out + ".png"
-                                                      : plotted.message()));
+      return Status::IoError("plot: " +
+                             (plotted.ok() ? "cannot write " + f.out + ".png" : plotted.message()));
     }
     wrote += " and " + f.out + ".png";
   }
@@ -323,11 +325,12 @@ Status Search(const Flags& f, cpd::comm::Communicator* comm) {
   CPD_ASSIGN_OR_RETURN(Trained t, LoadTrained(f));
   const bool lead = comm->rank() == 0;
   if (lead && o.progress) {
-    std::printf("%s: %zu candidate(s) x %lld batch(es) of %lld, sites %s, %d rank(s) x %d "
-                "thread(s), checkpoint %s (step %lld)\n",
-                kTool, o.candidates.size(), static_cast<long long>(o.batches),
-                static_cast<long long>(o.batch_size), f.sites.c_str(), comm->size(), threads,
-                f.checkpoint.c_str(), static_cast<long long>(t.step));
+    std::printf(
+        "%s: %zu candidate(s) x %lld batch(es) of %lld, sites %s, %d rank(s) x %d "
+        "thread(s), checkpoint %s (step %lld)\n",
+        kTool, o.candidates.size(), static_cast<long long>(o.batches),
+        static_cast<long long>(o.batch_size), f.sites.c_str(), comm->size(), threads,
+        f.checkpoint.c_str(), static_cast<long long>(t.step));
     std::fflush(stdout);
   }
   CPD_ASSIGN_OR_RETURN(std::vector<CandidateResult> results,
@@ -352,12 +355,7 @@ int main(int argc, char** argv) {
   Flags f;
   AddFlags(&app, &f);
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
-  auto world = cpd::launcher::MakeWorld(f.comm);
-  if (!world.ok()) {
-    Fail(world.status().message(),
-         world.status().code() == Status::Code::kInvalidArgument ? kUsageError : 1);
-  }
-  std::unique_ptr<cpd::comm::Communicator> comm = std::move(world).value();
+  std::unique_ptr<cpd::comm::Communicator> comm = cpd::launcher::MakeWorldOrExit(kTool, f.comm);
   // Layers throw on CUDA failures; the job still ends as one failure.
   Status s;
   try {

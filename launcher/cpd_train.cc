@@ -54,12 +54,8 @@ int main(int argc, char** argv) {
   if (const cpd::Status s = cpd::launcher::ApplyTrainFlags(app, &f, &o); !s.ok()) {
     Fail(s.message());
   }
-  auto world = cpd::launcher::MakeWorld(f.comm_kind);
-  if (!world.ok()) {
-    Fail(world.status().message(),
-         world.status().code() == cpd::Status::Code::kInvalidArgument ? kUsageError : 1);
-  }
-  std::unique_ptr<cpd::comm::Communicator> comm = std::move(world).value();
+  std::unique_ptr<cpd::comm::Communicator> comm =
+      cpd::launcher::MakeWorldOrExit("cpd-train", f.comm_kind);
   auto result = cpd::runtime::Train(o, comm.get());
   if (!result.ok()) {
     return cpd::launcher::EndFailedJob("cpd-train", result.status(), std::move(comm));

@@ -36,6 +36,15 @@ Result<std::unique_ptr<comm::Communicator>> MakeWorld(const std::string& kind) {
   return std::unique_ptr<comm::Communicator>(std::make_unique<comm::SelfCommunicator>());
 }
 
+std::unique_ptr<comm::Communicator> MakeWorldOrExit(const char* tool, const std::string& kind) {
+  auto world = MakeWorld(kind);
+  if (!world.ok()) {
+    FailWith(tool, world.status().message(),
+             world.status().code() == Status::Code::kInvalidArgument ? kUsageError : 1);
+  }
+  return std::move(world).value();
+}
+
 int EndFailedJob(const char* tool, const Status& s, std::unique_ptr<comm::Communicator> comm) {
   const bool usage = s.code() == Status::Code::kInvalidArgument;
   const bool diverged = s.code() == Status::Code::kOutOfRange;

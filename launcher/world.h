@@ -17,14 +17,17 @@ bool LaunchedByMpi();
 // InvalidArgument for another kind or "mpi" in a build without MPI; Unavailable when MPI cannot
 // start.
 Result<std::unique_ptr<comm::Communicator>> MakeWorld(const std::string& kind);
+// MakeWorld, or exit with "<tool>: message": 2 for a bad kind, 1 when MPI cannot start.
+std::unique_ptr<comm::Communicator> MakeWorldOrExit(const char* tool, const std::string& kind);
 
 // The exit code of a run that diverged (a Status of code OutOfRange from training).
 constexpr int kDivergedRun = 3;
 
 // Ends a job after `s` (not OK) and returns the exit code. One process: "<tool>: message".
 // Several: an option error (InvalidArgument, exit 2) or a divergence (OutOfRange, exit 3), both
-// found alike by every rank, is reported once by rank 0 and every rank exits; any other failure may be one rank's alone, and its peers would wait
-// forever in the next collective, so the rank reports it and aborts the whole job.
+// found alike by every rank, is reported once by rank 0 and every rank exits; any other failure
+// may be one rank's alone, and its peers would wait forever in the next collective, so the rank
+// reports it and aborts the whole job.
 int EndFailedJob(const char* tool, const Status& s, std::unique_ptr<comm::Communicator> comm);
 
 }  // namespace cpd::launcher

@@ -1,5 +1,7 @@
 #include "cpd/candidates.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cstddef>
 
 #include "cpd/format.h"
@@ -82,6 +84,26 @@ Result<std::vector<BinadeCandidate>> EnumerateBinadeCandidates(int bits) {
     }
   }
   return out;
+}
+
+Result<std::vector<BinadeCandidate>> EnumerateBinadeCandidates(std::string_view widths) {
+  std::vector<BinadeCandidate> all;
+  size_t start = 0;
+  while (start <= widths.size()) {
+    const size_t comma = std::min(widths.find(',', start), widths.size());
+    const std::string_view w = widths.substr(start, comma - start);
+    int bits = 0;
+    const auto [end, ec] = std::from_chars(w.data(), w.data() + w.size(), bits);
+    if (w.empty() || ec == std::errc::invalid_argument || end != w.data() + w.size()) {
+      return Status::InvalidArgument("'" + std::string(w) + "' is not a whole number");
+    }
+    if (ec == std::errc::result_out_of_range) bits = -1;  // reported as outside 2..16
+    CPD_ASSIGN_OR_RETURN(std::vector<BinadeCandidate> list, EnumerateBinadeCandidates(bits));
+    all.insert(all.end(), list.begin(), list.end());
+    start = comma + 1;
+  }
+  if (all.empty()) return Status::InvalidArgument("no bit width given");
+  return all;
 }
 
 }  // namespace cpd

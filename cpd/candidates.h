@@ -17,6 +17,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cpd/status.h"
@@ -34,6 +35,11 @@ struct BinadeCandidate {
 // Every candidate of `bits` (2..16), ordered by p, the plateau's bits, descending, then by a,
 // its length, ascending: fixed point first, the log format last. InvalidArgument outside 2..16.
 Result<std::vector<BinadeCandidate>> EnumerateBinadeCandidates(int bits);
+
+// The candidates of every width in `widths`, a comma-separated list such as "8,7,6", in the
+// list's order. InvalidArgument naming the first entry that is not a whole number (e.g. "8x")
+// or outside 2..16, or for an empty list.
+Result<std::vector<BinadeCandidate>> EnumerateBinadeCandidates(std::string_view widths);
 
 // "fixed" (p, p-1, ..., 0), "float" (p repeated, then p-1, ..., 0), "hybrid" (p repeated, p-1
 // repeated, then p-2, ..., 0), "log" (all 0) or "binades" (any other list).

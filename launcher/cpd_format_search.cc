@@ -121,14 +121,8 @@ cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
   }
   std::string bits = f.bits;
   if (bits.empty() && out.empty()) bits = "8";
-  for (const std::string& b : cpd::launcher::SplitCommas(bits)) {
-    int n = 0;
-    try {
-      n = std::stoi(b);
-    } catch (const std::exception&) {
-      return Bad("--bits: '" + b + "' is not a bit width");
-    }
-    auto list = cpd::EnumerateBinadeCandidates(n);
+  if (!bits.empty()) {
+    auto list = cpd::EnumerateBinadeCandidates(std::string_view(bits));
     if (!list.ok()) return Bad("--bits: " + list.status().message());
     for (const auto& c : *list) out.push_back(c.spec);
   }

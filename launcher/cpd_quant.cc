@@ -124,22 +124,15 @@ int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t s
 // The candidate formats of a data-format search (cpd/candidates.h states the rules): a table of
 // bits, family, name, range and spec, or (--specs) one spec per line for --candidates-file.
 int RunCandidates(const std::string& bits_list, bool specs_only) {
-  std::vector<cpd::BinadeCandidate> all;
-  for (const std::string& b : cpd::launcher::SplitCommas(bits_list)) {
-    char* end = nullptr;
-    const long n = std::strtol(b.c_str(), &end, 10);
-    if (b.empty() || *end != '\0') Fail("--bits: '" + b + "' is not a whole number");
-    auto list = cpd::EnumerateBinadeCandidates(int(n));
-    if (!list.ok()) Fail("--bits: " + list.status().message());
-    all.insert(all.end(), list->begin(), list->end());
-  }
-  if (all.empty()) Fail("--bits: no bit width given");
+  auto listed = cpd::EnumerateBinadeCandidates(std::string_view(bits_list));
+  if (!listed.ok()) Fail("--bits: " + listed.status().message());
+  const std::vector<cpd::BinadeCandidate>& all = *listed;
   if (specs_only) {
     for (const auto& c : all) std::printf("%s\n", c.spec.c_str());
     return 0;
   }
-  std::printf("%4s  %-7s %-24s %8s %9s  %s\n", "bits", "family", "name", "binades",
-              "range", "spec");
+  std::printf("%4s  %-7s %-24s %8s %9s  %s\n", "bits", "family", "name", "binades", "range",
+              "spec");
   for (const auto& c : all) {
     const cpd::FormatInfo info = cpd::Format::Parse(c.spec)->Info();
     const double lowest = info.min_subnormal > 0 ? info.min_subnormal : info.min_normal;

@@ -119,5 +119,22 @@ TEST(Candidates, WidthsOutsideTheRangeAreRefused) {
   }
 }
 
+TEST(Candidates, WidthListsAreParsedStrictly) {
+  auto list = EnumerateBinadeCandidates(std::string_view("8,6"));
+  ASSERT_TRUE(list.ok()) << list.status().message();
+  EXPECT_EQ(list->size(), 121u + 27u);
+  EXPECT_EQ(list->front().bits, 8);
+  EXPECT_EQ(list->back().bits, 6);
+  for (const char* bad : {"8x", "8,", "", " 8", "8,x", "+8", "99999999999"}) {
+    auto r = EnumerateBinadeCandidates(std::string_view(bad));
+    EXPECT_FALSE(r.ok()) << bad;
+  }
+  EXPECT_NE(EnumerateBinadeCandidates(std::string_view("8x")).status().message().find("'8x'"),
+            std::string::npos);
+  EXPECT_NE(
+      EnumerateBinadeCandidates(std::string_view("99999999999")).status().message().find("2..16"),
+      std::string::npos);
+}
+
 }  // namespace
 }  // namespace cpd

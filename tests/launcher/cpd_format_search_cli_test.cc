@@ -59,6 +59,7 @@ TEST_F(CpdFormatSearchCli, BadInputIsOneLineAndExitTwoBeforeAnyWork) {
   ExpectUsage(Search({"--format", "e4m3", "--batches", "0", "--out", out}), "--batches");
   ExpectUsage(Search({"--format", "e4m3", "--sites", "A,W", "--out", out}), "--sites");
   ExpectUsage(Search({"--bits", "1", "--out", out}), "--bits");
+  ExpectUsage(Search({"--bits", "8x", "--out", out}), "'8x' is not a whole number");
   // The checkpoint of another model or data set.
   ExpectUsage(
       RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),

@@ -227,7 +227,7 @@ void ExpectSameStats(const QuantStats& want, const QuantStats& got, const std::s
   EXPECT_TRUE(near(want.sq_input, got.sq_input)) << what << ": sq_input";
 }
 
-using Param = std::tuple<const char*, Rounding>;
+using Param = FormatRounding;
 
 class CodecCudaTest : public ::testing::TestWithParam<Param> {};
 
@@ -313,28 +313,10 @@ TEST_P(CodecCudaTest, MatchesCpuCodec) {
   }
 }
 
-std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
-  std::string name =
-      std::string(std::get<0>(info.param)) + "_" + RoundingName(std::get<1>(info.param));
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
 // The "cuda" prefix makes every test name match `ctest -R cuda`.
-INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaTest,
-                         ::testing::Combine(::testing::ValuesIn(kFormats),
-                                            ::testing::Values(Rounding::kNearest,
-                                                              Rounding::kStochastic,
-                                                              Rounding::kZero)),
-                         ParamName);
-INSTANTIATE_TEST_SUITE_P(cuda_binades, CodecCudaTest,
-                         ::testing::Combine(::testing::ValuesIn(kBinadeFormats),
-                                            ::testing::Values(Rounding::kNearest,
-                                                              Rounding::kStochastic,
-                                                              Rounding::kZero)),
-                         ParamName);
+INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaTest, EveryRoundingOf(kFormats), FormatRoundingName);
+INSTANTIATE_TEST_SUITE_P(cuda_binades, CodecCudaTest, EveryRoundingOf(kBinadeFormats),
+                         FormatRoundingName);
 
 // Groups whose metadata comes from degenerate data (the scale step is QuantizeCuda's; here its
 // result must also land in the bytes): per channel, signed zeros, NaN only, Inf only, a

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "cpd/format.h"
@@ -224,6 +226,28 @@ inline std::vector<uint32_t> Codes(const Format& f, const std::vector<float>& x,
   std::vector<uint32_t> codes(x.size());
   if (s.ok()) UnpackCodes(p.bytes.data(), x.size(), f.bits(), codes.data());
   return codes;
+}
+
+// The parameter of the suites run once per format spec and rounding mode (the CUDA codec and
+// quantiser tests), and its test-name suffix: "<spec>_<rounding>" with every character other
+// than a letter or digit made '_' (gtest's rule for names).
+using FormatRounding = std::tuple<const char*, Rounding>;
+
+inline std::string FormatRoundingName(const ::testing::TestParamInfo<FormatRounding>& info) {
+  std::string name =
+      std::string(std::get<0>(info.param)) + "_" + RoundingName(std::get<1>(info.param));
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
+
+// Every spec of `specs` with every rounding mode.
+template <size_t N>
+auto EveryRoundingOf(const char* const (&specs)[N]) {
+  return ::testing::Combine(
+      ::testing::ValuesIn(specs),
+      ::testing::Values(Rounding::kNearest, Rounding::kStochastic, Rounding::kZero));
 }
 
 }  // namespace cpd::test

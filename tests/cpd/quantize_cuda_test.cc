@@ -18,6 +18,7 @@
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 #include "cpd/quantize_cuda.h"
+#include "tests/cpd/format_test_util.h"
 
 namespace {
 
@@ -166,7 +167,7 @@ const char* const kBinadeFormats[] = {"binades:4x7,3,2,1,0", "binades:5,5,4x5,3,
 
 const size_t kSizes[] = {0, 1, 1000, (size_t(1) << 20) + 3};
 
-using Param = std::tuple<const char*, Rounding>;
+using Param = cpd::test::FormatRounding;
 
 class QuantizeCudaTest : public ::testing::TestWithParam<Param> {};
 
@@ -225,28 +226,11 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
   }
 }
 
-std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
-  std::string name =
-      std::string(std::get<0>(info.param)) + "_" + cpd::RoundingName(std::get<1>(info.param));
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
 // The "cuda" prefix makes every test name match `ctest -R cuda`.
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest,
-                         ::testing::Combine(::testing::ValuesIn(kFormats),
-                                            ::testing::Values(Rounding::kNearest,
-                                                              Rounding::kStochastic,
-                                                              Rounding::kZero)),
-                         ParamName);
+                         cpd::test::EveryRoundingOf(kFormats), cpd::test::FormatRoundingName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaTest,
-                         ::testing::Combine(::testing::ValuesIn(kBinadeFormats),
-                                            ::testing::Values(Rounding::kNearest,
-                                                              Rounding::kStochastic,
-                                                              Rounding::kZero)),
-                         ParamName);
+                         cpd::test::EveryRoundingOf(kBinadeFormats), cpd::test::FormatRoundingName);
 
 // Groups whose scale comes from degenerate data: all zeros of both signs (uint minmax takes the
 // zero the CPU picks as its offset, and a zero scale maps everything to it), no finite element,

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cpd::launcher {
@@ -20,5 +21,8 @@ bool IsLoopbackHost(const std::string& host);
 
 // The non-empty items of a comma-separated list: "a,,b" -> {"a", "b"}.
 std::vector<std::string> SplitCommas(const std::string& s);
+
+// A CSV field (RFC 4180): quoted when it holds a comma, quote, CR or LF, quotes doubled.
+std::string CsvField(std::string_view s);
 
 }  // namespace cpd::launcher

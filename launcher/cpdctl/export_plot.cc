@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "launcher/common.h"
 #include "launcher/cpdctl/atomic_file.h"
 #include "launcher/cpdctl/commands.h"
 #include "launcher/cpdctl/output.h"
@@ -69,11 +70,11 @@ size_t CsvRows(const v1::StatsReport& r, FILE* out) {
     return 1;
   }
   for (const auto& l : r.layers()) {
-    const std::string line = head + "," + CsvField(l.layer()) + "," + SiteName(l.site()) + "," +
-                             CsvField(l.format()) + "," + std::to_string(l.bits()) + "," +
-                             std::to_string(l.aps_shift()) + "," + ShortestDouble(l.max_abs()) +
-                             "," + ShortestDouble(l.saturated()) + "," +
-                             ShortestDouble(l.flushed()) + "," + opt(l.rel_error()) + "," +
+    const std::string line = head + "," + launcher::CsvField(l.layer()) + "," + SiteName(l.site()) +
+                             "," + launcher::CsvField(l.format()) + "," + std::to_string(l.bits()) +
+                             "," + std::to_string(l.aps_shift()) + "," +
+                             ShortestDouble(l.max_abs()) + "," + ShortestDouble(l.saturated()) +
+                             "," + ShortestDouble(l.flushed()) + "," + opt(l.rel_error()) + "," +
                              std::to_string(l.flips()) + "," + std::to_string(l.nonfinite()) + "\n";
     std::fwrite(line.data(), 1, line.size(), out);
   }

@@ -111,17 +111,6 @@ std::string ShortestDouble(double v) {
   return std::string(buf, r.ptr);
 }
 
-std::string CsvField(std::string_view s) {
-  if (s.find_first_of(",\"\r\n") == std::string_view::npos) return std::string(s);
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"') out += '"';
-    out += c;
-  }
-  out += '"';
-  return out;
-}
-
 std::string SiteName(Site site) {
   switch (site) {
     case cpd::v1::SITE_W:

@@ -50,8 +50,6 @@ std::string FormatDuration(int64_t ms);
 std::string FormatTime(int64_t unix_ms);
 // The shortest decimal that reads back as the same double (std::to_chars).
 std::string ShortestDouble(double v);
-// A CSV field (RFC 4180): quoted when it holds a comma, quote, CR or LF.
-std::string CsvField(std::string_view s);
 
 // "W", "A", "E", "G", "COMM" (SITE_UNSPECIFIED and unknown numbers: "?").
 std::string SiteName(cpd::v1::Site site);

@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "launcher/common.h"
 #include "launcher/files.h"
 #include "launcher/study/run_state.h"
 
@@ -184,13 +185,6 @@ std::string Fmt(double v) {
   return buf;
 }
 
-std::string Csv(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-
 // One run's row of runs.csv, and what the summary needs of it.
 struct RunRow {
   const PlannedRun* run = nullptr;
@@ -233,13 +227,13 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
 
 std::string AxesHeader(const Study& s) {
   std::string h;
-  for (const Axis& a : s.axes) h += "," + Csv(a.name);
+  for (const Axis& a : s.axes) h += "," + CsvField(a.name);
   return h;
 }
 
 std::string AxesCells(const PlannedRun& r) {
   std::string c;
-  for (const auto& l : r.labels) c += "," + Csv(l);
+  for (const auto& l : r.labels) c += "," + CsvField(l);
   return c;
 }
 
@@ -255,17 +249,17 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
     for (const auto& [n, e] : r.m.epochs) ips += e.images_per_s;
     ips = r.has_epochs ? ips / double(r.m.epochs.size()) : kNaN;
     const double n = double(r.m.all.n);
-    csv += Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
-           r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
-           Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
-           (r.has_epochs ? std::to_string(last.skipped_steps) : "") + "," +
-           (r.collapsed ? "1" : "0") + "," + std::to_string(r.classes) + "," +
-           Fmt(n > 0 ? r.m.all.shift / n : kNaN) + "," + Fmt(n > 0 ? r.m.all.flushed / n : kNaN) +
-           "," + Fmt(ips) + "," + (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," +
-           Fmt(last.relative_cost) + "," +
-           Csv(r.has_epochs ? (last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference)
-                            : "") +
-           "," + Fmt(r.final_acc - reference) + "\n";
+    csv +=
+        CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
+        r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
+        Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
+        (r.has_epochs ? std::to_string(last.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
+        "," + std::to_string(r.classes) + "," + Fmt(n > 0 ? r.m.all.shift / n : kNaN) + "," +
+        Fmt(n > 0 ? r.m.all.flushed / n : kNaN) + "," + Fmt(ips) + "," +
+        (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," + Fmt(last.relative_cost) + "," +
+        CsvField(r.has_epochs ? (last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference)
+                              : "") +
+        "," + Fmt(r.final_acc - reference) + "\n";
   }
   return csv;
 }
@@ -382,7 +376,7 @@ std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
                     ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s\n";
   for (const RunRow& r : rows) {
     const std::string head =
-        Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
+        CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
     for (const auto& [n, e] : r.m.epochs) {
       csv += head + std::to_string(n) + "," + std::to_string(e.step) + "," + Fmt(e.loss) + "," +
              Fmt(e.train_accuracy) + "," + Fmt(e.test_accuracy) + "," + Fmt(e.test_loss) + "," +
@@ -398,9 +392,9 @@ std::string LayersCsv(const Study& s, const std::vector<RunRow>& rows) {
   for (const RunRow& r : rows) {
     for (size_t i = 0; i < r.m.layer_order.size(); ++i) {
       const LayerSums& l = r.m.layers.at(r.m.layer_order[i]);
-      csv += Csv(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
-             std::to_string(i) + "," + Csv(r.m.layer_order[i]) + "," + std::to_string(l.n) + "," +
-             Fmt(l.flushed / double(l.n)) + "," + Fmt(l.shift / double(l.n)) + "\n";
+      csv += CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
+             std::to_string(i) + "," + CsvField(r.m.layer_order[i]) + "," + std::to_string(l.n) +
+             "," + Fmt(l.flushed / double(l.n)) + "," + Fmt(l.shift / double(l.n)) + "\n";
     }
   }
   return csv;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "launcher/common.h"
 #include "launcher/cpdctl/output.h"
 #include "launcher/cpdctl/schedule_edits.h"
 
@@ -56,11 +57,11 @@ TEST(CpdctlNumbers, ShortestDoubleReadsBackExactly) {
 }
 
 TEST(CpdctlCsv, FieldsAreQuotedOnlyWhenNeeded) {
-  EXPECT_EQ(CsvField("conv1"), "conv1");
-  EXPECT_EQ(CsvField("uint4:minmax:ch"), "uint4:minmax:ch");
-  EXPECT_EQ(CsvField("a,b"), "\"a,b\"");
-  EXPECT_EQ(CsvField("say \"hi\""), "\"say \"\"hi\"\"\"");
-  EXPECT_EQ(CsvField("two\nlines"), "\"two\nlines\"");
+  EXPECT_EQ(launcher::CsvField("conv1"), "conv1");
+  EXPECT_EQ(launcher::CsvField("uint4:minmax:ch"), "uint4:minmax:ch");
+  EXPECT_EQ(launcher::CsvField("a,b"), "\"a,b\"");
+  EXPECT_EQ(launcher::CsvField("say \"hi\""), "\"say \"\"hi\"\"\"");
+  EXPECT_EQ(launcher::CsvField("two\nlines"), "\"two\nlines\"");
 }
 
 TEST(CpdctlSites, NamesRoundTrip) {

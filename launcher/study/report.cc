@@ -66,6 +66,14 @@ void AddComm(const json& comm, RunMetrics* m) {
   }
 }
 
+// A step's all-reduce statistics, unless it repeats a step already counted (a resumed run logs
+// the steps after its checkpoint again).
+void AddStepComm(int64_t step, const json& comm, RunMetrics* m) {
+  if (step <= m->last_comm_step) return;
+  m->last_comm_step = step;
+  AddComm(comm, m);
+}
+
 // The end of the JSON array that starts at line[begin] ('['): strings may hold brackets.
 size_t ArrayEnd(const std::string& line, size_t begin) {
   int depth = 0;
@@ -112,8 +120,7 @@ void ReadStepLine(const std::string& line, RunMetrics* m) {
     ++m->malformed;
     return;
   }
-  m->last_comm_step = step;
-  AddComm(arr, m);
+  AddStepComm(step, arr, m);
 }
 
 void ReadRecord(const json& j, RunMetrics* m) {
@@ -138,11 +145,7 @@ void ReadRecord(const json& j, RunMetrics* m) {
     m->stopped = true;
   } else if (type == "step") {
     if (auto it = j.find("comm"); it != j.end() && it->is_array()) {
-      const int64_t step = j.value("step", int64_t{0});
-      if (step > m->last_comm_step) {
-        m->last_comm_step = step;
-        AddComm(*it, m);
-      }
+      AddStepComm(j.value("step", int64_t{0}), *it, m);
     }
   }
 }
@@ -193,6 +196,9 @@ struct RunRow {
   RunState s;
   int classes = 10;
   double final_acc = kNaN, best_acc = kNaN, final_loss = kNaN;
+  // The all-reduce's flushed fraction and APS shift, means over the logged steps and layers
+  // (NaN without all-reduce statistics).
+  double mean_flushed = kNaN, mean_shift = kNaN;
   bool has_epochs = false, collapsed = false;
 };
 
@@ -209,6 +215,10 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
                  p.metrics.c_str(), static_cast<long long>(row.m.malformed));
   }
   row.classes = row.m.classes > 0 ? row.m.classes : FallbackClasses(r);
+  if (row.m.all.n > 0) {
+    row.mean_flushed = row.m.all.flushed / double(row.m.all.n);
+    row.mean_shift = row.m.all.shift / double(row.m.all.n);
+  }
   row.has_epochs = !row.m.epochs.empty();
   if (row.has_epochs) {
     const EpochRow& last = row.m.epochs.rbegin()->second;
@@ -248,15 +258,14 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
     double ips = 0;
     for (const auto& [n, e] : r.m.epochs) ips += e.images_per_s;
     ips = r.has_epochs ? ips / double(r.m.epochs.size()) : kNaN;
-    const double n = double(r.m.all.n);
     csv +=
         CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
         r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
         Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
         (r.has_epochs ? std::to_string(last.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
-        "," + std::to_string(r.classes) + "," + Fmt(n > 0 ? r.m.all.shift / n : kNaN) + "," +
-        Fmt(n > 0 ? r.m.all.flushed / n : kNaN) + "," + Fmt(ips) + "," +
-        (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," + Fmt(last.relative_cost) + "," +
+        "," + std::to_string(r.classes) + "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) +
+        "," + Fmt(ips) + "," + (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," +
+        Fmt(last.relative_cost) + "," +
         CsvField(r.has_epochs ? (last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference)
                               : "") +
         "," + Fmt(r.final_acc - reference) + "\n";
@@ -305,9 +314,9 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
     g.final_loss.push_back(r.final_loss);
     g.delta.push_back(r.final_acc - reference);
     g.collapsed += r.collapsed ? 1 : 0;
-    if (r.m.all.n > 0) {
-      g.flushed.push_back(r.m.all.flushed / double(r.m.all.n));
-      g.shift.push_back(r.m.all.shift / double(r.m.all.n));
+    if (!std::isnan(r.mean_flushed)) {
+      g.flushed.push_back(r.mean_flushed);
+      g.shift.push_back(r.mean_shift);
     }
   }
   return groups;
@@ -320,12 +329,13 @@ std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
                     "final_loss_std,accuracy_vs_reference_mean,allreduce_flushed_mean,"
                     "allreduce_flushed_std,aps_shift_mean\n";
   for (const Group& g : groups) {
-    const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss);
+    const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss),
+                  flushed = Stats(g.flushed);
     csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.final_acc.size()) + "," +
            std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
            Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
-           Fmt(Stats(g.delta).mean) + "," + Fmt(Stats(g.flushed).mean) + "," +
-           Fmt(Stats(g.flushed).std) + "," + Fmt(Stats(g.shift).mean) + "\n";
+           Fmt(Stats(g.delta).mean) + "," + Fmt(flushed.mean) + "," + Fmt(flushed.std) + "," +
+           Fmt(Stats(g.shift).mean) + "\n";
   }
   return csv;
 }

@@ -6,6 +6,8 @@
 #include <CLI/CLI.hpp>
 #include <unordered_set>
 
+#include "runtime/train/trainer.h"
+
 namespace cpd::launcher::study {
 
 namespace {
@@ -81,11 +83,10 @@ class RunChecker {
     if (o_.emulate_ranks < 1) {
       return Status::InvalidArgument(origin + ": emulate-ranks must be >= 1");
     }
-    const long long workers = static_cast<long long>(s.ranks) * o_.emulate_ranks;
-    if (o_.global_batch > 0 && o_.global_batch % workers != 0) {
-      return Status::InvalidArgument(origin + ": global-batch " + std::to_string(o_.global_batch) +
-                                     " does not split evenly over " + std::to_string(workers) +
-                                     " workers");
+    if (o_.global_batch > 0) {
+      const Status split =
+          runtime::CheckGlobalBatchSplit(o_.global_batch, s.ranks, o_.emulate_ranks);
+      if (!split.ok()) return Status::InvalidArgument(origin + ": " + split.message());
     }
     return Status::Ok();
   }

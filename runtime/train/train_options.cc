@@ -11,6 +11,15 @@
 
 namespace cpd::runtime {
 
+Status CheckGlobalBatchSplit(int64_t global_batch, int ranks, int emulate_ranks) {
+  const int64_t workers = int64_t(ranks) * emulate_ranks;
+  if (workers > 0 && global_batch % workers == 0) return Status::Ok();
+  return Status::InvalidArgument("--global-batch " + std::to_string(global_batch) +
+                                 " does not split evenly over " + std::to_string(workers) +
+                                 " workers (" + std::to_string(ranks) + " ranks x " +
+                                 std::to_string(emulate_ranks) + " emulated)");
+}
+
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));

@@ -196,12 +196,7 @@ Status Trainer::PlaceWorkers() {
   group_.workers = comm_->size() * group_.local_workers;
   int64_t worker_batch = o_.batch_size;
   if (o_.global_batch > 0) {
-    if (o_.global_batch % group_.workers != 0) {
-      return Status::InvalidArgument(
-          "--global-batch " + std::to_string(o_.global_batch) + " does not split evenly over " +
-          std::to_string(group_.workers) + " workers (" + std::to_string(comm_->size()) +
-          " ranks x " + std::to_string(group_.local_workers) + " emulated)");
-    }
+    CPD_RETURN_IF_ERROR(CheckGlobalBatchSplit(o_.global_batch, comm_->size(), o_.emulate_ranks));
     worker_batch = o_.global_batch / group_.workers;
   }
   global_batch_ = worker_batch * group_.workers;

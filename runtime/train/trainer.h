@@ -127,6 +127,11 @@ struct TrainResult {
 // options, the CPT bits, --resume's file, option combinations). Train() calls it first.
 Status ValidateTrainOptions(const TrainOptions& options);
 
+// OK when `global_batch` (> 0) splits evenly over ranks x emulate_ranks workers; else
+// InvalidArgument "--global-batch N does not split evenly over W workers (R ranks x K
+// emulated)". Train() checks it at start-up; a launcher can check it before starting anything.
+Status CheckGlobalBatchSplit(int64_t global_batch, int ranks, int emulate_ranks);
+
 // Validates options (clear messages naming the flag); then trains. A diverged run (see
 // max_skipped_steps) returns OutOfRange, the same on every rank. Prints to stdout unless
 // quiet (rank 0 only). Writes metrics/checkpoints when asked. `comm` (null: world size 1) must be

@@ -67,6 +67,16 @@ Result<long long> ReadInt(const YAML::Node& n, const std::string& path, const st
   return x;
 }
 
+// A value of "workers": a whole number >= 1 that divides over the study's ranks.
+Status CheckWorkers(const YAML::Node& n, const Study& s, const std::string& what) {
+  CPD_ASSIGN_OR_RETURN(const long long w, ReadInt(n, s.path, what, 1));
+  if (w % s.ranks != 0) {
+    return Bad(s.path, what + ": " + std::to_string(w) + " workers do not divide over ranks " +
+                           std::to_string(s.ranks));
+  }
+  return Status::Ok();
+}
+
 // A flag the study may set: cpd-train has it and cpd-study does not own it.
 Status CheckKey(const CLI::App& app, const std::string& path, const std::string& where,
                 const std::string& key, bool* boolean) {
@@ -94,9 +104,7 @@ Status ReadBase(const YAML::Node& node, const CLI::App& app, Study* s) {
     CPD_RETURN_IF_ERROR(CheckKey(app, s->path, "base:", key, &boolean));
     CPD_ASSIGN_OR_RETURN(FlagValue v,
                          ReadValue(kv.second, s->path, "base: '" + key + "'", boolean));
-    if (key == kWorkersKey) {
-      CPD_RETURN_IF_ERROR(ReadInt(kv.second, s->path, "base: 'workers'", 1).status());
-    }
+    if (key == kWorkersKey) CPD_RETURN_IF_ERROR(CheckWorkers(kv.second, *s, "base: 'workers'"));
     s->base.push_back({key, std::move(v)});
     s->base_boolean.push_back(boolean);
   }
@@ -122,13 +130,7 @@ Status ReadGrid(const YAML::Node& node, const CLI::App& app, Study* s) {
     for (size_t i = 0; i < kv.second.size(); ++i) {
       const std::string what = where + " value " + std::to_string(i + 1);
       CPD_ASSIGN_OR_RETURN(FlagValue v, ReadValue(kv.second[i], s->path, what, a.boolean));
-      if (a.name == kWorkersKey) {
-        CPD_ASSIGN_OR_RETURN(const long long w, ReadInt(kv.second[i], s->path, what, 1));
-        if (w % s->ranks != 0) {
-          return Bad(s->path, what + ": " + std::to_string(w) +
-                                  " workers do not divide over ranks " + std::to_string(s->ranks));
-        }
-      }
+      if (a.name == kWorkersKey) CPD_RETURN_IF_ERROR(CheckWorkers(kv.second[i], *s, what));
       if (!labels.insert(ValueLabel(v, a.boolean)).second) {
         return Bad(s->path, what + ": '" + ValueLabel(v, a.boolean) +
                                 "' repeats a value (as run names spell it)");
@@ -219,13 +221,6 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
   if (root["base"]) CPD_RETURN_IF_ERROR(ReadBase(root["base"], app, s));
   if (!root["grid"]) return Bad(s->path, "grid: missing (a mapping of flag: [values])");
   CPD_RETURN_IF_ERROR(ReadGrid(root["grid"], app, s));
-  for (size_t i = 0; i < s->base.size(); ++i) {
-    if (s->base[i].key != kWorkersKey) continue;
-    if (std::stoll(s->base[i].values[0]) % s->ranks != 0) {
-      return Bad(s->path, "base: 'workers' " + s->base[i].values[0] +
-                              " does not divide over ranks " + std::to_string(s->ranks));
-    }
-  }
   bool workers = false, emulate = false;
   for (const auto& b : s->base) {
     workers = workers || b.key == kWorkersKey;

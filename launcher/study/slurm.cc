@@ -141,11 +141,8 @@ int RunSlurm(const Study& study, const std::vector<PlannedRun>& runs, const Slur
   std::printf("job array %s ended (sbatch exit %d)\n", job.c_str(), code);
   std::fflush(stdout);
   PrintStatus(study, runs, o.run.launch.out_dir);
-  for (const PlannedRun& r : runs) {
-    auto s = ReadState(PathsOf(o.run.launch.out_dir, r.name).state);
-    if (!s.ok() || Classify(*s) != "done") return 1;
-  }
-  return 0;
+  const auto after = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  return after.ok() && after->done == runs.size() ? 0 : 1;
 }
 
 Status CheckSlurmTask(const Study& study) {

@@ -199,6 +199,11 @@ struct RunRow {
   // The all-reduce's flushed fraction and APS shift, means over the logged steps and layers
   // (NaN without all-reduce statistics).
   double mean_flushed = kNaN, mean_shift = kNaN;
+  // Throughput (mean over the epochs), wall time over every attempt, and the relative cost and
+  // skipped steps of the last epoch; NaN / empty / 0 before the first epoch.
+  double images_per_s = kNaN, wall_s = kNaN, relative_cost = kNaN;
+  std::string cost_reference;
+  int64_t skipped_steps = 0;
   bool has_epochs = false, collapsed = false;
 };
 
@@ -224,10 +229,18 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
     const EpochRow& last = row.m.epochs.rbegin()->second;
     row.final_acc = last.test_accuracy;
     row.final_loss = last.loss;
+    double ips = 0;
     for (const auto& [n, e] : row.m.epochs) {
       if (!(row.best_acc >= e.test_accuracy)) row.best_acc = e.test_accuracy;
+      ips += e.images_per_s;
     }
+    row.images_per_s = ips / double(row.m.epochs.size());
+    row.relative_cost = last.relative_cost;
+    // Metrics from before --cost-reference measured against CPT's max bits.
+    row.cost_reference = last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference;
+    row.skipped_steps = last.skipped_steps;
   }
+  if (row.s.attempts > 0) row.wall_s = row.s.total_wall_s;
   const bool diverged = row.m.stopped || (row.state == "failed" && row.s.exit_code == 3);
   row.collapsed =
       diverged ||
@@ -255,20 +268,14 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
                     "accuracy_vs_reference\n";
   for (const RunRow& r : rows) {
     const EpochRow last = r.has_epochs ? r.m.epochs.rbegin()->second : EpochRow{};
-    double ips = 0;
-    for (const auto& [n, e] : r.m.epochs) ips += e.images_per_s;
-    ips = r.has_epochs ? ips / double(r.m.epochs.size()) : kNaN;
-    csv +=
-        CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
-        r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
-        Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
-        (r.has_epochs ? std::to_string(last.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
-        "," + std::to_string(r.classes) + "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) +
-        "," + Fmt(ips) + "," + (r.s.attempts > 0 ? Fmt(r.s.total_wall_s) : "") + "," +
-        Fmt(last.relative_cost) + "," +
-        CsvField(r.has_epochs ? (last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference)
-                              : "") +
-        "," + Fmt(r.final_acc - reference) + "\n";
+    csv += CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
+           r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
+           Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
+           (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," +
+           (r.collapsed ? "1" : "0") + "," + std::to_string(r.classes) + "," +
+           Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) + "," + Fmt(r.images_per_s) + "," +
+           Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," + CsvField(r.cost_reference) + "," +
+           Fmt(r.final_acc - reference) + "\n";
   }
   return csv;
 }
@@ -295,6 +302,9 @@ struct Group {
   const PlannedRun* first = nullptr;
   std::vector<double> final_acc, best_acc, final_loss, delta;
   std::vector<double> flushed, shift;  // per run with all-reduce statistics: its step mean
+  std::vector<double> images_per_s, wall_s, relative_cost;
+  std::string cost_reference;  // the runs' reference; "mixed" when they differ
+  int64_t skipped_steps = 0;   // over the seeds
   int collapsed = 0;
 };
 
@@ -314,6 +324,12 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
     g.final_loss.push_back(r.final_loss);
     g.delta.push_back(r.final_acc - reference);
     g.collapsed += r.collapsed ? 1 : 0;
+    g.skipped_steps += r.skipped_steps;
+    g.images_per_s.push_back(r.images_per_s);
+    if (!std::isnan(r.wall_s)) g.wall_s.push_back(r.wall_s);
+    if (!std::isnan(r.relative_cost)) g.relative_cost.push_back(r.relative_cost);
+    if (g.cost_reference.empty()) g.cost_reference = r.cost_reference;
+    if (g.cost_reference != r.cost_reference) g.cost_reference = "mixed";
     if (!std::isnan(r.mean_flushed)) {
       g.flushed.push_back(r.mean_flushed);
       g.shift.push_back(r.mean_shift);
@@ -327,7 +343,8 @@ std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
                     ",n_seeds,n_collapsed,final_test_accuracy_mean,final_test_accuracy_std,"
                     "best_test_accuracy_mean,best_test_accuracy_std,final_loss_mean,"
                     "final_loss_std,accuracy_vs_reference_mean,allreduce_flushed_mean,"
-                    "allreduce_flushed_std,aps_shift_mean\n";
+                    "allreduce_flushed_std,aps_shift_mean,skipped_steps,images_per_s_mean,"
+                    "wall_s_mean,relative_cost_mean,cost_reference\n";
   for (const Group& g : groups) {
     const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss),
                   flushed = Stats(g.flushed);
@@ -335,7 +352,9 @@ std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
            std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
            Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
            Fmt(Stats(g.delta).mean) + "," + Fmt(flushed.mean) + "," + Fmt(flushed.std) + "," +
-           Fmt(Stats(g.shift).mean) + "\n";
+           Fmt(Stats(g.shift).mean) + "," + std::to_string(g.skipped_steps) + "," +
+           Fmt(Stats(g.images_per_s).mean) + "," + Fmt(Stats(g.wall_s).mean) + "," +
+           Fmt(Stats(g.relative_cost).mean) + "," + CsvField(g.cost_reference) + "\n";
   }
   return csv;
 }
@@ -353,6 +372,14 @@ std::string PlusMinus(const MeanStd& m, double scale, const char* fmt) {
   return out;
 }
 
+// "-36.67 % vs 8/8"; "-" without a cost.
+std::string CostCell(double relative_cost, const std::string& reference) {
+  if (std::isnan(relative_cost)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%+.2f %% vs ", 100 * relative_cost);
+  return buf + reference;
+}
+
 std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs) {
   std::string md = "# Study " + s.name + "\n\n" + std::to_string(runs) + " runs, " +
                    std::to_string(s.seeds.size()) +
@@ -360,14 +387,17 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
                    "results; collapsed: final test accuracy <= 1.5 x chance, a non-finite loss, "
                    "or diverged; flushed: the fraction of gradient values the all-reduce flushed "
                    "to zero and shift: the APS shift, means over the logged steps and layers, "
-                   "then over the seeds.\n\n|";
+                   "then over the seeds; skipped: steps skipped for non-finite gradients, over "
+                   "the seeds; img/s and wall s: means over the seeds; cost: the relative "
+                   "training cost (CPT's BitOPs model) against the reference it names.\n\n|";
   std::string rule = "|";
   for (const Axis& a : s.axes) {
     md += " " + a.name + " |";
     rule += "---|";
   }
-  md += " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |\n" +
-        rule + "---:|---:|---:|---:|---:|---:|---:|\n";
+  md += " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |"
+        " skipped | img/s | wall s | cost |\n" +
+        rule + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Group& g : groups) {
     md += "|";
     for (const auto& l : g.first->labels) md += " " + l + " |";
@@ -376,7 +406,11 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
           PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | " +
           PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | " +
           PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
-          PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " |\n";
+          PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " | " +
+          std::to_string(g.skipped_steps) + " | " +
+          PlusMinus(MeanStd{Stats(g.images_per_s).mean, kNaN}, 1, "%.0f") + " | " +
+          PlusMinus(MeanStd{Stats(g.wall_s).mean, kNaN}, 1, "%.1f") + " | " +
+          CostCell(Stats(g.relative_cost).mean, g.cost_reference) + " |\n";
   }
   return md;
 }

@@ -431,11 +431,13 @@ TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
 
 // Metrics of one run written by hand: epochs (test accuracy, loss), and the all-reduce's
 // statistics of some steps.
-std::string Epoch(int epoch, double acc, const std::string& loss, int skipped = 0) {
+std::string Epoch(int epoch, double acc, const std::string& loss, int skipped = 0,
+                  double cost = 0) {
   return R"({"type":"epoch","epoch":)" + std::to_string(epoch) + R"(,"step":)" +
          std::to_string(10 * epoch) + R"(,"loss":)" + loss + R"(,"train_accuracy":0.5,)" +
          R"("test_accuracy":)" + std::to_string(acc) + R"(,"test_loss":1.0,"images_per_s":100,)" +
-         R"("relative_cost":0,"skipped_steps":)" + std::to_string(skipped) + "}\n";
+         R"("relative_cost":)" + std::to_string(cost) + R"(,"skipped_steps":)" +
+         std::to_string(skipped) + "}\n";
 }
 std::string Step(int step, double shift0, double flushed0, double flushed1) {
   return R"({"bits":0,"comm":[{"flushed":)" + std::to_string(flushed0) +
@@ -463,7 +465,7 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
               Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") +
               "{\"type\":\"epo");
   metrics("e4m3", 2, Epoch(1, 0.75, "1.1") + Epoch(2, 0.7, "0.9"));
-  metrics("e4m3", 3, Epoch(1, 0.9, "0.5"));
+  metrics("e4m3", 3, Epoch(1, 0.9, "0.5", 0, -0.3));
   // e5m2: seed 1 a 100-class run near chance (collapsed: 0.014 <= 1.5 / 100), seed 2 a NaN loss
   // (nlohmann writes null), seed 3 diverged (a stop record) at 0.6.
   metrics("e5m2", 1, "{\"type\":\"run\",\"classes\":100,\"workers\":2}\n" + Epoch(1, 0.014, "4.6"));
@@ -510,11 +512,19 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_DOUBLE_EQ(std::stod(sum[0].at("aps_shift_mean")), 1.5);
   EXPECT_EQ(sum[1].at("allreduce_flushed_mean"), "");
   EXPECT_EQ(sum[1].at("n_collapsed"), "3");
+  EXPECT_EQ(sum[0].at("skipped_steps"), "0");
+  EXPECT_EQ(sum[1].at("skipped_steps"), "5");
+  EXPECT_DOUBLE_EQ(std::stod(sum[0].at("images_per_s_mean")), 100);
+  EXPECT_EQ(sum[0].at("wall_s_mean"), "");  // no state file: never run by the driver
+  EXPECT_NEAR(std::stod(sum[0].at("relative_cost_mean")), -0.1, 1e-12);
+  EXPECT_EQ(sum[0].at("cost_reference"), "cpt-max-bits");  // metrics without cost_reference
   const std::string md = ReadFile(out + "/report/summary.md");
   char cell[64];
   std::snprintf(cell, sizeof cell, "| e4m3 | 3 | 0 | %.2f ± %.2f |", 100 * m, 100 * sd);
   EXPECT_NE(md.find(cell), std::string::npos) << md;
-  EXPECT_NE(md.find("| 25.00 | 1.5 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"),
+            std::string::npos)
+      << md;
   const auto layers = ReadCsv(out + "/report/layers.csv");
   ASSERT_EQ(layers.size(), 2u);
   EXPECT_EQ(layers[1].at("layer"), "fc2");

@@ -58,6 +58,10 @@ void AddComm(const json& comm, RunMetrics* m) {
     const double flushed = Num(c, "flushed"), shift = Num(c, "shift");
     auto [it, added] = m->layers.try_emplace(layer);
     if (added) m->layer_order.push_back(layer);
+    // A layer whose gradient is all zero at this step has nothing to flush and no shift (the
+    // reducer reports 0 for both); counting it as "0 % flushed" would hide that every nonzero
+    // value of the other steps was flushed.
+    if (Num(c, "max_abs") == 0) continue;
     for (LayerSums* s : {&it->second, &m->all}) {
       s->flushed += std::isfinite(flushed) ? flushed : 0;
       s->shift += std::isfinite(shift) ? shift : 0;

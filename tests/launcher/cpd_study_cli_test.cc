@@ -448,6 +448,14 @@ std::string Step(int step, double shift0, double flushed0, double flushed1) {
          R"("skipped":false,"step":)" + std::to_string(step) + R"(,"type":"step"})" + "\n";
 }
 
+// A step at which fc1 flushed 0.25 with shift 1.5 and fc2's gradient was all zero (max_abs 0,
+// reported as flushed 0, shift 0).
+std::string ZeroFc2Step(int step) {
+  return R"({"comm":[{"flushed":0.25,"layer":"fc1","max_abs":1.0,"saturated":0,"shift":1.5},)"
+         R"({"flushed":0,"layer":"fc2","max_abs":0,"saturated":0,"shift":0}],"step":)" +
+         std::to_string(step) + R"(,"type":"step"})" + "\n";
+}
+
 TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   TempDir dir("cpd_study_report");
   const std::string out = dir.File("out");
@@ -459,11 +467,12 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
         text);
   };
   // e4m3: final accuracies 0.80, 0.70, 0.90 (seed 1 resumed: its epoch 2 logged twice, the last
-  // wins; its step 2 logged twice, counted once).
+  // wins; its step 2 logged twice, counted once; at its step 3 fc2's gradient is all zero, which
+  // leaves fc2 out of that step's means).
   metrics("e4m3", 1,
           Epoch(1, 0.5, "1.5") + Step(1, 2, 0.1, 0.3) + Step(2, 4, 0.2, 0.4) +
               Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") +
-              "{\"type\":\"epo");
+              ZeroFc2Step(3) + "{\"type\":\"epo");
   metrics("e4m3", 2, Epoch(1, 0.75, "1.1") + Epoch(2, 0.7, "0.9"));
   metrics("e4m3", 3, Epoch(1, 0.9, "0.5", 0, -0.3));
   // e5m2: seed 1 a 100-class run near chance (collapsed: 0.014 <= 1.5 / 100), seed 2 a NaN loss
@@ -484,8 +493,9 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_DOUBLE_EQ(std::stod(a.at("final_test_accuracy")), 0.8);
   EXPECT_DOUBLE_EQ(std::stod(a.at("best_test_accuracy")), 0.8);
   EXPECT_DOUBLE_EQ(std::stod(a.at("final_loss")), 1.0);
-  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_aps_shift")), (2 + 0 + 4 + 0) / 4.0);
-  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_allreduce_flushed")), (0.1 + 0.3 + 0.2 + 0.4) / 4.0);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_aps_shift")), (2 + 0 + 4 + 0 + 1.5) / 5.0);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_allreduce_flushed")),
+                   (0.1 + 0.3 + 0.2 + 0.4 + 0.25) / 5.0);
   EXPECT_EQ(a.at("collapsed"), "0");
   EXPECT_NEAR(std::stod(a.at("accuracy_vs_reference")), 0.8 - 0.8, 1e-12);
   EXPECT_DOUBLE_EQ(std::stod(rows[1].at("best_test_accuracy")), 0.75);
@@ -529,6 +539,8 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   ASSERT_EQ(layers.size(), 2u);
   EXPECT_EQ(layers[1].at("layer"), "fc2");
   EXPECT_DOUBLE_EQ(std::stod(layers[1].at("mean_flushed")), 0.35);
+  EXPECT_EQ(layers[0].at("steps"), "3");
+  EXPECT_EQ(layers[1].at("steps"), "2");  // not step 3, where its gradient was all zero
   EXPECT_EQ(ReadCsv(out + "/report/curves.csv").size(), 2u + 2 + 1 + 1 + 1 + 1);
 
   const RunResult bad =

@@ -5,6 +5,7 @@
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "cpd/tag.h"
 
 namespace cpd::coordinator {
 namespace {
@@ -129,16 +130,15 @@ bool LayerStatOk(const v1::LayerStat& l, const Limits& limits) {
          l.saturated() >= 0 && l.saturated() <= 1 && l.flushed() >= 0 && l.flushed() <= 1;
 }
 
-// A name a client chooses (job names, study tags): [A-Za-z0-9._-]{1,max}.
+// A name a client chooses (job names, study tags): cpd/tag.h's rule, with at most `max`
+// characters; the message says which part of the rule is broken.
 Status CheckTag(std::string_view name, const std::string& field, size_t max) {
   if (name.size() > max) {
     return Bad(field, "is " + std::to_string(name.size()) + " characters; at most " +
                           std::to_string(max) + " are accepted");
   }
-  for (unsigned char c : name) {
-    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) return Bad(field, Quote(name) + " may contain only A-Z a-z 0-9 . _ -");
+  if (!HasOnlyTagCharacters(name)) {
+    return Bad(field, Quote(name) + " may contain only " + kTagCharacters);
   }
   return Status::Ok();
 }

@@ -9,14 +9,15 @@
 #include <unordered_set>
 
 #include "cpd/status.h"
+#include "cpd/tag.h"
 #include "proto/cpd/v1/coordinator.pb.h"
 
 namespace cpd::coordinator {
 
 // Bounds on what one request may carry. The defaults are the documented limits of cpd.v1.
 struct Limits {
-  size_t max_name = 128;                  // job_name: [A-Za-z0-9._-]{1,max_name}
-  size_t max_study = 64;                  // study: [A-Za-z0-9._-]{0,max_study} (empty = none)
+  size_t max_name = kMaxJobNameLength;    // job_name: cpd/tag.h's rule, 1..max_name characters
+  size_t max_study = kMaxStudyNameLength;  // study: the same rule, 0..max_study (empty = none)
   size_t max_string = 256;                // layer names, hosts, arch, dataset, specs, ...
   int32_t max_world_size = 65536;         // world_size and emulated_workers_per_rank
   size_t max_layers_per_job = 10000;      // RegisterJobRequest.layers

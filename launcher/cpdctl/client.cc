@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpd/tag.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
 #include "launcher/cpdctl/output.h"
@@ -184,10 +185,9 @@ v1::JobRef MakeRef(const std::string& job) {
     ref.set_job_id(id);
     return ref;
   }
-  if (job.empty() || job.size() > 128 ||
-      job.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
-          std::string::npos) {
-    Usage("JOB '" + job + "': expected a job name ([A-Za-z0-9._-]{1,128}) or a numeric id");
+  if (!IsTag(job, kMaxJobNameLength)) {
+    Usage("JOB '" + job + "': expected a job name (1 to " + std::to_string(kMaxJobNameLength) +
+          " of " + kTagCharacters + ") or a numeric id");
   }
   ref.set_job_name(job);
   return ref;

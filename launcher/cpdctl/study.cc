@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpd/tag.h"
 #include "launcher/common.h"
 #include "launcher/cpdctl/commands.h"
 #include "launcher/cpdctl/output.h"
@@ -13,11 +14,9 @@ namespace {
 
 // STUDY on the command line: the coordinator's rule for tags, checked before any call.
 void CheckStudyName(const std::string& study) {
-  if (study.size() > 64 ||
-      study.find_first_not_of(
-          "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") !=
-          std::string::npos) {
-    Usage("STUDY '" + study + "': expected a study name ([A-Za-z0-9._-]{1,64})");
+  if (!IsTag(study, kMaxStudyNameLength)) {
+    Usage("STUDY '" + study + "': expected a study name (1 to " +
+          std::to_string(kMaxStudyNameLength) + " of " + kTagCharacters + ")");
   }
 }
 

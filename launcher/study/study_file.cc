@@ -4,9 +4,9 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <regex>
 #include <set>
 
+#include "cpd/tag.h"
 #include "launcher/cli.h"
 
 namespace cpd::launcher::study {
@@ -203,10 +203,11 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
                  "unknown key '" + key + "' (accepted: name, ranks, base, grid, seeds, exclude)");
     }
   }
-  static const std::regex kName("[A-Za-z0-9._-]{1,64}");
+  // The study's name is its coordinator tag.
   if (!root["name"] || !root["name"].IsScalar() ||
-      !std::regex_match(root["name"].as<std::string>(), kName)) {
-    return Bad(s->path, "name: expected [A-Za-z0-9._-]{1,64}");
+      !IsTag(root["name"].as<std::string>(), kMaxStudyNameLength)) {
+    return Bad(s->path, "name: expected 1 to " + std::to_string(kMaxStudyNameLength) + " of " +
+                            kTagCharacters);
   }
   s->name = root["name"].as<std::string>();
   if (root["ranks"]) {

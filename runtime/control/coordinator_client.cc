@@ -1,8 +1,7 @@
 #include "runtime/control/coordinator_client.h"
 
-#include <regex>
-
 #include "cpd/config.h"
+#include "cpd/tag.h"
 
 #if CPD_WITH_GRPC
 #include <grpcpp/grpcpp.h>
@@ -26,14 +25,13 @@ Status CheckCoordinatorOptions(const CoordinatorOptions& o) {
       "protobuf-compiler-grpc and rebuild");
 #endif
   if (o.address.empty()) return Status::InvalidArgument("--coordinator: empty address");
-  static const std::regex kName("[A-Za-z0-9._-]{1,128}");
-  if (!std::regex_match(o.job_name, kName)) {
-    return Status::InvalidArgument("--job-name '" + o.job_name +
-                                   "': use 1 to 128 of A-Z a-z 0-9 . _ -");
+  if (!IsTag(o.job_name, kMaxJobNameLength)) {
+    return Status::InvalidArgument("--job-name '" + o.job_name + "': use 1 to " +
+                                   std::to_string(kMaxJobNameLength) + " of " + kTagCharacters);
   }
-  static const std::regex kStudy("[A-Za-z0-9._-]{0,64}");
-  if (!std::regex_match(o.study, kStudy)) {
-    return Status::InvalidArgument("--study '" + o.study + "': use 1 to 64 of A-Z a-z 0-9 . _ -");
+  if (!o.study.empty() && !IsTag(o.study, kMaxStudyNameLength)) {
+    return Status::InvalidArgument("--study '" + o.study + "': use 1 to " +
+                                   std::to_string(kMaxStudyNameLength) + " of " + kTagCharacters);
   }
   if (o.queue_capacity < 1) return Status::InvalidArgument("coordinator queue capacity < 1");
   if (o.rpc_timeout_ms < 1 || o.backoff_max_ms < 1) {

@@ -54,6 +54,19 @@
 // - last_bytes_sent() counts what a bandwidth-optimal implementation of each payload collective
 //   sends from this rank: all-to-all (P-1) blocks, all-gather (P-1) blocks, all-reduce
 //   2(P-1)/P of the buffer. The per-step max/statistics collectives (O(layers)) are not counted.
+//
+// Gradients in device memory (options.gradients = kDevice, CUDA builds; comm/allreduce/device.h):
+// the same plan, streams, statistics and bytes sent, with the element loops as CUDA kernels
+// (comm/reduce_kernels_cuda.h) and the payload collectives on device buffers, over any
+// communicator: a device-memory one (NcclCommunicator) directly, a host-memory one (MPI, Self)
+// with the payload staged through pinned host memory. Only packed codes cross PCIe for emulate
+// and packed (fp32 stages its float32 buckets). Every result is bit for bit the host path's with
+// the same communicator kind (fp32 over NCCL sums in NCCL's order, as NCCL does). Supported: fp32,
+// and emulate / packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, bf16,
+// ...); Create gives InvalidArgument for other formats (scaled ones: keep host gradients) and
+// Reduce() gives InvalidArgument for measure_error. Reduce() returns once the sum is complete on
+// options.cuda_stream. The per-layer max|g| all-reduce runs on host values (one small copy and
+// one stream synchronisation per step); each payload collective waits for the stream.
 #pragma once
 
 #include <cstddef>
@@ -85,6 +98,13 @@ struct GradientAllReduceOptions {
   double bucket_mb = 25;  // > 0
   uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)
   int threads = 0;        // quantisation threads; 0 = all cores
+  // Where Reduce()'s inputs and output live. kDevice (CUDA builds only): device pointers of the
+  // current CUDA device; the plan, the rounding streams and the bits of the result are the host
+  // path's, see "Gradients in device memory" above.
+  MemorySpace gradients = MemorySpace::kHost;
+  // kDevice only: the cudaStream_t that produces the gradients and consumes the sum (nullptr =
+  // the legacy default stream). Reduce() orders its work after what is queued on it.
+  void* cuda_stream = nullptr;
   Status Validate() const;
 };
 
@@ -123,9 +143,12 @@ struct LayerCommStats {
 
 class GradientAllReducer {
  public:
-  // `comm` must outlive the reducer and hold host memory (SelfCommunicator, MpiCommunicator).
-  // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null or device-memory
-  // communicator, or a layout whose offsets are not layers() + 1 non-decreasing values from 0.
+  // `comm` must outlive the reducer. Host gradients need a host-memory communicator
+  // (SelfCommunicator, MpiCommunicator); device gradients take either kind.
+  // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null communicator, a
+  // device-memory communicator with host gradients, device gradients in a build without CUDA or
+  // in a format the device path does not support, or a layout whose offsets are not layers() + 1
+  // non-decreasing values from 0.
   // Scratch memory is bounded by the largest bucket and allocated here (the measure_error
   // reference buffers on first use), not per Reduce().
   // Thread-safety: a reducer is not thread-safe; call it from one thread (its Communicator's).

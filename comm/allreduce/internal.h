@@ -51,7 +51,25 @@ struct ReducerSetup {
                              std::size_t index) const;
 };
 
+// ---- What every implementation of Reduce() checks and computes alike ----------------------------
+// InvalidArgument (naming the rank) for null inputs or output where the layout is not empty.
+Status CheckReduceBuffers(const ReducerSetup& setup, float* const* inputs, const float* output);
+// Every layer's statistics back to "nothing measured" at the start of a step.
+void ResetLayerStats(std::vector<LayerCommStats>* stats);
+// A layer's local max|g| as float32 bits (ScanAbs's), as it enters the MAX all-reduce: a
+// non-finite element travels as +Inf (NaN would not order).
+float MaxAbsForAllReduce(std::uint32_t max_bits);
+// After the all-reduce of the maxima: each layer's APS shift (0 without APS or for fp32); false
+// when some maximum is not finite (the step is skipped).
+bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_abs,
+                      std::vector<int>* shifts);
+
 // ---- Per-layer statistics -----------------------------------------------------------------------
+// The flushed and saturated fractions of every layer from the global counts, 3 per layer
+// (flushed, saturated, nonzero contribution elements), as every implementation reports them.
+void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_t>& counts,
+                       std::vector<LayerCommStats>* stats);
+
 class LayerStatistics {
  public:
   LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk);
@@ -87,10 +105,13 @@ class LayerStatistics {
 // The buffers of a quantised algorithm's two payload collectives, for its largest slot (one
 // contribution's share of a chunk). The all-to-all sends this rank's K slots for chunk d as block
 // d and receives worker w's slot at w * slot; the all-gather collects every rank's reduced chunk.
+// InvalidArgument when a block of K slots exceeds MPI's int count (a smaller bucket_mb helps).
+Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes);
+
 struct ExchangeBuffers {
   std::vector<std::uint8_t> send, recv;                // P blocks of K slots
   std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P slots
-  // InvalidArgument when a block exceeds MPI's int count (a smaller bucket_mb helps).
+  // CheckBlockBytes, then the allocation.
   Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes);
 };
 
@@ -168,6 +189,15 @@ class BucketAlgorithm : public Algorithm {
   StepContext& ctx_;
   const ReducerSetup& setup_;
 };
+
+// Bytes a bandwidth-optimal implementation of each payload collective sends from one of p ranks:
+// all-to-all and all-gather (p - 1) blocks, all-reduce 2(p - 1)/p of the buffer.
+inline std::uint64_t SentByExchange(int p, std::size_t block_bytes) {
+  return std::uint64_t(p - 1) * block_bytes;
+}
+inline std::uint64_t SentByAllReduce(int p, std::size_t bytes) {
+  return 2 * (std::uint64_t(p) - 1) * bytes / std::uint64_t(p);
+}
 
 // The slot of a chunk's worth of payload starts on a cache line.
 inline std::size_t SlotBytes(std::size_t bytes) { return (bytes + 63) / 64 * 64; }

@@ -42,6 +42,16 @@ kernels::LoopParams ReducerSetup::LoopAt(kernels::RoundMode mode, std::int64_t s
 
 // ---- LayerStatistics ----------------------------------------------------------------------------
 
+void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_t>& counts,
+                       std::vector<LayerCommStats>* stats) {
+  for (std::size_t l = 0; l < setup.layers(); ++l) {
+    const std::uint64_t elems = std::uint64_t(setup.layer_size(l)) * std::uint64_t(setup.workers);
+    const std::uint64_t nonzero = counts[3 * l + 2];
+    (*stats)[l].flushed = nonzero > 0 ? double(counts[3 * l]) / double(nonzero) : 0.0;
+    (*stats)[l].saturated = elems > 0 ? double(counts[3 * l + 1]) / double(elems) : 0.0;
+  }
+}
+
 LayerStatistics::LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk)
     : setup_(setup), max_chunk_(max_chunk) {
   const std::size_t layers = setup.layers();
@@ -108,13 +118,7 @@ Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* 
       }
     }
     CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(counts_.data(), counts_.size(), ReduceOp::kSum));
-    for (std::size_t l = 0; l < layers; ++l) {
-      const std::uint64_t elems =
-          std::uint64_t(setup_.layer_size(l)) * std::uint64_t(setup_.workers);
-      const std::uint64_t nonzero = counts_[3 * l + 2];
-      (*stats)[l].flushed = nonzero > 0 ? double(counts_[3 * l]) / double(nonzero) : 0.0;
-      (*stats)[l].saturated = elems > 0 ? double(counts_[3 * l + 1]) / double(elems) : 0.0;
-    }
+    SetCountFractions(setup_, counts_, stats);
   }
   if (!measure_error) return Status::Ok();
   // Every rank sums the per-rank parts in rank order, so the result is identical everywhere.
@@ -136,14 +140,18 @@ Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* 
 
 // ---- ExchangeBuffers, StepContext ---------------------------------------------------------------
 
-Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes) {
   const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
-  if (block > std::size_t(INT_MAX)) {
-    return Status::InvalidArgument(
-        "GradientAllReducer: bucket_mb " + std::to_string(setup.options.bucket_mb) + " gives " +
-        std::to_string(block) + "-byte blocks per rank, beyond MPI's limit of " +
-        std::to_string(INT_MAX) + "; use a smaller bucket_mb");
-  }
+  if (block <= std::size_t(INT_MAX)) return Status::Ok();
+  return Status::InvalidArgument(
+      "GradientAllReducer: bucket_mb " + std::to_string(setup.options.bucket_mb) + " gives " +
+      std::to_string(block) + "-byte blocks per rank, beyond MPI's limit of " +
+      std::to_string(INT_MAX) + "; use a smaller bucket_mb");
+}
+
+Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+  CPD_RETURN_IF_ERROR(CheckBlockBytes(setup, slot_bytes));
+  const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
   const std::size_t p = std::size_t(setup.world_size);
   send.assign(block * p, 0);
   recv.assign(block * p, 0);
@@ -167,20 +175,19 @@ void StepContext::Reset() {
 Status StepContext::ExchangeContributions(std::size_t block_bytes) {
   CPD_RETURN_IF_ERROR(
       setup.comm->AllToAllBytes(exchange.send.data(), exchange.recv.data(), block_bytes));
-  bytes_sent += std::uint64_t(setup.world_size - 1) * block_bytes;
+  bytes_sent += SentByExchange(setup.world_size, block_bytes);
   return Status::Ok();
 }
 
 Status StepContext::GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes) {
   CPD_RETURN_IF_ERROR(setup.comm->AllGatherBytes(chunk, exchange.gather_recv.data(), slot_bytes));
-  bytes_sent += std::uint64_t(setup.world_size - 1) * slot_bytes;
+  bytes_sent += SentByExchange(setup.world_size, slot_bytes);
   return Status::Ok();
 }
 
 Status StepContext::AllReduceSum(float* data, std::size_t count) {
   CPD_RETURN_IF_ERROR(setup.comm->AllReduce(data, count, ReduceOp::kSum));
-  const std::uint64_t p = std::uint64_t(setup.world_size);
-  bytes_sent += 2 * (p - 1) * count * sizeof(float) / p;
+  bytes_sent += SentByAllReduce(setup.world_size, count * sizeof(float));
   return Status::Ok();
 }
 
@@ -239,19 +246,53 @@ Status ShiftScan::ScanAndShift(float* const* inputs, StepContext* ctx, bool* fin
       m = std::max(m, thread_max_[th * layers + l]);
       nonzero += thread_nonzero_[th * layers + l];
     }
-    // A non-finite element travels as +Inf in the same MAX all-reduce (NaN would not order).
-    if (m >= 0x7f800000u) m = 0x7f800000u;
-    ctx->max_abs[l] = kernels::BitsFloat(m);
+    ctx->max_abs[l] = MaxAbsForAllReduce(m);
     ctx->stats.SetNonzero(l, nonzero);
   }
   CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(ctx->max_abs.data(), layers, ReduceOp::kMax));
-  const bool aps = setup_.options.aps && setup_.options.algo != AllReduceAlgo::kFp32;
-  *finite = true;
-  for (std::size_t l = 0; l < layers; ++l) {
-    if (!(ctx->max_abs[l] < std::numeric_limits<float>::infinity())) *finite = false;
-    ctx->shifts[l] = aps ? ApsShift(ctx->max_abs[l], setup_.workers, setup_.emax) : 0;
+  *finite = ShiftsFromMaxima(setup_, ctx->max_abs, &ctx->shifts);
+  return Status::Ok();
+}
+
+// ---- What every implementation checks and computes alike ----------------------------------------
+
+Status CheckReduceBuffers(const ReducerSetup& setup, float* const* inputs, const float* output) {
+  if (setup.layout.total() == 0) return Status::Ok();
+  const std::string where = "GradientAllReducer::Reduce on rank " + std::to_string(setup.rank);
+  if (inputs == nullptr || output == nullptr) {
+    return Status::InvalidArgument(where + ": null inputs or output");
+  }
+  for (int k = 0; k < setup.local_replicas; ++k) {
+    if (inputs[k] == nullptr) {
+      return Status::InvalidArgument(where + ": inputs[" + std::to_string(k) + "] is null");
+    }
   }
   return Status::Ok();
+}
+
+void ResetLayerStats(std::vector<LayerCommStats>* stats) {
+  for (LayerCommStats& s : *stats) {
+    s.shift = 0;
+    s.max_abs = 0;
+    s.flushed = 0;
+    s.saturated = 0;
+    s.rel_error = -1;
+  }
+}
+
+float MaxAbsForAllReduce(std::uint32_t max_bits) {
+  return kernels::BitsFloat(max_bits >= 0x7f800000u ? 0x7f800000u : max_bits);
+}
+
+bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_abs,
+                      std::vector<int>* shifts) {
+  const bool aps = setup.options.aps && setup.options.algo != AllReduceAlgo::kFp32;
+  bool finite = true;
+  for (std::size_t l = 0; l < setup.layers(); ++l) {
+    if (!(max_abs[l] < std::numeric_limits<float>::infinity())) finite = false;
+    (*shifts)[l] = aps ? ApsShift(max_abs[l], setup.workers, setup.emax) : 0;
+  }
+  return finite;
 }
 
 // ---- BucketAlgorithm ----------------------------------------------------------------------------

@@ -1,0 +1,363 @@
+#include "comm/allreduce/device.h"
+
+#include <string>
+#include <utility>
+
+#include "comm/allreduce/codes.h"
+#include "cpd/config.h"
+
+#if CPD_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "comm/allreduce/cuda_memory.h"
+#include "comm/allreduce/device_transport.h"
+#include "comm/allreduce/plan.h"
+#include "comm/allreduce/streams.h"
+#include "comm/reduce_kernels_cuda.h"
+#endif
+
+namespace cpd::comm::internal {
+
+Status CheckDeviceSupport(const ReducerSetup& setup) {
+  if (setup.options.algo == AllReduceAlgo::kFp32 || CodeTransport::Supports(setup.format)) {
+    return Status::Ok();
+  }
+  return Status::InvalidArgument(
+      std::string("GradientAllReducer: gradients in device memory support fp32 and emulate / "
+                  "packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, "
+                  "bf16, ...); gradient format '") +
+      setup.options.format + "' for all-reduce " + AllReduceAlgoName(setup.options.algo) +
+      " needs host gradients");
+}
+
+#if !CPD_WITH_CUDA
+
+Result<std::unique_ptr<GradientAllReducer>> CreateDeviceReducer(ReducerSetup) {
+  return Status::InvalidArgument(
+      "GradientAllReducer: gradients in device memory need a build with CUDA (CPD_WITH_CUDA=ON)");
+}
+
+#else
+
+namespace {
+
+class DeviceReducer final : public GradientAllReducer {
+ public:
+  explicit DeviceReducer(ReducerSetup setup)
+      : setup_(std::move(setup)),
+        plan_(setup_.layout, setup_.world_size, setup_.options.bucket_mb, kPiece),
+        stream_(static_cast<cudaStream_t>(setup_.options.cuda_stream)),
+        quantised_(setup_.options.algo != AllReduceAlgo::kFp32),
+        max_abs_(setup_.layers(), 0.0f),
+        shifts_(setup_.layers(), 0),
+        counts_(3 * setup_.layers(), 0) {
+    for (const BucketPlan& b : plan_.buckets()) buckets_.push_back(b.bounds);
+    stats_.resize(setup_.layers());
+    for (std::size_t l = 0; l < stats_.size(); ++l) stats_[l].layer = setup_.layout.layer_names[l];
+  }
+
+  Status Init();
+
+  Status Reduce(float* const* inputs, float* output, std::int64_t step,
+                bool measure_error) override;
+  bool last_nonfinite() const override { return nonfinite_; }
+  const std::vector<LayerCommStats>& last_stats() const override { return stats_; }
+  std::uint64_t last_bytes_sent() const override { return bytes_sent_; }
+  const std::vector<GradientBucket>& buckets() const override { return buckets_; }
+
+ private:
+  // The all-to-all slot of one contribution's share of a chunk: the host path's
+  // (CodeTransport::SlotBytes), so that the bytes sent are the same.
+  std::size_t SlotBytes(const BucketPlan& b) const {
+    return internal::SlotBytes(PackedCodeBytes(setup_.format, b.max_chunk));
+  }
+  DeviceLayers Layers() const {
+    return DeviceLayers{d_offsets_.data(), d_shifts_.data(), int(setup_.layers())};
+  }
+
+  Status CheckDevicePointers(float* const* inputs, const float* output) const;
+  // ScanAbsCuda over every layer of every replica, the MAX all-reduce of the maxima on the host,
+  // the shifts (uploaded for the kernels). *finite = false when some rank holds NaN/Inf.
+  Status ScanAndShift(float* const* inputs, bool* finite);
+  Status ReduceFp32(float* const* inputs, float* output);
+  Status ReduceBucket(const BucketPlan& b, float* const* inputs, float* output, std::int64_t step);
+  Status SumOwnChunk(const BucketPlan& b, std::int64_t step);
+  // Quantised algorithms: the flushed / saturated counters of every rank into stats_.
+  Status FinishStats();
+
+  const ReducerSetup setup_;
+  const AllReducePlan plan_;
+  const cudaStream_t stream_;
+  const bool quantised_;
+  int device_ = 0;
+  std::unique_ptr<DeviceTransport> transport_;
+
+  DeviceArray<std::uint64_t> d_offsets_;  // layout.offsets
+  DeviceArray<std::int32_t> d_shifts_;    // per layer
+  DeviceArray<std::uint32_t> d_max_bits_;
+  DeviceArray<std::uint64_t> d_nonzero_;
+  DeviceArray<std::uint64_t> d_counters_;  // flushed, saturated per layer
+  PinnedArray<std::uint32_t> h_max_bits_;
+  PinnedArray<std::uint64_t> h_nonzero_, h_counters_;
+  PinnedArray<std::int32_t> h_shifts_;
+  // The payload buffers of ExchangeBuffers, in device memory.
+  DeviceArray<std::uint8_t> d_send_, d_recv_, d_gather_send_, d_gather_recv_;
+
+  std::vector<float> max_abs_;
+  std::vector<int> shifts_;
+  std::vector<std::uint64_t> counts_;  // flushed, saturated, nonzero per layer
+  std::vector<GradientBucket> buckets_;
+  std::vector<LayerCommStats> stats_;
+  bool nonfinite_ = false;
+  std::uint64_t bytes_sent_ = 0;
+};
+
+Status DeviceReducer::Init() {
+  CPD_COMM_CUDA_CHECK(cudaGetDevice(&device_));
+  const std::size_t layers = setup_.layers();
+  const std::size_t p = std::size_t(setup_.world_size);
+  const std::size_t k = std::size_t(setup_.local_replicas);
+  std::size_t slot = 0, payload = 0;
+  for (const BucketPlan& b : plan_.buckets()) {
+    if (quantised_) {
+      slot = std::max(slot, SlotBytes(b));
+    } else {
+      payload = std::max(payload, b.size() * sizeof(float));
+    }
+  }
+  if (quantised_) {
+    // The host path's limit, so that both accept the same options.
+    CPD_RETURN_IF_ERROR(CheckBlockBytes(setup_, slot));
+    CPD_RETURN_IF_ERROR(d_send_.Allocate(p * k * slot));
+    CPD_RETURN_IF_ERROR(d_recv_.Allocate(p * k * slot));
+    CPD_RETURN_IF_ERROR(d_gather_send_.Allocate(slot));
+    CPD_RETURN_IF_ERROR(d_gather_recv_.Allocate(p * slot));
+    for (auto* buf : {&d_send_, &d_recv_, &d_gather_send_, &d_gather_recv_}) {
+      CPD_COMM_CUDA_CHECK(cudaMemset(buf->data(), 0, buf->bytes()));
+    }
+    payload = p * k * slot;
+  }
+  TransportSizes sizes;
+  sizes.bytes = payload;
+  sizes.small_count = 3 * layers;
+  CPD_ASSIGN_OR_RETURN(transport_,
+                       DeviceTransport::Create(setup_.comm, setup_.options.cuda_stream, sizes));
+
+  CPD_RETURN_IF_ERROR(d_offsets_.Allocate(layers + 1));
+  CPD_RETURN_IF_ERROR(d_shifts_.Allocate(layers));
+  CPD_RETURN_IF_ERROR(d_max_bits_.Allocate(layers));
+  CPD_RETURN_IF_ERROR(d_nonzero_.Allocate(layers));
+  CPD_RETURN_IF_ERROR(d_counters_.Allocate(2 * layers));
+  CPD_RETURN_IF_ERROR(h_max_bits_.Allocate(layers));
+  CPD_RETURN_IF_ERROR(h_nonzero_.Allocate(layers));
+  CPD_RETURN_IF_ERROR(h_counters_.Allocate(2 * layers));
+  CPD_RETURN_IF_ERROR(h_shifts_.Allocate(layers));
+  std::vector<std::uint64_t> offsets(setup_.layout.offsets.begin(), setup_.layout.offsets.end());
+  if (!offsets.empty()) {
+    CPD_COMM_CUDA_CHECK(cudaMemcpy(d_offsets_.data(), offsets.data(),
+                                   offsets.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
+  }
+  return Status::Ok();
+}
+
+Status DeviceReducer::Reduce(float* const* inputs, float* output, std::int64_t step,
+                             bool measure_error) {
+  if (measure_error) {
+    return Status::InvalidArgument(
+        "GradientAllReducer::Reduce: measure_error is not implemented for gradients in device "
+        "memory; use host gradients to measure the all-reduce error");
+  }
+  CPD_RETURN_IF_ERROR(CheckReduceBuffers(setup_, inputs, output));
+  CPD_COMM_CUDA_CHECK(cudaSetDevice(device_));
+  CPD_RETURN_IF_ERROR(CheckDevicePointers(inputs, output));
+  nonfinite_ = false;
+  bytes_sent_ = 0;
+  ResetLayerStats(&stats_);
+  std::fill(counts_.begin(), counts_.end(), 0u);
+
+  bool finite = true;
+  CPD_RETURN_IF_ERROR(ScanAndShift(inputs, &finite));
+  for (std::size_t l = 0; l < stats_.size(); ++l) {
+    stats_[l].max_abs = max_abs_[l];
+    stats_[l].shift = shifts_[l];
+  }
+  if (!finite) {
+    nonfinite_ = true;
+    return Status::Ok();
+  }
+  if (!quantised_) {
+    CPD_RETURN_IF_ERROR(ReduceFp32(inputs, output));
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return Status::Ok();
+  }
+  for (const BucketPlan& b : plan_.buckets()) {
+    CPD_RETURN_IF_ERROR(ReduceBucket(b, inputs, output, step));
+  }
+  return FinishStats();  // waits for the stream
+}
+
+Status DeviceReducer::CheckDevicePointers(float* const* inputs, const float* output) const {
+  if (setup_.layout.total() == 0) return Status::Ok();
+  auto check = [&](const void* p, const std::string& what) -> Status {
+    cudaPointerAttributes attr;
+    CPD_COMM_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+    if (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged) {
+      return Status::Ok();
+    }
+    return Status::InvalidArgument("GradientAllReducer::Reduce on rank " +
+                                   std::to_string(setup_.rank) + ": " + what +
+                                   " is not device memory, but options.gradients is kDevice");
+  };
+  for (int k = 0; k < setup_.local_replicas; ++k) {
+    CPD_RETURN_IF_ERROR(check(inputs[k], "inputs[" + std::to_string(k) + "]"));
+  }
+  return check(output, "output");
+}
+
+Status DeviceReducer::ScanAndShift(float* const* inputs, bool* finite) {
+  const std::size_t layers = setup_.layers();
+  const GradientLayout& layout = setup_.layout;
+  if (layers > 0) {
+    CPD_COMM_CUDA_CHECK(
+        cudaMemsetAsync(d_max_bits_.data(), 0, layers * sizeof(std::uint32_t), stream_));
+    CPD_COMM_CUDA_CHECK(
+        cudaMemsetAsync(d_nonzero_.data(), 0, layers * sizeof(std::uint64_t), stream_));
+    for (std::size_t l = 0; l < layers; ++l) {
+      for (int k = 0; k < setup_.local_replicas; ++k) {
+        CPD_RETURN_IF_ERROR(ScanAbsCuda(inputs[k] + layout.offsets[l], setup_.layer_size(l),
+                                        d_max_bits_.data() + l, d_nonzero_.data() + l, stream_));
+      }
+    }
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(h_max_bits_.data(), d_max_bits_.data(),
+                                        layers * sizeof(std::uint32_t), cudaMemcpyDeviceToHost,
+                                        stream_));
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(h_nonzero_.data(), d_nonzero_.data(),
+                                        layers * sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
+                                        stream_));
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  for (std::size_t l = 0; l < layers; ++l) {
+    max_abs_[l] = MaxAbsForAllReduce(h_max_bits_.data()[l]);
+    counts_[3 * l + 2] = h_nonzero_.data()[l];
+  }
+  CPD_RETURN_IF_ERROR(transport_->AllReduceHost(max_abs_.data(), layers, ReduceOp::kMax));
+  *finite = ShiftsFromMaxima(setup_, max_abs_, &shifts_);
+  if (!*finite || layers == 0) return Status::Ok();
+  std::copy(shifts_.begin(), shifts_.end(), h_shifts_.data());
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_shifts_.data(), h_shifts_.data(),
+                                      layers * sizeof(std::int32_t), cudaMemcpyHostToDevice,
+                                      stream_));
+  if (quantised_) {
+    CPD_COMM_CUDA_CHECK(
+        cudaMemsetAsync(d_counters_.data(), 0, 2 * layers * sizeof(std::uint64_t), stream_));
+  }
+  return Status::Ok();
+}
+
+// fp32: the K replicas summed in replica order (comm/allreduce/fp32.cc), then each bucket's
+// sum all-reduce.
+Status DeviceReducer::ReduceFp32(float* const* inputs, float* output) {
+  const std::size_t total = setup_.layout.total();
+  const int replicas = setup_.local_replicas;
+  if (total > 0 && replicas == 1 && output != inputs[0]) {
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(output, inputs[0], total * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+  }
+  for (int k = 1; k < replicas; ++k) {
+    CPD_RETURN_IF_ERROR(CombineCuda(k == 1 ? inputs[0] : output, inputs[k], output, total,
+                                    ElementOp::kAdd, stream_));
+  }
+  for (const BucketPlan& b : plan_.buckets()) {
+    CPD_RETURN_IF_ERROR(transport_->AllReduceSum(output + b.bounds.begin, b.size()));
+    bytes_sent_ += SentByAllReduce(setup_.world_size, b.size() * sizeof(float));
+  }
+  return Status::Ok();
+}
+
+// One bucket of emulate / packed, the stages of comm/allreduce/codes.h.
+Status DeviceReducer::ReduceBucket(const BucketPlan& b, float* const* inputs, float* output,
+                                   std::int64_t step) {
+  const std::size_t slot = SlotBytes(b);
+  const std::size_t block = std::size_t(setup_.local_replicas) * slot;
+  const kernels::FloatGrid& g = setup_.format.grid();
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::size_t c0 = b.chunk_begin(d), n = b.chunk_end(d) - c0;
+    for (int k = 0; k < setup_.local_replicas; ++k) {
+      const std::uint64_t key =
+          setup_.LoopAt(setup_.round_mode, ContributionStage(setup_.worker(k)), step, c0).rng_key;
+      CPD_RETURN_IF_ERROR(
+          EncodeContributionCuda(inputs[k] + c0, n, c0, Layers(), g, setup_.round_mode, key,
+                                 d_send_.data() + std::size_t(d) * block + std::size_t(k) * slot,
+                                 d_counters_.data(), stream_));
+    }
+  }
+  CPD_RETURN_IF_ERROR(transport_->AllToAllBytes(d_send_.data(), d_recv_.data(), block));
+  bytes_sent_ += SentByExchange(setup_.world_size, block);
+  CPD_RETURN_IF_ERROR(SumOwnChunk(b, step));
+  CPD_RETURN_IF_ERROR(
+      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), slot));
+  bytes_sent_ += SentByExchange(setup_.world_size, slot);
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::size_t c0 = b.chunk_begin(d), n = b.chunk_end(d) - c0;
+    CPD_RETURN_IF_ERROR(DecodeUnshiftCuda(d_gather_recv_.data() + std::size_t(d) * slot, n, c0,
+                                          Layers(), g, output + c0, stream_));
+  }
+  return Status::Ok();
+}
+
+// This rank's chunk from the W contributions (worker w's slot at w * slot after the all-to-all),
+// packed into the all-gather's send slot: PackedCodes::SumAndRequantizeOwnChunk and
+// EmulateCodes::SumOwnChunk on the device.
+Status DeviceReducer::SumOwnChunk(const BucketPlan& b, std::int64_t step) {
+  const int rank = setup_.rank, workers = setup_.workers;
+  const std::size_t c0 = b.chunk_begin(rank), n = b.chunk_end(rank) - c0;
+  ContributionCodes in;
+  in.codes = d_recv_.data();
+  in.stride = SlotBytes(b);
+  in.workers = workers;
+  const kernels::FloatGrid& g = setup_.format.grid();
+  if (setup_.options.algo == AllReduceAlgo::kPacked) {
+    return SumRequantizeCodesCuda(
+        in, n, g, setup_.LoopAt(setup_.round_mode, RequantizeStage(workers), step, c0),
+        d_gather_send_.data(), stream_);
+  }
+  EmulateRounding r;
+  r.mode = setup_.round_mode;
+  r.kahan = setup_.options.kahan;
+  r.seed = setup_.options.seed;
+  r.step = step;
+  r.index_base = c0;
+  return SumRoundedCodesCuda(in, n, g, r, d_gather_send_.data(), stream_);
+}
+
+Status DeviceReducer::FinishStats() {
+  const std::size_t layers = setup_.layers();
+  if (layers > 0) {
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(h_counters_.data(), d_counters_.data(),
+                                        2 * layers * sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
+                                        stream_));
+  }
+  CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (std::size_t l = 0; l < layers; ++l) {
+    counts_[3 * l] = h_counters_.data()[2 * l];
+    counts_[3 * l + 1] = h_counters_.data()[2 * l + 1];
+  }
+  CPD_RETURN_IF_ERROR(transport_->AllReduceHost(counts_.data(), counts_.size(), ReduceOp::kSum));
+  SetCountFractions(setup_, counts_, &stats_);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<GradientAllReducer>> CreateDeviceReducer(ReducerSetup setup) {
+  auto reducer = std::make_unique<DeviceReducer>(std::move(setup));
+  CPD_RETURN_IF_ERROR(reducer->Init());
+  return std::unique_ptr<GradientAllReducer>(std::move(reducer));
+}
+
+#endif  // CPD_WITH_CUDA
+
+}  // namespace cpd::comm::internal

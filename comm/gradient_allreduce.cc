@@ -9,9 +9,11 @@
 #include <cmath>
 #include <utility>
 
+#include "comm/allreduce/codes.h"
 #include "comm/allreduce/device.h"
 #include "comm/allreduce/internal.h"
 #include "comm/allreduce/plan.h"
+#include "cpd/config.h"
 #include "kernels/grid.h"
 
 namespace cpd::comm {
@@ -177,6 +179,13 @@ Status GradientAllReduceOptions::Validate() const {
                                    AllReduceAlgoName(algo));
   }
   return Status::Ok();
+}
+
+bool DeviceGradientsSupported(const GradientAllReduceOptions& opts) {
+  if (!CPD_WITH_CUDA) return false;
+  if (opts.algo == AllReduceAlgo::kFp32) return true;
+  Result<Format> f = Format::Parse(opts.format);
+  return f.ok() && internal::CodeTransport::Supports(f.value());
 }
 
 int ApsShift(float max_abs, int workers, int emax) {

@@ -116,6 +116,11 @@ struct GradientLayout {
   size_t layers() const { return layer_names.size(); }
 };
 
+// Whether Create accepts gradients in device memory with these options (apart from the layout
+// and the communicator): a CUDA build, and fp32, or emulate / packed with a fixed float grid of
+// <= 16 bits. Reduce() still refuses measure_error for them.
+bool DeviceGradientsSupported(const GradientAllReduceOptions& opts);
+
 // One fusion bucket: the flat range [begin, end) and the chunk each rank owns in it.
 struct GradientBucket {
   size_t begin = 0;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <thread>
 
+#include "cpd/config.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/models.h"
@@ -21,6 +22,9 @@
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
 #include "runtime/train/workers.h"
+#if CPD_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -99,6 +103,7 @@ class Trainer {
   Status BuildOptimizer();
   Status BuildLrSchedule();
   Status BuildReducer();
+  Result<comm::Communicator*> AllReduceCommunicator(bool device_gradients);
   Status BuildOutputs();
   Status ResumeOrStart();
   Status StartControl();
@@ -132,6 +137,7 @@ class Trainer {
   std::unique_ptr<Optimizer> optimizer_;
   LrSchedule lr_;
   comm::GradientAllReduceOptions allreduce_;
+  std::unique_ptr<comm::Communicator> nccl_;  // the all-reduce's, when it runs over NCCL
   std::unique_ptr<comm::GradientAllReducer> reducer_;
   std::unique_ptr<LocalWorkers> workers_;
   std::unique_ptr<Reporter> reporter_;
@@ -342,17 +348,51 @@ std::string Trainer::DescribeLr() const {
   return out;
 }
 
-// The gradient all-reducer over the flat gradients of the K local workers.
+// The gradient all-reducer over the flat gradients of the K local workers: on a GPU they stay
+// in device memory where the reducer supports the options (the same bits as staging them).
 Status Trainer::BuildReducer() {
   allreduce_ = o_.allreduce;
   allreduce_.seed = kernels::SplitMix64(o_.seed ^ 0xA11u);
   allreduce_.threads = threads_;
+  const bool device_gradients = device_ == Device::kCuda && o_.device_gradients &&
+                                o_.measure_error_every == 0 &&
+                                comm::DeviceGradientsSupported(allreduce_);
+  allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
+  CPD_ASSIGN_OR_RETURN(comm::Communicator * reduce_comm, AllReduceCommunicator(device_gradients));
   CPD_ASSIGN_OR_RETURN(
-      reducer_, comm::GradientAllReducer::Create(comm_, allreduce_, LayoutOf(model_->Params()),
-                                                 group_.local_workers));
-  workers_ = std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_,
-                                            flat_gradients_, o_.debug_nan_step, o_.debug_nan_steps);
+      reducer_, comm::GradientAllReducer::Create(reduce_comm, allreduce_,
+                                                 LayoutOf(model_->Params()), group_.local_workers));
+  workers_ =
+      std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_, flat_gradients_,
+                                     device_gradients, o_.debug_nan_step, o_.debug_nan_steps);
   return Status::Ok();
+}
+
+// The run's own communicator, or NCCL (AllReduceComm). Collective: whether every rank keeps its
+// gradients on a GPU is agreed on, so that all ranks choose alike.
+Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients) {
+  if (o_.allreduce_comm == AllReduceComm::kWorld) return comm_;
+  const bool want = o_.allreduce_comm == AllReduceComm::kNccl;
+  int32_t host_somewhere = device_gradients ? 0 : 1;
+  CPD_RETURN_IF_ERROR(comm_->AllReduce(&host_somewhere, 1, comm::ReduceOp::kMax));
+  if (!CPD_WITH_NCCL || host_somewhere != 0) {
+    if (!want) return comm_;
+    return Status::InvalidArgument(
+        std::string("--comm nccl needs ") +
+        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)"
+                        : "gradients on a GPU on every rank: --device cuda, an --allreduce "
+                          "format of at most 16 bits on a float grid (or fp32), and no "
+                          "--measure-error") +
+        "; use --comm auto");
+  }
+  if (!want && comm_->size() == 1) return comm_;
+#if CPD_WITH_NCCL
+  // Device -1: the node-local rank modulo the GPUs, the GPU PlaceWorkers chose for this rank.
+  CPD_ASSIGN_OR_RETURN(nccl_, comm::NcclCommunicator::Create(comm_, -1));
+  return nccl_.get();
+#else
+  return comm_;
+#endif
 }
 
 // The reporter (console, metrics, coordinator reports), checkpoints and the cost model.

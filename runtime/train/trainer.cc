@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -104,6 +105,7 @@ class Trainer {
   Status BuildLrSchedule();
   Status BuildReducer();
   Result<comm::Communicator*> AllReduceCommunicator(bool device_gradients);
+  Result<bool> RanksShareAGpu();
   Status BuildOutputs();
   Status ResumeOrStart();
   Status StartControl();
@@ -368,6 +370,20 @@ Status Trainer::BuildReducer() {
   return Status::Ok();
 }
 
+// Whether two ranks train on the same GPU (by UUID, so across nodes too). Collective; REQUIRED:
+// every rank on a GPU.
+Result<bool> Trainer::RanksShareAGpu() {
+  const std::string uuid = CudaDeviceUuid();
+  std::string all(uuid.size() * size_t(comm_->size()), '\0');
+  CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(reinterpret_cast<const uint8_t*>(uuid.data()),
+                                            reinterpret_cast<uint8_t*>(all.data()), uuid.size()));
+  std::vector<std::string> uuids;
+  for (size_t r = 0; r < size_t(comm_->size()); ++r)
+    uuids.push_back(all.substr(r * uuid.size(), uuid.size()));
+  std::sort(uuids.begin(), uuids.end());
+  return std::adjacent_find(uuids.begin(), uuids.end()) != uuids.end();
+}
+
 // The run's own communicator, or NCCL (AllReduceComm). Collective: whether every rank keeps its
 // gradients on a GPU is agreed on, so that all ranks choose alike.
 Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients) {
@@ -386,6 +402,13 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients
         "; use --comm auto");
   }
   if (!want && comm_->size() == 1) return comm_;
+  // NCCL needs a GPU per rank: ranks sharing one (several processes per GPU) keep the run's own.
+  CPD_ASSIGN_OR_RETURN(const bool shared, RanksShareAGpu());
+  if (shared) {
+    if (!want) return comm_;
+    return Status::InvalidArgument(
+        "--comm nccl needs a GPU per rank, but some ranks share one; use --comm auto");
+  }
 #if CPD_WITH_NCCL
   // Device -1: the node-local rank modulo the GPUs, the GPU PlaceWorkers chose for this rank.
   CPD_ASSIGN_OR_RETURN(nccl_, comm::NcclCommunicator::Create(comm_, -1));

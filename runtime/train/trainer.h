@@ -31,10 +31,11 @@ namespace cpd::runtime {
 
 // Which communicator carries the gradient all-reduce (--comm):
 //   kWorld  the run's own (one process, or MPI);
-//   kNccl   NCCL between the ranks' GPUs (REQUIRED: a build with NCCL and --device cuda with
-//           device gradients on every rank; else InvalidArgument naming --comm nccl);
+//   kNccl   NCCL between the ranks' GPUs (REQUIRED: a build with NCCL, --device cuda with
+//           device gradients on every rank and a GPU per rank; else InvalidArgument naming
+//           --comm nccl);
 //   kAuto   NCCL when the build has it, there are several ranks and every rank keeps its
-//           gradients on a GPU; else the run's own.
+//           gradients on a GPU of its own; else the run's own.
 // The run's own communicator carries everything else (start-up broadcast, BatchNorm averages,
 // metrics, the end-of-run replica check) in every case.
 enum class AllReduceComm { kAuto, kWorld, kNccl };

@@ -60,13 +60,14 @@
 // (comm/reduce_kernels_cuda.h) and the payload collectives on device buffers, over any
 // communicator: a device-memory one (NcclCommunicator) directly, a host-memory one (MPI, Self)
 // with the payload staged through pinned host memory. Only packed codes cross PCIe for emulate
-// and packed (fp32 stages its float32 buckets). Every result is bit for bit the host path's with
-// the same communicator kind (fp32 over NCCL sums in NCCL's order, as NCCL does). Supported: fp32,
-// and emulate / packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, bf16,
-// ...); Create gives InvalidArgument for other formats (scaled ones: keep host gradients) and
-// Reduce() gives InvalidArgument for measure_error. Reduce() returns once the sum is complete on
-// options.cuda_stream. The per-layer max|g| all-reduce runs on host values (one small copy and
-// one stream synchronisation per step); each payload collective waits for the stream.
+// and packed (fp32 stages its float32 buckets; measure_error copies its float32 reference and
+// this rank's chunks of the result). Every result is bit for bit the host path's with the same
+// communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Supported: fp32, and
+// emulate / packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, bf16,
+// ...); Create gives InvalidArgument for other formats (scaled ones: keep host gradients).
+// Reduce() returns once the sum is complete on options.cuda_stream. The per-layer max|g|
+// all-reduce runs on host values (one small copy and one stream synchronisation per step); each
+// payload collective waits for the stream.
 #pragma once
 
 #include <cstddef>
@@ -118,7 +119,7 @@ struct GradientLayout {
 
 // Whether Create accepts gradients in device memory with these options (apart from the layout
 // and the communicator): a CUDA build, and fp32, or emulate / packed with a fixed float grid of
-// <= 16 bits. Reduce() still refuses measure_error for them.
+// <= 16 bits.
 bool DeviceGradientsSupported(const GradientAllReduceOptions& opts);
 
 // One fusion bucket: the flat range [begin, end) and the chunk each rank owns in it.

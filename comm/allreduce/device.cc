@@ -82,7 +82,10 @@ class DeviceReducer final : public GradientAllReducer {
   // ScanAbsCuda over every layer of every replica, the MAX all-reduce of the maxima on the host,
   // the shifts (uploaded for the kernels). *finite = false when some rank holds NaN/Inf.
   Status ScanAndShift(float* const* inputs, bool* finite);
-  Status ReduceFp32(float* const* inputs, float* output);
+  Status ReduceFp32(float* const* inputs, float* output, bool measure_error);
+  Status StartMeasuring();
+  Status ReduceReference(const BucketPlan& b, const float* const* src, int count);
+  Status AccumulateError(const BucketPlan& b, const float* output);
   Status ReduceBucket(const BucketPlan& b, float* const* inputs, float* output, std::int64_t step);
   Status SumOwnChunk(const BucketPlan& b, std::int64_t step);
   // Quantised algorithms: the flushed / saturated counters of every rank into stats_.
@@ -105,6 +108,13 @@ class DeviceReducer final : public GradientAllReducer {
   PinnedArray<std::int32_t> h_shifts_;
   // The payload buffers of ExchangeBuffers, in device memory.
   DeviceArray<std::uint8_t> d_send_, d_recv_, d_gather_send_, d_gather_recv_;
+
+  // measure_error (allocated on first use): the reference's send buffer (every chunk padded to
+  // the longest) and this rank's chunk of it; host copies of it and of the result's chunk; the
+  // per-layer (squared error, squared reference) of this rank and of all ranks.
+  DeviceArray<float> d_reference_send_, d_reference_;
+  std::vector<float> reference_, output_chunk_;
+  std::vector<double> error_, error_all_ranks_;
 
   std::vector<float> max_abs_;
   std::vector<int> shifts_;
@@ -142,7 +152,8 @@ Status DeviceReducer::Init() {
   }
   TransportSizes sizes;
   sizes.bytes = payload;
-  sizes.small_count = 3 * layers;
+  // The per-layer counters, and measure_error's all-gather of (error, reference) pairs.
+  sizes.small_count = std::max(3 * layers, (p + 1) * 2 * layers);
   CPD_ASSIGN_OR_RETURN(transport_,
                        DeviceTransport::Create(setup_.comm, setup_.options.cuda_stream, sizes));
 
@@ -165,11 +176,6 @@ Status DeviceReducer::Init() {
 
 Status DeviceReducer::Reduce(float* const* inputs, float* output, std::int64_t step,
                              bool measure_error) {
-  if (measure_error) {
-    return Status::InvalidArgument(
-        "GradientAllReducer::Reduce: measure_error is not implemented for gradients in device "
-        "memory; use host gradients to measure the all-reduce error");
-  }
   CPD_RETURN_IF_ERROR(CheckReduceBuffers(setup_, inputs, output));
   CPD_COMM_CUDA_CHECK(cudaSetDevice(device_));
   CPD_RETURN_IF_ERROR(CheckDevicePointers(inputs, output));
@@ -188,15 +194,78 @@ Status DeviceReducer::Reduce(float* const* inputs, float* output, std::int64_t s
     nonfinite_ = true;
     return Status::Ok();
   }
+  if (measure_error) CPD_RETURN_IF_ERROR(StartMeasuring());
   if (!quantised_) {
-    CPD_RETURN_IF_ERROR(ReduceFp32(inputs, output));
+    CPD_RETURN_IF_ERROR(ReduceFp32(inputs, output, measure_error));
     CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    return Status::Ok();
+  } else {
+    for (const BucketPlan& b : plan_.buckets()) {
+      // The reference first: output may alias inputs[0].
+      if (measure_error) CPD_RETURN_IF_ERROR(ReduceReference(b, inputs, setup_.local_replicas));
+      CPD_RETURN_IF_ERROR(ReduceBucket(b, inputs, output, step));
+      if (measure_error) CPD_RETURN_IF_ERROR(AccumulateError(b, output));
+    }
+    CPD_RETURN_IF_ERROR(FinishStats());  // waits for the stream
   }
-  for (const BucketPlan& b : plan_.buckets()) {
-    CPD_RETURN_IF_ERROR(ReduceBucket(b, inputs, output, step));
+  if (!measure_error) return Status::Ok();
+  CPD_RETURN_IF_ERROR(transport_->AllGatherHost(
+      reinterpret_cast<const std::uint8_t*>(error_.data()),
+      reinterpret_cast<std::uint8_t*>(error_all_ranks_.data()), error_.size() * sizeof(double)));
+  SetRelErrors(setup_, error_all_ranks_, &stats_);
+  return Status::Ok();
+}
+
+// measure_error: the reference buffers on first use (as the host path's LayerStatistics), the
+// per-layer error sums zeroed.
+Status DeviceReducer::StartMeasuring() {
+  const std::size_t p = std::size_t(setup_.world_size), chunk = plan_.max_chunk();
+  if (reference_.empty()) {
+    CPD_RETURN_IF_ERROR(d_reference_send_.Allocate(p * chunk));
+    CPD_RETURN_IF_ERROR(d_reference_.Allocate(chunk));
+    CPD_RETURN_IF_ERROR(transport_->Reserve(p * chunk * sizeof(float)));
+    reference_.assign(std::max<std::size_t>(chunk, 1), 0.0f);
+    output_chunk_.assign(std::max<std::size_t>(chunk, 1), 0.0f);
+    error_all_ranks_.assign(2 * setup_.layers() * p, 0.0);
   }
-  return FinishStats();  // waits for the stream
+  error_.assign(2 * setup_.layers(), 0.0);
+  return Status::Ok();
+}
+
+// LayerStatistics::ReduceReference on the device: the float32 sum of the `count` local buffers in
+// order, chunk by chunk padded to the longest, reduce-scattered.
+Status DeviceReducer::ReduceReference(const BucketPlan& b, const float* const* src, int count) {
+  const std::size_t slot = b.max_chunk;
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::size_t c0 = b.chunk_begin(d), n = b.chunk_end(d) - c0;
+    float* dst = d_reference_send_.data() + std::size_t(d) * slot;
+    if (count == 1 && n > 0) {
+      CPD_COMM_CUDA_CHECK(
+          cudaMemcpyAsync(dst, src[0] + c0, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    }
+    for (int k = 1; k < count; ++k) {
+      CPD_RETURN_IF_ERROR(
+          CombineCuda(k == 1 ? src[0] + c0 : dst, src[k] + c0, dst, n, ElementOp::kAdd, stream_));
+    }
+    if (slot > n) {
+      CPD_COMM_CUDA_CHECK(cudaMemsetAsync(dst + n, 0, (slot - n) * sizeof(float), stream_));
+    }
+  }
+  return transport_->ReduceScatterSum(d_reference_send_.data(), d_reference_.data(),
+                                      slot * std::size_t(setup_.world_size));
+}
+
+// LayerStatistics::AccumulateError: this rank's chunk of the result and its reference on the
+// host (measure_error's float32 copies), then the host path's sums.
+Status DeviceReducer::AccumulateError(const BucketPlan& b, const float* output) {
+  const std::size_t c0 = b.chunk_begin(setup_.rank), n = b.chunk_end(setup_.rank) - c0;
+  if (n == 0) return Status::Ok();
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(output_chunk_.data(), output + c0, n * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(reference_.data(), d_reference_.data(), n * sizeof(float),
+                                      cudaMemcpyDeviceToHost, stream_));
+  CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  AddChunkErrors(b, setup_.rank, output_chunk_.data(), reference_.data(), &error_);
+  return Status::Ok();
 }
 
 Status DeviceReducer::CheckDevicePointers(float* const* inputs, const float* output) const {
@@ -258,8 +327,8 @@ Status DeviceReducer::ScanAndShift(float* const* inputs, bool* finite) {
 }
 
 // fp32: the K replicas summed in replica order (comm/allreduce/fp32.cc), then each bucket's
-// sum all-reduce.
-Status DeviceReducer::ReduceFp32(float* const* inputs, float* output) {
+// sum all-reduce (with measure_error, its reference from that local sum first).
+Status DeviceReducer::ReduceFp32(float* const* inputs, float* output, bool measure_error) {
   const std::size_t total = setup_.layout.total();
   const int replicas = setup_.local_replicas;
   if (total > 0 && replicas == 1 && output != inputs[0]) {
@@ -270,9 +339,12 @@ Status DeviceReducer::ReduceFp32(float* const* inputs, float* output) {
     CPD_RETURN_IF_ERROR(CombineCuda(k == 1 ? inputs[0] : output, inputs[k], output, total,
                                     ElementOp::kAdd, stream_));
   }
+  const float* local[1] = {output};
   for (const BucketPlan& b : plan_.buckets()) {
+    if (measure_error) CPD_RETURN_IF_ERROR(ReduceReference(b, local, 1));
     CPD_RETURN_IF_ERROR(transport_->AllReduceSum(output + b.bounds.begin, b.size()));
     bytes_sent_ += SentByAllReduce(setup_.world_size, b.size() * sizeof(float));
+    if (measure_error) CPD_RETURN_IF_ERROR(AccumulateError(b, output));
   }
   return Status::Ok();
 }

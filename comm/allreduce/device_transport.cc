@@ -35,11 +35,33 @@ class DirectTransport final : public DeviceTransport {
     CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return comm_->AllReduce(d_data, count, ReduceOp::kSum);
   }
+  Status ReduceScatterSum(const float* d_in, float* d_out, std::size_t count) override {
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return comm_->ReduceScatter(d_in, d_out, count);
+  }
+  Status Reserve(std::size_t) override { return Status::Ok(); }  // nothing is staged
   Status AllReduceHost(float* data, std::size_t count, ReduceOp op) override {
     return AllReduceSmall(data, count, op);
   }
   Status AllReduceHost(std::uint64_t* data, std::size_t count, ReduceOp op) override {
     return AllReduceSmall(data, count, op);
+  }
+  Status AllGatherHost(const std::uint8_t* in, std::uint8_t* out,
+                       std::size_t block_bytes) override {
+    const std::size_t all = block_bytes * std::size_t(comm_->size());
+    if (block_bytes + all > small_.bytes()) {
+      return Status::InvalidArgument("DeviceTransport: " + std::to_string(block_bytes + all) +
+                                     " small bytes exceed the " + std::to_string(small_.bytes()) +
+                                     " allocated");
+    }
+    auto* d_in = reinterpret_cast<std::uint8_t*>(small_.data());
+    std::uint8_t* d_out = d_in + block_bytes;
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_in, in, block_bytes, cudaMemcpyHostToDevice, stream_));
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(d_in, d_out, block_bytes));
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(out, d_out, all, cudaMemcpyDeviceToHost, stream_));
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return Status::Ok();
   }
 
  private:
@@ -103,11 +125,28 @@ class StagedTransport final : public DeviceTransport {
         comm_->AllReduce(reinterpret_cast<float*>(in_.data()), count, ReduceOp::kSum));
     return Upload(d_data, bytes, in_.data());
   }
+  Status ReduceScatterSum(const float* d_in, float* d_out, std::size_t count) override {
+    CPD_RETURN_IF_ERROR(Download(d_in, count * sizeof(float)));
+    CPD_RETURN_IF_ERROR(comm_->ReduceScatter(reinterpret_cast<const float*>(in_.data()),
+                                             reinterpret_cast<float*>(out_.data()), count));
+    return Upload(d_out, count / std::size_t(comm_->size()) * sizeof(float));
+  }
+  Status Reserve(std::size_t bytes) override {
+    if (bytes <= in_.count()) return Status::Ok();
+    // The previous upload from out_ may still be queued.
+    CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CPD_RETURN_IF_ERROR(in_.Allocate(bytes));
+    return out_.Allocate(bytes);
+  }
   Status AllReduceHost(float* data, std::size_t count, ReduceOp op) override {
     return comm_->AllReduce(data, count, op);
   }
   Status AllReduceHost(std::uint64_t* data, std::size_t count, ReduceOp op) override {
     return comm_->AllReduce(data, count, op);
+  }
+  Status AllGatherHost(const std::uint8_t* in, std::uint8_t* out,
+                       std::size_t block_bytes) override {
+    return comm_->AllGatherBytes(in, out, block_bytes);
   }
 
  private:

@@ -46,10 +46,19 @@ class DeviceTransport {
   virtual Status AllGatherBytes(const std::uint8_t* d_in, std::uint8_t* d_out,
                                 std::size_t block_bytes) = 0;
   virtual Status AllReduceSum(float* d_data, std::size_t count) = 0;
+  // Communicator::ReduceScatter on device buffers (measure_error's float32 reference).
+  virtual Status ReduceScatterSum(const float* d_in, float* d_out, std::size_t count) = 0;
+  // Makes the payload buffers hold at least `bytes` (measure_error's reference, allocated on
+  // first use); TransportSizes::bytes is the initial size.
+  virtual Status Reserve(std::size_t bytes) = 0;
 
   // In place on host arrays of at most TransportSizes::small_count elements.
   virtual Status AllReduceHost(float* data, std::size_t count, ReduceOp op) = 0;
   virtual Status AllReduceHost(std::uint64_t* data, std::size_t count, ReduceOp op) = 0;
+  // Communicator::AllGatherBytes on host arrays; (size() + 1) * block_bytes must fit in
+  // TransportSizes::small_count 8-byte elements.
+  virtual Status AllGatherHost(const std::uint8_t* in, std::uint8_t* out,
+                               std::size_t block_bytes) = 0;
 };
 
 }  // namespace cpd::comm::internal

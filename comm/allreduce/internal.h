@@ -70,6 +70,16 @@ bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_a
 void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_t>& counts,
                        std::vector<LayerCommStats>* stats);
 
+// measure_error, what every implementation computes alike: adds to error[2 l] the squared error
+// of this rank's chunk of the result (output_chunk, from the chunk's start) against the float32
+// reference of the chunk (reference, likewise) and to error[2 l + 1] the squared reference, per
+// layer l of the chunk's segments; then, from every rank's pairs (rank by rank, summed in rank
+// order so that every rank gets the same bits), each layer's rel_error.
+void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
+                    const float* reference, std::vector<double>* error);
+void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_all_ranks,
+                  std::vector<LayerCommStats>* stats);
+
 class LayerStatistics {
  public:
   LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk);

@@ -93,19 +93,39 @@ Status LayerStatistics::ReduceReference(const BucketPlan& b, const float* const*
   return setup_.comm->ReduceScatter(reference_send_.data(), reference_.data(), slot * p);
 }
 
-void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
-  const std::size_t c0 = b.chunk_begin(setup_.rank);
-  for (const Segment& s : b.segments_of(setup_.rank)) {
+void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
+                    const float* reference, std::vector<double>* error) {
+  const std::size_t c0 = b.chunk_begin(rank);
+  for (const Segment& s : b.segments_of(rank)) {
     double e2 = 0.0, r2 = 0.0;
-    for (std::size_t i = s.begin; i < s.end; ++i) {
-      const double ref = reference_[i - c0];
-      const double d = double(output[i]) - ref;
+    for (std::size_t i = s.begin - c0; i < s.end - c0; ++i) {
+      const double ref = reference[i];
+      const double d = double(output_chunk[i]) - ref;
       e2 += d * d;
       r2 += ref * ref;
     }
-    error_[2 * std::size_t(s.layer)] += e2;
-    error_[2 * std::size_t(s.layer) + 1] += r2;
+    (*error)[2 * std::size_t(s.layer)] += e2;
+    (*error)[2 * std::size_t(s.layer) + 1] += r2;
   }
+}
+
+void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_all_ranks,
+                  std::vector<LayerCommStats>* stats) {
+  const std::size_t layers = setup.layers();
+  for (std::size_t l = 0; l < layers; ++l) {
+    double e2 = 0.0, r2 = 0.0;
+    for (std::size_t r = 0; r < std::size_t(setup.world_size); ++r) {
+      e2 += error_all_ranks[r * 2 * layers + 2 * l];
+      r2 += error_all_ranks[r * 2 * layers + 2 * l + 1];
+    }
+    (*stats)[l].rel_error = r2 > 0.0   ? std::sqrt(e2 / r2)
+                            : e2 > 0.0 ? std::numeric_limits<double>::infinity()
+                                       : 0.0;
+  }
+}
+
+void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
+  AddChunkErrors(b, setup_.rank, output + b.chunk_begin(setup_.rank), reference_.data(), &error_);
 }
 
 Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* stats) {
@@ -125,16 +145,7 @@ Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* 
   CPD_RETURN_IF_ERROR(setup_.comm->AllGatherBytes(
       reinterpret_cast<const std::uint8_t*>(error_.data()),
       reinterpret_cast<std::uint8_t*>(error_all_ranks_.data()), error_.size() * sizeof(double)));
-  for (std::size_t l = 0; l < layers; ++l) {
-    double e2 = 0.0, r2 = 0.0;
-    for (std::size_t r = 0; r < std::size_t(setup_.world_size); ++r) {
-      e2 += error_all_ranks_[r * 2 * layers + 2 * l];
-      r2 += error_all_ranks_[r * 2 * layers + 2 * l + 1];
-    }
-    (*stats)[l].rel_error = r2 > 0.0   ? std::sqrt(e2 / r2)
-                            : e2 > 0.0 ? std::numeric_limits<double>::infinity()
-                                       : 0.0;
-  }
+  SetRelErrors(setup_, error_all_ranks_, stats);
   return Status::Ok();
 }
 

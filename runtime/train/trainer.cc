@@ -356,9 +356,8 @@ Status Trainer::BuildReducer() {
   allreduce_ = o_.allreduce;
   allreduce_.seed = kernels::SplitMix64(o_.seed ^ 0xA11u);
   allreduce_.threads = threads_;
-  const bool device_gradients = device_ == Device::kCuda && o_.device_gradients &&
-                                o_.measure_error_every == 0 &&
-                                comm::DeviceGradientsSupported(allreduce_);
+  const bool device_gradients =
+      device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported(allreduce_);
   allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
   CPD_ASSIGN_OR_RETURN(comm::Communicator * reduce_comm, AllReduceCommunicator(device_gradients));
   CPD_ASSIGN_OR_RETURN(
@@ -396,9 +395,9 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients
     return Status::InvalidArgument(
         std::string("--comm nccl needs ") +
         (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)"
-                        : "gradients on a GPU on every rank: --device cuda, an --allreduce "
-                          "format of at most 16 bits on a float grid (or fp32), and no "
-                          "--measure-error") +
+                        : "gradients on a GPU on every rank: --device cuda and an "
+                          "--allreduce-format of at most 16 bits on a float grid (or --allreduce "
+                          "fp32)") +
         "; use --comm auto");
   }
   if (!want && comm_->size() == 1) return comm_;

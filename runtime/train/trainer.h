@@ -88,9 +88,9 @@ struct TrainOptions {
   comm::GradientAllReduceOptions allreduce;
   AllReduceComm allreduce_comm = AllReduceComm::kAuto;
   // On a GPU the all-reducer takes the gradients in device memory wherever it supports the
-  // options (fp32 and fixed float grids of <= 16 bits, without measure_error_every), so that they
-  // stay on the GPU from backward to the optimiser; false stages them through the host (the
-  // results are the same bits either way).
+  // options (fp32 and fixed float grids of <= 16 bits), so that they stay on the GPU from
+  // backward to the optimiser; false stages them through the host (the results are the same
+  // bits either way).
   bool device_gradients = true;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
   int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient

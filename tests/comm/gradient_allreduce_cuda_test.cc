@@ -1,12 +1,12 @@
 // The gradient all-reduce on device memory (GradientAllReduceOptions::gradients = kDevice,
 // comm/allreduce/device.h) against the host reducer on the same inputs, bit for bit: the sum, the
 // non-finite flag, every layer's shift, max|g|, flushed and saturated fractions, and the bytes
-// sent. fp32, packed and emulate (plain and Kahan); e4m3, e5m2, e3m0, e2m1, fp16, bf16; nearest,
-// stochastic and toward-zero rounding; APS on and off; K = 1 and 3 local replicas; layers of 0,
-// 1, odd and large sizes cut by small buckets; NaN/Inf on one rank. Transports: the world
-// communicator under mpirun (MPI, staged through pinned memory; world size 1 also through
-// SelfCommunicator) and NcclCommunicator where every rank has its own GPU. Every test that needs
-// a GPU skips without one (on every rank alike: they share the machine).
+// sent, and with measure_error the relative error. fp32, packed and emulate (plain and Kahan);
+// e4m3, e5m2, e3m0, e2m1, fp16, bf16; nearest, stochastic and toward-zero rounding; APS on and off;
+// K = 1 and 3 local replicas; layers of 0, 1, odd and large sizes cut by small buckets; NaN/Inf on
+// one rank. Transports: the world communicator under mpirun (MPI, staged through pinned memory;
+// world size 1 also through SelfCommunicator) and NcclCommunicator where every rank has its own
+// GPU. Every test that needs a GPU skips without one (on every rank alike: they share the machine).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -149,7 +149,7 @@ std::vector<std::vector<float>> LocalInputs(const GradientLayout& layout, std::u
 }
 
 Outcome RunHost(Communicator* comm, const GradientAllReduceOptions& o, const GradientLayout& layout,
-                std::vector<std::vector<float>> x, std::int64_t step) {
+                std::vector<std::vector<float>> x, std::int64_t step, bool measure = false) {
   Outcome r;
   auto red = GradientAllReducer::Create(comm, o, layout, int(x.size()));
   EXPECT_TRUE(red.ok()) << red.status().ToString();
@@ -157,7 +157,7 @@ Outcome RunHost(Communicator* comm, const GradientAllReduceOptions& o, const Gra
   std::vector<float*> ptrs;
   for (auto& v : x) ptrs.push_back(v.data());
   r.out.assign(layout.total(), kSentinel);
-  const Status s = red.value()->Reduce(ptrs.data(), r.out.data(), step);
+  const Status s = red.value()->Reduce(ptrs.data(), r.out.data(), step, measure);
   EXPECT_TRUE(s.ok()) << s.ToString();
   r.ok = s.ok();
   r.nonfinite = red.value()->last_nonfinite();
@@ -169,7 +169,7 @@ Outcome RunHost(Communicator* comm, const GradientAllReduceOptions& o, const Gra
 // The same through device memory; with `alias`, the output is inputs[0] (K = 1 only).
 Outcome RunDevice(Communicator* comm, const GradientAllReduceOptions& o,
                   const GradientLayout& layout, const std::vector<std::vector<float>>& x,
-                  std::int64_t step, bool alias = false) {
+                  std::int64_t step, bool alias = false, bool measure = false) {
   Outcome r;
   auto red = GradientAllReducer::Create(comm, o, layout, int(x.size()));
   EXPECT_TRUE(red.ok()) << red.status().ToString();
@@ -182,7 +182,7 @@ Outcome RunDevice(Communicator* comm, const GradientAllReduceOptions& o,
   }
   DeviceFloats out(std::vector<float>(layout.total(), kSentinel));
   float* dst = alias ? ptrs[0] : out.data();
-  const Status s = red.value()->Reduce(ptrs.data(), dst, step);
+  const Status s = red.value()->Reduce(ptrs.data(), dst, step, measure);
   EXPECT_TRUE(s.ok()) << s.ToString();
   r.ok = s.ok();
   r.out = alias ? d[0]->Download() : out.Download();
@@ -213,6 +213,7 @@ void ExpectSame(const Outcome& host, const Outcome& dev, const std::string& what
     EXPECT_EQ(Bits(host.stats[l].max_abs), Bits(dev.stats[l].max_abs)) << what << " layer " << l;
     EXPECT_EQ(host.stats[l].flushed, dev.stats[l].flushed) << what << " layer " << l;
     EXPECT_EQ(host.stats[l].saturated, dev.stats[l].saturated) << what << " layer " << l;
+    EXPECT_EQ(host.stats[l].rel_error, dev.stats[l].rel_error) << what << " layer " << l;
   }
   EXPECT_EQ(host.bytes, dev.bytes) << what;
 }
@@ -341,7 +342,7 @@ TEST(GradientAllReduceCudaTest, NonFiniteOnOneRankSkipsTheStepEverywhere) {
   }
 }
 
-TEST(GradientAllReduceCudaTest, RefusesHostPointersAndMeasureError) {
+TEST(GradientAllReduceCudaTest, RefusesHostPointers) {
   SKIP_WITHOUT_GPU();
   const GradientLayout layout = MakeLayout({10, 20});
   auto red = GradientAllReducer::Create(test::World(), Options(Case{}, 25, MemorySpace::kDevice),
@@ -349,14 +350,30 @@ TEST(GradientAllReduceCudaTest, RefusesHostPointersAndMeasureError) {
   ASSERT_TRUE(red.ok()) << red.status().ToString();
   std::vector<float> host(layout.total(), 1.0f);
   float* ptrs[1] = {host.data()};
-  Status s = red.value()->Reduce(ptrs, host.data(), 0);
+  const Status s = red.value()->Reduce(ptrs, host.data(), 0);
   EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << s.ToString();
   EXPECT_NE(s.message().find("not device memory"), std::string::npos) << s.ToString();
-  DeviceFloats d(host);
-  float* dptrs[1] = {d.data()};
-  s = red.value()->Reduce(dptrs, d.data(), 0, /*measure_error=*/true);
-  EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << s.ToString();
-  EXPECT_NE(s.message().find("measure_error"), std::string::npos) << s.ToString();
+}
+
+// measure_error: the float32 reference reduce-scattered through the same transport and the
+// errors summed as the host path sums them, so rel_error has the host path's bits too.
+TEST(GradientAllReduceCudaTest, MeasuredErrorMatchesHostReducer) {
+  SKIP_WITHOUT_GPU();
+  const GradientLayout layout = MakeLayout(kSizes);
+  for (const Case& c : {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
+                        Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
+                        Case{AllReduceAlgo::kEmulate, "e3m0", Rounding::kNearest, true, true}}) {
+    for (int k : {1, 3}) {
+      const auto x = LocalInputs(layout, 15, test::World()->rank(), k);
+      const Outcome host = RunHost(test::World(), Options(c, kSmallBuckets, MemorySpace::kHost),
+                                   layout, x, 6, /*measure=*/true);
+      const Outcome dev =
+          RunDevice(test::World(), Options(c, kSmallBuckets, MemorySpace::kDevice), layout, x, 6,
+                    /*alias=*/false, /*measure=*/true);
+      for (const LayerCommStats& st : dev.stats) EXPECT_GE(st.rel_error, 0.0) << Name(c, k);
+      ExpectSame(host, dev, Name(c, k) + " with measure_error");
+    }
+  }
 }
 
 #if CPD_WITH_NCCL

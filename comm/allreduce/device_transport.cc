@@ -92,12 +92,15 @@ class DirectTransport final : public DeviceTransport {
 // A host-memory communicator (MPI, Self) gets pinned copies: the payload is copied down, the
 // collective runs between the pinned buffers, and the result is queued for upload. The upload
 // of one call and the download of the next are on the same stream, so `out_` is free again
-// when the next call has waited for its download.
+// when the next call has waited for its download. At world size 1 every payload collective is
+// a copy (or nothing), made on the device: nothing crosses PCIe.
 class StagedTransport final : public DeviceTransport {
  public:
-  StagedTransport(Communicator* comm, cudaStream_t stream) : comm_(comm), stream_(stream) {}
+  StagedTransport(Communicator* comm, cudaStream_t stream)
+      : comm_(comm), stream_(stream), alone_(comm->size() == 1) {}
 
   Status Allocate(const TransportSizes& sizes) {
+    if (alone_) return Status::Ok();  // nothing is staged
     CPD_RETURN_IF_ERROR(in_.Allocate(sizes.bytes));
     return out_.Allocate(sizes.bytes);
   }
@@ -107,17 +110,20 @@ class StagedTransport final : public DeviceTransport {
   Status AllToAllBytes(const std::uint8_t* d_in, std::uint8_t* d_out,
                        std::size_t block_bytes) override {
     const std::size_t all = block_bytes * std::size_t(comm_->size());
+    if (alone_) return CopyOnDevice(d_in, d_out, all);
     CPD_RETURN_IF_ERROR(Download(d_in, all));
     CPD_RETURN_IF_ERROR(comm_->AllToAllBytes(in_.data(), out_.data(), block_bytes));
     return Upload(d_out, all);
   }
   Status AllGatherBytes(const std::uint8_t* d_in, std::uint8_t* d_out,
                         std::size_t block_bytes) override {
+    if (alone_) return CopyOnDevice(d_in, d_out, block_bytes);
     CPD_RETURN_IF_ERROR(Download(d_in, block_bytes));
     CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(in_.data(), out_.data(), block_bytes));
     return Upload(d_out, block_bytes * std::size_t(comm_->size()));
   }
   Status AllReduceSum(float* d_data, std::size_t count) override {
+    if (alone_) return Status::Ok();  // the sum of one rank's values is those values
     const std::size_t bytes = count * sizeof(float);
     CPD_RETURN_IF_ERROR(Download(d_data, bytes));
     // In place in the download buffer; the upload comes from it.
@@ -126,13 +132,14 @@ class StagedTransport final : public DeviceTransport {
     return Upload(d_data, bytes, in_.data());
   }
   Status ReduceScatterSum(const float* d_in, float* d_out, std::size_t count) override {
+    if (alone_) return CopyOnDevice(d_in, d_out, count * sizeof(float));
     CPD_RETURN_IF_ERROR(Download(d_in, count * sizeof(float)));
     CPD_RETURN_IF_ERROR(comm_->ReduceScatter(reinterpret_cast<const float*>(in_.data()),
                                              reinterpret_cast<float*>(out_.data()), count));
     return Upload(d_out, count / std::size_t(comm_->size()) * sizeof(float));
   }
   Status Reserve(std::size_t bytes) override {
-    if (bytes <= in_.count()) return Status::Ok();
+    if (alone_ || bytes <= in_.count()) return Status::Ok();
     // The previous upload from out_ may still be queued.
     CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
     CPD_RETURN_IF_ERROR(in_.Allocate(bytes));
@@ -156,6 +163,12 @@ class StagedTransport final : public DeviceTransport {
                                    " bytes exceeds the " + std::to_string(in_.count()) +
                                    "-byte staging buffers");
   }
+  Status CopyOnDevice(const void* d_src, void* d_dst, std::size_t bytes) {
+    if (bytes > 0) {
+      CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_dst, d_src, bytes, cudaMemcpyDeviceToDevice, stream_));
+    }
+    return Status::Ok();
+  }
   // d_src[0, bytes) -> in_, waited for (with everything queued before it).
   Status Download(const void* d_src, std::size_t bytes) {
     CPD_RETURN_IF_ERROR(CheckFits(bytes));
@@ -176,6 +189,7 @@ class StagedTransport final : public DeviceTransport {
 
   Communicator* comm_;
   cudaStream_t stream_;
+  const bool alone_;
   PinnedArray<std::uint8_t> in_, out_;
 };
 

@@ -3,8 +3,9 @@
 // the small per-layer all-reduces) on device buffers, over either kind of communicator:
 //   direct  a device-memory communicator (NcclCommunicator) gets the device buffers;
 //   staged  a host-memory communicator (MPI, Self) gets copies in pinned host memory: only the
-//           payload's bytes cross PCIe, one copy each way.
-// Every call first waits for the work queued on the reducer's stream (the communicators are
+//           payload's bytes cross PCIe, one copy each way (at world size 1, none: the
+//           collectives are copies on the device).
+// A collective first waits for the work queued on the reducer's stream (the communicators are
 // blocking and run on their own streams or on the host); a payload result is in device memory
 // in stream order when the call returns (its upload may still be queued). Only in a CUDA build.
 // Internal to comm/.

@@ -5,11 +5,14 @@
 // e4m3, e5m2, e3m0, e2m1, fp16, bf16; nearest, stochastic and toward-zero rounding; APS on and off;
 // K = 1 and 3 local replicas; layers of 0, 1, odd and large sizes cut by small buckets; NaN/Inf on
 // one rank. Transports: the world communicator under mpirun (MPI, staged through pinned memory;
-// world size 1 also through SelfCommunicator) and NcclCommunicator where every rank has its own
-// GPU. Every test that needs a GPU skips without one (on every rank alike: they share the machine).
+// world size 1 also through SelfCommunicator, where the collectives are device copies), a
+// mirrored world of 2 and 3 ranks in one process (staged: what a GPU machine without MPI can run)
+// and NcclCommunicator where every rank has its own GPU. Every test that needs a GPU skips without
+// one (on every rank alike: they share the machine).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -283,6 +286,97 @@ TEST(GradientAllReduceCudaTest, OnAStreamOfItsOwnWithTheOutputAliasingTheInput) 
     ExpectSame(host, dev, Name(c, 1) + " on a stream, output = inputs[0]");
   }
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// Rank 0 of a world of `size` ranks that all hold this process's inputs: every collective
+// returns what it would if the other ranks were copies of this one. Not a world a run can have
+// (their stochastic roundings would differ), but a host communicator of size > 1 in one process:
+// both reducers over it must agree, and the device one stages its payloads through pinned
+// memory at chunk offsets of several ranks, which a GPU machine without MPI can test no other way.
+class MirrorCommunicator final : public Communicator {
+ public:
+  explicit MirrorCommunicator(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+
+  Status AllReduce(float* data, std::size_t count, ReduceOp op) override {
+    return Reduce(data, count, op);
+  }
+  Status AllReduce(std::int32_t* data, std::size_t count, ReduceOp op) override {
+    return Reduce(data, count, op);
+  }
+  Status AllReduce(std::uint64_t* data, std::size_t count, ReduceOp op) override {
+    return Reduce(data, count, op);
+  }
+  Status ReduceScatter(const float* in, float* out, std::size_t count) override {
+    const std::size_t block = count / std::size_t(size_);
+    std::copy(in, in + block, out);  // rank 0's block, from every rank
+    return Reduce(out, block, ReduceOp::kSum);
+  }
+  Status AllGather(const float* in, float* out, std::size_t count) override {
+    return Replicate(in, out, count * sizeof(float));
+  }
+  Status AllToAll(const float* in, float* out, std::size_t block_count) override {
+    return Replicate(in, out, block_count * sizeof(float));  // every rank's block 0
+  }
+  Status Broadcast(float*, std::size_t, int) override { return Status::Ok(); }
+  Status AllToAllBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block) override {
+    return Replicate(in, out, block);
+  }
+  Status AllGatherBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block) override {
+    return Replicate(in, out, block);
+  }
+  Status BroadcastBytes(std::uint8_t*, std::size_t, int) override { return Status::Ok(); }
+  Status Barrier() override { return Status::Ok(); }
+
+ private:
+  // op over `size_` copies of each value, added one by one as a real reduction would.
+  template <typename T>
+  Status Reduce(T* data, std::size_t count, ReduceOp op) {
+    if (op == ReduceOp::kMax) return Status::Ok();
+    for (std::size_t i = 0; i < count; ++i) {
+      T acc = data[i];
+      for (int r = 1; r < size_; ++r) acc += data[i];
+      data[i] = acc;
+    }
+    return Status::Ok();
+  }
+  // out holds `size_` copies of in[0, bytes).
+  Status Replicate(const void* in, void* out, std::size_t bytes) {
+    for (int r = 0; r < size_; ++r) {
+      if (bytes > 0)
+        std::memcpy(static_cast<std::uint8_t*>(out) + std::size_t(r) * bytes, in, bytes);
+    }
+    return Status::Ok();
+  }
+  int size_;
+};
+
+TEST(GradientAllReduceCudaTest, StagedTransportOverAMirroredWorldMatchesHostReducer) {
+  SKIP_WITHOUT_GPU();
+  const GradientLayout layout = MakeLayout(kSizes);
+  for (int size : {2, 3}) {
+    MirrorCommunicator mirror(size);
+    for (const Case& c :
+         {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
+          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
+          Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false},
+          Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kNearest, false, true},
+          Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kStochastic, true, false}}) {
+      for (int k : {1, 3}) {
+        const auto x = LocalInputs(layout, 16, 0, k);
+        for (bool measure : {false, true}) {
+          const Outcome host = RunHost(&mirror, Options(c, kSmallBuckets, MemorySpace::kHost),
+                                       layout, x, 8, measure);
+          const Outcome dev = RunDevice(&mirror, Options(c, kSmallBuckets, MemorySpace::kDevice),
+                                        layout, x, 8, /*alias=*/false, measure);
+          ExpectSame(host, dev,
+                     Name(c, k) + " mirrored world of " + std::to_string(size) +
+                         (measure ? " with measure_error" : ""));
+        }
+      }
+    }
+  }
 }
 
 TEST(GradientAllReduceCudaTest, SelfCommunicatorMatchesHostReducer) {

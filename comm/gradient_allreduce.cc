@@ -9,7 +9,6 @@
 #include <cmath>
 #include <utility>
 
-#include "comm/allreduce/codes.h"
 #include "comm/allreduce/device.h"
 #include "comm/allreduce/internal.h"
 #include "comm/allreduce/plan.h"
@@ -181,12 +180,7 @@ Status GradientAllReduceOptions::Validate() const {
   return Status::Ok();
 }
 
-bool DeviceGradientsSupported(const GradientAllReduceOptions& opts) {
-  if (!CPD_WITH_CUDA) return false;
-  if (opts.algo == AllReduceAlgo::kFp32) return true;
-  Result<Format> f = Format::Parse(opts.format);
-  return f.ok() && internal::CodeTransport::Supports(f.value());
-}
+bool DeviceGradientsSupported() { return CPD_WITH_CUDA; }
 
 int ApsShift(float max_abs, int workers, int emax) {
   if (!(max_abs > 0.0f) || !std::isfinite(max_abs) || workers < 1) return 0;
@@ -241,10 +235,8 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   setup.threads = opts.threads > 0 ? opts.threads : std::max(1, omp_get_max_threads());
   setup.emax = fp32 ? 0 : ApsEmax(setup.format);
   setup.round_mode = ToRoundMode(opts.rounding);
-  if (opts.gradients == MemorySpace::kDevice) {
-    CPD_RETURN_IF_ERROR(internal::CheckDeviceSupport(setup));
+  if (opts.gradients == MemorySpace::kDevice)
     return internal::CreateDeviceReducer(std::move(setup));
-  }
   auto reducer = std::make_unique<Reducer>(std::move(setup));
   CPD_RETURN_IF_ERROR(reducer->Init());
   return std::unique_ptr<GradientAllReducer>(std::move(reducer));

@@ -59,13 +59,14 @@
 // the same plan, streams, statistics and bytes sent, with the element loops as CUDA kernels
 // (comm/reduce_kernels_cuda.h) and the payload collectives on device buffers, over any
 // communicator: a device-memory one (NcclCommunicator) directly, a host-memory one (MPI, Self)
-// with the payload staged through pinned host memory. Only packed codes cross PCIe for emulate
-// and packed (fp32 stages its float32 buckets; measure_error copies its float32 reference and
-// this rank's chunks of the result). Every result is bit for bit the host path's with the same
-// communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Supported: fp32, and
-// emulate / packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, bf16,
-// ...); Create gives InvalidArgument for other formats (scaled ones: keep host gradients).
-// Reduce() returns once the sum is complete on options.cuda_stream. The per-layer max|g|
+// with the payload staged through pinned host memory. Only the payload crosses PCIe: packed codes
+// (fp32 stages its float32 buckets, emulate with formats other than fixed float grids of <= 16
+// bits its quantised float32 values, as on the wire; measure_error copies its float32 reference
+// and this rank's chunks of the result). Every result is bit for bit the host path's with the
+// same communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Formats other
+// than fixed float grids of <= 16 bits (int, uint:minmax, MX, bfp, fp134, log, binades) are
+// encoded per segment with cpd::EncodeCuda / QuantizeCuda, whose statistics wait for the stream
+// (a synchronisation per segment and replica). Reduce() returns once the sum is complete on options.cuda_stream. The per-layer max|g|
 // all-reduce runs on host values (one small copy and one stream synchronisation per step); each
 // payload collective waits for the stream.
 #pragma once
@@ -117,10 +118,9 @@ struct GradientLayout {
   size_t layers() const { return layer_names.size(); }
 };
 
-// Whether Create accepts gradients in device memory with these options (apart from the layout
-// and the communicator): a CUDA build, and fp32, or emulate / packed with a fixed float grid of
-// <= 16 bits.
-bool DeviceGradientsSupported(const GradientAllReduceOptions& opts);
+// Whether Create accepts gradients in device memory: in a CUDA build (for every algorithm and
+// format).
+bool DeviceGradientsSupported();
 
 // One fusion bucket: the flat range [begin, end) and the chunk each rank owns in it.
 struct GradientBucket {

@@ -17,21 +17,11 @@
 #include "comm/allreduce/plan.h"
 #include "comm/allreduce/streams.h"
 #include "comm/reduce_kernels_cuda.h"
+#include "cpd/quantize_cuda.h"
+#include "kernels/grid.h"
 #endif
 
 namespace cpd::comm::internal {
-
-Status CheckDeviceSupport(const ReducerSetup& setup) {
-  if (setup.options.algo == AllReduceAlgo::kFp32 || CodeTransport::Supports(setup.format)) {
-    return Status::Ok();
-  }
-  return Status::InvalidArgument(
-      std::string("GradientAllReducer: gradients in device memory support fp32 and emulate / "
-                  "packed with a fixed float grid of <= 16 bits (e4m3, e5m2, e3m0, e2m1, fp16, "
-                  "bf16, ...); gradient format '") +
-      setup.options.format + "' for all-reduce " + AllReduceAlgoName(setup.options.algo) +
-      " needs host gradients");
-}
 
 #if !CPD_WITH_CUDA
 
@@ -50,7 +40,7 @@ class DeviceReducer final : public GradientAllReducer {
       : setup_(std::move(setup)),
         plan_(setup_.layout, setup_.world_size, setup_.options.bucket_mb, kPiece),
         stream_(static_cast<cudaStream_t>(setup_.options.cuda_stream)),
-        quantised_(setup_.options.algo != AllReduceAlgo::kFp32),
+        path_(PathFor(setup_)),
         max_abs_(setup_.layers(), 0.0f),
         shifts_(setup_.layers(), 0),
         counts_(3 * setup_.layers(), 0) {
@@ -69,10 +59,28 @@ class DeviceReducer final : public GradientAllReducer {
   const std::vector<GradientBucket>& buckets() const override { return buckets_; }
 
  private:
-  // The all-to-all slot of one contribution's share of a chunk: the host path's
-  // (CodeTransport::SlotBytes), so that the bytes sent are the same.
-  std::size_t SlotBytes(const BucketPlan& b) const {
-    return internal::SlotBytes(PackedCodeBytes(setup_.format, b.max_chunk));
+  // How contributions travel, as on the host: no quantisation (fp32), packed codes of a fixed
+  // float grid (comm/allreduce/codes.h), cpd::Encode'd segments (packed, other formats: packed.cc's
+  // PackedSegments) or quantised float32 values (emulate, other formats: EmulateFloats).
+  enum class Path { kFp32, kCodes, kSegments, kFloats };
+  static Path PathFor(const ReducerSetup& setup) {
+    if (setup.options.algo == AllReduceAlgo::kFp32) return Path::kFp32;
+    if (CodeTransport::Supports(setup.format)) return Path::kCodes;
+    return setup.options.algo == AllReduceAlgo::kPacked ? Path::kSegments : Path::kFloats;
+  }
+  bool quantised() const { return path_ != Path::kFp32; }
+  // The all-to-all slot of one contribution's share of bucket `index`'s chunks: the host path's,
+  // so that the bytes sent are the same.
+  std::size_t SlotBytes(std::size_t index) const {
+    const BucketPlan& b = plan_.buckets()[index];
+    switch (path_) {
+      case Path::kCodes:
+        return internal::SlotBytes(PackedCodeBytes(setup_.format, b.max_chunk));
+      case Path::kSegments:
+        return segment_slots_[index].bytes;
+      default:
+        return FloatSlotElems(b) * sizeof(float);
+    }
   }
   DeviceLayers Layers() const {
     return DeviceLayers{d_offsets_.data(), d_shifts_.data(), int(setup_.layers())};
@@ -86,15 +94,38 @@ class DeviceReducer final : public GradientAllReducer {
   Status StartMeasuring();
   Status ReduceReference(const BucketPlan& b, const float* const* src, int count);
   Status AccumulateError(const BucketPlan& b, const float* output);
-  Status ReduceBucket(const BucketPlan& b, float* const* inputs, float* output, std::int64_t step);
-  Status SumOwnChunk(const BucketPlan& b, std::int64_t step);
+  Status ReduceBucket(std::size_t index, float* const* inputs, float* output, std::int64_t step);
+  // Fixed float grids: the stages of comm/allreduce/codes.h with the fused kernels.
+  Status ReduceBucketCodes(std::size_t index, float* const* inputs, float* output,
+                           std::int64_t step);
+  Status SumOwnChunk(const BucketPlan& b, std::size_t slot, std::int64_t step);
+  // Other formats: packed.cc's PackedSegments and emulate.cc's EmulateFloats, stage by stage,
+  // with cpd::EncodeCuda / DecodeCuda / QuantizeCuda per segment (their statistics wait for the
+  // stream) and CombineCuda for the float32 arithmetic between roundings.
+  Status ReduceBucketSegments(std::size_t index, float* const* inputs, float* output,
+                              std::int64_t step);
+  Status ReduceBucketFloats(std::size_t index, float* const* inputs, float* output,
+                            std::int64_t step);
+  Status AddRounded(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
+                    std::int64_t step);
+  Status AddKahan(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
+                  std::int64_t step);
+  // A packed segment of the format at `bytes` (device memory).
+  PackedTensorCuda SegmentAt(const Segment& s, std::uint8_t* bytes) const;
+  // StepContext::ApplyShift / Unshift on the device.
+  Status ApplyShift(const BucketPlan& b, float* const* inputs);
+  Status Unshift(const Segment& s, float* output);
+  void AddQuantStats(int layer, const QuantStats& qs) {
+    counts_[3 * std::size_t(layer)] += qs.flushed;
+    counts_[3 * std::size_t(layer) + 1] += qs.saturated;
+  }
   // Quantised algorithms: the flushed / saturated counters of every rank into stats_.
   Status FinishStats();
 
   const ReducerSetup setup_;
   const AllReducePlan plan_;
   const cudaStream_t stream_;
-  const bool quantised_;
+  const Path path_;
   int device_ = 0;
   std::unique_ptr<DeviceTransport> transport_;
 
@@ -108,6 +139,10 @@ class DeviceReducer final : public GradientAllReducer {
   PinnedArray<std::int32_t> h_shifts_;
   // The payload buffers of ExchangeBuffers, in device memory.
   DeviceArray<std::uint8_t> d_send_, d_recv_, d_gather_send_, d_gather_recv_;
+  // kSegments: every bucket's slot layout. kSegments and kFloats: a chunk each of the sum and a
+  // temporary (kFloats: the sum is also the all-gather's send slot); Kahan's c, y, high and t.
+  std::vector<SegmentSlots> segment_slots_;
+  DeviceArray<float> d_sum_, d_tmp_, d_comp_, d_y_, d_high_, d_t_;
 
   // measure_error (allocated on first use): the reference's send buffer (every chunk padded to
   // the longest) and this rank's chunk of it; host copies of it and of the result's chunk; the
@@ -130,15 +165,18 @@ Status DeviceReducer::Init() {
   const std::size_t layers = setup_.layers();
   const std::size_t p = std::size_t(setup_.world_size);
   const std::size_t k = std::size_t(setup_.local_replicas);
-  std::size_t slot = 0, payload = 0;
-  for (const BucketPlan& b : plan_.buckets()) {
-    if (quantised_) {
-      slot = std::max(slot, SlotBytes(b));
+  std::size_t slot = 0, payload = 0, largest_segment = 0;
+  if (path_ == Path::kSegments) {
+    segment_slots_ = LayOutSegmentSlots(setup_, plan_, &largest_segment);
+  }
+  for (std::size_t i = 0; i < plan_.buckets().size(); ++i) {
+    if (quantised()) {
+      slot = std::max(slot, SlotBytes(i));
     } else {
-      payload = std::max(payload, b.size() * sizeof(float));
+      payload = std::max(payload, plan_.buckets()[i].size() * sizeof(float));
     }
   }
-  if (quantised_) {
+  if (quantised()) {
     // The host path's limit, so that both accept the same options.
     CPD_RETURN_IF_ERROR(CheckBlockBytes(setup_, slot));
     CPD_RETURN_IF_ERROR(d_send_.Allocate(p * k * slot));
@@ -149,6 +187,16 @@ Status DeviceReducer::Init() {
       CPD_COMM_CUDA_CHECK(cudaMemset(buf->data(), 0, buf->bytes()));
     }
     payload = p * k * slot;
+  }
+  if (path_ == Path::kSegments || path_ == Path::kFloats) {
+    const std::size_t chunk = plan_.max_chunk();
+    // kFloats gathers from the sum: it spans a slot too.
+    CPD_RETURN_IF_ERROR(d_sum_.Allocate(std::max(chunk, slot / sizeof(float))));
+    CPD_RETURN_IF_ERROR(d_tmp_.Allocate(chunk));
+    if (path_ == Path::kFloats && setup_.options.kahan) {
+      for (auto* buf : {&d_comp_, &d_y_, &d_high_, &d_t_})
+        CPD_RETURN_IF_ERROR(buf->Allocate(chunk));
+    }
   }
   TransportSizes sizes;
   sizes.bytes = payload;
@@ -195,14 +243,15 @@ Status DeviceReducer::Reduce(float* const* inputs, float* output, std::int64_t s
     return Status::Ok();
   }
   if (measure_error) CPD_RETURN_IF_ERROR(StartMeasuring());
-  if (!quantised_) {
+  if (!quantised()) {
     CPD_RETURN_IF_ERROR(ReduceFp32(inputs, output, measure_error));
     CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
   } else {
-    for (const BucketPlan& b : plan_.buckets()) {
-      // The reference first: output may alias inputs[0].
+    for (std::size_t i = 0; i < plan_.buckets().size(); ++i) {
+      const BucketPlan& b = plan_.buckets()[i];
+      // The reference first: the inputs serve as scratch, and output may alias inputs[0].
       if (measure_error) CPD_RETURN_IF_ERROR(ReduceReference(b, inputs, setup_.local_replicas));
-      CPD_RETURN_IF_ERROR(ReduceBucket(b, inputs, output, step));
+      CPD_RETURN_IF_ERROR(ReduceBucket(i, inputs, output, step));
       if (measure_error) CPD_RETURN_IF_ERROR(AccumulateError(b, output));
     }
     CPD_RETURN_IF_ERROR(FinishStats());  // waits for the stream
@@ -319,7 +368,7 @@ Status DeviceReducer::ScanAndShift(float* const* inputs, bool* finite) {
   CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_shifts_.data(), h_shifts_.data(),
                                       layers * sizeof(std::int32_t), cudaMemcpyHostToDevice,
                                       stream_));
-  if (quantised_) {
+  if (path_ == Path::kCodes) {
     CPD_COMM_CUDA_CHECK(
         cudaMemsetAsync(d_counters_.data(), 0, 2 * layers * sizeof(std::uint64_t), stream_));
   }
@@ -349,10 +398,23 @@ Status DeviceReducer::ReduceFp32(float* const* inputs, float* output, bool measu
   return Status::Ok();
 }
 
-// One bucket of emulate / packed, the stages of comm/allreduce/codes.h.
-Status DeviceReducer::ReduceBucket(const BucketPlan& b, float* const* inputs, float* output,
+Status DeviceReducer::ReduceBucket(std::size_t index, float* const* inputs, float* output,
                                    std::int64_t step) {
-  const std::size_t slot = SlotBytes(b);
+  switch (path_) {
+    case Path::kCodes:
+      return ReduceBucketCodes(index, inputs, output, step);
+    case Path::kSegments:
+      return ReduceBucketSegments(index, inputs, output, step);
+    default:
+      return ReduceBucketFloats(index, inputs, output, step);
+  }
+}
+
+// One bucket of emulate / packed with a fixed float grid, the stages of comm/allreduce/codes.h.
+Status DeviceReducer::ReduceBucketCodes(std::size_t index, float* const* inputs, float* output,
+                                        std::int64_t step) {
+  const BucketPlan& b = plan_.buckets()[index];
+  const std::size_t slot = SlotBytes(index);
   const std::size_t block = std::size_t(setup_.local_replicas) * slot;
   const kernels::FloatGrid& g = setup_.format.grid();
   for (int d = 0; d < setup_.world_size; ++d) {
@@ -368,7 +430,7 @@ Status DeviceReducer::ReduceBucket(const BucketPlan& b, float* const* inputs, fl
   }
   CPD_RETURN_IF_ERROR(transport_->AllToAllBytes(d_send_.data(), d_recv_.data(), block));
   bytes_sent_ += SentByExchange(setup_.world_size, block);
-  CPD_RETURN_IF_ERROR(SumOwnChunk(b, step));
+  CPD_RETURN_IF_ERROR(SumOwnChunk(b, slot, step));
   CPD_RETURN_IF_ERROR(
       transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), slot));
   bytes_sent_ += SentByExchange(setup_.world_size, slot);
@@ -383,12 +445,12 @@ Status DeviceReducer::ReduceBucket(const BucketPlan& b, float* const* inputs, fl
 // This rank's chunk from the W contributions (worker w's slot at w * slot after the all-to-all),
 // packed into the all-gather's send slot: PackedCodes::SumAndRequantizeOwnChunk and
 // EmulateCodes::SumOwnChunk on the device.
-Status DeviceReducer::SumOwnChunk(const BucketPlan& b, std::int64_t step) {
+Status DeviceReducer::SumOwnChunk(const BucketPlan& b, std::size_t slot, std::int64_t step) {
   const int rank = setup_.rank, workers = setup_.workers;
   const std::size_t c0 = b.chunk_begin(rank), n = b.chunk_end(rank) - c0;
   ContributionCodes in;
   in.codes = d_recv_.data();
-  in.stride = SlotBytes(b);
+  in.stride = slot;
   in.workers = workers;
   const kernels::FloatGrid& g = setup_.format.grid();
   if (setup_.options.algo == AllReduceAlgo::kPacked) {
@@ -405,17 +467,202 @@ Status DeviceReducer::SumOwnChunk(const BucketPlan& b, std::int64_t step) {
   return SumRoundedCodesCuda(in, n, g, r, d_gather_send_.data(), stream_);
 }
 
+PackedTensorCuda DeviceReducer::SegmentAt(const Segment& s, std::uint8_t* bytes) const {
+  PackedTensorCuda t;
+  t.count = s.size();
+  t.channels = 1;  // a segment is one scale group
+  t.bytes = bytes;
+  t.size = PackedSize(setup_.format, s.size(), 1);
+  return t;
+}
+
+Status DeviceReducer::ApplyShift(const BucketPlan& b, float* const* inputs) {
+  for (int k = 0; k < setup_.local_replicas; ++k) {
+    for (const Segment& s : b.segments) {
+      const int sh = shifts_[std::size_t(s.layer)];
+      if (sh != 0) {
+        CPD_RETURN_IF_ERROR(ScaleCuda(inputs[k] + s.begin, s.size(), kernels::Pow2(sh), stream_));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status DeviceReducer::Unshift(const Segment& s, float* output) {
+  const int sh = shifts_[std::size_t(s.layer)];
+  if (sh == 0) return Status::Ok();
+  return ScaleCuda(output + s.begin, s.size(), kernels::Pow2(-sh), stream_);
+}
+
+// packed, other formats (PackedSegments::ReduceBucket): cpd::Encode per segment with its scale
+// metadata, the W contributions decoded and summed in float32 in worker order, one
+// re-quantisation, decoded and unshifted after the all-gather.
+Status DeviceReducer::ReduceBucketSegments(std::size_t index, float* const* inputs, float* output,
+                                           std::int64_t step) {
+  const BucketPlan& b = plan_.buckets()[index];
+  const SegmentSlots& slots = segment_slots_[index];
+  const std::size_t block = std::size_t(setup_.local_replicas) * slots.bytes;
+  CPD_RETURN_IF_ERROR(ApplyShift(b, inputs));
+  for (int d = 0; d < setup_.world_size; ++d) {
+    for (int k = 0; k < setup_.local_replicas; ++k) {
+      std::uint8_t* dst = d_send_.data() + std::size_t(d) * block + std::size_t(k) * slots.bytes;
+      for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1];
+           ++si) {
+        const Segment& s = b.segments[si];
+        PackedTensorCuda packed = SegmentAt(s, dst + slots.offset[si]);
+        QuantStats qs;
+        CPD_RETURN_IF_ERROR(
+            EncodeCuda(setup_.format, inputs[k] + s.begin, s.size(),
+                       setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin),
+                       &packed, &qs, stream_));
+        AddQuantStats(s.layer, qs);
+      }
+    }
+  }
+  CPD_RETURN_IF_ERROR(transport_->AllToAllBytes(d_send_.data(), d_recv_.data(), block));
+  bytes_sent_ += SentByExchange(setup_.world_size, block);
+
+  const int rank = setup_.rank;
+  const std::size_t c0 = b.chunk_begin(rank);
+  for (std::size_t si = b.seg_start[std::size_t(rank)]; si < b.seg_start[std::size_t(rank) + 1];
+       ++si) {
+    const Segment& s = b.segments[si];
+    float* sum = d_sum_.data() + (s.begin - c0);
+    float* tmp = d_tmp_.data() + (s.begin - c0);
+    for (int w = 0; w < setup_.workers; ++w) {
+      const PackedTensorCuda in =
+          SegmentAt(s, d_recv_.data() + std::size_t(w) * slots.bytes + slots.offset[si]);
+      CPD_RETURN_IF_ERROR(DecodeCuda(setup_.format, in, w == 0 ? sum : tmp, stream_));
+      if (w > 0)
+        CPD_RETURN_IF_ERROR(CombineCuda(sum, tmp, sum, s.size(), ElementOp::kAdd, stream_));
+    }
+    PackedTensorCuda packed = SegmentAt(s, d_gather_send_.data() + slots.offset[si]);
+    CPD_RETURN_IF_ERROR(
+        EncodeCuda(setup_.format, sum, s.size(),
+                   setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin), &packed,
+                   nullptr, stream_));
+  }
+  CPD_RETURN_IF_ERROR(
+      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), slots.bytes));
+  bytes_sent_ += SentByExchange(setup_.world_size, slots.bytes);
+
+  for (int d = 0; d < setup_.world_size; ++d) {
+    std::uint8_t* chunk = d_gather_recv_.data() + std::size_t(d) * slots.bytes;
+    for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1]; ++si) {
+      const Segment& s = b.segments[si];
+      CPD_RETURN_IF_ERROR(DecodeCuda(setup_.format, SegmentAt(s, chunk + slots.offset[si]),
+                                     output + s.begin, stream_));
+      CPD_RETURN_IF_ERROR(Unshift(s, output));
+    }
+  }
+  return Status::Ok();
+}
+
+// emulate, other formats (EmulateFloats::ReduceBucket): every contribution quantised as float32
+// values, the W contributions of each segment summed in worker order with every addition (or
+// Kahan operation) rounded to the format, the chunks all-gathered and unshifted.
+Status DeviceReducer::ReduceBucketFloats(std::size_t index, float* const* inputs, float* output,
+                                         std::int64_t step) {
+  const BucketPlan& b = plan_.buckets()[index];
+  const std::size_t slot = FloatSlotElems(b);
+  const std::size_t block = std::size_t(setup_.local_replicas) * slot;
+  CPD_RETURN_IF_ERROR(ApplyShift(b, inputs));
+  float* send = reinterpret_cast<float*>(d_send_.data());
+  for (int d = 0; d < setup_.world_size; ++d) {
+    for (int k = 0; k < setup_.local_replicas; ++k) {
+      float* dst = send + std::size_t(d) * block + std::size_t(k) * slot;
+      for (const Segment& s : b.segments_of(d)) {
+        QuantStats qs;
+        CPD_RETURN_IF_ERROR(QuantizeCuda(
+            setup_.format, inputs[k] + s.begin, dst + (s.begin - b.chunk_begin(d)), s.size(),
+            setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs, stream_));
+        AddQuantStats(s.layer, qs);
+      }
+    }
+  }
+  CPD_RETURN_IF_ERROR(
+      transport_->AllToAllBytes(d_send_.data(), d_recv_.data(), block * sizeof(float)));
+  bytes_sent_ += SentByExchange(setup_.world_size, block * sizeof(float));
+
+  const float* recv = reinterpret_cast<const float*>(d_recv_.data());
+  const std::size_t c0 = b.chunk_begin(setup_.rank);
+  for (const Segment& s : b.segments_of(setup_.rank)) {
+    const std::size_t rel = s.begin - c0;
+    auto q = [&](int w) { return recv + std::size_t(w) * slot + rel; };
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_sum_.data() + rel, q(0), s.size() * sizeof(float),
+                                        cudaMemcpyDeviceToDevice, stream_));
+    if (setup_.options.kahan) {
+      CPD_COMM_CUDA_CHECK(
+          cudaMemsetAsync(d_comp_.data() + rel, 0, s.size() * sizeof(float), stream_));
+    }
+    for (int w = 1; w < setup_.workers; ++w) {
+      const std::int64_t stage = AdditionStage(setup_.workers, w);
+      CPD_RETURN_IF_ERROR(setup_.options.kahan ? AddKahan(q(w), s, rel, stage, step)
+                                               : AddRounded(q(w), s, rel, stage, step));
+    }
+  }
+  const std::size_t slot_bytes = slot * sizeof(float);
+  CPD_RETURN_IF_ERROR(transport_->AllGatherBytes(
+      reinterpret_cast<const std::uint8_t*>(d_sum_.data()), d_gather_recv_.data(), slot_bytes));
+  bytes_sent_ += SentByExchange(setup_.world_size, slot_bytes);
+
+  const float* gathered = reinterpret_cast<const float*>(d_gather_recv_.data());
+  for (int d = 0; d < setup_.world_size; ++d) {
+    for (const Segment& s : b.segments_of(d)) {
+      const float* src = gathered + std::size_t(d) * slot + (s.begin - b.chunk_begin(d));
+      CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(output + s.begin, src, s.size() * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream_));
+      // The host multiplies by 2^-s even for s = 0; x * 1 is x, NaN included.
+      CPD_RETURN_IF_ERROR(Unshift(s, output));
+    }
+  }
+  return Status::Ok();
+}
+
+// sum = Q(sum + q_w) over segment s (at rel in the chunk): EmulateFloats::AddRounded.
+Status DeviceReducer::AddRounded(const float* qw, const Segment& s, std::size_t rel,
+                                 std::int64_t stage, std::int64_t step) {
+  float* acc = d_sum_.data() + rel;
+  float* tmp = d_tmp_.data() + rel;
+  CPD_RETURN_IF_ERROR(CombineCuda(acc, qw, tmp, s.size(), ElementOp::kAdd, stream_));
+  return QuantizeCuda(setup_.format, tmp, acc, s.size(), setup_.QuantizeAt(stage, step, s.begin),
+                      nullptr, stream_);
+}
+
+// One step of Kahan's compensated sum, every operation rounded: EmulateFloats::AddKahan.
+Status DeviceReducer::AddKahan(const float* qw, const Segment& s, std::size_t rel,
+                               std::int64_t stage, std::int64_t step) {
+  const std::size_t n = s.size();
+  float *acc = d_sum_.data() + rel, *tmp = d_tmp_.data() + rel, *c = d_comp_.data() + rel,
+        *y = d_y_.data() + rel, *high = d_high_.data() + rel, *t = d_t_.data() + rel;
+  auto round = [&](float* out, int op) {
+    return QuantizeCuda(setup_.format, tmp, out, n, setup_.QuantizeAt(stage + op, step, s.begin),
+                        nullptr, stream_);
+  };
+  CPD_RETURN_IF_ERROR(CombineCuda(qw, c, tmp, n, ElementOp::kSubtract, stream_));
+  CPD_RETURN_IF_ERROR(round(y, kKahanY));
+  CPD_RETURN_IF_ERROR(CombineCuda(acc, y, tmp, n, ElementOp::kAdd, stream_));
+  CPD_RETURN_IF_ERROR(round(t, kKahanT));
+  CPD_RETURN_IF_ERROR(CombineCuda(t, acc, tmp, n, ElementOp::kSubtract, stream_));
+  CPD_RETURN_IF_ERROR(round(high, kKahanHigh));
+  CPD_RETURN_IF_ERROR(CombineCuda(high, y, tmp, n, ElementOp::kSubtract, stream_));
+  CPD_RETURN_IF_ERROR(round(c, kKahanC));
+  CPD_COMM_CUDA_CHECK(
+      cudaMemcpyAsync(acc, t, n * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+  return Status::Ok();
+}
+
 Status DeviceReducer::FinishStats() {
   const std::size_t layers = setup_.layers();
-  if (layers > 0) {
+  if (path_ == Path::kCodes && layers > 0) {
     CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(h_counters_.data(), d_counters_.data(),
                                         2 * layers * sizeof(std::uint64_t), cudaMemcpyDeviceToHost,
                                         stream_));
   }
   CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (std::size_t l = 0; l < layers; ++l) {
-    counts_[3 * l] = h_counters_.data()[2 * l];
-    counts_[3 * l + 1] = h_counters_.data()[2 * l + 1];
+  for (std::size_t l = 0; path_ == Path::kCodes && l < layers; ++l) {
+    counts_[3 * l] += h_counters_.data()[2 * l];
+    counts_[3 * l + 1] += h_counters_.data()[2 * l + 1];
   }
   CPD_RETURN_IF_ERROR(transport_->AllReduceHost(counts_.data(), counts_.size(), ReduceOp::kSum));
   SetCountFractions(setup_, counts_, &stats_);

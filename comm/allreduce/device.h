@@ -4,7 +4,9 @@
 // a DeviceTransport (comm/allreduce/device_transport.h). A bucket's stages mirror
 // comm/allreduce/codes.h: encode the contributions (shift, round, pack), all-to-all, sum this
 // rank's chunk (packed: decode + float32 sum + one rounding; emulate: rounded after every
-// addition, or Kahan) and pack it, all-gather, decode and unshift. Internal to comm/.
+// addition, or Kahan) and pack it, all-gather, decode and unshift. Formats other than fixed float
+// grids of <= 16 bits take the host path's other stages (packed.cc's PackedSegments, emulate.cc's
+// EmulateFloats) with cpd::EncodeCuda / DecodeCuda / QuantizeCuda per segment. Internal to comm/.
 #pragma once
 
 #include <memory>
@@ -14,10 +16,6 @@
 #include "cpd/status.h"
 
 namespace cpd::comm::internal {
-
-// Ok when the device path implements setup's algorithm and format (fp32, or a fixed float grid
-// of <= 16 bits); else InvalidArgument naming the format and what is supported.
-Status CheckDeviceSupport(const ReducerSetup& setup);
 
 // The reducer for device gradients: Unavailable in a build without CUDA; else allocates its
 // device buffers and transport on the current device.

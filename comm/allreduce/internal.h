@@ -212,4 +212,20 @@ inline std::uint64_t SentByAllReduce(int p, std::size_t bytes) {
 // The slot of a chunk's worth of payload starts on a cache line.
 inline std::size_t SlotBytes(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
 
+// The transport layout of a bucket whose contributions travel as cpd::Encode'd segments (packed
+// with formats other than fixed float grids): one contribution's slot holds its chunk's segments
+// packed one after the other (offset[i] for the bucket's segment i), padded to the longest
+// chunk's and to a cache line.
+struct SegmentSlots {
+  std::size_t bytes = 0;
+  std::vector<std::size_t> offset;
+};
+// Every bucket's layout; *largest_segment receives the bytes of the largest packed segment.
+std::vector<SegmentSlots> LayOutSegmentSlots(const ReducerSetup& setup, const AllReducePlan& plan,
+                                             std::size_t* largest_segment);
+// Elements per slot of emulate's float32 contributions (formats other than fixed float grids).
+inline std::size_t FloatSlotElems(const BucketPlan& b) {
+  return SlotBytes(b.max_chunk * sizeof(float)) / sizeof(float);
+}
+
 }  // namespace cpd::comm::internal

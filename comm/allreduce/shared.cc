@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "comm/allreduce/internal.h"
 #include "comm/reduce_kernels.h"
@@ -304,6 +305,30 @@ bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_a
     (*shifts)[l] = aps ? ApsShift(max_abs[l], setup.workers, setup.emax) : 0;
   }
   return finite;
+}
+
+// ---- SegmentSlots -------------------------------------------------------------------------------
+
+std::vector<SegmentSlots> LayOutSegmentSlots(const ReducerSetup& setup, const AllReducePlan& plan,
+                                             std::size_t* largest_segment) {
+  std::vector<SegmentSlots> all;
+  *largest_segment = 0;
+  for (const BucketPlan& b : plan.buckets()) {
+    SegmentSlots slots;
+    for (int d = 0; d < setup.world_size; ++d) {
+      std::size_t offset = 0;
+      for (const Segment& s : b.segments_of(d)) {
+        const std::size_t bytes = PackedSize(setup.format, s.size(), 1);
+        slots.offset.push_back(offset);
+        offset += bytes;
+        *largest_segment = std::max(*largest_segment, bytes);
+      }
+      slots.bytes = std::max(slots.bytes, offset);
+    }
+    slots.bytes = SlotBytes(slots.bytes);
+    all.push_back(std::move(slots));
+  }
+  return all;
 }
 
 // ---- BucketAlgorithm ----------------------------------------------------------------------------

@@ -357,7 +357,7 @@ Status Trainer::BuildReducer() {
   allreduce_.seed = kernels::SplitMix64(o_.seed ^ 0xA11u);
   allreduce_.threads = threads_;
   const bool device_gradients =
-      device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported(allreduce_);
+      device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported();
   allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
   CPD_ASSIGN_OR_RETURN(comm::Communicator * reduce_comm, AllReduceCommunicator(device_gradients));
   CPD_ASSIGN_OR_RETURN(
@@ -394,10 +394,7 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients
     if (!want) return comm_;
     return Status::InvalidArgument(
         std::string("--comm nccl needs ") +
-        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)"
-                        : "gradients on a GPU on every rank: --device cuda and an "
-                          "--allreduce-format of at most 16 bits on a float grid (or --allreduce "
-                          "fp32)") +
+        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)" : "--device cuda on every rank") +
         "; use --comm auto");
   }
   if (!want && comm_->size() == 1) return comm_;

@@ -87,9 +87,8 @@ struct TrainOptions {
   // Gradient all-reduce (see comm/gradient_allreduce.h).
   comm::GradientAllReduceOptions allreduce;
   AllReduceComm allreduce_comm = AllReduceComm::kAuto;
-  // On a GPU the all-reducer takes the gradients in device memory wherever it supports the
-  // options (fp32 and fixed float grids of <= 16 bits), so that they stay on the GPU from
-  // backward to the optimiser; false stages them through the host (the results are the same
+  // On a GPU the all-reducer takes the gradients in device memory, so that they stay on the GPU
+  // from backward to the optimiser; false stages them through the host (the results are the same
   // bits either way).
   bool device_gradients = true;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)

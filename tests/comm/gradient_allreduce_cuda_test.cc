@@ -2,7 +2,8 @@
 // comm/allreduce/device.h) against the host reducer on the same inputs, bit for bit: the sum, the
 // non-finite flag, every layer's shift, max|g|, flushed and saturated fractions, and the bytes
 // sent, and with measure_error the relative error. fp32, packed and emulate (plain and Kahan);
-// e4m3, e5m2, e3m0, e2m1, fp16, bf16; nearest, stochastic and toward-zero rounding; APS on and off;
+// e4m3, e5m2, e3m0, e2m1, fp16, bf16 (fused kernels) and int8, int4, uint4:minmax, mxfp8, mxfp4,
+// bfp8:16, fp134, log4 (per segment); nearest, stochastic and toward-zero rounding; APS on and off;
 // K = 1 and 3 local replicas; layers of 0, 1, odd and large sizes cut by small buckets; NaN/Inf on
 // one rank. Transports: the world communicator under mpirun (MPI, staged through pinned memory;
 // world size 1 also through SelfCommunicator, where the collectives are device copies), a
@@ -243,6 +244,16 @@ std::vector<Case> AllCases() {
   }
   cases.push_back({AllReduceAlgo::kPacked, "e4m3", Rounding::kZero, true, false});
   cases.push_back({AllReduceAlgo::kEmulate, "e5m2", Rounding::kZero, false, true});
+  // Formats that travel as cpd::Encode'd segments (packed) or quantised float32 (emulate).
+  for (AllReduceAlgo algo : {AllReduceAlgo::kPacked, AllReduceAlgo::kEmulate}) {
+    for (const char* f : {"int8", "uint4:minmax", "mxfp8", "mxfp4", "bfp8:16", "fp134", "log4"}) {
+      for (Rounding r : {Rounding::kNearest, Rounding::kStochastic}) {
+        cases.push_back({algo, f, r, true, false});
+      }
+    }
+  }
+  cases.push_back({AllReduceAlgo::kEmulate, "int8", Rounding::kStochastic, true, true});
+  cases.push_back({AllReduceAlgo::kPacked, "int4", Rounding::kNearest, false, false});
   return cases;
 }
 
@@ -357,12 +368,13 @@ TEST(GradientAllReduceCudaTest, StagedTransportOverAMirroredWorldMatchesHostRedu
   const GradientLayout layout = MakeLayout(kSizes);
   for (int size : {2, 3}) {
     MirrorCommunicator mirror(size);
-    for (const Case& c :
-         {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
-          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
-          Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false},
-          Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kNearest, false, true},
-          Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kStochastic, true, false}}) {
+    for (const Case& c : {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
+                          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
+                          Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false},
+                          Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kNearest, false, true},
+                          Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kStochastic, true, false},
+                          Case{AllReduceAlgo::kPacked, "mxfp8", Rounding::kStochastic, true, false},
+                          Case{AllReduceAlgo::kEmulate, "int8", Rounding::kNearest, true, true}}) {
       for (int k : {1, 3}) {
         const auto x = LocalInputs(layout, 16, 0, k);
         for (bool measure : {false, true}) {

@@ -66,9 +66,9 @@
 // same communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Formats other
 // than fixed float grids of <= 16 bits (int, uint:minmax, MX, bfp, fp134, log, binades) are
 // encoded per segment with cpd::EncodeCuda / QuantizeCuda, whose statistics wait for the stream
-// (a synchronisation per segment and replica). Reduce() returns once the sum is complete on options.cuda_stream. The per-layer max|g|
-// all-reduce runs on host values (one small copy and one stream synchronisation per step); each
-// payload collective waits for the stream.
+// (a synchronisation per segment and replica). Reduce() returns once the sum is complete on
+// options.cuda_stream. The per-layer max|g| all-reduce runs on host values (one small copy and one
+// stream synchronisation per step); each payload collective waits for the stream.
 #pragma once
 
 #include <cstddef>

@@ -9,8 +9,10 @@
 #include <cmath>
 #include <utility>
 
+#include "comm/allreduce/device.h"
 #include "comm/allreduce/internal.h"
 #include "comm/allreduce/plan.h"
+#include "cpd/config.h"
 #include "kernels/grid.h"
 
 namespace cpd::comm {
@@ -73,7 +75,6 @@ class Reducer final : public GradientAllReducer {
   const std::vector<GradientBucket>& buckets() const override { return buckets_; }
 
  private:
-  Status CheckBuffers(float* const* inputs, const float* output) const;
   void BeginStep();
 
   const ReducerSetup setup_;
@@ -87,7 +88,7 @@ class Reducer final : public GradientAllReducer {
 };
 
 Status Reducer::Reduce(float* const* inputs, float* output, int64_t step, bool measure_error) {
-  CPD_RETURN_IF_ERROR(CheckBuffers(inputs, output));
+  CPD_RETURN_IF_ERROR(internal::CheckReduceBuffers(setup_, inputs, output));
   BeginStep();
   bool finite = true;
   CPD_RETURN_IF_ERROR(scan_.ScanAndShift(inputs, &context_, &finite));
@@ -103,30 +104,10 @@ Status Reducer::Reduce(float* const* inputs, float* output, int64_t step, bool m
   return context_.stats.Finish(measure_error, &stats_);
 }
 
-Status Reducer::CheckBuffers(float* const* inputs, const float* output) const {
-  if (setup_.layout.total() == 0) return Status::Ok();
-  const std::string where = "GradientAllReducer::Reduce on rank " + std::to_string(setup_.rank);
-  if (inputs == nullptr || output == nullptr) {
-    return Status::InvalidArgument(where + ": null inputs or output");
-  }
-  for (int k = 0; k < setup_.local_replicas; ++k) {
-    if (inputs[k] == nullptr) {
-      return Status::InvalidArgument(where + ": inputs[" + std::to_string(k) + "] is null");
-    }
-  }
-  return Status::Ok();
-}
-
 void Reducer::BeginStep() {
   nonfinite_ = false;
   context_.Reset();
-  for (LayerCommStats& s : stats_) {
-    s.shift = 0;
-    s.max_abs = 0;
-    s.flushed = 0;
-    s.saturated = 0;
-    s.rel_error = -1;
-  }
+  internal::ResetLayerStats(&stats_);
 }
 
 // InvalidArgument unless offsets are layers() + 1 non-decreasing values from 0 (or both empty).
@@ -199,6 +180,8 @@ Status GradientAllReduceOptions::Validate() const {
   return Status::Ok();
 }
 
+bool DeviceGradientsSupported() { return CPD_WITH_CUDA; }
+
 int ApsShift(float max_abs, int workers, int emax) {
   if (!(max_abs > 0.0f) || !std::isfinite(max_abs) || workers < 1) return 0;
   // max_abs * workers is exact in double (24-bit significand times an int below 2^29).
@@ -228,10 +211,10 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   if (comm == nullptr) {
     return Status::InvalidArgument("GradientAllReducer: null communicator");
   }
-  if (comm->memory() != MemorySpace::kHost) {
+  if (comm->memory() != MemorySpace::kHost && opts.gradients != MemorySpace::kDevice) {
     return Status::InvalidArgument(
-        "GradientAllReducer: the communicator works on device memory; the reducer needs a "
-        "host-memory one (SelfCommunicator or MpiCommunicator)");
+        "GradientAllReducer: the communicator works on device memory; host gradients need a "
+        "host-memory one (SelfCommunicator or MpiCommunicator), or set gradients = kDevice");
   }
   CPD_RETURN_IF_ERROR(opts.Validate());
   if (local_replicas < 1) {
@@ -252,6 +235,8 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   setup.threads = opts.threads > 0 ? opts.threads : std::max(1, omp_get_max_threads());
   setup.emax = fp32 ? 0 : ApsEmax(setup.format);
   setup.round_mode = ToRoundMode(opts.rounding);
+  if (opts.gradients == MemorySpace::kDevice)
+    return internal::CreateDeviceReducer(std::move(setup));
   auto reducer = std::make_unique<Reducer>(std::move(setup));
   CPD_RETURN_IF_ERROR(reducer->Init());
   return std::unique_ptr<GradientAllReducer>(std::move(reducer));

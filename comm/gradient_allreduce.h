@@ -54,6 +54,21 @@
 // - last_bytes_sent() counts what a bandwidth-optimal implementation of each payload collective
 //   sends from this rank: all-to-all (P-1) blocks, all-gather (P-1) blocks, all-reduce
 //   2(P-1)/P of the buffer. The per-step max/statistics collectives (O(layers)) are not counted.
+//
+// Gradients in device memory (options.gradients = kDevice, CUDA builds; comm/allreduce/device.h):
+// the same plan, streams, statistics and bytes sent, with the element loops as CUDA kernels
+// (comm/reduce_kernels_cuda.h) and the payload collectives on device buffers, over any
+// communicator: a device-memory one (NcclCommunicator) directly, a host-memory one (MPI, Self)
+// with the payload staged through pinned host memory. Only the payload crosses PCIe: packed codes
+// (fp32 stages its float32 buckets, emulate with formats other than fixed float grids of <= 16
+// bits its quantised float32 values, as on the wire; measure_error copies its float32 reference
+// and this rank's chunks of the result). Every result is bit for bit the host path's with the
+// same communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Formats other
+// than fixed float grids of <= 16 bits (int, uint:minmax, MX, bfp, fp134, log, binades) are
+// encoded per segment with cpd::EncodeCuda / QuantizeCuda, whose statistics wait for the stream
+// (a synchronisation per segment and replica). Reduce() returns once the sum is complete on
+// options.cuda_stream. The per-layer max|g| all-reduce runs on host values (one small copy and one
+// stream synchronisation per step); each payload collective waits for the stream.
 #pragma once
 
 #include <cstddef>
@@ -85,6 +100,13 @@ struct GradientAllReduceOptions {
   double bucket_mb = 25;  // > 0
   uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)
   int threads = 0;        // quantisation threads; 0 = all cores
+  // Where Reduce()'s inputs and output live. kDevice (CUDA builds only): device pointers of the
+  // current CUDA device; the plan, the rounding streams and the bits of the result are the host
+  // path's, see "Gradients in device memory" above.
+  MemorySpace gradients = MemorySpace::kHost;
+  // kDevice only: the cudaStream_t that produces the gradients and consumes the sum (nullptr =
+  // the legacy default stream). Reduce() orders its work after what is queued on it.
+  void* cuda_stream = nullptr;
   Status Validate() const;
 };
 
@@ -95,6 +117,10 @@ struct GradientLayout {
   size_t total() const { return offsets.empty() ? 0 : offsets.back(); }
   size_t layers() const { return layer_names.size(); }
 };
+
+// Whether Create accepts gradients in device memory: in a CUDA build (for every algorithm and
+// format).
+bool DeviceGradientsSupported();
 
 // One fusion bucket: the flat range [begin, end) and the chunk each rank owns in it.
 struct GradientBucket {
@@ -123,9 +149,12 @@ struct LayerCommStats {
 
 class GradientAllReducer {
  public:
-  // `comm` must outlive the reducer and hold host memory (SelfCommunicator, MpiCommunicator).
-  // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null or device-memory
-  // communicator, or a layout whose offsets are not layers() + 1 non-decreasing values from 0.
+  // `comm` must outlive the reducer. Host gradients need a host-memory communicator
+  // (SelfCommunicator, MpiCommunicator); device gradients take either kind.
+  // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null communicator, a
+  // device-memory communicator with host gradients, device gradients in a build without CUDA or
+  // in a format the device path does not support, or a layout whose offsets are not layers() + 1
+  // non-decreasing values from 0.
   // Scratch memory is bounded by the largest bucket and allocated here (the measure_error
   // reference buffers on first use), not per Reduce().
   // Thread-safety: a reducer is not thread-safe; call it from one thread (its Communicator's).

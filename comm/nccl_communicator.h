@@ -20,8 +20,8 @@ namespace cpd::comm {
 //
 // MEMORY: every buffer passed to a collective is DEVICE memory of this rank's GPU
 // (cudaMalloc'd, or managed); memory() returns MemorySpace::kDevice. A host pointer is rejected
-// with InvalidArgument. The GradientAllReducer, which works on host buffers, refuses this
-// communicator.
+// with InvalidArgument. The GradientAllReducer takes this communicator for gradients in device
+// memory (GradientAllReduceOptions::gradients = kDevice) and refuses it for host gradients.
 //
 // Semantics are Communicator's: every call is blocking (the collective runs on the
 // communicator's own stream, which is synchronised before the call returns) and must be made by

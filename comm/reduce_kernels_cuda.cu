@@ -71,6 +71,27 @@ __device__ __forceinline__ std::uint64_t AdditionKey(std::uint64_t seed, std::in
                                 std::uint64_t(step));
 }
 
+// The layer of flat element i: the l with offsets[l] <= i < offsets[l + 1] (binary search; empty
+// layers are skipped). REQUIRED: offsets[0] <= i < offsets[layers].
+__device__ __forceinline__ int LayerOf(const DeviceLayers& L, std::uint64_t i) {
+  int lo = 0, hi = L.layers - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (L.offsets[mid + 1] <= i) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// x * scale (a power of two) with a NaN keeping its bits, as the CPU's x86 multiply keeps them
+// (the GPU's would return its canonical NaN).
+__device__ __forceinline__ float ScaleKeepNaN(float x, float scale) {
+  return (FloatBits(x) & 0x7fffffffu) > 0x7f800000u ? x : __fmul_rn(x, scale);
+}
+
 // ---- Kernels ------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads)
@@ -108,6 +129,118 @@ __global__ void __launch_bounds__(kThreads)
   const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
   for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     out[i] = kOp == ElementOp::kAdd ? __fadd_rn(a[i], b[i]) : __fsub_rn(a[i], b[i]);
+  }
+}
+
+// One thread per unit of kUnitCodes elements: scale by the layer's 2^s, round, pack. The loop
+// runs whole warps together (its condition is the warp's first unit), so that the flushed and
+// saturated counts of a warp whose units lie in one layer are summed by the warp and added with
+// one atomic per counter; units across a layer boundary add their other layer's counts alone.
+template <RoundMode kMode, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    encode_contribution_kernel(const float* x, std::uint64_t n, std::uint64_t index_base,
+                               const DeviceLayers layers, const FloatGrid g, std::uint64_t key,
+                               int bits, bool words, std::uint8_t* dst,
+                               unsigned long long* counters) {
+  constexpr int kU = kernels::kUnitCodes;
+  const std::uint32_t mask = kernels::CodeMask(bits);
+  const std::uint32_t mag_mask = (1u << (g.ebits + g.mbits)) - 1u;
+  const std::uint64_t units = (n + kU - 1) / kU;
+  const std::uint64_t lane = threadIdx.x % 32;
+  const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
+  for (std::uint64_t u = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u - lane < units;
+       u += stride) {
+    const bool active = u < units;
+    int first_layer = 0;
+    unsigned flushed = 0, saturated = 0;
+    if (active) {
+      const std::uint64_t first = u * kU;
+      const int len = n - first < std::uint64_t(kU) ? int(n - first) : kU;
+      const std::uint64_t i0 = index_base + first;
+      first_layer = LayerOf(layers, i0);
+      int l = first_layer;
+      std::uint64_t layer_end = layers.offsets[l + 1];
+      float scale = kernels::Pow2(layers.shifts[l]);
+      std::uint32_t codes[kU];
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        codes[k] = 0;
+        if (k < len) {
+          const std::uint64_t i = i0 + k;
+          while (i >= layer_end) {
+            ++l;
+            layer_end = layers.offsets[l + 1];
+            scale = kernels::Pow2(layers.shifts[l]);
+          }
+          const float xv = x[first + k];
+          const float y = __fmul_rn(xv, scale);
+          const std::uint32_t rnd =
+              kMode == RoundMode::kStochastic ? kernels::RandomBits(key, i) : 0u;
+          std::uint32_t code = 0;
+          kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr);
+          codes[k] = code & mask;
+          if constexpr (kStats) {
+            const unsigned f = (FloatBits(xv) & 0x7fffffffu) != 0 && (code & mag_mask) == 0;
+            const unsigned s = (FloatBits(y) & 0x7fffffffu) > g.max_bits;
+            if (l == first_layer) {
+              flushed += f;
+              saturated += s;
+            } else {
+              if (f != 0) atomicAdd(&counters[2 * l], 1ull);
+              if (s != 0) atomicAdd(&counters[2 * l + 1], 1ull);
+            }
+          }
+        }
+      }
+      kernels::StoreCodeUnit(codes, len, bits, words, dst + u * std::uint64_t(bits));
+    }
+    if constexpr (kStats) {
+      // Lane 0's unit exists whenever the loop runs, so its layer is a valid index.
+      const int l0 = __shfl_sync(kFullMask, first_layer, 0);
+      if (__all_sync(kFullMask, !active || first_layer == l0)) {
+        const unsigned f = __reduce_add_sync(kFullMask, flushed);
+        const unsigned s = __reduce_add_sync(kFullMask, saturated);
+        if (lane == 0 && f != 0) atomicAdd(&counters[2 * l0], (unsigned long long)f);
+        if (lane == 0 && s != 0) atomicAdd(&counters[2 * l0 + 1], (unsigned long long)s);
+      } else {
+        if (flushed != 0) atomicAdd(&counters[2 * first_layer], (unsigned long long)flushed);
+        if (saturated != 0) {
+          atomicAdd(&counters[2 * first_layer + 1], (unsigned long long)saturated);
+        }
+      }
+    }
+  }
+}
+
+// One thread per unit: unpack, decode, times 2^-s of each element's layer.
+__global__ void __launch_bounds__(kThreads)
+    decode_unshift_kernel(const std::uint8_t* src, std::uint64_t n, std::uint64_t index_base,
+                          const DeviceLayers layers, const FloatGrid g, int bits, bool words,
+                          float* out) {
+  constexpr int kU = kernels::kUnitCodes;
+  const std::uint64_t units = (n + kU - 1) / kU;
+  const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
+  for (std::uint64_t u = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
+       u += stride) {
+    const std::uint64_t first = u * kU;
+    const int len = n - first < std::uint64_t(kU) ? int(n - first) : kU;
+    std::uint32_t codes[kU];
+    kernels::LoadCodeUnit(src + u * std::uint64_t(bits), len, bits, words, codes);
+    const std::uint64_t i0 = index_base + first;
+    int l = LayerOf(layers, i0);
+    std::uint64_t layer_end = layers.offsets[l + 1];
+    float up = kernels::Pow2(-layers.shifts[l]);
+#pragma unroll
+    for (int k = 0; k < kU; ++k) {
+      if (k < len) {
+        while (i0 + k >= layer_end) {
+          ++l;
+          layer_end = layers.offsets[l + 1];
+          up = kernels::Pow2(-layers.shifts[l]);
+        }
+        out[first + k] = ScaleKeepNaN(kernels::DecodeFloatGrid(codes[k], g), up);
+      }
+    }
   }
 }
 
@@ -258,7 +391,80 @@ SumArgs MakeSumArgs(const ContributionCodes& in, std::size_t n, const FloatGrid&
   return a;
 }
 
+Status CheckLayers(const DeviceLayers& layers, const FloatGrid& g, const char* what) {
+  if (layers.offsets == nullptr || layers.shifts == nullptr || layers.layers < 1) {
+    return Status::InvalidArgument(std::string(what) + ": no layers");
+  }
+  if (1 + g.ebits + g.mbits > 16) {
+    return Status::InvalidArgument(std::string(what) + ": codes of at most 16 bits, not " +
+                                   std::to_string(1 + g.ebits + g.mbits));
+  }
+  return Status::Ok();
+}
+
+template <bool kStats>
+Status LaunchEncodeContribution(RoundMode mode, const float* x, std::uint64_t n,
+                                std::uint64_t index_base, const DeviceLayers& layers,
+                                const FloatGrid& g, std::uint64_t key, int bits, bool words,
+                                std::uint8_t* dst, unsigned long long* counters, cudaStream_t s) {
+  const int blocks = BlocksFor((n + kernels::kUnitCodes - 1) / kernels::kUnitCodes);
+  switch (mode) {
+    case RoundMode::kStochastic:
+      encode_contribution_kernel<RoundMode::kStochastic, kStats><<<blocks, kThreads, 0, s>>>(
+          x, n, index_base, layers, g, key, bits, words, dst, counters);
+      break;
+    case RoundMode::kTowardZero:
+      encode_contribution_kernel<RoundMode::kTowardZero, kStats><<<blocks, kThreads, 0, s>>>(
+          x, n, index_base, layers, g, key, bits, words, dst, counters);
+      break;
+    default:
+      encode_contribution_kernel<RoundMode::kNearestEven, kStats><<<blocks, kThreads, 0, s>>>(
+          x, n, index_base, layers, g, key, bits, words, dst, counters);
+      break;
+  }
+  CPD_REDUCE_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status EncodeContributionCuda(const float* d_x, std::size_t n, std::uint64_t index_base,
+                              const DeviceLayers& layers, const FloatGrid& g, RoundMode mode,
+                              std::uint64_t key, std::uint8_t* d_dst, std::uint64_t* d_counters,
+                              void* stream) {
+  if (n == 0) return Status::Ok();
+  CPD_RETURN_IF_ERROR(CheckLayers(layers, g, "EncodeContributionCuda"));
+  if (d_x == nullptr || d_dst == nullptr) {
+    return Status::InvalidArgument("EncodeContributionCuda: null buffer");
+  }
+  const int bits = 1 + g.ebits + g.mbits;
+  const bool words = bits % 4 == 0 && Aligned4(d_dst);
+  auto* counters = reinterpret_cast<unsigned long long*>(d_counters);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (d_counters != nullptr) {
+    return LaunchEncodeContribution<true>(mode, d_x, n, index_base, layers, g, key, bits, words,
+                                          d_dst, counters, s);
+  }
+  return LaunchEncodeContribution<false>(mode, d_x, n, index_base, layers, g, key, bits, words,
+                                         d_dst, counters, s);
+}
+
+Status DecodeUnshiftCuda(const std::uint8_t* d_src, std::size_t n, std::uint64_t index_base,
+                         const DeviceLayers& layers, const FloatGrid& g, float* d_out,
+                         void* stream) {
+  if (n == 0) return Status::Ok();
+  CPD_RETURN_IF_ERROR(CheckLayers(layers, g, "DecodeUnshiftCuda"));
+  if (d_src == nullptr || d_out == nullptr) {
+    return Status::InvalidArgument("DecodeUnshiftCuda: null buffer");
+  }
+  const int bits = 1 + g.ebits + g.mbits;
+  const bool words = bits % 4 == 0 && Aligned4(d_src);
+  const int blocks = BlocksFor((n + kernels::kUnitCodes - 1) / kernels::kUnitCodes);
+  decode_unshift_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      d_src, n, index_base, layers, g, bits, words, d_out);
+  CPD_REDUCE_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
 
 Status ScanAbsCuda(const float* d_x, std::size_t n, std::uint32_t* d_max_bits,
                    std::uint64_t* d_nonzero, void* stream) {

@@ -39,6 +39,38 @@ Status ScanAbsCuda(const float* d_x, std::size_t n, std::uint32_t* d_max_bits,
 // inverse (2^-s, Unshift). A NaN keeps its bits, as the CPU's multiply keeps them.
 Status ScaleCuda(float* d_x, std::size_t n, float scale, void* stream);
 
+// ---- Contributions in, results out: codes of spans that cross layers -------------------------
+
+// The layers of the flat gradient buffer on the device, for kernels whose spans cross layer
+// boundaries (a chunk holds several layers' segments): element i (a flat index) belongs to the
+// layer l with offsets[l] <= i < offsets[l + 1] (GradientLayout::offsets, uploaded), whose APS
+// shift is shifts[l] (0 without APS).
+struct DeviceLayers {
+  const std::uint64_t* offsets = nullptr;  // layers + 1 entries
+  const std::int32_t* shifts = nullptr;    // layers entries
+  int layers = 0;
+};
+
+// One contribution's span of n elements (d_x[0, n), flat indices index_base...), each times
+// 2^shift of its layer, rounded onto g with `mode` (kNearestEven, kStochastic, kTowardZero) and
+// the stream `key` at its flat index, packed to d_dst (cpd::PackCodes' layout; index_base and
+// d_dst as a chunk starts: the span's codes start on a byte). What CodeTransport's
+// EncodeContributions writes to the all-to-all's send slot, bit for bit. With d_counters
+// non-null (2 per layer, device memory), adds per layer the flushed (nonzero x whose code has
+// magnitude 0) and saturated (|x * 2^s| above the largest finite value) elements, as
+// EncodeCodes8/16 count them: integer atomics, so the counts are exact.
+Status EncodeContributionCuda(const float* d_x, std::size_t n, std::uint64_t index_base,
+                              const DeviceLayers& layers, const kernels::FloatGrid& g,
+                              kernels::RoundMode mode, std::uint64_t key, std::uint8_t* d_dst,
+                              std::uint64_t* d_counters, void* stream);
+
+// The inverse for a reduced chunk: d_out[j] = value of code j times 2^-shift of its layer (a NaN
+// keeps the decoded canonical NaN's bits, as the CPU's multiply does), what CodeTransport's
+// DecodeResults writes.
+Status DecodeUnshiftCuda(const std::uint8_t* d_src, std::size_t n, std::uint64_t index_base,
+                         const DeviceLayers& layers, const kernels::FloatGrid& g, float* d_out,
+                         void* stream);
+
 // ---- The reduction of a chunk from its W packed contributions ---------------------------------
 
 // The W contributions to one span of a chunk after the all-to-all: worker w's n packed codes

@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     Fail(s.message());
   }
   std::unique_ptr<cpd::comm::Communicator> comm =
-      cpd::launcher::MakeWorldOrExit("cpd-train", f.comm_kind);
+      cpd::launcher::MakeWorldOrExit("cpd-train", cpd::launcher::WorldKind(f));
   auto result = cpd::runtime::Train(o, comm.get());
   if (!result.ok()) {
     return cpd::launcher::EndFailedJob("cpd-train", result.status(), std::move(comm));

@@ -180,7 +180,9 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
 
 void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--comm", f->comm_kind,
-                  "auto (mpi when started by mpirun/srun, else one process) | self | mpi")
+                  "auto (mpi when started by mpirun/srun, else one process; the gradient "
+                  "all-reduce over NCCL when every rank trains on a GPU) | self | mpi | nccl "
+                  "(as auto, and the gradient all-reduce over NCCL or an error)")
       ->capture_default_str();
   app->add_option("--emulate-ranks", o->emulate_ranks,
                   "Logical workers per process, summed with the same quantised semantics as ranks")
@@ -382,6 +384,15 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   o->augment = f->augment;
   o->progress = !f->no_progress;
   CPD_RETURN_IF_ERROR(ApplyPrecisionFlags(*f, o));
+  if (f->comm_kind == "auto") {
+    o->allreduce_comm = cpd::runtime::AllReduceComm::kAuto;
+  } else if (f->comm_kind == "self" || f->comm_kind == "mpi") {
+    o->allreduce_comm = cpd::runtime::AllReduceComm::kWorld;
+  } else if (f->comm_kind == "nccl") {
+    o->allreduce_comm = cpd::runtime::AllReduceComm::kNccl;
+  } else {
+    return bad("--comm '" + f->comm_kind + "' (accepted: auto, self, mpi, nccl)");
+  }
   auto a = cpd::comm::ParseAllReduceAlgo(f->algo);
   if (!a.ok()) return bad("--allreduce: " + a.status().message());
   o->allreduce.algo = *a;
@@ -393,5 +404,7 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   o->allreduce.rounding = *r;
   return Status::Ok();
 }
+
+std::string WorldKind(const TrainFlags& f) { return f.comm_kind == "nccl" ? "auto" : f.comm_kind; }
 
 }  // namespace cpd::launcher

@@ -58,4 +58,8 @@ Status ApplyConfigFile(CLI::App& app, const std::string& path);
 // coordinator's address, token and certificates (read here).
 Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, runtime::TrainOptions* o);
 
+// The kind of the run's own communicator for launcher/world.h's MakeWorld: --comm, with nccl
+// (which names the gradient all-reduce's transport) starting the processes as auto does.
+std::string WorldKind(const TrainFlags& f);
+
 }  // namespace cpd::launcher

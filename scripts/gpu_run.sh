@@ -110,7 +110,7 @@ run_tests() {
   local log=$OUT/tests.log summary=$OUT/tests_summary.txt failed_any=0
   : >"$log"
   {
-    printf "%-26s %7s %8s %7s %8s\n" executable passed skipped failed seconds
+    printf "%-28s %7s %8s %7s %8s\n" executable passed skipped failed seconds
   } | tee "$summary"
   local tp=0 ts=0 tf=0 t
   for t in "$@"; do
@@ -130,10 +130,10 @@ run_tests() {
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi  # a crash or a failing set-up
     [ "$f" -gt 0 ] && failed_any=1
     tp=$((tp + p)); ts=$((ts + s)); tf=$((tf + f))
-    printf "%-26s %7d %8d %7d %8.1f\n" "$t" "$p" "$s" "$f" "$(awk -v a="$start" -v b="$end" 'BEGIN{print b - a}')" |
+    printf "%-28s %7d %8d %7d %8.1f\n" "$t" "$p" "$s" "$f" "$(awk -v a="$start" -v b="$end" 'BEGIN{print b - a}')" |
       tee -a "$summary"
   done
-  printf "%-26s %7d %8d %7d\n" total "$tp" "$ts" "$tf" | tee -a "$summary"
+  printf "%-28s %7d %8d %7d\n" total "$tp" "$ts" "$tf" | tee -a "$summary"
   [ "$failed_any" -eq 0 ] || { echo "gpu_run: failures: see $log" >&2; return 1; }
 }
 

@@ -138,9 +138,7 @@ class EmulateFloats final : public BucketAlgorithm {
   }
 
  private:
-  std::size_t SlotBytes(const BucketPlan& b) const {
-    return internal::SlotBytes(b.max_chunk * sizeof(float));
-  }
+  std::size_t SlotBytes(const BucketPlan& b) const { return FloatSlotElems(b) * sizeof(float); }
 
   // Every local contribution (already shifted), quantised into its destination's block.
   Status QuantizeContributions(const BucketPlan& b, float* const* inputs, std::int64_t step) {

@@ -51,7 +51,35 @@ struct ReducerSetup {
                              std::size_t index) const;
 };
 
+// ---- What every implementation of Reduce() checks and computes alike ----------------------------
+// InvalidArgument (naming the rank) for null inputs or output where the layout is not empty.
+Status CheckReduceBuffers(const ReducerSetup& setup, float* const* inputs, const float* output);
+// Every layer's statistics back to "nothing measured" at the start of a step.
+void ResetLayerStats(std::vector<LayerCommStats>* stats);
+// A layer's local max|g| as float32 bits (ScanAbs's), as it enters the MAX all-reduce: a
+// non-finite element travels as +Inf (NaN would not order).
+float MaxAbsForAllReduce(std::uint32_t max_bits);
+// After the all-reduce of the maxima: each layer's APS shift (0 without APS or for fp32); false
+// when some maximum is not finite (the step is skipped).
+bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_abs,
+                      std::vector<int>* shifts);
+
 // ---- Per-layer statistics -----------------------------------------------------------------------
+// The flushed and saturated fractions of every layer from the global counts, 3 per layer
+// (flushed, saturated, nonzero contribution elements), as every implementation reports them.
+void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_t>& counts,
+                       std::vector<LayerCommStats>* stats);
+
+// measure_error, what every implementation computes alike: adds to error[2 l] the squared error
+// of this rank's chunk of the result (output_chunk, from the chunk's start) against the float32
+// reference of the chunk (reference, likewise) and to error[2 l + 1] the squared reference, per
+// layer l of the chunk's segments; then, from every rank's pairs (rank by rank, summed in rank
+// order so that every rank gets the same bits), each layer's rel_error.
+void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
+                    const float* reference, std::vector<double>* error);
+void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_all_ranks,
+                  std::vector<LayerCommStats>* stats);
+
 class LayerStatistics {
  public:
   LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk);
@@ -87,10 +115,13 @@ class LayerStatistics {
 // The buffers of a quantised algorithm's two payload collectives, for its largest slot (one
 // contribution's share of a chunk). The all-to-all sends this rank's K slots for chunk d as block
 // d and receives worker w's slot at w * slot; the all-gather collects every rank's reduced chunk.
+// InvalidArgument when a block of K slots exceeds MPI's int count (a smaller bucket_mb helps).
+Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes);
+
 struct ExchangeBuffers {
   std::vector<std::uint8_t> send, recv;                // P blocks of K slots
   std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P slots
-  // InvalidArgument when a block exceeds MPI's int count (a smaller bucket_mb helps).
+  // CheckBlockBytes, then the allocation.
   Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes);
 };
 
@@ -169,7 +200,32 @@ class BucketAlgorithm : public Algorithm {
   const ReducerSetup& setup_;
 };
 
+// Bytes a bandwidth-optimal implementation of each payload collective sends from one of p ranks:
+// all-to-all and all-gather (p - 1) blocks, all-reduce 2(p - 1)/p of the buffer.
+inline std::uint64_t SentByExchange(int p, std::size_t block_bytes) {
+  return std::uint64_t(p - 1) * block_bytes;
+}
+inline std::uint64_t SentByAllReduce(int p, std::size_t bytes) {
+  return 2 * (std::uint64_t(p) - 1) * bytes / std::uint64_t(p);
+}
+
 // The slot of a chunk's worth of payload starts on a cache line.
 inline std::size_t SlotBytes(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// The transport layout of a bucket whose contributions travel as cpd::Encode'd segments (packed
+// with formats other than fixed float grids): one contribution's slot holds its chunk's segments
+// packed one after the other (offset[i] for the bucket's segment i), padded to the longest
+// chunk's and to a cache line.
+struct SegmentSlots {
+  std::size_t bytes = 0;
+  std::vector<std::size_t> offset;
+};
+// Every bucket's layout; *largest_segment receives the bytes of the largest packed segment.
+std::vector<SegmentSlots> LayOutSegmentSlots(const ReducerSetup& setup, const AllReducePlan& plan,
+                                             std::size_t* largest_segment);
+// Elements per slot of emulate's float32 contributions (formats other than fixed float grids).
+inline std::size_t FloatSlotElems(const BucketPlan& b) {
+  return SlotBytes(b.max_chunk * sizeof(float)) / sizeof(float);
+}
 
 }  // namespace cpd::comm::internal

@@ -80,12 +80,7 @@ class PackedSegments final : public BucketAlgorithm {
   }
 
  private:
-  // A bucket's transport layout: one contribution's slot holds its chunk's segments, packed one
-  // after the other (offset[i] for the bucket's segment i), padded to the longest chunk.
-  struct Slots {
-    std::size_t bytes = 0;
-    std::vector<std::size_t> offset;
-  };
+  using Slots = SegmentSlots;
 
   std::size_t SegmentBytes(const Segment& s) const {
     return PackedSize(setup_.format, s.size(), 1);
@@ -105,21 +100,8 @@ class PackedSegments final : public BucketAlgorithm {
 
 Status PackedSegments::Allocate() {
   std::size_t slot = 0, segment = 0;
-  for (const BucketPlan& b : ctx_.plan.buckets()) {
-    Slots slots;
-    for (int d = 0; d < setup_.world_size; ++d) {
-      std::size_t offset = 0;
-      for (const Segment& s : b.segments_of(d)) {
-        slots.offset.push_back(offset);
-        offset += SegmentBytes(s);
-        segment = std::max(segment, SegmentBytes(s));
-      }
-      slots.bytes = std::max(slots.bytes, offset);
-    }
-    slots.bytes = SlotBytes(slots.bytes);
-    slot = std::max(slot, slots.bytes);
-    slots_.push_back(std::move(slots));
-  }
+  slots_ = LayOutSegmentSlots(setup_, ctx_.plan, &segment);
+  for (const Slots& slots : slots_) slot = std::max(slot, slots.bytes);
   CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, slot));
   const std::size_t chunk = ctx_.plan.max_chunk();
   sum_.assign(chunk, 0.0f);

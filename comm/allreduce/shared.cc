@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "comm/allreduce/internal.h"
 #include "comm/reduce_kernels.h"
@@ -41,6 +42,16 @@ kernels::LoopParams ReducerSetup::LoopAt(kernels::RoundMode mode, std::int64_t s
 }
 
 // ---- LayerStatistics ----------------------------------------------------------------------------
+
+void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_t>& counts,
+                       std::vector<LayerCommStats>* stats) {
+  for (std::size_t l = 0; l < setup.layers(); ++l) {
+    const std::uint64_t elems = std::uint64_t(setup.layer_size(l)) * std::uint64_t(setup.workers);
+    const std::uint64_t nonzero = counts[3 * l + 2];
+    (*stats)[l].flushed = nonzero > 0 ? double(counts[3 * l]) / double(nonzero) : 0.0;
+    (*stats)[l].saturated = elems > 0 ? double(counts[3 * l + 1]) / double(elems) : 0.0;
+  }
+}
 
 LayerStatistics::LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk)
     : setup_(setup), max_chunk_(max_chunk) {
@@ -83,19 +94,39 @@ Status LayerStatistics::ReduceReference(const BucketPlan& b, const float* const*
   return setup_.comm->ReduceScatter(reference_send_.data(), reference_.data(), slot * p);
 }
 
-void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
-  const std::size_t c0 = b.chunk_begin(setup_.rank);
-  for (const Segment& s : b.segments_of(setup_.rank)) {
+void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
+                    const float* reference, std::vector<double>* error) {
+  const std::size_t c0 = b.chunk_begin(rank);
+  for (const Segment& s : b.segments_of(rank)) {
     double e2 = 0.0, r2 = 0.0;
-    for (std::size_t i = s.begin; i < s.end; ++i) {
-      const double ref = reference_[i - c0];
-      const double d = double(output[i]) - ref;
+    for (std::size_t i = s.begin - c0; i < s.end - c0; ++i) {
+      const double ref = reference[i];
+      const double d = double(output_chunk[i]) - ref;
       e2 += d * d;
       r2 += ref * ref;
     }
-    error_[2 * std::size_t(s.layer)] += e2;
-    error_[2 * std::size_t(s.layer) + 1] += r2;
+    (*error)[2 * std::size_t(s.layer)] += e2;
+    (*error)[2 * std::size_t(s.layer) + 1] += r2;
   }
+}
+
+void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_all_ranks,
+                  std::vector<LayerCommStats>* stats) {
+  const std::size_t layers = setup.layers();
+  for (std::size_t l = 0; l < layers; ++l) {
+    double e2 = 0.0, r2 = 0.0;
+    for (std::size_t r = 0; r < std::size_t(setup.world_size); ++r) {
+      e2 += error_all_ranks[r * 2 * layers + 2 * l];
+      r2 += error_all_ranks[r * 2 * layers + 2 * l + 1];
+    }
+    (*stats)[l].rel_error = r2 > 0.0   ? std::sqrt(e2 / r2)
+                            : e2 > 0.0 ? std::numeric_limits<double>::infinity()
+                                       : 0.0;
+  }
+}
+
+void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
+  AddChunkErrors(b, setup_.rank, output + b.chunk_begin(setup_.rank), reference_.data(), &error_);
 }
 
 Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* stats) {
@@ -108,42 +139,31 @@ Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* 
       }
     }
     CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(counts_.data(), counts_.size(), ReduceOp::kSum));
-    for (std::size_t l = 0; l < layers; ++l) {
-      const std::uint64_t elems =
-          std::uint64_t(setup_.layer_size(l)) * std::uint64_t(setup_.workers);
-      const std::uint64_t nonzero = counts_[3 * l + 2];
-      (*stats)[l].flushed = nonzero > 0 ? double(counts_[3 * l]) / double(nonzero) : 0.0;
-      (*stats)[l].saturated = elems > 0 ? double(counts_[3 * l + 1]) / double(elems) : 0.0;
-    }
+    SetCountFractions(setup_, counts_, stats);
   }
   if (!measure_error) return Status::Ok();
   // Every rank sums the per-rank parts in rank order, so the result is identical everywhere.
   CPD_RETURN_IF_ERROR(setup_.comm->AllGatherBytes(
       reinterpret_cast<const std::uint8_t*>(error_.data()),
       reinterpret_cast<std::uint8_t*>(error_all_ranks_.data()), error_.size() * sizeof(double)));
-  for (std::size_t l = 0; l < layers; ++l) {
-    double e2 = 0.0, r2 = 0.0;
-    for (std::size_t r = 0; r < std::size_t(setup_.world_size); ++r) {
-      e2 += error_all_ranks_[r * 2 * layers + 2 * l];
-      r2 += error_all_ranks_[r * 2 * layers + 2 * l + 1];
-    }
-    (*stats)[l].rel_error = r2 > 0.0   ? std::sqrt(e2 / r2)
-                            : e2 > 0.0 ? std::numeric_limits<double>::infinity()
-                                       : 0.0;
-  }
+  SetRelErrors(setup_, error_all_ranks_, stats);
   return Status::Ok();
 }
 
 // ---- ExchangeBuffers, StepContext ---------------------------------------------------------------
 
-Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes) {
   const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
-  if (block > std::size_t(INT_MAX)) {
-    return Status::InvalidArgument(
-        "GradientAllReducer: bucket_mb " + std::to_string(setup.options.bucket_mb) + " gives " +
-        std::to_string(block) + "-byte blocks per rank, beyond MPI's limit of " +
-        std::to_string(INT_MAX) + "; use a smaller bucket_mb");
-  }
+  if (block <= std::size_t(INT_MAX)) return Status::Ok();
+  return Status::InvalidArgument(
+      "GradientAllReducer: bucket_mb " + std::to_string(setup.options.bucket_mb) + " gives " +
+      std::to_string(block) + "-byte blocks per rank, beyond MPI's limit of " +
+      std::to_string(INT_MAX) + "; use a smaller bucket_mb");
+}
+
+Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+  CPD_RETURN_IF_ERROR(CheckBlockBytes(setup, slot_bytes));
+  const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
   const std::size_t p = std::size_t(setup.world_size);
   send.assign(block * p, 0);
   recv.assign(block * p, 0);
@@ -167,20 +187,19 @@ void StepContext::Reset() {
 Status StepContext::ExchangeContributions(std::size_t block_bytes) {
   CPD_RETURN_IF_ERROR(
       setup.comm->AllToAllBytes(exchange.send.data(), exchange.recv.data(), block_bytes));
-  bytes_sent += std::uint64_t(setup.world_size - 1) * block_bytes;
+  bytes_sent += SentByExchange(setup.world_size, block_bytes);
   return Status::Ok();
 }
 
 Status StepContext::GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes) {
   CPD_RETURN_IF_ERROR(setup.comm->AllGatherBytes(chunk, exchange.gather_recv.data(), slot_bytes));
-  bytes_sent += std::uint64_t(setup.world_size - 1) * slot_bytes;
+  bytes_sent += SentByExchange(setup.world_size, slot_bytes);
   return Status::Ok();
 }
 
 Status StepContext::AllReduceSum(float* data, std::size_t count) {
   CPD_RETURN_IF_ERROR(setup.comm->AllReduce(data, count, ReduceOp::kSum));
-  const std::uint64_t p = std::uint64_t(setup.world_size);
-  bytes_sent += 2 * (p - 1) * count * sizeof(float) / p;
+  bytes_sent += SentByAllReduce(setup.world_size, count * sizeof(float));
   return Status::Ok();
 }
 
@@ -239,19 +258,77 @@ Status ShiftScan::ScanAndShift(float* const* inputs, StepContext* ctx, bool* fin
       m = std::max(m, thread_max_[th * layers + l]);
       nonzero += thread_nonzero_[th * layers + l];
     }
-    // A non-finite element travels as +Inf in the same MAX all-reduce (NaN would not order).
-    if (m >= 0x7f800000u) m = 0x7f800000u;
-    ctx->max_abs[l] = kernels::BitsFloat(m);
+    ctx->max_abs[l] = MaxAbsForAllReduce(m);
     ctx->stats.SetNonzero(l, nonzero);
   }
   CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(ctx->max_abs.data(), layers, ReduceOp::kMax));
-  const bool aps = setup_.options.aps && setup_.options.algo != AllReduceAlgo::kFp32;
-  *finite = true;
-  for (std::size_t l = 0; l < layers; ++l) {
-    if (!(ctx->max_abs[l] < std::numeric_limits<float>::infinity())) *finite = false;
-    ctx->shifts[l] = aps ? ApsShift(ctx->max_abs[l], setup_.workers, setup_.emax) : 0;
+  *finite = ShiftsFromMaxima(setup_, ctx->max_abs, &ctx->shifts);
+  return Status::Ok();
+}
+
+// ---- What every implementation checks and computes alike ----------------------------------------
+
+Status CheckReduceBuffers(const ReducerSetup& setup, float* const* inputs, const float* output) {
+  if (setup.layout.total() == 0) return Status::Ok();
+  const std::string where = "GradientAllReducer::Reduce on rank " + std::to_string(setup.rank);
+  if (inputs == nullptr || output == nullptr) {
+    return Status::InvalidArgument(where + ": null inputs or output");
+  }
+  for (int k = 0; k < setup.local_replicas; ++k) {
+    if (inputs[k] == nullptr) {
+      return Status::InvalidArgument(where + ": inputs[" + std::to_string(k) + "] is null");
+    }
   }
   return Status::Ok();
+}
+
+void ResetLayerStats(std::vector<LayerCommStats>* stats) {
+  for (LayerCommStats& s : *stats) {
+    s.shift = 0;
+    s.max_abs = 0;
+    s.flushed = 0;
+    s.saturated = 0;
+    s.rel_error = -1;
+  }
+}
+
+float MaxAbsForAllReduce(std::uint32_t max_bits) {
+  return kernels::BitsFloat(max_bits >= 0x7f800000u ? 0x7f800000u : max_bits);
+}
+
+bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_abs,
+                      std::vector<int>* shifts) {
+  const bool aps = setup.options.aps && setup.options.algo != AllReduceAlgo::kFp32;
+  bool finite = true;
+  for (std::size_t l = 0; l < setup.layers(); ++l) {
+    if (!(max_abs[l] < std::numeric_limits<float>::infinity())) finite = false;
+    (*shifts)[l] = aps ? ApsShift(max_abs[l], setup.workers, setup.emax) : 0;
+  }
+  return finite;
+}
+
+// ---- SegmentSlots -------------------------------------------------------------------------------
+
+std::vector<SegmentSlots> LayOutSegmentSlots(const ReducerSetup& setup, const AllReducePlan& plan,
+                                             std::size_t* largest_segment) {
+  std::vector<SegmentSlots> all;
+  *largest_segment = 0;
+  for (const BucketPlan& b : plan.buckets()) {
+    SegmentSlots slots;
+    for (int d = 0; d < setup.world_size; ++d) {
+      std::size_t offset = 0;
+      for (const Segment& s : b.segments_of(d)) {
+        const std::size_t bytes = PackedSize(setup.format, s.size(), 1);
+        slots.offset.push_back(offset);
+        offset += bytes;
+        *largest_segment = std::max(*largest_segment, bytes);
+      }
+      slots.bytes = std::max(slots.bytes, offset);
+    }
+    slots.bytes = SlotBytes(slots.bytes);
+    all.push_back(std::move(slots));
+  }
+  return all;
 }
 
 // ---- BucketAlgorithm ----------------------------------------------------------------------------

@@ -77,6 +77,13 @@ __global__ void add_inplace_kernel(size_t n, const float* __restrict__ x, float*
   }
 }
 
+__global__ void scale_kernel(size_t n, float s, const float* x, float* y) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    y[i] = __fmul_rn(x[i], s);
+  }
+}
+
 __global__ void dropout_kernel(size_t n, uint64_t key, uint32_t threshold, float scale,
                                const float* __restrict__ x, float* __restrict__ y) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -225,6 +232,12 @@ void Add(size_t n, const float* a, const float* b, float* y) {
 void AddInPlace(size_t n, const float* x, float* y) {
   if (n == 0) return;
   add_inplace_kernel<<<BlocksFor(n), kThreads, 0, StreamHandle()>>>(n, x, y);
+  CPD_CHECK_LAUNCH();
+}
+
+void Scale(size_t n, float s, const float* x, float* y) {
+  if (n == 0) return;
+  scale_kernel<<<BlocksFor(n), kThreads, 0, StreamHandle()>>>(n, s, x, y);
   CPD_CHECK_LAUNCH();
 }
 

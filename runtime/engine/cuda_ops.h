@@ -110,6 +110,8 @@ void ReluBackward(size_t n, const float* y, const float* dy, float* dx);
 void AddRelu(size_t n, const float* a, const float* b, float* y);
 void Add(size_t n, const float* a, const float* b, float* y);
 void AddInPlace(size_t n, const float* x, float* y);
+// y[i] = x[i] * s, one float32 multiply (the CPU's `x[i] * s`, bit for bit); y may equal x.
+void Scale(size_t n, float s, const float* x, float* y);
 void DropoutApply(size_t n, uint64_t key, uint32_t threshold, float scale, const float* x,
                   float* y);
 

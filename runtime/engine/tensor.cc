@@ -115,6 +115,18 @@ int SelectCudaDevice(int hint) {
 #endif
 }
 
+std::string CudaDeviceUuid() {
+#if CPD_WITH_CUDA
+  int device = 0;
+  CPD_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop;
+  CPD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return std::string(prop.uuid.bytes, sizeof(prop.uuid.bytes));
+#else
+  NoCuda();
+#endif
+}
+
 Tensor OnHost(const Tensor& t) { return t.device() == Device::kCpu ? t : t.To(Device::kCpu); }
 
 Tensor StagedOn(const Tensor& x, Device device, Tensor* staging) {

@@ -42,6 +42,9 @@ bool CudaAvailable(std::string* why = nullptr);
 // over its GPUs. Call before the first CUDA tensor. Returns the device chosen; throws
 // std::runtime_error when CUDA is unavailable or cudaSetDevice fails.
 int SelectCudaDevice(int hint);
+// The 16-byte UUID of this process's current GPU (cudaDeviceProp::uuid), which tells whether
+// ranks share a GPU. Throws std::runtime_error when CUDA is unavailable.
+std::string CudaDeviceUuid();
 
 class Tensor {
  public:

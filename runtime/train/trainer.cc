@@ -3,6 +3,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <memory>
 #include <thread>
 
+#include "cpd/config.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/models.h"
@@ -21,6 +23,9 @@
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
 #include "runtime/train/workers.h"
+#if CPD_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -99,6 +104,8 @@ class Trainer {
   Status BuildOptimizer();
   Status BuildLrSchedule();
   Status BuildReducer();
+  Result<comm::Communicator*> AllReduceCommunicator(bool device_gradients);
+  Result<bool> RanksShareAGpu();
   Status BuildOutputs();
   Status ResumeOrStart();
   Status StartControl();
@@ -132,6 +139,7 @@ class Trainer {
   std::unique_ptr<Optimizer> optimizer_;
   LrSchedule lr_;
   comm::GradientAllReduceOptions allreduce_;
+  std::unique_ptr<comm::Communicator> nccl_;  // the all-reduce's, when it runs over NCCL
   std::unique_ptr<comm::GradientAllReducer> reducer_;
   std::unique_ptr<LocalWorkers> workers_;
   std::unique_ptr<Reporter> reporter_;
@@ -342,17 +350,68 @@ std::string Trainer::DescribeLr() const {
   return out;
 }
 
-// The gradient all-reducer over the flat gradients of the K local workers.
+// The gradient all-reducer over the flat gradients of the K local workers: on a GPU they stay
+// in device memory where the reducer supports the options (the same bits as staging them).
 Status Trainer::BuildReducer() {
   allreduce_ = o_.allreduce;
   allreduce_.seed = kernels::SplitMix64(o_.seed ^ 0xA11u);
   allreduce_.threads = threads_;
+  const bool device_gradients =
+      device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported();
+  allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
+  CPD_ASSIGN_OR_RETURN(comm::Communicator * reduce_comm, AllReduceCommunicator(device_gradients));
   CPD_ASSIGN_OR_RETURN(
-      reducer_, comm::GradientAllReducer::Create(comm_, allreduce_, LayoutOf(model_->Params()),
-                                                 group_.local_workers));
-  workers_ = std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_,
-                                            flat_gradients_, o_.debug_nan_step, o_.debug_nan_steps);
+      reducer_, comm::GradientAllReducer::Create(reduce_comm, allreduce_,
+                                                 LayoutOf(model_->Params()), group_.local_workers));
+  workers_ =
+      std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_, flat_gradients_,
+                                     device_gradients, o_.debug_nan_step, o_.debug_nan_steps);
   return Status::Ok();
+}
+
+// Whether two ranks train on the same GPU (by UUID, so across nodes too). Collective; REQUIRED:
+// every rank on a GPU.
+Result<bool> Trainer::RanksShareAGpu() {
+  const std::string uuid = CudaDeviceUuid();
+  std::string all(uuid.size() * size_t(comm_->size()), '\0');
+  CPD_RETURN_IF_ERROR(comm_->AllGatherBytes(reinterpret_cast<const uint8_t*>(uuid.data()),
+                                            reinterpret_cast<uint8_t*>(all.data()), uuid.size()));
+  std::vector<std::string> uuids;
+  for (size_t r = 0; r < size_t(comm_->size()); ++r)
+    uuids.push_back(all.substr(r * uuid.size(), uuid.size()));
+  std::sort(uuids.begin(), uuids.end());
+  return std::adjacent_find(uuids.begin(), uuids.end()) != uuids.end();
+}
+
+// The run's own communicator, or NCCL (AllReduceComm). Collective: whether every rank keeps its
+// gradients on a GPU is agreed on, so that all ranks choose alike.
+Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients) {
+  if (o_.allreduce_comm == AllReduceComm::kWorld) return comm_;
+  const bool want = o_.allreduce_comm == AllReduceComm::kNccl;
+  int32_t host_somewhere = device_gradients ? 0 : 1;
+  CPD_RETURN_IF_ERROR(comm_->AllReduce(&host_somewhere, 1, comm::ReduceOp::kMax));
+  if (!CPD_WITH_NCCL || host_somewhere != 0) {
+    if (!want) return comm_;
+    return Status::InvalidArgument(
+        std::string("--comm nccl needs ") +
+        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)" : "--device cuda on every rank") +
+        "; use --comm auto");
+  }
+  if (!want && comm_->size() == 1) return comm_;
+  // NCCL needs a GPU per rank: ranks sharing one (several processes per GPU) keep the run's own.
+  CPD_ASSIGN_OR_RETURN(const bool shared, RanksShareAGpu());
+  if (shared) {
+    if (!want) return comm_;
+    return Status::InvalidArgument(
+        "--comm nccl needs a GPU per rank, but some ranks share one; use --comm auto");
+  }
+#if CPD_WITH_NCCL
+  // Device -1: the node-local rank modulo the GPUs, the GPU PlaceWorkers chose for this rank.
+  CPD_ASSIGN_OR_RETURN(nccl_, comm::NcclCommunicator::Create(comm_, -1));
+  return nccl_.get();
+#else
+  return comm_;
+#endif
 }
 
 // The reporter (console, metrics, coordinator reports), checkpoints and the cost model.

@@ -29,6 +29,17 @@
 
 namespace cpd::runtime {
 
+// Which communicator carries the gradient all-reduce (--comm):
+//   kWorld  the run's own (one process, or MPI);
+//   kNccl   NCCL between the ranks' GPUs (REQUIRED: a build with NCCL, --device cuda with
+//           device gradients on every rank and a GPU per rank; else InvalidArgument naming
+//           --comm nccl);
+//   kAuto   NCCL when the build has it, there are several ranks and every rank keeps its
+//           gradients on a GPU of its own; else the run's own.
+// The run's own communicator carries everything else (start-up broadcast, BatchNorm averages,
+// metrics, the end-of-run replica check) in every case.
+enum class AllReduceComm { kAuto, kWorld, kNccl };
+
 struct TrainOptions {
   // Data and model.
   std::string dataset = "fashion-mnist";  // fashion-mnist | mnist | cifar10 | cifar100 | synthetic
@@ -75,6 +86,11 @@ struct TrainOptions {
   StepBits cost_reference{8, 8};
   // Gradient all-reduce (see comm/gradient_allreduce.h).
   comm::GradientAllReduceOptions allreduce;
+  AllReduceComm allreduce_comm = AllReduceComm::kAuto;
+  // On a GPU the all-reducer takes the gradients in device memory, so that they stay on the GPU
+  // from backward to the optimiser; false stages them through the host (the results are the same
+  // bits either way).
+  bool device_gradients = true;
   int64_t measure_error_every = 0;  // all-reduce error vs exact fp32 every N steps (0: never)
   int64_t debug_nan_step = -1;      // testing aid: rank 0 worker 0 puts a NaN into its gradient
   int64_t debug_nan_steps = 1;      // ... at this many consecutive steps from debug_nan_step

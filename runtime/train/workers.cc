@@ -3,6 +3,11 @@
 #include <algorithm>
 #include <limits>
 
+#include "cpd/config.h"
+#if CPD_WITH_CUDA
+#include "runtime/engine/cuda_ops.h"
+#endif
+
 namespace cpd::runtime {
 
 namespace {
@@ -46,13 +51,14 @@ Tensor UseFlatGradients(Sequential* model, Device device) {
 }
 
 LocalWorkers::LocalWorkers(Sequential* model, SiteQuantizer* quant, Device device,
-                           WorkerGroup group, Tensor flat_gradients, int64_t debug_nan_step,
-                           int64_t debug_nan_steps)
+                           WorkerGroup group, Tensor flat_gradients, bool device_gradients,
+                           int64_t debug_nan_step, int64_t debug_nan_steps)
     : model_(model),
       quant_(quant),
       device_(device),
       group_(group),
       flat_gradients_(std::move(flat_gradients)),
+      device_gradients_(device_gradients && device != Device::kCpu),
       debug_nan_step_(debug_nan_step),
       debug_nan_steps_(debug_nan_steps),
       params_(model->Params()),
@@ -60,8 +66,17 @@ LocalWorkers::LocalWorkers(Sequential* model, SiteQuantizer* quant, Device devic
       buffers_(model->Buffers()) {
   size_t total = 0;
   for (const Param* p : params_) total += p->grad.numel();
-  gradients_.assign(size_t(group_.local_workers), std::vector<float>(total));
-  for (auto& g : gradients_) gradient_ptrs_.push_back(g.data());
+  if (!device_gradients_) {
+    gradients_.assign(size_t(group_.local_workers), std::vector<float>(total));
+    for (auto& g : gradients_) gradient_ptrs_.push_back(g.data());
+  } else if (group_.local_workers == 1) {
+    gradient_ptrs_.push_back(flat_gradients_.data());  // backward's buffer is the input
+  } else {
+    for (int k = 0; k < group_.local_workers; ++k) {
+      device_copies_.emplace_back(std::vector<int64_t>{int64_t(total)}, device_);
+      gradient_ptrs_.push_back(device_copies_.back().data());
+    }
+  }
   for (const auto& b : buffers_) buffer_floats_ += b.second->numel();
   average_buffers_ = group_.workers > 1 && buffer_floats_ > 0;
   buffers_before_.resize(average_buffers_ ? buffer_floats_ : 0);
@@ -92,8 +107,8 @@ BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int
     totals.count += t.count;
     CopyGradientsOut(k);
     if (debug_nan_step_ >= 0 && step >= debug_nan_step_ &&
-        step - debug_nan_step_ < debug_nan_steps_ && worker == 0 && !gradients_[0].empty()) {
-      gradients_[0][0] = std::numeric_limits<float>::quiet_NaN();
+        step - debug_nan_step_ < debug_nan_steps_ && worker == 0) {
+      PutNaNIntoGradient();
     }
     if (average_buffers_) {
       SnapshotBuffers(buffers_, buffers_after_.data() + buffer_floats_ * size_t(k));
@@ -104,6 +119,10 @@ BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int
 }
 
 void LocalWorkers::CopyGradientsOut(int k) {
+  if (device_gradients_) {
+    if (!device_copies_.empty()) device_copies_[size_t(k)].CopyFrom(flat_gradients_);
+    return;
+  }
   float* out = gradients_[size_t(k)].data();
   if (device_ != Device::kCpu) {
     flat_gradients_.CopyToHost(out);  // every gradient in one copy
@@ -115,8 +134,25 @@ void LocalWorkers::CopyGradientsOut(int k) {
   }
 }
 
+void LocalWorkers::PutNaNIntoGradient() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (!device_gradients_) {
+    if (!gradients_[0].empty()) gradients_[0][0] = nan;
+    return;
+  }
+  Tensor& g = device_copies_.empty() ? flat_gradients_ : device_copies_[0];
+  if (g.numel() > 0) g.Slice(0, {1}).Fill(nan);
+}
+
 void LocalWorkers::LoadAveragedGradients() {
   const float inv_workers = 1.0f / float(group_.workers);
+  if (device_gradients_) {
+#if CPD_WITH_CUDA
+    // The CPU's float products, on the device, into the gradient views.
+    cuda::Scale(flat_gradients_.numel(), inv_workers, gradient_ptrs_[0], flat_gradients_.data());
+#endif
+    return;
+  }
   float* sum = gradients_[0].data();
   if (device_ != Device::kCpu) {
     // The same float products as on the CPU, then one copy into the gradient views.

@@ -5,8 +5,11 @@
 // buffers, and the buffers each worker leaves are kept for the replicas' average
 // (Replicas::AverageBuffers).
 //
-// On a GPU the parameters' gradients are views of one flat device buffer, so that staging them
-// through the host for the all-reduce (which sums host memory) is one copy each way per step.
+// On a GPU the parameters' gradients are views of one flat device buffer. When the all-reducer
+// takes device memory (GradientAllReduceOptions::gradients = kDevice), the gradients stay on the
+// GPU: with one worker that buffer itself is the all-reducer's input and output; with K workers
+// each worker's gradient is copied into a device buffer of its own. Otherwise they are staged
+// through the host, one copy each way per step.
 #pragma once
 
 #include <cstdint>
@@ -33,20 +36,23 @@ struct WorkerGroup {
 class LocalWorkers {
  public:
   // `model` and `quant` (REQUIRED) must outlive this object. `flat_gradients`: the device
-  // buffer of UseFlatGradients (empty on the CPU). From step `debug_nan_step` on, for
+  // buffer of UseFlatGradients (empty on the CPU). `device_gradients`: the all-reducer's buffers
+  // are device memory (REQUIRED: a GPU device). From step `debug_nan_step` on, for
   // `debug_nan_steps` steps, worker 0 puts a NaN into its gradient (a testing aid; -1: never).
   LocalWorkers(Sequential* model, SiteQuantizer* quant, Device device, WorkerGroup group,
-               Tensor flat_gradients, int64_t debug_nan_step, int64_t debug_nan_steps = 1);
+               Tensor flat_gradients, bool device_gradients, int64_t debug_nan_step,
+               int64_t debug_nan_steps = 1);
 
   // Every local worker, in order, on its rows of (x, y) at `step`; statistics are recorded for
   // worker 0 when `collect_stats`. Returns the totals over this rank's workers.
   BatchTotals ForwardBackward(const Tensor& x, const std::vector<int32_t>& y, int64_t step,
                               bool collect_stats);
 
-  // The K flat gradient buffers (the all-reducer's inputs, in worker order) and where the
-  // all-reducer leaves the sum over all workers (the first of them).
+  // The K flat gradient buffers (the all-reducer's inputs, in worker order; device pointers
+  // with device_gradients) and where the all-reducer leaves the sum over all workers (the first
+  // of them).
   float* const* gradients() { return gradient_ptrs_.data(); }
-  float* sum() { return gradients_[0].data(); }
+  float* sum() { return gradient_ptrs_[0]; }
   // Divides the sum by W and puts it into every Param::grad (or the device buffer).
   void LoadAveragedGradients();
 
@@ -58,16 +64,19 @@ class LocalWorkers {
 
  private:
   void CopyGradientsOut(int k);
+  void PutNaNIntoGradient();
 
   Sequential* model_;
   SiteQuantizer* quant_;
   Device device_;
   WorkerGroup group_;
   Tensor flat_gradients_;  // on the GPU: every gradient, as views
+  bool device_gradients_;
   int64_t debug_nan_step_, debug_nan_steps_;
   std::vector<Param*> params_;
   GradientPass pass_;
   std::vector<std::vector<float>> gradients_;  // per local worker, layout.total() floats
+  std::vector<Tensor> device_copies_;          // device_gradients with K > 1: per local worker
   std::vector<float*> gradient_ptrs_;
   NamedBuffers buffers_;
   size_t buffer_floats_ = 0;

@@ -20,6 +20,7 @@
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
+#include "cpd/config.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 #include "tests/mpi_test_main.h"
@@ -655,6 +656,22 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   EXPECT_TRUE(GradientAllReducer::Create(test::MpiWorld(), f, layout, 1).ok());
   auto none = GradientAllReducer::Create(nullptr, GradientAllReduceOptions{}, layout, 1);
   EXPECT_EQ(none.status().code(), Status::Code::kInvalidArgument);
+}
+
+// Gradients in device memory need a CUDA build (tests/comm/gradient_allreduce_cuda_test.cc tests
+// them); without one they are refused, naming what is missing.
+TEST(GradientAllReduceTest, DeviceGradientsNeedACudaBuild) {
+  EXPECT_EQ(DeviceGradientsSupported(), bool(CPD_WITH_CUDA));
+  if (CPD_WITH_CUDA) GTEST_SKIP() << "a CUDA build: gradient_allreduce_cuda_test covers them";
+  const GradientLayout layout = MakeLayout({10, 20});
+  GradientAllReduceOptions o;
+  o.gradients = MemorySpace::kDevice;
+  o.algo = AllReduceAlgo::kPacked;
+  auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, 1);
+  ASSERT_FALSE(red.ok());
+  EXPECT_EQ(red.status().code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(red.status().message().find("CPD_WITH_CUDA"), std::string::npos)
+      << red.status().ToString();
 }
 
 TEST(GradientAllReduceTest, EmptyLayoutAndSelfCommunicator) {

@@ -390,6 +390,108 @@ TEST(ReduceKernelsCudaTest, ScaledContributionEncodeMatchesCodeTransport) {
   }
 }
 
+// Random layer boundaries (offsets from `begin`, lengths 0..max_len) over n elements.
+std::vector<std::uint64_t> RandomLayers(std::size_t begin, std::size_t n, std::size_t max_len,
+                                        std::mt19937& rng) {
+  std::vector<std::uint64_t> offsets{begin};
+  std::uniform_int_distribution<std::size_t> len(0, max_len);
+  while (offsets.back() < begin + n)
+    offsets.push_back(std::min(begin + n, offsets.back() + len(rng)));
+  if (offsets.size() == 1) offsets.push_back(begin);  // n == 0: one empty layer
+  return offsets;
+}
+
+// The fused contribution encode of the device reducer (shift of each element's layer, rounding,
+// packing, flushed / saturated counts per layer) against CodeTransport's per-segment
+// EncodeCodes8/16 with statistics; layers cross code units and bytes, empty ones included.
+TEST(ReduceKernelsCudaTest, EncodeContributionMatchesCodeTransportWithCounts) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  for (const char* spec : kFormats) {
+    const Format f = Format::Parse(spec).value();
+    for (std::size_t n : kCounts) {
+      for (RoundMode mode : kModes) {
+        for (int max_shift : {3, 20}) {  // 20: many elements saturate
+          SCOPED_TRACE(std::string(spec) + " n " + std::to_string(n) + " mode " +
+                       std::to_string(int(mode)) + " shifts up to " + std::to_string(max_shift));
+          const std::size_t chunk_begin = 8 * 1000;
+          const std::int64_t worker = 2, step = 5;
+          const std::uint64_t seed = 23;
+          const std::vector<float> x = RandomGradient(n, rng);
+          const std::vector<std::uint64_t> offsets = RandomLayers(chunk_begin, n, 300, rng);
+          const std::size_t layers = offsets.size() - 1;
+          std::uniform_int_distribution<int> shift(-4, max_shift);
+          std::vector<std::int32_t> shifts(layers);
+          for (auto& sh : shifts) sh = shift(rng);
+
+          std::vector<std::uint32_t> codes(n);
+          std::vector<std::uint64_t> counts(2 * layers, 0);
+          for (std::size_t l = 0; l < layers; ++l) {
+            const std::size_t lo = offsets[l] - chunk_begin, hi = offsets[l + 1] - chunk_begin;
+            const kernels::LoopParams p =
+                Loop(mode, seed, ContributionStage(worker), step, chunk_begin + lo);
+            const float scale = kernels::Pow2(shifts[l]);
+            if (f.bits() <= 8) {
+              std::vector<std::uint8_t> c(hi - lo);
+              EncodeCodes8(x.data() + lo, hi - lo, scale, f.grid(), p, c.data(), &counts[2 * l]);
+              for (std::size_t i = lo; i < hi; ++i) codes[i] = c[i - lo];
+            } else {
+              std::vector<std::uint16_t> c(hi - lo);
+              EncodeCodes16(x.data() + lo, hi - lo, scale, f.grid(), p, c.data(), &counts[2 * l]);
+              for (std::size_t i = lo; i < hi; ++i) codes[i] = c[i - lo];
+            }
+          }
+          std::vector<std::uint8_t> expected(CodeBytes(f, n) + 8, 0);
+          PackCodes(codes.data(), n, f.bits(), expected.data());
+          expected.resize(CodeBytes(f, n));
+
+          DeviceBytes d_x(n * sizeof(float)), d_codes(CodeBytes(f, n));
+          DeviceBytes d_offsets(offsets.size() * 8), d_shifts(layers * 4), d_counts(layers * 16);
+          d_x.Upload(x.data(), n * sizeof(float));
+          d_offsets.Upload(offsets.data(), offsets.size() * 8);
+          d_shifts.Upload(shifts.data(), layers * 4);
+          ASSERT_EQ(cudaMemset(d_counts.data(), 0, layers * 16), cudaSuccess);
+          const DeviceLayers dl{reinterpret_cast<const std::uint64_t*>(d_offsets.data()),
+                                reinterpret_cast<const std::int32_t*>(d_shifts.data()),
+                                int(layers)};
+          const std::uint64_t key =
+              Loop(mode, seed, ContributionStage(worker), step, chunk_begin).rng_key;
+          const Status st = EncodeContributionCuda(
+              reinterpret_cast<const float*>(d_x.data()), n, chunk_begin, dl, f.grid(), mode, key,
+              d_codes.data(), reinterpret_cast<std::uint64_t*>(d_counts.data()), nullptr);
+          ASSERT_TRUE(st.ok()) << st.ToString();
+          std::vector<std::uint8_t> got(expected.size());
+          d_codes.Download(got.data(), got.size());
+          EXPECT_EQ(CountDifferent(got, expected), 0u);
+          std::vector<std::uint64_t> got_counts(2 * layers);
+          d_counts.Download(got_counts.data(), layers * 16);
+          EXPECT_EQ(got_counts, counts);
+
+          // And back: decode, times 2^-s of each layer, as CodeTransport::DecodeResults.
+          std::vector<float> back(n), expected_back(n);
+          const CodeDecoder dec = MakeCodeDecoder(f.grid());
+          for (std::size_t l = 0; l < layers; ++l) {
+            const std::size_t lo = offsets[l] - chunk_begin, hi = offsets[l + 1] - chunk_begin;
+            for (std::size_t i = lo; i < hi; ++i) {
+              std::uint8_t one[2] = {0, 0};
+              PackCodes(&codes[i], 1, f.bits(), one);
+              DecodeCodesScaled(one, 1, dec, kernels::Pow2(-shifts[l]), &expected_back[i]);
+            }
+          }
+          DeviceBytes d_back(n * sizeof(float));
+          const Status ds = DecodeUnshiftCuda(d_codes.data(), n, chunk_begin, dl, f.grid(),
+                                              reinterpret_cast<float*>(d_back.data()), nullptr);
+          ASSERT_TRUE(ds.ok()) << ds.ToString();
+          d_back.Download(back.data(), n * sizeof(float));
+          std::size_t bad = 0;
+          for (std::size_t i = 0; i < n; ++i) bad += Bits(back[i]) != Bits(expected_back[i]);
+          EXPECT_EQ(bad, 0u);
+        }
+      }
+    }
+  }
+}
+
 TEST(ReduceKernelsCudaTest, PackedSumRequantizeMatchesCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(13);

@@ -227,6 +227,14 @@ RunResult QuickRun(std::vector<std::string> extra) {
   return Train(args);
 }
 
+// --comm nccl names the gradient all-reduce's transport: where the gradients cannot stay on a GPU
+// it is one line naming it; an unknown --comm lists nccl among the kinds.
+TEST(CpdTrainCli, CommNcclNeedsGradientsOnAGpu) {
+  ExpectUsageError(QuickRun({"--device", "cpu", "--comm", "nccl", "--max-steps", "1"}),
+                   "--comm nccl needs");
+  ExpectUsageError(Train({"--comm", "gloo"}), "accepted: auto, self, mpi, nccl");
+}
+
 // Rank 0 says once how the lr came about: the rule, the global batch, the warm-up in epochs and
 // steps, and LARS's ratio for biases and BatchNorm.
 TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {

@@ -2,8 +2,9 @@
 // 100 steps of LeNet-5 and of ResNet-8 on the synthetic task from the same seed, in fp32 and
 // with quantisation (a CPT-like configuration; FP134 errors), compared step by step; GPU runs
 // repeat bit for bit; a checkpointed GPU run resumes bit-identically (hysteresis state
-// included); emulated data-parallel workers stage their gradients through the host. Skips
-// without a CUDA device.
+// included); emulated data-parallel workers match the CPU, and keeping their gradients on the
+// GPU for the all-reduce gives the bits of staging them through the host. Skips without a CUDA
+// device.
 //
 // Tolerances: the two devices sum in different orders (cuBLAS/cuDNN vs OpenBLAS/im2col, batch
 // statistics in double vs float lanes), so their losses differ at float32 rounding at step 0 and
@@ -213,10 +214,10 @@ TEST(CudaTraining, CpuCheckpointContinuesOnTheGpu) {
   for (double l : r.step_losses) EXPECT_TRUE(std::isfinite(l));
 }
 
-TEST(CudaTraining, EmulatedWorkersStageGradientsThroughTheHost) {
+TEST(CudaTraining, EmulatedWorkersMatchTheCpu) {
   CPD_REQUIRE_CUDA();
-  // Two logical workers: each worker's gradient is copied to the host for the all-reduce and
-  // the averaged sum copied back; BatchNorm statistics are averaged the same way.
+  // Two logical workers: their gradients summed by the all-reduce (on the GPU), BatchNorm
+  // statistics averaged through the host.
   TrainOptions o = Options("resnet8");
   o.emulate_ranks = 2;
   o.global_batch = 32;
@@ -226,6 +227,45 @@ TEST(CudaTraining, EmulatedWorkersStageGradientsThroughTheHost) {
   o.allreduce.format = "e4m3";
   o.allreduce.aps = true;
   ExpectSameCurve("resnet8 2 workers e4m3+APS", o, kQuantised);
+}
+
+TEST(CudaTraining, GradientsOnTheGpuGiveTheBitsOfStagingThemThroughTheHost) {
+  CPD_REQUIRE_CUDA();
+  // The all-reducer on device memory (one worker: backward's own buffer is its input and
+  // output; two: a device copy each) against the same run staging every gradient through the
+  // host: the same losses and parameters, bit for bit, and the same skipped step for a NaN.
+  struct Setting {
+    comm::AllReduceAlgo algo;
+    const char* format;
+    bool aps, kahan;
+    Rounding rounding;
+  };
+  for (const Setting& st :
+       {Setting{comm::AllReduceAlgo::kFp32, "e4m3", false, false, Rounding::kNearest},
+        Setting{comm::AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kStochastic},
+        Setting{comm::AllReduceAlgo::kEmulate, "e3m0", true, true, Rounding::kNearest}}) {
+    for (int k : {1, 2}) {
+      TrainOptions o = Options("resnet8", DeviceChoice::kCuda);
+      o.emulate_ranks = k;
+      o.global_batch = 32;
+      o.max_steps = 20;
+      o.debug_nan_step = 7;
+      o.allreduce.algo = st.algo;
+      o.allreduce.format = st.format;
+      o.allreduce.aps = st.aps;
+      o.allreduce.kahan = st.kahan;
+      o.allreduce.rounding = st.rounding;
+      TrainOptions staged = o;
+      staged.device_gradients = false;
+      const TrainResult on_gpu = MustTrain(o), via_host = MustTrain(staged);
+      const std::string tag = std::string(comm::AllReduceAlgoName(st.algo)) + " " + st.format +
+                              " K=" + std::to_string(k);
+      EXPECT_EQ(on_gpu.step_losses, via_host.step_losses) << tag;
+      EXPECT_EQ(on_gpu.param_hash, via_host.param_hash) << tag;
+      EXPECT_EQ(on_gpu.skipped_steps, 1) << tag;
+      EXPECT_EQ(via_host.skipped_steps, 1) << tag;
+    }
+  }
 }
 
 TEST(CudaTraining, EvaluationRunsOnTheGpu) {

@@ -184,6 +184,11 @@ void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "all-reduce over NCCL when every rank trains on a GPU) | self | mpi | nccl "
                   "(as auto, and the gradient all-reduce over NCCL or an error)")
       ->capture_default_str();
+  app->add_option("--gradients", f->gradients,
+                  "With --device cuda: device (the all-reduce works on the GPU's gradients; only "
+                  "packed codes cross PCIe) | host (gradients staged through host memory, the "
+                  "all-reduce on the CPU). The same bits either way")
+      ->capture_default_str();
   app->add_option("--emulate-ranks", o->emulate_ranks,
                   "Logical workers per process, summed with the same quantised semantics as ranks")
       ->capture_default_str();
@@ -393,6 +398,10 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   } else {
     return bad("--comm '" + f->comm_kind + "' (accepted: auto, self, mpi, nccl)");
   }
+  if (f->gradients != "device" && f->gradients != "host") {
+    return bad("--gradients '" + f->gradients + "' (accepted: device, host)");
+  }
+  o->device_gradients = f->gradients == "device";
   auto a = cpd::comm::ParseAllReduceAlgo(f->algo);
   if (!a.ok()) return bad("--allreduce: " + a.status().message());
   o->allreduce.algo = *a;

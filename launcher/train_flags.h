@@ -25,6 +25,7 @@ struct TrainFlags {
   std::vector<int> cyclic_bits;
   int cyclic_periods = 32;
   std::string cost_reference = "8/8";
+  std::string gradients = "device";
   std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
   std::string token_file, tls_ca;
   bool no_progress = false;

@@ -394,7 +394,8 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients
     if (!want) return comm_;
     return Status::InvalidArgument(
         std::string("--comm nccl needs ") +
-        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)" : "--device cuda on every rank") +
+        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)"
+                        : "--device cuda with --gradients device on every rank") +
         "; use --comm auto");
   }
   if (!want && comm_->size() == 1) return comm_;

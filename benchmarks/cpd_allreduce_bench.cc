@@ -12,6 +12,13 @@
 // x_mpi = time / MPI_Allreduce's time. relerr = ||out - sum|| / ||sum|| against a float64 sum of
 // the same N(0, scale^2) inputs. #wrong: fp32 rows re-run on small integers, whose sum is exact,
 // and count the elements that differ ("-" for quantised rows, whose error relerr reports).
+//
+// --device cuda: the gradients live in GPU memory (each rank on GPU local rank mod GPUs) and the
+// reducer works on them (GradientAllReduceOptions::gradients = kDevice). The baseline row is then
+// the float32 all-reduce a GPU job would otherwise run: ncclAllReduce with --comm nccl, or with
+// --comm mpi the float32 gradient copied to the host, MPI_Allreduce and copied back ("staged"),
+// timed from device to device; the x_base column is the ratio to it. Times wait for the GPU.
+// Without a GPU (or in a build without CUDA) it prints one SKIP line and exits 0.
 #include <mpi.h>
 #include <omp.h>
 #include <unistd.h>
@@ -31,6 +38,15 @@
 #include "benchmarks/bench_util.h"
 #include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
+#include "cpd/config.h"
+#if CPD_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cpd/quantize_cuda.h"
+#endif
+#if CPD_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 namespace {
 
@@ -91,14 +107,89 @@ double TimeIt(MPI_Comm comm, int warmup, int iters, Fn&& fn) {
   return cpd::bench::Median(t);
 }
 
-int LocalRanks() {
+// This rank's place among the ranks of its node, and their number.
+struct NodeRanks {
+  int rank = 0, size = 1;
+};
+NodeRanks LocalRanks() {
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local);
-  int n = 1;
-  MPI_Comm_size(local, &n);
+  NodeRanks n;
+  MPI_Comm_rank(local, &n.rank);
+  MPI_Comm_size(local, &n.size);
   MPI_Comm_free(&local);
   return n;
 }
+
+// Where the gradients live: host vectors, or (--device cuda) device buffers of the same sizes.
+// The benchmark keeps its inputs and checks on the host and moves them with these.
+class GradientMemory {
+ public:
+  explicit GradientMemory(bool device) : device_(device) {}
+  GradientMemory(const GradientMemory&) = delete;
+  GradientMemory& operator=(const GradientMemory&) = delete;
+  ~GradientMemory() { Release(); }
+
+  bool device() const { return device_; }
+  // x (the inputs, kept), in (the reducer's input, used as scratch) and out, of count floats.
+  void Resize(size_t count) {
+    Release();
+    count_ = count;
+    for (float** p : {&x_, &in_, &out_}) {
+      if (device_) {
+#if CPD_WITH_CUDA
+        CudaCheck(cudaMalloc(reinterpret_cast<void**>(p), count * sizeof(float)), "cudaMalloc");
+#endif
+      } else {
+        *p = new float[count];
+      }
+    }
+  }
+  float* x() { return x_; }
+  float* in() { return in_; }
+  float* out() { return out_; }
+  void Upload(float* dst, const std::vector<float>& src) { Copy(dst, src.data()); }
+  void Download(std::vector<float>* dst, const float* src) { Copy(dst->data(), src); }
+  // in = x, before every run (the reducer may use its input as scratch).
+  void RestoreInput() { Copy(in_, x_); }
+  // Waits for the device's queued work (timing ends here).
+  void Wait() {
+#if CPD_WITH_CUDA
+    if (device_) CudaCheck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+  }
+
+ private:
+#if CPD_WITH_CUDA
+  static void CudaCheck(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) Fail(std::string(what) + ": " + cudaGetErrorString(e));
+  }
+#endif
+  // Either side may be host or device memory (unified addressing).
+  void Copy(float* dst, const float* src) {
+    if (!device_) {
+      std::memcpy(dst, src, count_ * sizeof(float));
+      return;
+    }
+#if CPD_WITH_CUDA
+    CudaCheck(cudaMemcpy(dst, src, count_ * sizeof(float), cudaMemcpyDefault), "cudaMemcpy");
+#endif
+  }
+  void Release() {
+    for (float** p : {&x_, &in_, &out_}) {
+      if (*p == nullptr) continue;
+#if CPD_WITH_CUDA
+      if (device_) cudaFree(*p);
+#endif
+      if (!device_) delete[] *p;
+      *p = nullptr;
+    }
+  }
+
+  bool device_;
+  size_t count_ = 0;
+  float *x_ = nullptr, *in_ = nullptr, *out_ = nullptr;
+};
 
 }  // namespace
 
@@ -112,6 +203,14 @@ int main(int argc, char** argv) {
   int iters = 10, warmup = 2, threads = 0;
   double bucket_mb = 25;
   double scale = 1.0;
+  std::string device = "cpu", comm_kind = "mpi";
+  app.add_option("--device", device,
+                 "cpu (host gradients) | cuda (gradients in GPU memory; SKIP without a GPU)")
+      ->capture_default_str();
+  app.add_option("--comm", comm_kind,
+                 "With --device cuda: mpi (packed bytes staged through pinned host memory) | "
+                 "nccl")
+      ->capture_default_str();
   app.add_option("-b,--minbytes", minbytes, "Smallest size, bytes of float32 (8, 64K, 64M)")
       ->capture_default_str();
   app.add_option("-e,--maxbytes", maxbytes, "Largest size")->capture_default_str();
@@ -155,6 +254,21 @@ int main(int argc, char** argv) {
                  "--scale > 0\n");
     return 2;
   }
+  if (device != "cpu" && device != "cuda") {
+    std::fprintf(stderr, "cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n",
+                 device.c_str());
+    return 2;
+  }
+  if (comm_kind != "mpi" && comm_kind != "nccl") {
+    std::fprintf(stderr, "cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n",
+                 comm_kind.c_str());
+    return 2;
+  }
+  if (comm_kind == "nccl" && device != "cuda") {
+    std::fprintf(stderr, "cpd-allreduce-bench: --comm nccl needs --device cuda\n");
+    return 2;
+  }
+  const bool on_gpu = device == "cuda";
   std::vector<AllReduceAlgo> algos;
   for (const std::string& a : cpd::bench::SplitList(algos_list)) {
     auto parsed = cpd::comm::ParseAllReduceAlgo(a);
@@ -183,9 +297,53 @@ int main(int argc, char** argv) {
   std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
   const int rank = comm->rank(), np = comm->size();
   const MPI_Comm mc = comm->mpi_comm();
-  const int local = LocalRanks();
+  const NodeRanks node = LocalRanks();
+  const int local = node.size;
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
   if (threads == 0) threads = std::max(1, cores / local);
+
+  // --device cuda: this rank's GPU, and the communicator the reducer and the baseline use.
+  cpd::comm::Communicator* reduce_comm = comm.get();
+  std::string gpu_name;
+  if (on_gpu) {
+    int gpu_ok = 1;
+#if CPD_WITH_CUDA
+    int gpus = 0;
+    if (!cpd::CudaDeviceAvailable() || cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) {
+      gpu_ok = 0;
+    }
+#else
+    gpu_ok = 0;
+#endif
+    MPI_Allreduce(MPI_IN_PLACE, &gpu_ok, 1, MPI_INT, MPI_MIN, mc);
+    if (!gpu_ok) {
+      if (rank == 0) {
+        std::printf("SKIP: --device cuda: %s\n", CPD_WITH_CUDA ? "no CUDA device on some rank"
+                                                               : "this build has no CUDA");
+      }
+      return 0;
+    }
+#if CPD_WITH_CUDA
+    if (cudaSetDevice(node.rank % gpus) != cudaSuccess) Fail("cudaSetDevice failed");
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, node.rank % gpus) == cudaSuccess) gpu_name = prop.name;
+#endif
+  }
+#if CPD_WITH_NCCL
+  std::unique_ptr<cpd::comm::NcclCommunicator> nccl;
+  if (comm_kind == "nccl") {
+    auto made = cpd::comm::NcclCommunicator::Create(comm.get(), -1);
+    Check(made.status(), "NcclCommunicator::Create");
+    nccl = std::move(made).value();
+    reduce_comm = nccl.get();
+  }
+#else
+  if (comm_kind == "nccl") {
+    if (rank == 0) std::printf("SKIP: --comm nccl: this build has no NCCL\n");
+    return 0;
+  }
+#endif
+  const char* baseline = !on_gpu ? "mpi" : comm_kind == "nccl" ? "nccl" : "staged";
 
   if (rank == 0) {
     cpd::bench::WarnIfUnoptimised();
@@ -196,9 +354,16 @@ int main(int argc, char** argv) {
         "# cpd-allreduce-bench: %d ranks (%d on this node, %d cores), %d quantisation "
         "thread(s) per rank, APS %s, bucket %g MiB, median of %d after %d warm-up\n",
         np, local, cores, threads, aps.c_str(), bucket_mb, iters, warmup);
+    if (on_gpu) {
+      std::printf("# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
+                  "time / its time\n",
+                  gpu_name.c_str(),
+                  comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory",
+                  baseline);
+    }
     std::printf("# load average at start: %s\n", load.c_str());
     std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "size", "count", "format",
-                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", "x_mpi", "relerr", "#wrong");
+                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", on_gpu ? "x_base" : "x_mpi", "relerr", "#wrong");
     std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "(B)", "(elems)", "", "", "",
                 "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
   }
@@ -207,7 +372,7 @@ int main(int argc, char** argv) {
     const size_t count = std::max<size_t>(1, size_t(size_d) / sizeof(float));
     const size_t bytes = count * sizeof(float);
     // N(0, 1) inputs, different on every rank; a float64 reference sum of them.
-    std::vector<float> x(count), in(count), out(count);
+    std::vector<float> x(count), out(count);
     std::mt19937_64 rng(1234567u + uint64_t(rank));
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (auto& v : x) v = normal(rng) * float(scale);
@@ -252,15 +417,47 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     };
 
-    // Baseline: MPI_Allreduce, float32, out of place on the same buffers.
+    GradientMemory mem(on_gpu);
+    mem.Resize(count);
+    mem.Upload(mem.x(), x);
+    // The baseline's float32 all-reduce of `src` into mem.out(): MPI_Allreduce on host buffers;
+    // on the GPU ncclAllReduce (in place, so src is copied first) or staged through the host.
+    std::vector<float> staged(on_gpu ? count : 0);
+    auto baseline_allreduce = [&](float* src) {
+      if (!on_gpu) {
+        MPI_Allreduce(src, mem.out(), int(count), MPI_FLOAT, MPI_SUM, mc);
+      } else if (reduce_comm != comm.get()) {
+        mem.RestoreInput();  // ncclAllReduce works in place on mem.in()
+        Check(reduce_comm->AllReduce(mem.in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
+      } else {
+        mem.Download(&staged, src);
+        MPI_Allreduce(MPI_IN_PLACE, staged.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
+        mem.Upload(mem.out(), staged);
+      }
+      mem.Wait();
+    };
+    const bool in_place_baseline = on_gpu && reduce_comm != comm.get();
     const double t_mpi = TimeIt(mc, warmup, iters, [&](bool) {
+      if (in_place_baseline) mem.RestoreInput();
+      mem.Wait();
+      MPI_Barrier(mc);
       const double t0 = MPI_Wtime();
-      MPI_Allreduce(x.data(), out.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
+      if (in_place_baseline) {
+        Check(reduce_comm->AllReduce(mem.in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
+        mem.Wait();
+      } else {
+        baseline_allreduce(mem.x());
+      }
       return MPI_Wtime() - t0;
     });
+    auto baseline_result = [&]() -> const float* { return in_place_baseline ? mem.in() : mem.out(); };
+    mem.Download(&out, baseline_result());
     const double err_mpi = relerr(out);
-    MPI_Allreduce(xi.data(), out.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
-    print("fp32", "mpi", t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi);
+    mem.Upload(mem.x(), xi);
+    baseline_allreduce(mem.x());
+    mem.Download(&out, baseline_result());
+    mem.Upload(mem.x(), x);
+    print("fp32", baseline, t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi);
 
     GradientLayout layout;
     layout.layer_names = {"grad"};
@@ -275,24 +472,29 @@ int main(int argc, char** argv) {
         opts.aps = aps == "on";
         opts.bucket_mb = bucket_mb;
         opts.threads = threads;
-        auto red = GradientAllReducer::Create(comm.get(), opts, layout, 1);
+        if (on_gpu) opts.gradients = cpd::comm::MemorySpace::kDevice;
+        auto red = GradientAllReducer::Create(reduce_comm, opts, layout, 1);
         Check(red.status(), "GradientAllReducer::Create");
         GradientAllReducer& r = *red.value();
-        float* ptrs[1] = {in.data()};
+        float* ptrs[1] = {mem.in()};
         // The inputs may serve as scratch: restore them (untimed) before every run.
         const double t = TimeIt(mc, warmup, iters, [&](bool) {
-          std::memcpy(in.data(), x.data(), bytes);
+          mem.RestoreInput();
+          mem.Wait();
           MPI_Barrier(mc);
           const double t0 = MPI_Wtime();
-          Check(r.Reduce(ptrs, out.data(), 0), "Reduce");
+          Check(r.Reduce(ptrs, mem.out(), 0), "Reduce");
+          mem.Wait();
           return MPI_Wtime() - t0;
         });
         const double sent = double(r.last_bytes_sent());
+        mem.Download(&out, mem.out());
         const double err = relerr(out);
         long long wrong = -1;
         if (algo == AllReduceAlgo::kFp32) {
-          std::memcpy(in.data(), xi.data(), bytes);
-          Check(r.Reduce(ptrs, out.data(), 0), "Reduce");
+          mem.Upload(mem.in(), xi);
+          Check(r.Reduce(ptrs, mem.out(), 0), "Reduce");
+          mem.Download(&out, mem.out());
           wrong = (long long)count_wrong(out);
         }
         print(algo == AllReduceAlgo::kFp32 ? "fp32" : f.c_str(), cpd::comm::AllReduceAlgoName(algo),

@@ -5,6 +5,10 @@
 // GB/s counts the bytes read plus the bytes written (8 per element); the last column is the
 // ratio to the memcpy's GB/s, i.e. the fraction of the copy bandwidth reached.
 //
+// Then the packed codec of the all-reduce: EncodeCuda (float32 -> packed codes + scale
+// metadata) and DecodeCuda (back), whose GB/s count the 4 bytes read or written per element
+// plus the packed bytes (issue 15's target: encode at >= 0.85 of the copy's GB/s).
+//
 // Usage: bench_quantize_cuda [MiB]   (default 64). Without a GPU: prints "SKIP: no CUDA
 // device" and exits 0.
 #include <cuda_runtime.h>
@@ -142,7 +146,61 @@ int main(int argc, char** argv) {
                   us, gbs, gbs / copy_gbs);
     }
   }
-  std::printf("GB/s = (bytes read + bytes written) / time; 'vs copy' = GB/s / memcpy GB/s\n");
+  // The packed codec: encode to and decode from one packed buffer of the largest size needed.
+  const char* const packed_formats[] = {"e4m3", "e5m2", "e3m0", "e2m1", "fp16", "bf16", "int8"};
+  size_t packed_max = 0;
+  for (const char* spec : packed_formats) {
+    auto format = cpd::Format::Parse(spec);
+    if (format.ok()) packed_max = std::max(packed_max, cpd::PackedSize(*format, n, 1));
+  }
+  uint8_t* d_packed = nullptr;
+  CUDA_CHECK(cudaMalloc(&d_packed, packed_max));
+  for (const char* spec : packed_formats) {
+    auto format = cpd::Format::Parse(spec);
+    if (!format.ok()) {
+      std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
+      return 1;
+    }
+    cpd::PackedTensorCuda packed;
+    packed.bytes = d_packed;
+    packed.size = cpd::PackedSize(*format, n, 1);
+    const double moved = double(bytes) + double(packed.size);
+    for (cpd::Rounding rounding : roundings) {
+      cpd::QuantizeOptions opts;
+      opts.rounding = rounding;
+      opts.seed = 1;
+      cpd::Status status;
+      const double us = MedianMicros(stream, [&] {
+        const cpd::Status st = cpd::EncodeCuda(*format, d_in, n, opts, &packed, nullptr, stream);
+        if (!st.ok()) status = st;
+      });
+      if (!status.ok()) {
+        std::fprintf(stderr, "encode %s %s: %s\n", spec, cpd::RoundingName(rounding),
+                     status.ToString().c_str());
+        ++failures;
+        continue;
+      }
+      const double gbs = moved / (us * 1e3);
+      std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", (std::string("enc ") + spec).c_str(),
+                  cpd::RoundingName(rounding), n, us, gbs, gbs / copy_gbs);
+    }
+    cpd::Status status;
+    const double us = MedianMicros(stream, [&] {
+      const cpd::Status st = cpd::DecodeCuda(*format, packed, d_out, stream);
+      if (!st.ok()) status = st;
+    });
+    if (!status.ok()) {
+      std::fprintf(stderr, "decode %s: %s\n", spec, status.ToString().c_str());
+      ++failures;
+      continue;
+    }
+    const double gbs = moved / (us * 1e3);
+    std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", (std::string("dec ") + spec).c_str(),
+                "-", n, us, gbs, gbs / copy_gbs);
+  }
+  CUDA_CHECK(cudaFree(d_packed));
+  std::printf("GB/s = (bytes read + bytes written) / time; 'vs copy' = GB/s / memcpy GB/s; enc/dec: "
+              "float32 bytes + packed bytes\n");
 
   CUDA_CHECK(cudaFree(d_in));
   CUDA_CHECK(cudaFree(d_out));

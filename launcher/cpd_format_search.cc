@@ -39,10 +39,6 @@ using cpd::runtime::SiteSet;
 
 constexpr const char* kTool = "cpd-format-search";
 
-[[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
-  cpd::launcher::FailWith(kTool, msg, code);
-}
-
 struct Flags {
   std::string checkpoint, arch = "lenet5", dataset = "fashion-mnist", data_dir;
   std::vector<std::string> formats;

@@ -116,87 +116,73 @@ int main(int argc, char** argv) {
               "GB/s", "vs copy");
   std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", "memcpy", "-", n, copy_us, copy_gbs, 1.0);
 
-  const char* const formats[] = {"e4m3",  "e5m2",  "bf16",  "fp16", "e2m1",
-                                 "fp134", "mxfp8", "mxfp4", "int8"};
-  const cpd::Rounding roundings[] = {cpd::Rounding::kNearest, cpd::Rounding::kStochastic};
+  // One row: the median time of `op` (a call returning a Status, queued on `stream`) and its
+  // GB/s for `moved` bytes read + written; a failed call is reported and counted instead.
   int failures = 0;
-  for (const char* spec : formats) {
+  auto row = [&](const std::string& label, const char* rounding, double moved, auto&& op) {
+    cpd::Status status;
+    const double us = MedianMicros(stream, [&] {
+      const cpd::Status st = op();
+      if (!st.ok()) status = st;
+    });
+    if (!status.ok()) {
+      std::fprintf(stderr, "%s %s: %s\n", label.c_str(), rounding, status.ToString().c_str());
+      ++failures;
+      return;
+    }
+    const double gbs = moved / (us * 1e3);
+    std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", label.c_str(), rounding, n, us, gbs,
+                gbs / copy_gbs);
+  };
+  auto parse = [](const char* spec) {
     auto format = cpd::Format::Parse(spec);
     if (!format.ok()) {
       std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
-      return 1;
+      std::exit(1);
     }
+    return *format;
+  };
+  auto options = [](cpd::Rounding rounding) {
+    cpd::QuantizeOptions opts;
+    opts.rounding = rounding;
+    opts.seed = 1;
+    return opts;
+  };
+
+  const char* const formats[] = {"e4m3",  "e5m2",  "bf16",  "fp16", "e2m1",
+                                 "fp134", "mxfp8", "mxfp4", "int8"};
+  const cpd::Rounding roundings[] = {cpd::Rounding::kNearest, cpd::Rounding::kStochastic};
+  for (const char* spec : formats) {
+    const cpd::Format format = parse(spec);
     for (cpd::Rounding rounding : roundings) {
-      cpd::QuantizeOptions opts;
-      opts.rounding = rounding;
-      opts.seed = 1;
-      cpd::Status status;
-      const double us = MedianMicros(stream, [&] {
-        const cpd::Status s = cpd::QuantizeCuda(*format, d_in, d_out, n, opts, nullptr, stream);
-        if (!s.ok()) status = s;
+      const cpd::QuantizeOptions opts = options(rounding);
+      row(spec, cpd::RoundingName(rounding), 2.0 * double(bytes), [&] {
+        return cpd::QuantizeCuda(format, d_in, d_out, n, opts, nullptr, stream);
       });
-      if (!status.ok()) {
-        std::fprintf(stderr, "%s %s: %s\n", spec, cpd::RoundingName(rounding),
-                     status.ToString().c_str());
-        ++failures;
-        continue;
-      }
-      const double gbs = 2.0 * double(bytes) / (us * 1e3);
-      std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", spec, cpd::RoundingName(rounding), n,
-                  us, gbs, gbs / copy_gbs);
     }
   }
   // The packed codec: encode to and decode from one packed buffer of the largest size needed.
   const char* const packed_formats[] = {"e4m3", "e5m2", "e3m0", "e2m1", "fp16", "bf16", "int8"};
   size_t packed_max = 0;
   for (const char* spec : packed_formats) {
-    auto format = cpd::Format::Parse(spec);
-    if (format.ok()) packed_max = std::max(packed_max, cpd::PackedSize(*format, n, 1));
+    packed_max = std::max(packed_max, cpd::PackedSize(parse(spec), n, 1));
   }
   uint8_t* d_packed = nullptr;
   CUDA_CHECK(cudaMalloc(&d_packed, packed_max));
   for (const char* spec : packed_formats) {
-    auto format = cpd::Format::Parse(spec);
-    if (!format.ok()) {
-      std::fprintf(stderr, "%s\n", format.status().ToString().c_str());
-      return 1;
-    }
+    const cpd::Format format = parse(spec);
     cpd::PackedTensorCuda packed;
     packed.bytes = d_packed;
-    packed.size = cpd::PackedSize(*format, n, 1);
+    packed.size = cpd::PackedSize(format, n, 1);
     const double moved = double(bytes) + double(packed.size);
     for (cpd::Rounding rounding : roundings) {
-      cpd::QuantizeOptions opts;
-      opts.rounding = rounding;
-      opts.seed = 1;
-      cpd::Status status;
-      const double us = MedianMicros(stream, [&] {
-        const cpd::Status st = cpd::EncodeCuda(*format, d_in, n, opts, &packed, nullptr, stream);
-        if (!st.ok()) status = st;
+      const cpd::QuantizeOptions opts = options(rounding);
+      row(std::string("enc ") + spec, cpd::RoundingName(rounding), moved, [&] {
+        return cpd::EncodeCuda(format, d_in, n, opts, &packed, nullptr, stream);
       });
-      if (!status.ok()) {
-        std::fprintf(stderr, "encode %s %s: %s\n", spec, cpd::RoundingName(rounding),
-                     status.ToString().c_str());
-        ++failures;
-        continue;
-      }
-      const double gbs = moved / (us * 1e3);
-      std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", (std::string("enc ") + spec).c_str(),
-                  cpd::RoundingName(rounding), n, us, gbs, gbs / copy_gbs);
     }
-    cpd::Status status;
-    const double us = MedianMicros(stream, [&] {
-      const cpd::Status st = cpd::DecodeCuda(*format, packed, d_out, stream);
-      if (!st.ok()) status = st;
-    });
-    if (!status.ok()) {
-      std::fprintf(stderr, "decode %s: %s\n", spec, status.ToString().c_str());
-      ++failures;
-      continue;
-    }
-    const double gbs = moved / (us * 1e3);
-    std::printf("%-10s %-11s %10zu %10.1f %9.1f %9.3f\n", (std::string("dec ") + spec).c_str(),
-                "-", n, us, gbs, gbs / copy_gbs);
+    row(std::string("dec ") + spec, "-", moved,
+        [&] { return cpd::DecodeCuda(format, packed, d_out, stream); });
   }
   CUDA_CHECK(cudaFree(d_packed));
   std::printf("GB/s = (bytes read + bytes written) / time; 'vs copy' = GB/s / memcpy GB/s; enc/dec: "

@@ -181,7 +181,7 @@ class GradientMemory {
 #if CPD_WITH_CUDA
       if (device_) cudaFree(*p);
 #endif
-      if (!device_) delete[] *p;
+      if (!device_) delete[] * p;
       *p = nullptr;
     }
   }
@@ -318,8 +318,8 @@ int main(int argc, char** argv) {
     MPI_Allreduce(MPI_IN_PLACE, &gpu_ok, 1, MPI_INT, MPI_MIN, mc);
     if (!gpu_ok) {
       if (rank == 0) {
-        std::printf("SKIP: --device cuda: %s\n", CPD_WITH_CUDA ? "no CUDA device on some rank"
-                                                               : "this build has no CUDA");
+        std::printf("SKIP: --device cuda: %s\n",
+                    CPD_WITH_CUDA ? "no CUDA device on some rank" : "this build has no CUDA");
       }
       return 0;
     }
@@ -355,15 +355,16 @@ int main(int argc, char** argv) {
         "thread(s) per rank, APS %s, bucket %g MiB, median of %d after %d warm-up\n",
         np, local, cores, threads, aps.c_str(), bucket_mb, iters, warmup);
     if (on_gpu) {
-      std::printf("# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
-                  "time / its time\n",
-                  gpu_name.c_str(),
-                  comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory",
-                  baseline);
+      std::printf(
+          "# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
+          "time / its time\n",
+          gpu_name.c_str(),
+          comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory", baseline);
     }
     std::printf("# load average at start: %s\n", load.c_str());
     std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "size", "count", "format",
-                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", on_gpu ? "x_base" : "x_mpi", "relerr", "#wrong");
+                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", on_gpu ? "x_base" : "x_mpi",
+                "relerr", "#wrong");
     std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "(B)", "(elems)", "", "", "",
                 "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
   }
@@ -450,7 +451,9 @@ int main(int argc, char** argv) {
       }
       return MPI_Wtime() - t0;
     });
-    auto baseline_result = [&]() -> const float* { return in_place_baseline ? mem.in() : mem.out(); };
+    auto baseline_result = [&]() -> const float* {
+      return in_place_baseline ? mem.in() : mem.out();
+    };
     mem.Download(&out, baseline_result());
     const double err_mpi = relerr(out);
     mem.Upload(mem.x(), xi);

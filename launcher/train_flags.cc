@@ -36,6 +36,18 @@ Status ApplyConfigEntries(CLI::App& app, const std::vector<ConfigEntry>& entries
   return Status::Ok();
 }
 
+Result<std::vector<std::string>> FlagValuesOf(const YAML::Node& node) {
+  const Status bad = Status::InvalidArgument("expected a scalar or a list of scalars");
+  if (node.IsScalar()) return std::vector<std::string>{node.as<std::string>()};
+  if (!node.IsSequence()) return bad;
+  std::vector<std::string> values;
+  for (const auto& item : node) {
+    if (!item.IsScalar()) return bad;
+    values.push_back(item.as<std::string>());
+  }
+  return values;
+}
+
 // The keys of a YAML mapping onto the options the command line did not give. yaml-cpp reports
 // problems by exceptions; each becomes an InvalidArgument naming `origin`.
 Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string& origin) {
@@ -48,16 +60,9 @@ Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string
       if (!kv.first.IsScalar()) return bad("every key must be a flag name");
       ConfigEntry e;
       e.key = kv.first.as<std::string>();
-      if (kv.second.IsSequence()) {
-        for (const auto& v : kv.second) {
-          if (!v.IsScalar()) return bad("key '" + e.key + "': a list of scalars is expected");
-          e.values.push_back(v.as<std::string>());
-        }
-      } else if (kv.second.IsScalar()) {
-        e.values.push_back(kv.second.as<std::string>());
-      } else {
-        return bad("key '" + e.key + "' must be a scalar or a list");
-      }
+      auto values = FlagValuesOf(kv.second);
+      if (!values.ok()) return bad("key '" + e.key + "': " + values.status().message());
+      e.values = std::move(values).value();
       entries.push_back(std::move(e));
     }
   } catch (const YAML::Exception& e) {

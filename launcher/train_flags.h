@@ -11,6 +11,10 @@
 #include "cpd/status.h"
 #include "runtime/train/trainer.h"
 
+namespace YAML {
+class Node;
+}  // namespace YAML
+
 namespace cpd::launcher {
 
 // The flags that are not fields of TrainOptions, as parsed; ApplyTrainFlags turns them into
@@ -41,6 +45,11 @@ struct ConfigEntry {
   std::string key;
   std::vector<std::string> values;
 };
+
+// The values a YAML node gives a flag: a scalar is one value, a list of scalars one per item (an
+// empty list none). Anything else is InvalidArgument "expected a scalar or a list of scalars".
+// The one reading of config values for --config files and cpd-study's study files.
+Result<std::vector<std::string>> FlagValuesOf(const YAML::Node& node);
 
 // Applies `entries` in order to the options the command line did not give, as if each value had
 // been given to the flag: the one path from config keys to options (the YAML loader below and

@@ -156,9 +156,8 @@ int main(int argc, char** argv) {
     const cpd::Format format = parse(spec);
     for (cpd::Rounding rounding : roundings) {
       const cpd::QuantizeOptions opts = options(rounding);
-      row(spec, cpd::RoundingName(rounding), 2.0 * double(bytes), [&] {
-        return cpd::QuantizeCuda(format, d_in, d_out, n, opts, nullptr, stream);
-      });
+      row(spec, cpd::RoundingName(rounding), 2.0 * double(bytes),
+          [&] { return cpd::QuantizeCuda(format, d_in, d_out, n, opts, nullptr, stream); });
     }
   }
   // The packed codec: encode to and decode from one packed buffer of the largest size needed.
@@ -177,16 +176,16 @@ int main(int argc, char** argv) {
     const double moved = double(bytes) + double(packed.size);
     for (cpd::Rounding rounding : roundings) {
       const cpd::QuantizeOptions opts = options(rounding);
-      row(std::string("enc ") + spec, cpd::RoundingName(rounding), moved, [&] {
-        return cpd::EncodeCuda(format, d_in, n, opts, &packed, nullptr, stream);
-      });
+      row(std::string("enc ") + spec, cpd::RoundingName(rounding), moved,
+          [&] { return cpd::EncodeCuda(format, d_in, n, opts, &packed, nullptr, stream); });
     }
     row(std::string("dec ") + spec, "-", moved,
         [&] { return cpd::DecodeCuda(format, packed, d_out, stream); });
   }
   CUDA_CHECK(cudaFree(d_packed));
-  std::printf("GB/s = (bytes read + bytes written) / time; 'vs copy' = GB/s / memcpy GB/s; enc/dec: "
-              "float32 bytes + packed bytes\n");
+  std::printf(
+      "GB/s = (bytes read + bytes written) / time; 'vs copy' = GB/s / memcpy GB/s; enc/dec: "
+      "float32 bytes + packed bytes\n");
 
   CUDA_CHECK(cudaFree(d_in));
   CUDA_CHECK(cudaFree(d_out));

@@ -275,11 +275,10 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
     csv += CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
            r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
            Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
-           (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," +
-           (r.collapsed ? "1" : "0") + "," + std::to_string(r.classes) + "," +
-           Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) + "," + Fmt(r.images_per_s) + "," +
-           Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," + CsvField(r.cost_reference) + "," +
-           Fmt(r.final_acc - reference) + "\n";
+           (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
+           "," + std::to_string(r.classes) + "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) +
+           "," + Fmt(r.images_per_s) + "," + Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," +
+           CsvField(r.cost_reference) + "," + Fmt(r.final_acc - reference) + "\n";
   }
   return csv;
 }
@@ -399,9 +398,10 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
     md += " " + a.name + " |";
     rule += "---|";
   }
-  md += " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |"
-        " skipped | img/s | wall s | cost |\n" +
-        rule + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  md +=
+      " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |"
+      " skipped | img/s | wall s | cost |\n" +
+      rule + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Group& g : groups) {
     md += "|";
     for (const auto& l : g.first->labels) md += " " + l + " |";

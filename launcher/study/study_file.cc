@@ -38,19 +38,11 @@ std::string NormalBool(const std::string& s) {
 // A scalar, or a list of scalars, as the values given to a flag.
 Result<FlagValue> ReadValue(const YAML::Node& n, const std::string& path, const std::string& what,
                             bool boolean) {
-  FlagValue v;
-  if (n.IsScalar()) {
-    v.push_back(n.as<std::string>());
-  } else if (n.IsSequence() && !boolean) {
-    for (const auto& item : n) {
-      if (!item.IsScalar()) return Bad(path, what + ": expected a scalar or a list of scalars");
-      v.push_back(item.as<std::string>());
-    }
-    if (v.empty()) return Bad(path, what + ": an empty list");
-  } else {
-    return Bad(path, what + (boolean ? ": expected true or false"
-                                     : ": expected a scalar or a list of scalars"));
-  }
+  if (boolean && !n.IsScalar()) return Bad(path, what + ": expected true or false");
+  auto values = FlagValuesOf(n);
+  if (!values.ok()) return Bad(path, what + ": " + values.status().message());
+  FlagValue v = std::move(values).value();
+  if (v.empty()) return Bad(path, what + ": an empty list");
   if (boolean) {
     v[0] = NormalBool(v[0]);
     if (v[0].empty()) return Bad(path, what + ": expected true or false (a boolean flag)");

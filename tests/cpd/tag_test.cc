@@ -23,8 +23,8 @@ TEST(Tag, RefusesEveryOtherCharacter) {
     EXPECT_EQ(IsTagCharacter(ch), documented) << c;
     EXPECT_EQ(IsTag(std::string("a") + ch, 8), documented) << c;
   }
-  EXPECT_FALSE(IsTag("a/b", 8));   // a path
-  EXPECT_FALSE(IsTag("a b", 8));   // a space
+  EXPECT_FALSE(IsTag("a/b", 8));  // a path
+  EXPECT_FALSE(IsTag("a b", 8));  // a space
   EXPECT_TRUE(HasOnlyTagCharacters(""));
 }
 

@@ -106,6 +106,10 @@ TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
       {"name: s\ngrid:\n  optimizer: [sgd, adam]\n", "run optimizer_adam.seed_1"},
       {"name: s\ngrid:\n  epochs: [1, abc]\n", "key 'epochs'"},
       {"name: s\ngrid:\n  aps: [maybe]\n", "true or false"},
+      {"name: s\nbase:\n  lr: {a: 1}\n" + grid,
+       "base: 'lr': expected a scalar or a list of scalars"},
+      {"name: s\ngrid:\n  cyclic-bits: [[3, [8]]]\n", "expected a scalar or a list of scalars"},
+      {"name: s\nbase:\n  lr: []\n" + grid, "base: 'lr': an empty list"},
       {"name: s\nranks: 2\ngrid:\n  workers: [3]\n", "do not divide over ranks 2"},
       {"name: s\nranks: 2\ngrid:\n  global-batch: [100]\n  workers: [8]\n",
        "global-batch 100 does not split evenly over 8 workers"},
@@ -471,8 +475,8 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   // leaves fc2 out of that step's means).
   metrics("e4m3", 1,
           Epoch(1, 0.5, "1.5") + Step(1, 2, 0.1, 0.3) + Step(2, 4, 0.2, 0.4) +
-              Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") +
-              ZeroFc2Step(3) + "{\"type\":\"epo");
+              Epoch(2, 0.6, "1.2") + Step(2, 9, 0.9, 0.9) + Epoch(2, 0.8, "1.0") + ZeroFc2Step(3) +
+              "{\"type\":\"epo");
   metrics("e4m3", 2, Epoch(1, 0.75, "1.1") + Epoch(2, 0.7, "0.9"));
   metrics("e4m3", 3, Epoch(1, 0.9, "0.5", 0, -0.3));
   // e5m2: seed 1 a 100-class run near chance (collapsed: 0.014 <= 1.5 / 100), seed 2 a NaN loss
@@ -494,8 +498,7 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_DOUBLE_EQ(std::stod(a.at("best_test_accuracy")), 0.8);
   EXPECT_DOUBLE_EQ(std::stod(a.at("final_loss")), 1.0);
   EXPECT_DOUBLE_EQ(std::stod(a.at("mean_aps_shift")), (2 + 0 + 4 + 0 + 1.5) / 5.0);
-  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_allreduce_flushed")),
-                   (0.1 + 0.3 + 0.2 + 0.4 + 0.25) / 5.0);
+  EXPECT_DOUBLE_EQ(std::stod(a.at("mean_allreduce_flushed")), (0.1 + 0.3 + 0.2 + 0.4 + 0.25) / 5.0);
   EXPECT_EQ(a.at("collapsed"), "0");
   EXPECT_NEAR(std::stod(a.at("accuracy_vs_reference")), 0.8 - 0.8, 1e-12);
   EXPECT_DOUBLE_EQ(std::stod(rows[1].at("best_test_accuracy")), 0.75);
@@ -532,8 +535,7 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   char cell[64];
   std::snprintf(cell, sizeof cell, "| e4m3 | 3 | 0 | %.2f ± %.2f |", 100 * m, 100 * sd);
   EXPECT_NE(md.find(cell), std::string::npos) << md;
-  EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"),
-            std::string::npos)
+  EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"), std::string::npos)
       << md;
   const auto layers = ReadCsv(out + "/report/layers.csv");
   ASSERT_EQ(layers.size(), 2u);

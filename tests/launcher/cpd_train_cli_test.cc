@@ -96,6 +96,10 @@ TEST(CpdTrainCli, BadInputIsOneLineAndExitTwo) {
   const std::string bad_key = WriteTemp("bad.yaml", "epoch: 3\n");
   ExpectUsageError(Train({"--config", bad_key}), "'epoch'");
   std::remove(bad_key.c_str());
+  const std::string nested = WriteTemp("nested.yaml", "epochs: {a: 1}\nlr: [0.1, [0.2]]\n");
+  ExpectUsageError(Train({"--config", nested}),
+                   "key 'epochs': expected a scalar or a list of scalars");
+  std::remove(nested.c_str());
 }
 
 TEST(CpdTrainCli, PrintModelListsQuantisableLayers) {

@@ -97,31 +97,33 @@ CPD_HD float Pow2(int32_t e) {
 // ---------------------------------------------------------------------------------------------
 // Counter-based random bits: a function of (key, index) only, so stochastic rounding gives the
 // same result for any thread count, chunking, or CPU vs GPU. key = MakeRandomKey(seed, step).
-// Mix32 is Chris Wellons' "lowbias32" integer hash (a bijection with low avalanche bias).
-CPD_HD uint32_t Mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21f0aaadu;
-  x ^= x >> 15;
-  x *= 0x735a2d97u;
-  x ^= x >> 15;
-  return x;
-}
+//
+// Stream version 2 (issue 17): element i takes 32-bit half (i & 1), low half first, of
+// Mix64(key + (i >> 1) * kGolden64), i.e. of output i/2 + 1 of the SplitMix64 generator seeded
+// with key. One 64-bit hash serves two elements, and a vector of 8 hashes fills 16 lanes in
+// order, so the CPU loops generate the stream at memory speed (kernels/quantize_cpu.cc).
+// Version 1 (two rounds of Wellons' lowbias32 per element) cost four 32-bit multiplies per
+// element and held stochastic rounding to about a third of memcpy's speed. A checkpoint records
+// the version it was written with.
+constexpr int kRandomStreamVersion = 2;
+constexpr uint64_t kGolden64 = 0x9e3779b97f4a7c15ull;  // SplitMix64's increment
 
-CPD_HD uint64_t SplitMix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
+// SplitMix64's output function (Steele, Lea, Flood 2014): a bijection with full avalanche.
+CPD_HD uint64_t Mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
+
+CPD_HD uint64_t SplitMix64(uint64_t z) { return Mix64(z + kGolden64); }
 
 CPD_HD uint64_t MakeRandomKey(uint64_t seed, uint64_t step) {
   return SplitMix64(SplitMix64(seed) ^ step);
 }
 
 CPD_HD uint32_t RandomBits(uint64_t key, uint64_t index) {
-  const uint32_t lo = uint32_t(index) ^ uint32_t(key);
-  const uint32_t hi = uint32_t(index >> 32) ^ uint32_t(key >> 32);
-  return Mix32(Mix32(lo) + Mix32(hi ^ 0x5bd1e995u));
+  const uint64_t z = Mix64(key + (index >> 1) * kGolden64);
+  return uint32_t(z >> ((index & 1u) * 32u));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #include "kernels/quantize_cpu.h"
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -54,15 +56,42 @@ struct Rounded {
   uint32_t code;
 };
 
-// The element loop: round(x, i) -> Rounded, writing out/codes as asked.
-template <bool kOut, bool kCodes, typename RoundFn>
-CPD_INLINE void ElementLoop(const float* in, float* out, uint32_t* codes, size_t n,
-                            size_t index_base, const RoundFn& round) {
-  for (size_t i = 0; i < n; ++i) {
-    const Rounded r = round(in[i], index_base + i);
+// A span rounder rounds n elements whose random-stream index starts at `first`, writing out and
+// codes as kOut/kCodes ask. ElementSpan wraps a per-element round(x, random bits) -> Rounded;
+// with kRandom the bits of each L1-sized piece are generated first, in one vectorised pass.
+template <bool kRandom, typename RoundFn>
+struct ElementSpan {
+  const RoundFn& round;
+  uint64_t key;
+
+  template <bool kOut, bool kCodes>
+  CPD_INLINE void Run(const float* in, float* out, uint32_t* codes, size_t n,
+                      uint64_t first) const {
+    if constexpr (!kRandom) {
+      for (size_t i = 0; i < n; ++i) Store<kOut, kCodes>(round(in[i], 0u), out, codes, i);
+    } else {
+      constexpr size_t kPiece = 1024;
+      uint32_t rnd[kPiece];
+      for (size_t s = 0; s < n; s += kPiece) {
+        const size_t len = std::min(kPiece, n - s);
+        FillRandomBits(key, first + s, len, rnd);
+        for (size_t i = 0; i < len; ++i) {
+          Store<kOut, kCodes>(round(in[s + i], rnd[i]), out, codes, s + i);
+        }
+      }
+    }
+  }
+
+  template <bool kOut, bool kCodes>
+  static CPD_INLINE void Store(const Rounded& r, float* out, uint32_t* codes, size_t i) {
     if (kOut) out[i] = r.value;
     if (kCodes) codes[i] = r.code;
   }
+};
+
+template <bool kRandom, typename RoundFn>
+ElementSpan<kRandom, RoundFn> MakeElementSpan(const RoundFn& round, uint64_t key) {
+  return {round, key};
 }
 
 // Statistics of a quantised span from (input, output) pairs, in a separate pass over data
@@ -97,18 +126,18 @@ CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, flo
   acc->sq_input += si;
 }
 
-// Picks the ElementLoop instantiation for the outputs asked for; with statistics, works in
-// L1-sized pieces (through a scratch buffer when the caller wants no floats).
-template <typename RoundFn>
-CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, size_t n, float lo,
-                                float hi, const RoundFn& round, ElementStats* stats) {
+// Runs the span rounder for the outputs asked for; with statistics, works in L1-sized pieces
+// (through a scratch buffer when the caller wants no floats).
+template <typename Span>
+CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, uint32_t* codes,
+                                size_t n, uint64_t first, float lo, float hi, ElementStats* stats) {
   if (stats == nullptr) {
     if (out != nullptr && codes != nullptr) {
-      ElementLoop<true, true>(in, out, codes, n, 0, round);
+      span.template Run<true, true>(in, out, codes, n, first);
     } else if (out != nullptr) {
-      ElementLoop<true, false>(in, out, codes, n, 0, round);
+      span.template Run<true, false>(in, out, codes, n, first);
     } else if (codes != nullptr) {
-      ElementLoop<false, true>(in, out, codes, n, 0, round);
+      span.template Run<false, true>(in, out, codes, n, first);
     }
     return;
   }
@@ -120,9 +149,9 @@ CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, si
   for (size_t s = 0; s < n; s += kPiece) {
     const size_t len = std::min(kPiece, n - s);
     if (codes != nullptr) {
-      ElementLoop<true, true>(in + s, scratch, codes + s, len, s, round);
+      span.template Run<true, true>(in + s, scratch, codes + s, len, first + s);
     } else {
-      ElementLoop<true, false>(in + s, scratch, nullptr, len, s, round);
+      span.template Run<true, false>(in + s, scratch, nullptr, len, first + s);
     }
     AccumulateStats(in + s, scratch, len, lo, hi, &acc);
     if (out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
@@ -130,21 +159,136 @@ CPD_INLINE void DispatchOutputs(const float* in, float* out, uint32_t* codes, si
   acc.MergeInto(stats);
 }
 
+// ---- Stochastic rounding onto a float grid, 16 lanes at a time --------------------------------
+// kernels/stochastic_lanes.inc restates RoundToFloatGrid<kStochastic> and RandomBits on GCC
+// vector extensions. Vector-extension code must be compiled for its instruction set from the
+// start (target_clones would lower it to scalar code first), so the file is included once per
+// instruction set under `#pragma GCC target`, and the span picks one by the CPU it runs on.
+
+// The grid's constants as RoundToFloatGrid derives them.
+struct StochasticGridConsts {
+  FloatGrid grid;  // for the elements before and after whole vectors
+  int32_t r0, emin_field, inc_shift, code_offset, sign_shift;
+  uint32_t keep_mask, flush_below, max_bits, overflow_bits, nan_bits, overflow_code, nan_code;
+  uint32_t quantum_exp_bits;  // (emin - mbits) << 23: multiplies a float by the quantum
+  uint32_t subnormal_shift;   // emin - mbits + 149: kq << it = bits of kq quanta below 2^-126
+  uint32_t normal_from_kq;    // the least kq >= 1 whose kq quanta are a normal float32
+
+  explicit StochasticGridConsts(const FloatGrid& g)
+      : grid(g),
+        r0(23 - g.mbits),
+        emin_field(g.emin + 127),
+        inc_shift(31 - r0),
+        code_offset((emin_field - 1) << g.mbits),
+        sign_shift(g.ebits + g.mbits),
+        keep_mask(~((1u << r0) - 1u)),
+        flush_below(g.subnormals ? 0u : uint32_t(emin_field) << 23),
+        max_bits(g.max_bits),
+        overflow_bits(g.overflow_bits),
+        nan_bits(g.nan_bits),
+        overflow_code(g.overflow_code),
+        nan_code(g.nan_code),
+        quantum_exp_bits(uint32_t(g.emin - g.mbits) << 23),
+        subnormal_shift(uint32_t(g.emin - g.mbits + 149)),
+        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))) {}
+};
+
+using StochasticLanesFn = void (*)(const float* in, float* out, uint32_t* codes, size_t n,
+                                   const StochasticGridConsts& c, float down, float up,
+                                   uint64_t key, uint64_t first);
+
+}  // namespace
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CPD_HAVE_STOCHASTIC_LANES 1
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+namespace avx512 {
+#include "kernels/stochastic_lanes.inc"
+}  // namespace avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+namespace avx2 {
+#include "kernels/stochastic_lanes.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+StochasticLanesFn LanesFunction(StochasticLaneSet set) {
+  switch (set) {
+#ifdef CPD_HAVE_STOCHASTIC_LANES
+    case StochasticLaneSet::kAvx512:
+      return &avx512::StochasticFloatGridLanes;
+    case StochasticLaneSet::kAvx2:
+      return &avx2::StochasticFloatGridLanes;
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+bool CpuRuns(StochasticLaneSet set) {
+#ifdef CPD_HAVE_STOCHASTIC_LANES
+  __builtin_cpu_init();
+  if (set == StochasticLaneSet::kAvx512) return __builtin_cpu_supports("x86-64-v4");
+  if (set == StochasticLaneSet::kAvx2) return __builtin_cpu_supports("x86-64-v3");
+#endif
+  return set == StochasticLaneSet::kNone;
+}
+
+StochasticLaneSet BestLaneSet() {
+  for (StochasticLaneSet set : {StochasticLaneSet::kAvx512, StochasticLaneSet::kAvx2}) {
+    if (CpuRuns(set)) return set;
+  }
+  // Baseline x86-64 has no per-lane shifts and other architectures are not tuned: the scalar
+  // loop is the better choice there.
+  return StochasticLaneSet::kNone;
+}
+
+std::atomic<StochasticLaneSet>& LaneSetInUse() {
+  static std::atomic<StochasticLaneSet> set{BestLaneSet()};
+  return set;
+}
+
+// Span rounder (see ElementSpan) for stochastic rounding onto a float grid with the lanes.
+struct StochasticLanesSpan {
+  StochasticLanesFn lanes;
+  StochasticGridConsts consts;
+  float down, up;
+  uint64_t key;
+
+  template <bool kOut, bool kCodes>
+  CPD_INLINE void Run(const float* in, float* out, uint32_t* codes, size_t n,
+                      uint64_t first) const {
+    lanes(in, kOut ? out : nullptr, kCodes ? codes : nullptr, n, consts, down, up, key, first);
+  }
+};
+
 template <RoundMode kMode>
 CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
                                   const FloatGrid& grid, int shift, const LoopParams& p,
                                   ElementStats* stats) {
   const FloatGrid g = grid;
   const float down = Pow2(-shift), up = Pow2(shift);
-  const uint64_t key = p.rng_key, base = p.index_base;
-  auto round = [&g, down, up, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
+  const float hi = BitsFloat(g.max_bits) * up;
+  if constexpr (kMode == RoundMode::kStochastic) {
+    if (const StochasticLanesFn lanes =
+            LanesFunction(LaneSetInUse().load(std::memory_order_relaxed))) {
+      const StochasticLanesSpan span{lanes, StochasticGridConsts(g), down, up, p.rng_key};
+      DispatchOutputs(span, in, out, codes, n, p.index_base, -hi, hi, stats);
+      return;
+    }
+  }
+  auto round = [&g, down, up](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     Rounded r;
     r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
     return r;
   };
-  const float hi = BitsFloat(g.max_bits) * up;
-  DispatchOutputs(in, out, codes, n, -hi, hi, round, stats);
+  DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
+                  codes, n, p.index_base, -hi, hi, stats);
 }
 
 template <RoundMode kMode>
@@ -153,15 +297,14 @@ CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes,
                                    ElementStats* stats) {
   const BinadeGrid g = grid;  // a local copy: the table cannot alias out or codes
   const float down = Pow2(-shift), up = Pow2(shift);
-  const uint64_t key = p.rng_key, base = p.index_base;
-  auto round = [&g, down, up, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
+  auto round = [&g, down, up](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     Rounded r;
     r.value = BitsFloat(RoundToBinadeGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
     return r;
   };
   const float hi = BitsFloat(g.max_bits) * up;
-  DispatchOutputs(in, out, codes, n, -hi, hi, round, stats);
+  DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
+                  codes, n, p.index_base, -hi, hi, stats);
 }
 
 template <RoundMode kMode>
@@ -169,16 +312,15 @@ CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes,
                                    const LinearGrid& grid, const LoopParams& p,
                                    ElementStats* stats) {
   const LinearGrid g = grid;
-  const uint64_t key = p.rng_key, base = p.index_base;
-  auto round = [&g, key, base](float x, size_t i) CPD_LAMBDA_INLINE {
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, base + i) : 0u;
+  auto round = [&g](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     int32_t q;
     Rounded r;
     r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q, nullptr);
     r.code = uint32_t(q - g.qmin);
     return r;
   };
-  DispatchOutputs(in, out, codes, n, LinearValue(g.qmin, g), LinearValue(g.qmax, g), round, stats);
+  DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
+                  codes, n, p.index_base, LinearValue(g.qmin, g), LinearValue(g.qmax, g), stats);
 }
 
 CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {
@@ -193,6 +335,30 @@ CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {
 }
 
 }  // namespace
+
+StochasticLaneSet ActiveStochasticLanes() { return LaneSetInUse().load(); }
+
+bool ForceStochasticLanesForTesting(StochasticLaneSet set) {
+  if (!CpuRuns(set)) return false;
+  LaneSetInUse().store(set);
+  return true;
+}
+
+CPD_CLONES
+void FillRandomBits(uint64_t key, uint64_t first, size_t n, uint32_t* out) {
+  size_t i = 0;
+  if ((first & 1u) != 0 && n > 0) out[i++] = RandomBits(key, first);
+  // Pairs of elements from one hash each; little-endian stores put the low half first.
+  const uint64_t pair0 = (first + i) / 2;
+  const size_t pairs = (n - i) / 2;
+  uint32_t* const o = out + i;
+  for (size_t j = 0; j < pairs; ++j) {
+    const uint64_t z = Mix64(key + (pair0 + j) * kGolden64);
+    o[2 * j] = uint32_t(z);
+    o[2 * j + 1] = uint32_t(z >> 32);
+  }
+  for (i += 2 * pairs; i < n; ++i) out[i] = RandomBits(key, first + i);
+}
 
 CPD_CLONES
 void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, const FloatGrid& g,
@@ -253,11 +419,12 @@ CPD_INLINE size_t FixedBlocks(const float* in, float* out, uint32_t* codes, size
     const int32_t shift = ShiftForMax(BitsFloat(MaxAbsBits(in + s, kBlock)), rule);
     shifts[b] = shift;
     const float down = Pow2(-shift), up = Pow2(shift);
+    uint32_t rnd[kBlock] = {};
+    if (kMode == RoundMode::kStochastic) FillRandomBits(p.rng_key, p.index_base + s, kBlock, rnd);
     for (size_t j = 0; j < kBlock; ++j) {
-      const uint32_t rnd =
-          kMode == RoundMode::kStochastic ? RandomBits(p.rng_key, p.index_base + s + j) : 0u;
       uint32_t code;
-      const float z = BitsFloat(RoundToFloatGrid<kMode>(in[s + j] * down, g, rnd, &code, nullptr));
+      const float z =
+          BitsFloat(RoundToFloatGrid<kMode>(in[s + j] * down, g, rnd[j], &code, nullptr));
       if (kOut) out[s + j] = z * up;
       if (kCodes) codes[s + j] = code;
     }

@@ -64,6 +64,19 @@ uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGr
 void DecodeBinadeGridSpan(const uint32_t* codes, float* out, size_t n, const BinadeGrid& g,
                           int shift);
 
+// out[i] = RandomBits(key, first + i) for i < n: the random stream of stochastic rounding and
+// dropout, generated two elements per hash.
+void FillRandomBits(uint64_t key, uint64_t first, size_t n, uint32_t* out);
+
+// Which vector code rounds stochastically onto a float grid (kernels/stochastic_lanes.inc):
+// AVX-512 or AVX2 lanes, or the scalar loop. Each gives the same bits.
+enum class StochasticLaneSet : uint8_t { kNone, kAvx2, kAvx512 };
+// The set in use: the best this CPU runs.
+StochasticLaneSet ActiveStochasticLanes();
+// Test hook: makes every thread use `set` from now on. False (and nothing changes) if this CPU
+// cannot run it.
+bool ForceStochasticLanesForTesting(StochasticLaneSet set);
+
 // Reductions used to choose scales. NaN is ignored; Inf is ignored by the *Finite variants.
 float MaxAbsFinite(const float* x, size_t n);
 void MinMaxFinite(const float* x, size_t n, float* min_out, float* max_out);

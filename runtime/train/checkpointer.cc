@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "kernels/grid.h"
 #include "runtime/train/checkpoint.h"
 
 namespace cpd::runtime {
@@ -49,6 +50,7 @@ Status Checkpointer::Write(int64_t step, int epoch) const {
   meta["dataset"] = o_.dataset;
   meta["global_batch"] = global_batch_;
   meta["seed"] = o_.seed;
+  meta["random_stream"] = kernels::kRandomStreamVersion;
   if (state_.control != nullptr) meta["schedule"] = json::parse(state_.control->ScheduleJson());
   ck.meta_json = meta.dump();
   // Tensors on the GPU are copied to the host first.
@@ -236,6 +238,12 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
   if (const auto sched = meta.find("schedule"); sched != meta.end()) {
     if (!sched->is_object()) return corrupt("meta.schedule is not an object");
     point.schedule_json = sched->dump();
+  }
+  if (const auto rs = meta.find("random_stream"); rs != meta.end()) {
+    if (!rs->is_number_integer() || rs->get<int64_t>() < 1) {
+      return corrupt("meta.random_stream is not a version number");
+    }
+    point.random_stream = int(rs->get<int64_t>());
   }
 
   // Tensors: the model's parameters and buffers with their shapes, the optimiser's state and

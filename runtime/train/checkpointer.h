@@ -39,6 +39,8 @@ struct ResumePoint {
   int64_t step = 0;
   int epoch = 0;              // the epoch recorded (0-based; see Checkpointer::Restore)
   std::string schedule_json;  // the schedule in force then ("" if none was recorded)
+  int random_stream = 1;      // kernels::kRandomStreamVersion of the run that wrote it (1 if
+                              // not recorded: written before versions were)
 };
 
 class Checkpointer {

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cpd/config.h"
+#include "kernels/grid.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/models.h"
@@ -457,6 +458,15 @@ Status Trainer::ResumeOrStart() {
   if (!reporter_->quiet()) {
     std::printf("resumed from %s at step %lld (epoch %d)\n", path.c_str(),
                 static_cast<long long>(step_), start_epoch_ + 1);
+  }
+  if (point.random_stream != kernels::kRandomStreamVersion) {
+    // Not an error: the run goes on correctly, only not in the same bits as the original would.
+    std::fprintf(stderr,
+                 "cpd-train: note: %s was written with random stream version %d; this build "
+                 "draws version %d, so stochastic rounding, dropout and augmentation after step "
+                 "%lld differ from an uninterrupted run of the old build\n",
+                 path.c_str(), point.random_stream, kernels::kRandomStreamVersion,
+                 static_cast<long long>(step_));
   }
   return Status::Ok();
 }

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/grid.h"
 #include "runtime/train/checkpoint.h"
 #include "tests/temp_dir.h"
 
@@ -392,6 +393,33 @@ TEST(TrainerCheckpoint, FieldsOutOfRangeOrNonFiniteAreRefused) {
   restore();
   RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["version"] = 7; });
   ExpectRefusedAsCorrupt(path, "version 7");
+  restore();
+  RewriteCheckpoint(path, [](nlohmann::json* h) { (*h)["meta"]["random_stream"] = "two"; });
+  ExpectRefusedAsCorrupt(path, "random_stream");
+}
+
+// A checkpoint records the random stream it was drawn with. One from before versions were
+// recorded (stream 1) still resumes, with a note that the bits after it differ.
+TEST(TrainerCheckpoint, RecordsTheRandomStreamAndNotesAnOlderOne) {
+  TempDir dir;
+  const std::string path = TenStepCheckpoint(dir);
+  nlohmann::json recorded;
+  RewriteCheckpoint(path, [&](nlohmann::json* h) {
+    recorded = (*h)["meta"]["random_stream"];
+    (*h)["meta"].erase("random_stream");
+  });
+  EXPECT_EQ(recorded, kernels::kRandomStreamVersion);
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = dir.path();
+  o.resume = path;
+  o.max_steps = 12;
+  ::testing::internal::CaptureStderr();
+  const auto r = Train(o);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_NE(err.find("written with random stream version 1; this build draws version 2"),
+            std::string::npos)
+      << err;
 }
 
 // "epoch": 1000000 used to end the run at once with exit 0 and overwrite the checkpoint it came

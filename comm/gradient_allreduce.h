@@ -33,7 +33,8 @@
 // re-quantises its float32 sum after a second shift t = ApsShift(max|sum|, 1, emax) of that
 // segment (0 for an all-zero sum), clamped so that |s_l + t| <= 126, and sends t (one int8 per
 // segment, after the codes of its chunk) with the all-gather; every rank decodes the segment and
-// multiplies by 2^-(s_l + t). LayerCommStats::shift reports s_l. emulate keeps the paper's
+// multiplies by 2^-(s_l + t); since t depends on the chunk bounds, so do the results (as with the
+// per-tensor-scaled formats below). LayerCommStats::shift reports s_l. emulate keeps the paper's
 // formula (its sums are in the format): `sum` with emulate is InvalidArgument; fp32 ignores it.
 //
 // Gradients are fused into buckets of at most bucket_mb (layers are kept whole where they fit;

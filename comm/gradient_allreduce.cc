@@ -156,6 +156,30 @@ const char* AllReduceAlgoName(AllReduceAlgo a) {
   return "?";
 }
 
+Result<ApsScaling> ParseApsScaling(const std::string& name) {
+  if (name == "auto") return ApsScaling::kAuto;
+  if (name == "paper") return ApsScaling::kPaper;
+  if (name == "sum") return ApsScaling::kSum;
+  return Status::InvalidArgument("unknown APS scaling '" + name +
+                                 "' (accepted: auto, paper, sum)");
+}
+
+const char* ApsScalingName(ApsScaling s) {
+  switch (s) {
+    case ApsScaling::kAuto:
+      return "auto";
+    case ApsScaling::kPaper:
+      return "paper";
+    case ApsScaling::kSum:
+      return "sum";
+  }
+  return "?";
+}
+
+bool UsesApsSumScaling(const GradientAllReduceOptions& o) {
+  return o.aps && o.algo == AllReduceAlgo::kPacked && o.aps_scaling != ApsScaling::kPaper;
+}
+
 Status GradientAllReduceOptions::Validate() const {
   if (algo != AllReduceAlgo::kFp32) {
     Result<Format> f = Format::Parse(format);
@@ -176,6 +200,11 @@ Status GradientAllReduceOptions::Validate() const {
     return Status::InvalidArgument(std::string("kahan summation applies to all-reduce emulate "
                                                "only, not ") +
                                    AllReduceAlgoName(algo));
+  }
+  if (aps_scaling == ApsScaling::kSum && algo == AllReduceAlgo::kEmulate) {
+    return Status::InvalidArgument(
+        "aps_scaling sum applies to all-reduce packed only; emulate sums in the format and "
+        "keeps the paper's scaling (accepted: auto, paper)");
   }
   return Status::Ok();
 }
@@ -234,6 +263,7 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   setup.workers = comm->size() * local_replicas;
   setup.threads = opts.threads > 0 ? opts.threads : std::max(1, omp_get_max_threads());
   setup.emax = fp32 ? 0 : ApsEmax(setup.format);
+  setup.aps_sum = UsesApsSumScaling(opts);
   setup.round_mode = ToRoundMode(opts.rounding);
   if (opts.gradients == MemorySpace::kDevice)
     return internal::CreateDeviceReducer(std::move(setup));

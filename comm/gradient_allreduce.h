@@ -24,6 +24,19 @@
 // rank holds NaN/Inf, Reduce() reports it on every rank and leaves `output` untouched, so that
 // the step is skipped everywhere.
 //
+// APS scaling of packed (aps_scaling): the paper's shift above leaves log2(W) binades of headroom
+// so that a *low-precision* running sum cannot overflow; packed sums in float32, where that
+// headroom only throws range away (e3m0 at W = 64 flushes every contribution). With `sum` (packed's
+// default with APS), every contribution is shifted so that max|g_l| itself reaches the top,
+// s_l = ApsShift(max|g_l|, 1, emax), capped at ApsShift(max|g_l|, W, 127) so that the float32 sum
+// of the W contributions stays finite; the rank that owns a segment (a layer's part of a chunk)
+// re-quantises its float32 sum after a second shift t = ApsShift(max|sum|, 1, emax) of that
+// segment (0 for an all-zero sum), clamped so that |s_l + t| <= 126, and sends t (one int8 per
+// segment, after the codes of its chunk) with the all-gather; every rank decodes the segment and
+// multiplies by 2^-(s_l + t); since t depends on the chunk bounds, so do the results (as with the
+// per-tensor-scaled formats below). LayerCommStats::shift reports s_l. emulate keeps the paper's
+// formula (its sums are in the format): `sum` with emulate is InvalidArgument; fp32 ignores it.
+//
 // Gradients are fused into buckets of at most bucket_mb (layers are kept whole where they fit;
 // each layer keeps its own shift).
 //
@@ -88,14 +101,24 @@ enum class AllReduceAlgo { kFp32, kEmulate, kPacked };
 Result<AllReduceAlgo> ParseAllReduceAlgo(const std::string& name);  // fp32 | emulate | packed
 const char* AllReduceAlgoName(AllReduceAlgo a);
 
+// How APS scales the contributions (see "APS scaling of packed" above): kAuto is kSum for packed
+// and kPaper for emulate; kPaper is the paper's formula everywhere; kSum is packed only.
+enum class ApsScaling { kAuto, kPaper, kSum };
+Result<ApsScaling> ParseApsScaling(const std::string& name);  // auto | paper | sum
+const char* ApsScalingName(ApsScaling s);
+struct GradientAllReduceOptions;
+// Whether `o` selects the sum scaling: aps, packed, and aps_scaling auto or sum.
+bool UsesApsSumScaling(const GradientAllReduceOptions& o);
+
 // Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
 // is accepted, for: a format that does not parse (emulate and packed only), bucket_mb <= 0 or not
-// finite, threads < 0, kahan with an algorithm other than emulate.
+// finite, threads < 0, kahan with an algorithm other than emulate, aps_scaling kSum with emulate.
 struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
+  ApsScaling aps_scaling = ApsScaling::kAuto;  // with aps; ignored by fp32
   bool kahan = false;     // emulate only
   double bucket_mb = 25;  // > 0
   uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)

@@ -244,9 +244,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// How a chunk's contributions are combined: packed's float32 sum rounded once at the end, or
-// emulate's sum rounded after every addition, plain or Kahan-compensated.
-enum class SumKind { kRequantize, kRounded, kKahan };
+// How a chunk's contributions are combined: packed's float32 sum rounded once at the end (or,
+// kFloat, stored unrounded), or emulate's sum rounded after every addition, plain or
+// Kahan-compensated.
+enum class SumKind { kRequantize, kFloat, kRounded, kKahan };
 
 struct SumArgs {
   const std::uint8_t* codes;
@@ -261,6 +262,7 @@ struct SumArgs {
   std::int64_t step;
   std::uint64_t index_base;
   std::uint8_t* dst;
+  float* sum_out;  // kFloat
 };
 
 // One thread per unit of kUnitCodes elements (a whole number of bytes of every contribution and
@@ -289,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) sum_codes_kernel(const SumArgs a) {
     for (int w = 1; w < a.workers; ++w) {
       kernels::LoadCodeUnit(a.codes + std::uint64_t(w) * a.stride + unit_offset, len, a.bits,
                             a.words, codes);
-      if constexpr (kKind == SumKind::kRequantize) {
+      if constexpr (kKind == SumKind::kRequantize || kKind == SumKind::kFloat) {
 #pragma unroll
         for (int k = 0; k < kU; ++k)
           sum[k] = __fadd_rn(sum[k], kernels::DecodeFloatGrid(codes[k], g));
@@ -317,21 +319,28 @@ __global__ void __launch_bounds__(kThreads) sum_codes_kernel(const SumArgs a) {
         }
       }
     }
+    if constexpr (kKind == SumKind::kFloat) {
 #pragma unroll
-    for (int k = 0; k < kU; ++k) {
-      std::uint32_t code = 0;
-      if constexpr (kKind == SumKind::kRequantize) {
-        const std::uint32_t rnd = kMode == RoundMode::kStochastic
-                                      ? kernels::RandomBits(a.key, a.index_base + first + k)
-                                      : 0u;
-        kernels::RoundToFloatGrid<kMode>(sum[k], g, rnd, &code, nullptr);
-      } else {
-        // emulate's sum is on the grid already: rounding it to nearest only yields its code.
-        kernels::RoundToFloatGrid<RoundMode::kNearestEven>(sum[k], g, 0u, &code, nullptr);
+      for (int k = 0; k < kU; ++k) {
+        if (k < len) a.sum_out[first + k] = sum[k];
       }
-      codes[k] = k < len ? code & mask : 0u;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kU; ++k) {
+        std::uint32_t code = 0;
+        if constexpr (kKind == SumKind::kRequantize) {
+          const std::uint32_t rnd = kMode == RoundMode::kStochastic
+                                        ? kernels::RandomBits(a.key, a.index_base + first + k)
+                                        : 0u;
+          kernels::RoundToFloatGrid<kMode>(sum[k], g, rnd, &code, nullptr);
+        } else {
+          // emulate's sum is on the grid already: rounding it to nearest only yields its code.
+          kernels::RoundToFloatGrid<RoundMode::kNearestEven>(sum[k], g, 0u, &code, nullptr);
+        }
+        codes[k] = k < len ? code & mask : 0u;
+      }
+      kernels::StoreCodeUnit(codes, len, a.bits, a.words, a.dst + unit_offset);
     }
-    kernels::StoreCodeUnit(codes, len, a.bits, a.words, a.dst + unit_offset);
   }
 }
 
@@ -511,6 +520,18 @@ Status SumRequantizeCodesCuda(const ContributionCodes& in, std::size_t n, const 
   a.key = p.rng_key;
   a.index_base = p.index_base;
   return LaunchSumForMode<SumKind::kRequantize>(p.mode, a, static_cast<cudaStream_t>(stream));
+}
+
+Status SumCodesCuda(const ContributionCodes& in, std::size_t n, const FloatGrid& g, float* d_sum,
+                    void* stream) {
+  if (n == 0) return Status::Ok();
+  // d_sum stands in for the codes' destination in the checks (non-null).
+  CPD_RETURN_IF_ERROR(CheckContributions(in, n, g, reinterpret_cast<const std::uint8_t*>(d_sum),
+                                         "SumCodesCuda"));
+  SumArgs a = MakeSumArgs(in, n, g, nullptr);
+  a.words = a.bits % 4 == 0 && Aligned4(in.codes) && in.stride % 4 == 0;
+  a.sum_out = d_sum;
+  return LaunchSum<RoundMode::kNearestEven, SumKind::kFloat>(a, static_cast<cudaStream_t>(stream));
 }
 
 Status SumRoundedCodesCuda(const ContributionCodes& in, std::size_t n, const FloatGrid& g,

@@ -91,6 +91,12 @@ Status SumRequantizeCodesCuda(const ContributionCodes& in, std::size_t n,
                               const kernels::FloatGrid& g, const kernels::LoopParams& p,
                               std::uint8_t* d_dst, void* stream);
 
+// packed with APS sum scaling: the same float32 sums in worker order, not rounded, stored to
+// d_sum[0, n) (what PackedCodes' sum scaling sums before it picks each segment's shift; the
+// rounding of sum * 2^t is then EncodeContributionCuda with the segments as its "layers").
+Status SumCodesCuda(const ContributionCodes& in, std::size_t n, const kernels::FloatGrid& g,
+                    float* d_sum, void* stream);
+
 // emulate: the W contributions of n elements summed in worker order with the sum rounded onto g
 // after every addition (sum = Q(sum + q_w)), or, with kahan, Kahan's compensated sum with every
 // operation rounded (y = Q(q_w - c), t = Q(sum + y), c = Q(Q(t - sum) - y), sum = t); the

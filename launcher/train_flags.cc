@@ -207,6 +207,11 @@ void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_flag("--aps", o->allreduce.aps,
                 "Auto-precision scaling: per-layer power-of-two shift from the global max");
+  app->add_option("--aps-scaling", f->aps_scaling,
+                  "With --aps: paper (max|g|*W reaches the top of the format) | sum (packed only: "
+                  "max|g| reaches the top, each chunk's float32 sum re-quantised with its own "
+                  "shift) | auto (sum for packed, paper for emulate)")
+      ->capture_default_str();
   app->add_flag("--kahan", o->allreduce.kahan, "emulate: Kahan-compensated sum");
   app->add_option("--bucket-mb", o->allreduce.bucket_mb, "Gradient bucket size in MiB")
       ->capture_default_str();
@@ -416,6 +421,13 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto r = cpd::ParseRounding(f->ar_rounding);
   if (!r.ok()) return bad("--allreduce-rounding: " + r.status().message());
   o->allreduce.rounding = *r;
+  auto scaling = cpd::comm::ParseApsScaling(f->aps_scaling);
+  if (!scaling.ok()) return bad("--aps-scaling: " + scaling.status().message());
+  o->allreduce.aps_scaling = *scaling;
+  if (*scaling == cpd::comm::ApsScaling::kSum && o->allreduce.algo == cpd::comm::AllReduceAlgo::kEmulate) {
+    return bad("--aps-scaling sum applies to --allreduce packed only; emulate keeps the paper's "
+               "scaling (accepted with emulate: auto, paper)");
+  }
   return Status::Ok();
 }
 

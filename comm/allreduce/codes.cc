@@ -18,9 +18,12 @@ CodeTransport::CodeTransport(StepContext* ctx)
 
 Result<std::unique_ptr<CodeTransport>> CodeTransport::Create(StepContext* ctx) {
   std::unique_ptr<CodeTransport> t(new CodeTransport(ctx));
-  std::size_t slot = 0;
-  for (const BucketPlan& b : ctx->plan.buckets()) slot = std::max(slot, t->SlotBytes(b));
-  CPD_RETURN_IF_ERROR(ctx->exchange.Allocate(ctx->setup, slot));
+  std::size_t slot = 0, gather = 0;
+  for (const BucketPlan& b : ctx->plan.buckets()) {
+    slot = std::max(slot, t->SlotBytes(b));
+    gather = std::max(gather, t->GatherSlot(b));
+  }
+  CPD_RETURN_IF_ERROR(ctx->exchange.Allocate(ctx->setup, slot, gather));
   t->thread_codes_.assign(std::size_t(ctx->setup.threads) * kPiece, 0);
   return t;
 }
@@ -45,7 +48,7 @@ void CodeTransport::EncodeContributions(const BucketPlan& b, float* const* input
     const Piece& pc = b.pieces[std::size_t(it % pieces)];
     std::uint8_t* dst = ctx_.exchange.send.data() + std::size_t(pc.chunk) * block +
                         std::size_t(k) * slot + PieceOffset(b, pc);
-    EncodePiece(inputs[k] + pc.begin, b, pc, /*shifted=*/true, setup_.round_mode,
+    EncodePiece(inputs[k] + pc.begin, b, pc, /*shifted=*/true, nullptr, setup_.round_mode,
                 ContributionStage(setup_.worker(k)), step, dst,
                 ctx_.stats.ThreadCounters(std::size_t(omp_get_thread_num())));
   }
@@ -61,16 +64,28 @@ const std::uint8_t* CodeTransport::Contribution(const BucketPlan& b, const Piece
 
 void CodeTransport::EncodeResult(const float* sum, const BucketPlan& b, const Piece& pc,
                                  kernels::RoundMode mode, std::int64_t stage, std::int64_t step) {
-  EncodePiece(sum, b, pc, /*shifted=*/false, mode, stage, step,
-              ctx_.exchange.gather_send.data() + PieceOffset(b, pc), nullptr);
+  EncodePiece(sum, b, pc, /*shifted=*/false, setup_.aps_sum ? SumShifts(b) : nullptr, mode, stage,
+              step, ctx_.exchange.gather_send.data() + PieceOffset(b, pc), nullptr);
+}
+
+std::int8_t* CodeTransport::SumShifts(const BucketPlan& b) {
+  return reinterpret_cast<std::int8_t*>(ctx_.exchange.gather_send.data() + SlotBytes(b));
 }
 
 Status CodeTransport::GatherResults(const BucketPlan& b) {
-  return ctx_.GatherChunks(ctx_.exchange.gather_send.data(), SlotBytes(b));
+  return ctx_.GatherChunks(ctx_.exchange.gather_send.data(), GatherSlot(b));
+}
+
+int CodeTransport::ResultShift(const BucketPlan& b, int d, std::size_t si) const {
+  const int s = ctx_.shifts[std::size_t(b.segments[si].layer)];
+  if (!setup_.aps_sum) return s;
+  const std::uint8_t* t = ctx_.exchange.gather_recv.data() + std::size_t(d) * GatherSlot(b) +
+                          SlotBytes(b) + (si - b.seg_start[std::size_t(d)]);
+  return s + int(std::int8_t(*t));
 }
 
 void CodeTransport::DecodeResults(const BucketPlan& b, float* output) const {
-  const std::size_t slot = SlotBytes(b);
+  const std::size_t slot = GatherSlot(b);
   const int threads = setup_.threads;
   const long all = long(b.pieces.size());
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && all > 1)
@@ -81,7 +96,7 @@ void CodeTransport::DecodeResults(const BucketPlan& b, float* output) const {
     const Segment& first = b.segments[pc.first_segment];
     if (first.end >= pc.end) {
       // One layer: decode and undo its shift in one pass.
-      const int sh = ctx_.shifts[std::size_t(first.layer)];
+      const int sh = ResultShift(b, pc.chunk, pc.first_segment);
       if (sh == 0) {
         DecodeCodes(src, pc.size(), decoder_, output + pc.begin);
       } else {
@@ -93,7 +108,7 @@ void CodeTransport::DecodeResults(const BucketPlan& b, float* output) const {
     for (std::size_t si = pc.first_segment; si < b.segments.size() && b.segments[si].begin < pc.end;
          ++si) {
       const Segment& s = b.segments[si];
-      const int sh = ctx_.shifts[std::size_t(s.layer)];
+      const int sh = ResultShift(b, pc.chunk, si);
       if (sh == 0) continue;
       const float up = kernels::Pow2(-sh);
       const std::size_t lo = std::max(s.begin, pc.begin), hi = std::min(s.end, pc.end);
@@ -103,8 +118,9 @@ void CodeTransport::DecodeResults(const BucketPlan& b, float* output) const {
 }
 
 void CodeTransport::EncodePiece(const float* x, const BucketPlan& b, const Piece& pc, bool shifted,
-                                kernels::RoundMode mode, std::int64_t stage, std::int64_t step,
-                                std::uint8_t* dst, std::uint64_t* counters) {
+                                const std::int8_t* sum_shifts, kernels::RoundMode mode,
+                                std::int64_t stage, std::int64_t step, std::uint8_t* dst,
+                                std::uint64_t* counters) {
   const kernels::FloatGrid& g = setup_.format.grid();
   // 8-bit codes go straight to dst; other widths through an L1 buffer, packed at the end.
   std::uint16_t* c16 = &thread_codes_[std::size_t(omp_get_thread_num()) * kPiece];
@@ -118,14 +134,15 @@ void CodeTransport::EncodePiece(const float* x, const BucketPlan& b, const Piece
       EncodeCodes16(x + (lo - pc.begin), hi - lo, scale, g, p, c16 + (lo - pc.begin), st, shifted);
     }
   };
-  if (!shifted) {
+  if (!shifted && sum_shifts == nullptr) {
     encode(pc.begin, pc.end, 0, nullptr);
   } else {
     for (std::size_t si = pc.first_segment; si < b.segments.size() && b.segments[si].begin < pc.end;
          ++si) {
       const Segment& s = b.segments[si];
-      encode(std::max(s.begin, pc.begin), std::min(s.end, pc.end),
-             ctx_.shifts[std::size_t(s.layer)],
+      const int shift = shifted ? ctx_.shifts[std::size_t(s.layer)]
+                                : sum_shifts[si - b.seg_start[std::size_t(pc.chunk)]];
+      encode(std::max(s.begin, pc.begin), std::min(s.end, pc.end), shift,
              counters != nullptr ? counters + 2 * std::size_t(s.layer) : nullptr);
     }
   }

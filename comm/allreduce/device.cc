@@ -87,6 +87,8 @@ class DeviceReducer final : public GradientAllReducer {
   }
 
   Status CheckDevicePointers(float* const* inputs, const float* output) const;
+  // aps_sum: the buffers of the sum scaling, and every bucket's segment bounds uploaded.
+  Status AllocateSumScaling();
   // ScanAbsCuda over every layer of every replica, the MAX all-reduce of the maxima on the host,
   // the shifts (uploaded for the kernels). *finite = false when some rank holds NaN/Inf.
   Status ScanAndShift(float* const* inputs, bool* finite);
@@ -99,6 +101,27 @@ class DeviceReducer final : public GradientAllReducer {
   Status ReduceBucketCodes(std::size_t index, float* const* inputs, float* output,
                            std::int64_t step);
   Status SumOwnChunk(const BucketPlan& b, std::size_t slot, std::int64_t step);
+  // aps_sum: PackedCodes::SumShiftAndRequantizeOwnChunk, the float32 sums (SumCodesCuda), the
+  // shifts t, the rounding of sum * 2^t (EncodeContributionCuda over the segments).
+  Status SumShiftRequantize(std::size_t index, std::size_t slot, std::int64_t step);
+  // APS sum scaling (ReducerSetup::aps_sum), the host path's stages: the max|sum| of each of this
+  // rank's segments of b from the chunk's float32 sums in d_sum_ (from the chunk's start), back
+  // on the host (waits for the stream), gives each segment's shift t; t goes to h_seg_shifts_
+  // (at the bucket's segment index) and, as int8, after the codes of the all-gather's send slot
+  // (at slot_bytes).
+  Status PickSumShifts(const BucketPlan& b, std::size_t slot_bytes);
+  // After the all-gather: every segment's s + t into h_seg_shifts_ (waits for the stream).
+  Status ResultShifts(const BucketPlan& b, std::size_t slot_bytes, std::size_t gather_slot);
+  // Chunk d's segments of bucket `index` with their uploaded shifts, as the kernels' "layers".
+  DeviceLayers SegmentLayers(std::size_t index, int d) const {
+    const BucketPlan& b = plan_.buckets()[index];
+    const std::size_t s0 = b.seg_start[std::size_t(d)];
+    return DeviceLayers{d_seg_bounds_.data() + seg_bounds_base_[index] + s0 + std::size_t(d),
+                        d_seg_shifts_.data() + s0, int(b.seg_start[std::size_t(d) + 1] - s0)};
+  }
+  std::size_t GatherSlot(std::size_t index) const {
+    return GatherSlotBytes(setup_, plan_.buckets()[index], SlotBytes(index));
+  }
   // Other formats: packed.cc's PackedSegments and emulate.cc's EmulateFloats, stage by stage,
   // with cpd::EncodeCuda / DecodeCuda / QuantizeCuda per segment (their statistics wait for the
   // stream) and CombineCuda for the float32 arithmetic between roundings.
@@ -106,6 +129,8 @@ class DeviceReducer final : public GradientAllReducer {
                               std::int64_t step);
   Status ReduceBucketFloats(std::size_t index, float* const* inputs, float* output,
                             std::int64_t step);
+  Status RequantizeSegment(const BucketPlan& b, const SegmentSlots& slots, std::size_t si, int t,
+                           std::int64_t step);
   Status AddRounded(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
                     std::int64_t step);
   Status AddKahan(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
@@ -143,6 +168,17 @@ class DeviceReducer final : public GradientAllReducer {
   // temporary (kFloats: the sum is also the all-gather's send slot); Kahan's c, y, high and t.
   std::vector<SegmentSlots> segment_slots_;
   DeviceArray<float> d_sum_, d_tmp_, d_comp_, d_y_, d_high_, d_t_;
+  // aps_sum: per segment of a chunk its max|sum| bits (and ScanAbsCuda's unused count); per
+  // segment of a bucket its shift (t, then s + t) and the gathered int8 t; per bucket the flat
+  // bounds of its segments, chunk by chunk (chunk d's seg_start[d] - seg_start[d + 1] + 1
+  // entries from seg_bounds_base_[bucket] + seg_start[d] + d).
+  DeviceArray<std::uint32_t> d_seg_max_;
+  DeviceArray<std::uint64_t> d_seg_nonzero_, d_seg_bounds_;
+  DeviceArray<std::int32_t> d_seg_shifts_;
+  PinnedArray<std::uint32_t> h_seg_max_;
+  PinnedArray<std::int32_t> h_seg_shifts_;
+  PinnedArray<std::int8_t> h_seg_meta_;
+  std::vector<std::size_t> seg_bounds_base_;
 
   // measure_error (allocated on first use): the reference's send buffer (every chunk padded to
   // the longest) and this rank's chunk of it; host copies of it and of the result's chunk; the
@@ -169,9 +205,11 @@ Status DeviceReducer::Init() {
   if (path_ == Path::kSegments) {
     segment_slots_ = LayOutSegmentSlots(setup_, plan_, &largest_segment);
   }
+  std::size_t gather = 0;
   for (std::size_t i = 0; i < plan_.buckets().size(); ++i) {
     if (quantised()) {
       slot = std::max(slot, SlotBytes(i));
+      gather = std::max(gather, GatherSlot(i));
     } else {
       payload = std::max(payload, plan_.buckets()[i].size() * sizeof(float));
     }
@@ -181,13 +219,14 @@ Status DeviceReducer::Init() {
     CPD_RETURN_IF_ERROR(CheckBlockBytes(setup_, slot));
     CPD_RETURN_IF_ERROR(d_send_.Allocate(p * k * slot));
     CPD_RETURN_IF_ERROR(d_recv_.Allocate(p * k * slot));
-    CPD_RETURN_IF_ERROR(d_gather_send_.Allocate(slot));
-    CPD_RETURN_IF_ERROR(d_gather_recv_.Allocate(p * slot));
+    CPD_RETURN_IF_ERROR(d_gather_send_.Allocate(gather));
+    CPD_RETURN_IF_ERROR(d_gather_recv_.Allocate(p * gather));
     for (auto* buf : {&d_send_, &d_recv_, &d_gather_send_, &d_gather_recv_}) {
       CPD_COMM_CUDA_CHECK(cudaMemset(buf->data(), 0, buf->bytes()));
     }
-    payload = p * k * slot;
+    payload = std::max(p * k * slot, p * gather);
   }
+  if (setup_.aps_sum) CPD_RETURN_IF_ERROR(AllocateSumScaling());
   if (path_ == Path::kSegments || path_ == Path::kFloats) {
     const std::size_t chunk = plan_.max_chunk();
     // kFloats gathers from the sum: it spans a slot too.
@@ -430,15 +469,118 @@ Status DeviceReducer::ReduceBucketCodes(std::size_t index, float* const* inputs,
   }
   CPD_RETURN_IF_ERROR(transport_->AllToAllBytes(d_send_.data(), d_recv_.data(), block));
   bytes_sent_ += SentByExchange(setup_.world_size, block);
-  CPD_RETURN_IF_ERROR(SumOwnChunk(b, slot, step));
+  if (setup_.aps_sum) {
+    CPD_RETURN_IF_ERROR(SumShiftRequantize(index, slot, step));
+  } else {
+    CPD_RETURN_IF_ERROR(SumOwnChunk(b, slot, step));
+  }
+  const std::size_t gather = GatherSlot(index);
   CPD_RETURN_IF_ERROR(
-      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), slot));
-  bytes_sent_ += SentByExchange(setup_.world_size, slot);
+      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), gather));
+  bytes_sent_ += SentByExchange(setup_.world_size, gather);
+  if (setup_.aps_sum) CPD_RETURN_IF_ERROR(ResultShifts(b, slot, gather));
   for (int d = 0; d < setup_.world_size; ++d) {
     const std::size_t c0 = b.chunk_begin(d), n = b.chunk_end(d) - c0;
-    CPD_RETURN_IF_ERROR(DecodeUnshiftCuda(d_gather_recv_.data() + std::size_t(d) * slot, n, c0,
-                                          Layers(), g, output + c0, stream_));
+    CPD_RETURN_IF_ERROR(DecodeUnshiftCuda(d_gather_recv_.data() + std::size_t(d) * gather, n, c0,
+                                          setup_.aps_sum ? SegmentLayers(index, d) : Layers(), g,
+                                          output + c0, stream_));
   }
+  return Status::Ok();
+}
+
+Status DeviceReducer::SumShiftRequantize(std::size_t index, std::size_t slot, std::int64_t step) {
+  const BucketPlan& b = plan_.buckets()[index];
+  const int rank = setup_.rank, workers = setup_.workers;
+  const std::size_t c0 = b.chunk_begin(rank), n = b.chunk_end(rank) - c0;
+  ContributionCodes in;
+  in.codes = d_recv_.data();
+  in.stride = slot;
+  in.workers = workers;
+  const kernels::FloatGrid& g = setup_.format.grid();
+  CPD_RETURN_IF_ERROR(SumCodesCuda(in, n, g, d_sum_.data(), stream_));
+  CPD_RETURN_IF_ERROR(PickSumShifts(b, slot));
+  const std::uint64_t key =
+      setup_.LoopAt(setup_.round_mode, RequantizeStage(workers), step, c0).rng_key;
+  return EncodeContributionCuda(d_sum_.data(), n, c0, SegmentLayers(index, rank), g,
+                                setup_.round_mode, key, d_gather_send_.data(), nullptr, stream_);
+}
+
+Status DeviceReducer::AllocateSumScaling() {
+  std::size_t chunk_segments = 0, bucket_segments = 0;
+  std::vector<std::uint64_t> bounds;
+  for (const BucketPlan& b : plan_.buckets()) {
+    seg_bounds_base_.push_back(bounds.size());
+    bucket_segments = std::max(bucket_segments, b.segments.size());
+    for (int d = 0; d < setup_.world_size; ++d) {
+      const std::span<const Segment> segments = b.segments_of(d);
+      chunk_segments = std::max(chunk_segments, segments.size());
+      for (const Segment& sg : segments) bounds.push_back(sg.begin);
+      bounds.push_back(segments.empty() ? b.chunk_begin(d) : segments.back().end);
+    }
+  }
+  CPD_RETURN_IF_ERROR(d_seg_max_.Allocate(chunk_segments));
+  CPD_RETURN_IF_ERROR(d_seg_nonzero_.Allocate(chunk_segments));
+  CPD_RETURN_IF_ERROR(h_seg_max_.Allocate(chunk_segments));
+  CPD_RETURN_IF_ERROR(d_seg_shifts_.Allocate(bucket_segments));
+  CPD_RETURN_IF_ERROR(h_seg_shifts_.Allocate(bucket_segments));
+  CPD_RETURN_IF_ERROR(h_seg_meta_.Allocate(bucket_segments));
+  CPD_RETURN_IF_ERROR(d_seg_bounds_.Allocate(bounds.size()));
+  if (!bounds.empty()) {
+    CPD_COMM_CUDA_CHECK(cudaMemcpy(d_seg_bounds_.data(), bounds.data(),
+                                   bounds.size() * sizeof(std::uint64_t), cudaMemcpyHostToDevice));
+  }
+  // The codes path sums a chunk here (the other paths allocate d_sum_ themselves).
+  if (path_ == Path::kCodes) CPD_RETURN_IF_ERROR(d_sum_.Allocate(plan_.max_chunk()));
+  return Status::Ok();
+}
+
+Status DeviceReducer::PickSumShifts(const BucketPlan& b, std::size_t slot_bytes) {
+  const int rank = setup_.rank;
+  const std::span<const Segment> own = b.segments_of(rank);
+  if (own.empty()) return Status::Ok();
+  const std::size_t c0 = b.chunk_begin(rank), seg0 = b.seg_start[std::size_t(rank)];
+  CPD_COMM_CUDA_CHECK(
+      cudaMemsetAsync(d_seg_max_.data(), 0, own.size() * sizeof(std::uint32_t), stream_));
+  for (std::size_t j = 0; j < own.size(); ++j) {
+    CPD_RETURN_IF_ERROR(ScanAbsCuda(d_sum_.data() + (own[j].begin - c0), own[j].size(),
+                                    d_seg_max_.data() + j, d_seg_nonzero_.data() + j, stream_));
+  }
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(h_seg_max_.data(), d_seg_max_.data(),
+                                      own.size() * sizeof(std::uint32_t), cudaMemcpyDeviceToHost,
+                                      stream_));
+  CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (std::size_t j = 0; j < own.size(); ++j) {
+    const int t = SumShift(h_seg_max_.data()[j], shifts_[std::size_t(own[j].layer)], setup_.emax);
+    h_seg_shifts_.data()[seg0 + j] = t;
+    h_seg_meta_.data()[j] = std::int8_t(t);
+  }
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_gather_send_.data() + slot_bytes, h_seg_meta_.data(),
+                                      own.size(), cudaMemcpyHostToDevice, stream_));
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_seg_shifts_.data() + seg0, h_seg_shifts_.data() + seg0,
+                                      own.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice,
+                                      stream_));
+  return Status::Ok();
+}
+
+Status DeviceReducer::ResultShifts(const BucketPlan& b, std::size_t slot_bytes,
+                                   std::size_t gather_slot) {
+  if (b.segments.empty()) return Status::Ok();
+  for (int d = 0; d < setup_.world_size; ++d) {
+    const std::size_t s0 = b.seg_start[std::size_t(d)];
+    const std::size_t count = b.seg_start[std::size_t(d) + 1] - s0;
+    if (count == 0) continue;
+    CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(
+        h_seg_meta_.data() + s0, d_gather_recv_.data() + std::size_t(d) * gather_slot + slot_bytes,
+        count, cudaMemcpyDeviceToHost, stream_));
+  }
+  CPD_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (std::size_t si = 0; si < b.segments.size(); ++si) {
+    h_seg_shifts_.data()[si] =
+        shifts_[std::size_t(b.segments[si].layer)] + int(h_seg_meta_.data()[si]);
+  }
+  CPD_COMM_CUDA_CHECK(cudaMemcpyAsync(d_seg_shifts_.data(), h_seg_shifts_.data(),
+                                      b.segments.size() * sizeof(std::int32_t),
+                                      cudaMemcpyHostToDevice, stream_));
   return Status::Ok();
 }
 
@@ -536,26 +678,49 @@ Status DeviceReducer::ReduceBucketSegments(std::size_t index, float* const* inpu
       if (w > 0)
         CPD_RETURN_IF_ERROR(CombineCuda(sum, tmp, sum, s.size(), ElementOp::kAdd, stream_));
     }
-    PackedTensorCuda packed = SegmentAt(s, d_gather_send_.data() + slots.offset[si]);
-    CPD_RETURN_IF_ERROR(
-        EncodeCuda(setup_.format, sum, s.size(),
-                   setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin), &packed,
-                   nullptr, stream_));
+    // aps_sum rounds once every segment's shift t is known, below.
+    if (!setup_.aps_sum) CPD_RETURN_IF_ERROR(RequantizeSegment(b, slots, si, 0, step));
   }
+  if (setup_.aps_sum) {
+    CPD_RETURN_IF_ERROR(PickSumShifts(b, slots.bytes));
+    for (std::size_t si = b.seg_start[std::size_t(rank)];
+         si < b.seg_start[std::size_t(rank) + 1]; ++si) {
+      CPD_RETURN_IF_ERROR(RequantizeSegment(b, slots, si, h_seg_shifts_.data()[si], step));
+    }
+  }
+  const std::size_t gather = GatherSlot(index);
   CPD_RETURN_IF_ERROR(
-      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), slots.bytes));
-  bytes_sent_ += SentByExchange(setup_.world_size, slots.bytes);
+      transport_->AllGatherBytes(d_gather_send_.data(), d_gather_recv_.data(), gather));
+  bytes_sent_ += SentByExchange(setup_.world_size, gather);
 
+  if (setup_.aps_sum) CPD_RETURN_IF_ERROR(ResultShifts(b, slots.bytes, gather));
   for (int d = 0; d < setup_.world_size; ++d) {
-    std::uint8_t* chunk = d_gather_recv_.data() + std::size_t(d) * slots.bytes;
+    std::uint8_t* chunk = d_gather_recv_.data() + std::size_t(d) * gather;
     for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1]; ++si) {
       const Segment& s = b.segments[si];
       CPD_RETURN_IF_ERROR(DecodeCuda(setup_.format, SegmentAt(s, chunk + slots.offset[si]),
                                      output + s.begin, stream_));
-      CPD_RETURN_IF_ERROR(Unshift(s, output));
+      if (!setup_.aps_sum) {
+        CPD_RETURN_IF_ERROR(Unshift(s, output));
+      } else if (const int sh = h_seg_shifts_.data()[si]; sh != 0) {
+        CPD_RETURN_IF_ERROR(ScaleCuda(output + s.begin, s.size(), kernels::Pow2(-sh), stream_));
+      }
     }
   }
   return Status::Ok();
+}
+
+// This rank's segment si of b: its float32 sum in d_sum_ times 2^t (aps_sum; t = 0 otherwise),
+// cpd::EncodeCuda'd into the all-gather's send slot (PackedSegments::SumAndRequantizeOwnChunk).
+Status DeviceReducer::RequantizeSegment(const BucketPlan& b, const SegmentSlots& slots,
+                                        std::size_t si, int t, std::int64_t step) {
+  const Segment& s = b.segments[si];
+  float* sum = d_sum_.data() + (s.begin - b.chunk_begin(setup_.rank));
+  if (t != 0) CPD_RETURN_IF_ERROR(ScaleCuda(sum, s.size(), kernels::Pow2(t), stream_));
+  PackedTensorCuda packed = SegmentAt(s, d_gather_send_.data() + slots.offset[si]);
+  return EncodeCuda(setup_.format, sum, s.size(),
+                    setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin), &packed,
+                    nullptr, stream_);
 }
 
 // emulate, other formats (EmulateFloats::ReduceBucket): every contribution quantised as float32

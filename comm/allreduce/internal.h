@@ -38,6 +38,9 @@ struct ReducerSetup {
   int workers = 1;  // W = P * K; rank r's replica k is worker r * K + k
   int threads = 1;  // OpenMP threads of the element loops
   int emax = 0;     // ApsEmax(format); 0 for fp32
+  // packed with APS and aps_scaling sum (or auto): contributions shifted to the top of the format,
+  // each segment's sum re-quantised with its own shift t (SumShift), sent with the all-gather.
+  bool aps_sum = false;
   kernels::RoundMode round_mode = kernels::RoundMode::kNearestEven;  // options.rounding
 
   std::size_t layers() const { return layout.layers(); }
@@ -63,6 +66,19 @@ float MaxAbsForAllReduce(std::uint32_t max_bits);
 // when some maximum is not finite (the step is skipped).
 bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_abs,
                       std::vector<int>* shifts);
+
+// APS sum scaling (comm/gradient_allreduce.h, "APS scaling of packed"): a layer's contribution
+// shift, the max reaching the top of the format and the float32 sum of the W contributions kept
+// finite: min(ApsShift(max_abs, 1, emax), ApsShift(max_abs, workers, 127)).
+int SumContributionShift(float max_abs, int workers, int emax);
+// The re-quantisation shift t of a segment of layer shift s whose float32 sum (in units of 2^-s)
+// has largest |value| max_sum_bits (float32 bits, finite): ApsShift(max, 1, emax), 0 for an
+// all-zero sum, clamped so that |s + t| <= 126 (2^-(s + t) is a normal float; t fits an int8).
+int SumShift(std::uint32_t max_sum_bits, int s, int emax);
+// Where the shifts t travel: one int8 per segment of a chunk, in segment order, right after the
+// chunk's codes in the all-gather's slot (at offset slot_bytes, the exchange's slot). The gather
+// slot: slot_bytes without aps_sum, else SlotBytes(slot_bytes + the most segments of a chunk).
+std::size_t GatherSlotBytes(const ReducerSetup& setup, const BucketPlan& b, std::size_t slot_bytes);
 
 // ---- Per-layer statistics -----------------------------------------------------------------------
 // The flushed and saturated fractions of every layer from the global counts, 3 per layer
@@ -120,9 +136,10 @@ Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes);
 
 struct ExchangeBuffers {
   std::vector<std::uint8_t> send, recv;                // P blocks of K slots
-  std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P slots
-  // CheckBlockBytes, then the allocation.
-  Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes);
+  std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P gather slots
+  // CheckBlockBytes, then the allocation; gather slots of gather_slot_bytes (0: slot_bytes).
+  Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes,
+                  std::size_t gather_slot_bytes = 0);
 };
 
 // ---- The state of a step ------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 // metadata. All-to-all of the packed contributions (reduce-scatter), decode and sum the W
 // contributions of a chunk in float32, one re-quantisation of the sum, all-gather of the packed
 // result. Fixed float grids of <= 16 bits use the piece pipeline of comm/allreduce/codes.h; other
-// formats cpd::Encode each segment (its scale group) with its metadata.
+// formats cpd::Encode each segment (its scale group) with its metadata. With APS sum scaling
+// (ReducerSetup::aps_sum) each segment's sum is re-quantised after its own shift t, which travels
+// with the all-gather (comm/gradient_allreduce.h, "APS scaling of packed").
 #include <omp.h>
 
 #include <algorithm>
@@ -21,6 +23,16 @@ class PackedCodes final : public BucketAlgorithm {
   PackedCodes(StepContext* ctx, std::unique_ptr<CodeTransport> codes)
       : BucketAlgorithm(ctx), codes_(std::move(codes)) {
     thread_sums_.assign(std::size_t(setup_.threads) * kPiece, 0.0f);
+    if (setup_.aps_sum) {
+      std::size_t segments = 0;
+      for (const BucketPlan& b : ctx_.plan.buckets()) {
+        for (int d = 0; d < setup_.world_size; ++d) {
+          segments = std::max(segments, b.segments_of(d).size());
+        }
+      }
+      chunk_sums_.assign(ctx_.plan.max_chunk(), 0.0f);
+      thread_max_.assign(std::size_t(setup_.threads) * segments, 0u);
+    }
   }
 
  protected:
@@ -38,6 +50,7 @@ class PackedCodes final : public BucketAlgorithm {
   // This rank's chunk: the W contributions decoded and summed in float32, then one rounding of
   // the sum to the format, packed for the all-gather.
   void SumAndRequantizeOwnChunk(const BucketPlan& b, std::int64_t step) {
+    if (setup_.aps_sum) return SumShiftAndRequantizeOwnChunk(b, step);
     const std::span<const Piece> own = b.pieces_of(setup_.rank);
     const CodeDecoder& dec = codes_->decoder();
     const int threads = setup_.threads;
@@ -54,8 +67,54 @@ class PackedCodes final : public BucketAlgorithm {
     }
   }
 
+  // aps_sum: the whole chunk's float32 sums first, with each segment's max|sum| (its shift t
+  // needs it), then the rounding of sum * 2^t.
+  void SumShiftAndRequantizeOwnChunk(const BucketPlan& b, std::int64_t step) {
+    const int rank = setup_.rank;
+    const std::span<const Piece> own = b.pieces_of(rank);
+    const CodeDecoder& dec = codes_->decoder();
+    const std::size_t c0 = b.chunk_begin(rank), seg0 = b.seg_start[std::size_t(rank)];
+    const std::size_t segments = b.segments_of(rank).size();
+    const int threads = setup_.threads;
+    const long n = long(own.size());
+    std::fill(thread_max_.begin(), thread_max_.end(), 0u);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
+    for (long i = 0; i < n; ++i) {
+      const Piece& pc = own[std::size_t(i)];
+      float* sum = chunk_sums_.data() + (pc.begin - c0);
+      DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, sum);
+      for (int w = 1; w < setup_.workers; ++w) {
+        DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, sum);
+      }
+      std::uint32_t* max_bits = &thread_max_[std::size_t(omp_get_thread_num()) * segments];
+      for (std::size_t si = pc.first_segment;
+           si < b.segments.size() && b.segments[si].begin < pc.end; ++si) {
+        const std::size_t lo = std::max(b.segments[si].begin, pc.begin);
+        const std::size_t hi = std::min(b.segments[si].end, pc.end);
+        std::uint64_t nonzero = 0;
+        ScanAbs(sum + (lo - pc.begin), hi - lo, &max_bits[si - seg0], &nonzero);
+      }
+    }
+    std::int8_t* t = codes_->SumShifts(b);
+    for (std::size_t j = 0; j < segments; ++j) {
+      std::uint32_t m = 0;
+      for (int th = 0; th < threads; ++th) m = std::max(m, thread_max_[std::size_t(th) * segments + j]);
+      t[j] = std::int8_t(
+          SumShift(m, ctx_.shifts[std::size_t(b.segments[seg0 + j].layer)], setup_.emax));
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
+    for (long i = 0; i < n; ++i) {
+      const Piece& pc = own[std::size_t(i)];
+      codes_->EncodeResult(chunk_sums_.data() + (pc.begin - c0), b, pc, setup_.round_mode,
+                           RequantizeStage(setup_.workers), step);
+    }
+  }
+
   std::unique_ptr<CodeTransport> codes_;
   std::vector<float> thread_sums_;  // kPiece per thread
+  // aps_sum: the float32 sums of a chunk; per thread, max|sum| bits of each segment of a chunk.
+  std::vector<float> chunk_sums_;
+  std::vector<std::uint32_t> thread_max_;
 };
 
 // Scaled formats: cpd::Encode per segment, codes and scale metadata.
@@ -75,7 +134,8 @@ class PackedSegments final : public BucketAlgorithm {
     CPD_RETURN_IF_ERROR(
         ctx_.ExchangeContributions(std::size_t(setup_.local_replicas) * slots.bytes));
     CPD_RETURN_IF_ERROR(SumAndRequantizeOwnChunk(b, slots, step));
-    CPD_RETURN_IF_ERROR(ctx_.GatherChunks(ctx_.exchange.gather_send.data(), slots.bytes));
+    CPD_RETURN_IF_ERROR(ctx_.GatherChunks(ctx_.exchange.gather_send.data(),
+                                          GatherSlotBytes(setup_, b, slots.bytes)));
     return DecodeResults(b, slots, output);
   }
 
@@ -99,10 +159,13 @@ class PackedSegments final : public BucketAlgorithm {
 };
 
 Status PackedSegments::Allocate() {
-  std::size_t slot = 0, segment = 0;
+  std::size_t slot = 0, gather = 0, segment = 0;
   slots_ = LayOutSegmentSlots(setup_, ctx_.plan, &segment);
-  for (const Slots& slots : slots_) slot = std::max(slot, slots.bytes);
-  CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, slot));
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    slot = std::max(slot, slots_[i].bytes);
+    gather = std::max(gather, GatherSlotBytes(setup_, ctx_.plan.buckets()[i], slots_[i].bytes));
+  }
+  CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, slot, gather));
   const std::size_t chunk = ctx_.plan.max_chunk();
   sum_.assign(chunk, 0.0f);
   tmp_.assign(chunk, 0.0f);
@@ -149,6 +212,19 @@ Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots
         for (std::size_t i = 0; i < s.size(); ++i) sum[i] += tmp[i];
       }
     }
+    if (setup_.aps_sum) {
+      // The segment's shift t (after the codes of the gather slot), applied before the rounding.
+      std::uint32_t max_bits = 0;
+      std::uint64_t nonzero = 0;
+      ScanAbs(sum, s.size(), &max_bits, &nonzero);
+      const int t = SumShift(max_bits, ctx_.shifts[std::size_t(s.layer)], setup_.emax);
+      ctx_.exchange.gather_send[slots.bytes + (si - b.seg_start[std::size_t(rank)])] =
+          std::uint8_t(std::int8_t(t));
+      if (t != 0) {
+        const float scale = kernels::Pow2(t);
+        for (std::size_t i = 0; i < s.size(); ++i) sum[i] *= scale;
+      }
+    }
     CPD_RETURN_IF_ERROR(Encode(setup_.format, sum, s.size(),
                                setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin),
                                &packed_, nullptr));
@@ -159,13 +235,22 @@ Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots
 }
 
 Status PackedSegments::DecodeResults(const BucketPlan& b, const Slots& slots, float* output) {
+  const std::size_t gather = GatherSlotBytes(setup_, b, slots.bytes);
   for (int d = 0; d < setup_.world_size; ++d) {
-    const std::uint8_t* chunk = ctx_.exchange.gather_recv.data() + std::size_t(d) * slots.bytes;
+    const std::uint8_t* chunk = ctx_.exchange.gather_recv.data() + std::size_t(d) * gather;
     for (std::size_t si = b.seg_start[std::size_t(d)]; si < b.seg_start[std::size_t(d) + 1]; ++si) {
       const Segment& s = b.segments[si];
       CPD_RETURN_IF_ERROR(DecodeSegment(s, chunk + slots.offset[si], output + s.begin));
+      if (setup_.aps_sum) {
+        // One multiply by 2^-(s + t): exact, |s + t| <= 126.
+        const int t = std::int8_t(chunk[slots.bytes + (si - b.seg_start[std::size_t(d)])]);
+        const int sh = ctx_.shifts[std::size_t(s.layer)] + t;
+        if (sh == 0) continue;
+        const float up = kernels::Pow2(-sh);
+        for (std::size_t i = s.begin; i < s.end; ++i) output[i] *= up;
+      }
     }
-    ctx_.Unshift(b, d, output);
+    if (!setup_.aps_sum) ctx_.Unshift(b, d, output);
   }
   return Status::Ok();
 }

@@ -161,14 +161,16 @@ Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes) {
       std::to_string(INT_MAX) + "; use a smaller bucket_mb");
 }
 
-Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes) {
+Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes,
+                                 std::size_t gather_slot_bytes) {
   CPD_RETURN_IF_ERROR(CheckBlockBytes(setup, slot_bytes));
   const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
   const std::size_t p = std::size_t(setup.world_size);
+  const std::size_t gather = gather_slot_bytes > 0 ? gather_slot_bytes : slot_bytes;
   send.assign(block * p, 0);
   recv.assign(block * p, 0);
-  gather_send.assign(slot_bytes, 0);
-  gather_recv.assign(slot_bytes * p, 0);
+  gather_send.assign(gather, 0);
+  gather_recv.assign(gather * p, 0);
   return Status::Ok();
 }
 
@@ -302,9 +304,37 @@ bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_a
   bool finite = true;
   for (std::size_t l = 0; l < setup.layers(); ++l) {
     if (!(max_abs[l] < std::numeric_limits<float>::infinity())) finite = false;
-    (*shifts)[l] = aps ? ApsShift(max_abs[l], setup.workers, setup.emax) : 0;
+    if (!aps) {
+      (*shifts)[l] = 0;
+    } else if (setup.aps_sum) {
+      (*shifts)[l] = SumContributionShift(max_abs[l], setup.workers, setup.emax);
+    } else {
+      (*shifts)[l] = ApsShift(max_abs[l], setup.workers, setup.emax);
+    }
   }
   return finite;
+}
+
+// ---- APS sum scaling ----------------------------------------------------------------------------
+
+int SumContributionShift(float max_abs, int workers, int emax) {
+  // 127: the exponent of float32's largest power of two, so that W * max * 2^s <= 2^127.
+  return std::min(ApsShift(max_abs, 1, emax), ApsShift(max_abs, workers, 127));
+}
+
+int SumShift(std::uint32_t max_sum_bits, int s, int emax) {
+  const int t = ApsShift(kernels::BitsFloat(max_sum_bits & 0x7fffffffu), 1, emax);
+  return std::clamp(t, -126 - s, 126 - s);
+}
+
+std::size_t GatherSlotBytes(const ReducerSetup& setup, const BucketPlan& b,
+                            std::size_t slot_bytes) {
+  if (!setup.aps_sum) return slot_bytes;
+  std::size_t most = 0;
+  for (int d = 0; d < setup.world_size; ++d) {
+    most = std::max(most, b.seg_start[std::size_t(d) + 1] - b.seg_start[std::size_t(d)]);
+  }
+  return SlotBytes(slot_bytes + most);
 }
 
 // ---- SegmentSlots -------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ comm::GradientLayout LayoutOf(const std::vector<Param*>& params) {
 std::string AllReduceDescription(const comm::GradientAllReduceOptions& ar) {
   std::string out = comm::AllReduceAlgoName(ar.algo);
   if (ar.algo != comm::AllReduceAlgo::kFp32) {
-    out += " " + ar.format + (ar.aps ? " +APS" : "") + (ar.kahan ? " +Kahan" : "");
+    const char* aps = !ar.aps ? "" : comm::UsesApsSumScaling(ar) ? " +APS(sum)" : " +APS";
+    out += " " + ar.format + aps + (ar.kahan ? " +Kahan" : "");
   }
   return out;
 }

@@ -111,10 +111,12 @@ struct Case {
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
   bool kahan = false;
+  ApsScaling scaling = ApsScaling::kAuto;  // with aps: auto is sum for packed, paper for emulate
 };
 
 std::string Name(const Case& c, int k) {
-  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + (c.aps ? "/aps" : "") +
+  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format +
+         (c.aps ? std::string("/aps-") + ApsScalingName(c.scaling) : "") +
          (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) + "/K=" + std::to_string(k);
 }
 
@@ -125,6 +127,7 @@ GradientAllReduceOptions Options(const Case& c, double bucket_mb, MemorySpace gr
   o.format = c.format;
   o.rounding = c.rounding;
   o.aps = c.aps;
+  o.aps_scaling = c.scaling;
   o.kahan = c.kahan;
   o.bucket_mb = bucket_mb;
   o.seed = 0x5eed;
@@ -234,6 +237,10 @@ std::vector<Case> AllCases() {
     for (const char* f : {"e4m3", "e5m2", "e3m0", "e2m1", "fp16", "bf16"}) {
       for (Rounding r : {Rounding::kNearest, Rounding::kStochastic}) {
         for (bool aps : {false, true}) cases.push_back({algo, f, r, aps, false});
+        // packed with APS above is the sum scaling (auto); the paper's as well.
+        if (algo == AllReduceAlgo::kPacked) {
+          cases.push_back({algo, f, r, true, false, ApsScaling::kPaper});
+        }
       }
     }
   }
@@ -243,12 +250,17 @@ std::vector<Case> AllCases() {
     }
   }
   cases.push_back({AllReduceAlgo::kPacked, "e4m3", Rounding::kZero, true, false});
+  cases.push_back({AllReduceAlgo::kPacked, "e3m0", Rounding::kZero, true, false,
+                   ApsScaling::kPaper});
   cases.push_back({AllReduceAlgo::kEmulate, "e5m2", Rounding::kZero, false, true});
   // Formats that travel as cpd::Encode'd segments (packed) or quantised float32 (emulate).
   for (AllReduceAlgo algo : {AllReduceAlgo::kPacked, AllReduceAlgo::kEmulate}) {
     for (const char* f : {"int8", "uint4:minmax", "mxfp8", "mxfp4", "bfp8:16", "fp134", "log4"}) {
       for (Rounding r : {Rounding::kNearest, Rounding::kStochastic}) {
         cases.push_back({algo, f, r, true, false});
+        if (algo == AllReduceAlgo::kPacked) {
+          cases.push_back({algo, f, r, true, false, ApsScaling::kPaper});
+        }
       }
     }
   }
@@ -371,6 +383,8 @@ TEST(GradientAllReduceCudaTest, StagedTransportOverAMirroredWorldMatchesHostRedu
     for (const Case& c : {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
                           Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
                           Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false},
+          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false,
+               ApsScaling::kPaper},
                           Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kNearest, false, true},
                           Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kStochastic, true, false},
                           Case{AllReduceAlgo::kPacked, "mxfp8", Rounding::kStochastic, true, false},

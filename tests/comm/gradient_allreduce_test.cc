@@ -88,6 +88,7 @@ int EmaxOf(const std::string& spec) {
   if (spec == "e4m3") return 8;    // 448
   if (spec == "e5m2") return 15;   // 57344
   if (spec == "e3m0") return 3;    // 8
+  if (spec == "e2m1") return 2;    // 6
   if (spec == "fp16") return 15;   // 65504
   if (spec == "bf16") return 127;  // 3.39e38
   if (spec == "int8") return 6;    // 127 levels
@@ -104,22 +105,36 @@ int ExpectedShift(float max_abs, int workers, int emax) {
   return std::clamp(emax - e, -126, 126);
 }
 
+// APS sum scaling (packed), written out again: the contribution shift puts max|g| at the top,
+// capped so that the float32 sum of W contributions stays finite; a segment's sum shift t puts
+// its max|sum| at the top, clamped so that |s + t| <= 126.
+int ExpectedSumScalingShift(float max_abs, int workers, int emax) {
+  return std::min(ExpectedShift(max_abs, 1, emax), ExpectedShift(max_abs, workers, 127));
+}
+int ExpectedSegmentShift(float max_sum, int s, int emax) {
+  return std::clamp(ExpectedShift(max_sum, 1, emax), -126 - s, 126 - s);
+}
+
 struct Case {
   AllReduceAlgo algo;
   std::string format;
   bool aps;
   bool kahan;
   Rounding rounding;
+  // The existing cases pin today's (the paper's) scaling: its results must not change.
+  ApsScaling scaling = ApsScaling::kPaper;
 };
 
 std::string Name(const Case& c, int k) {
-  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + (c.aps ? "/aps" : "") +
+  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format +
+         (c.aps ? std::string("/aps-") + ApsScalingName(c.scaling) : "") +
          (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) + "/K=" + std::to_string(k);
 }
 
 // The sequential reference: for each segment (a layer's part of one rank's chunk; the scale
 // group of per-tensor-scaled formats), each worker's contribution quantised after 2^s, summed in
-// worker order as the algorithm prescribes, shifted back by 2^-s.
+// worker order as the algorithm prescribes, shifted back by 2^-s. packed with the sum scaling:
+// the float32 sum times 2^t of its segment before the rounding, shifted back by 2^-(s + t).
 std::vector<float> Reference(const Case& c, const GradientLayout& layout,
                              const std::vector<GradientBucket>& buckets,
                              const std::vector<std::vector<float>>& x, uint64_t seed, int64_t step,
@@ -127,6 +142,8 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
   const Format format = Format::Parse(c.format).value();
   const int workers = static_cast<int>(x.size());
   const size_t layers = layout.layers();
+  const bool sum_scaling =
+      c.aps && c.algo == AllReduceAlgo::kPacked && c.scaling != ApsScaling::kPaper;
   shifts->assign(layers, 0);
   for (size_t l = 0; l < layers; ++l) {
     float mx = 0.0f;
@@ -134,7 +151,10 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
       for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i)
         mx = std::max(mx, std::fabs(xw[i]));
     }
-    if (c.aps) (*shifts)[l] = ExpectedShift(mx, workers, EmaxOf(c.format));
+    if (c.aps) {
+      (*shifts)[l] = sum_scaling ? ExpectedSumScalingShift(mx, workers, EmaxOf(c.format))
+                                 : ExpectedShift(mx, workers, EmaxOf(c.format));
+    }
   }
   std::vector<float> out(layout.total(), 0.0f);
   auto q = [&](const float* in, float* o, size_t n, int64_t stage, size_t index) {
@@ -180,9 +200,16 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
             acc = t;
           }
         }
+        int seg_shift = 0;  // t
+        if (sum_scaling) {
+          float max_sum = 0.0f;
+          for (float v : acc) max_sum = std::max(max_sum, std::fabs(v));
+          seg_shift = ExpectedSegmentShift(max_sum, sh, EmaxOf(c.format));
+          for (float& v : acc) v = std::ldexp(v, seg_shift);
+        }
         if (c.algo == AllReduceAlgo::kPacked)
           q(acc.data(), acc.data(), n, 5 * int64_t{workers}, s0);
-        for (size_t i = 0; i < n; ++i) out[s0 + i] = std::ldexp(acc[i], -sh);
+        for (size_t i = 0; i < n; ++i) out[s0 + i] = std::ldexp(acc[i], -(sh + seg_shift));
       }
     }
   }
@@ -201,6 +228,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   opts.algo = c.algo;
   opts.format = c.format;
   opts.aps = c.aps;
+  opts.aps_scaling = c.scaling;
   opts.kahan = c.kahan;
   opts.rounding = c.rounding;
   opts.bucket_mb = bucket_mb;
@@ -356,6 +384,167 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
   }
 }
 
+// The sum scaling against the reference: every segment's t, the rounding of sum * 2^t and the
+// 2^-(s + t) after the all-gather, bit for bit, for the piece pipeline (float grids) and the
+// cpd::Encode'd segments (int8, MX), K = 1-3 on every world size.
+TEST(GradientAllReduceTest, PackedSumScalingMatchesSequentialReferenceBitForBit) {
+  const ApsScaling sum = ApsScaling::kSum;
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "e2m1", "fp16", "bf16", "int8", "mxfp8", "mxfp4"}) {
+    for (int k : {1, 2, 3}) {
+      RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest, sum}, k, kSizes,
+              kSmallBucketMb, 7);
+    }
+  }
+  for (const char* f : {"e4m3", "e3m0", "int8"}) {
+    RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kStochastic, sum}, 2, kSizes,
+            kSmallBucketMb, 9);
+  }
+  RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kNearest, sum}, 2,
+          {5, (size_t(5) << 19) + 3, 77}, 12.0, 17);
+  // Sums that round in float32 (only worker order gives these bits) and bf16, whose top
+  // (2^127) is float32's: the cap on the contribution shift keeps the sums finite.
+  for (const char* f : {"bf16", "fp16", "int8", "e3m0"}) {
+    RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest, sum}, 3, kSizes,
+            kSmallBucketMb, 13, /*spread=*/9);
+  }
+}
+
+// auto is the sum scaling for packed and the paper's for emulate, bit for bit.
+TEST(GradientAllReduceTest, AutoScalingIsSumForPackedAndPaperForEmulate) {
+  const int r = test::MpiWorld()->rank();
+  const GradientLayout layout = MakeLayout({1000, 3, 517});
+  auto run = [&](AllReduceAlgo algo, ApsScaling scaling) {
+    GradientAllReduceOptions o;
+    o.algo = algo;
+    o.format = "e3m0";
+    o.aps = true;
+    o.aps_scaling = scaling;
+    o.bucket_mb = 0.002;
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, 2);
+    EXPECT_TRUE(red.ok()) << red.status().ToString();
+    std::vector<float> a = WorkerInput(layout, 8, 2 * r), b = WorkerInput(layout, 8, 2 * r + 1);
+    float* ptrs[2] = {a.data(), b.data()};
+    std::vector<float> out(layout.total());
+    EXPECT_TRUE(red.value()->Reduce(ptrs, out.data(), 3).ok());
+    return out;
+  };
+  const auto bits = [](const std::vector<float>& v) { return Hash(v); };
+  EXPECT_EQ(bits(run(AllReduceAlgo::kPacked, ApsScaling::kAuto)),
+            bits(run(AllReduceAlgo::kPacked, ApsScaling::kSum)));
+  EXPECT_NE(bits(run(AllReduceAlgo::kPacked, ApsScaling::kAuto)),
+            bits(run(AllReduceAlgo::kPacked, ApsScaling::kPaper)));
+  EXPECT_EQ(bits(run(AllReduceAlgo::kEmulate, ApsScaling::kAuto)),
+            bits(run(AllReduceAlgo::kEmulate, ApsScaling::kPaper)));
+  EXPECT_TRUE(UsesApsSumScaling({AllReduceAlgo::kPacked, "e4m3", Rounding::kNearest, true}));
+  EXPECT_FALSE(UsesApsSumScaling({AllReduceAlgo::kPacked, "e4m3", Rounding::kNearest, false}));
+  EXPECT_FALSE(UsesApsSumScaling({AllReduceAlgo::kEmulate, "e4m3", Rounding::kNearest, true}));
+}
+
+// Hand-computed, e3m0 (values 0.25 ... 8, no subnormals), K = 4, so W = 4P: layer 0 gives 4 on
+// every worker in chunk 0, and in every other chunk +0.25 on workers 0 and 1 and +-0.25
+// alternating on the rest (sum 0.5); layer 1 is all zero. s = 3 - ceil(log2 4) = 1, so the
+// contributions are 8 and 0.5 (exact). Chunk 0's sum 8W gets t = -ceil(log2 W) and rounds to
+// e3m0 (exact where W is a power of two); every other chunk's sum 1 gets t = 3 -> 8, exactly 0.5
+// after 2^-(1 + 3). One shift for the whole layer (chunk 0's) would flush those sums (1 * 2^-3 <
+// 0.125), and so does the paper's scaling (s = 3 - ceil(log2 4W): the 0.25s become <= 2^-4).
+// The all-zero layer has t = 0 and stays zero.
+TEST(GradientAllReduceTest, SumScalingShiftsEachSegmentOfALayer) {
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
+  const int k = 4, workers = 4 * p;
+  const GradientLayout layout = MakeLayout({size_t(512) * size_t(p), 256});
+  for (ApsScaling scaling : {ApsScaling::kSum, ApsScaling::kPaper}) {
+    SCOPED_TRACE(ApsScalingName(scaling));
+    GradientAllReduceOptions o;
+    o.algo = AllReduceAlgo::kPacked;
+    o.format = "e3m0";
+    o.aps = true;
+    o.aps_scaling = scaling;
+    auto created = GradientAllReducer::Create(test::MpiWorld(), o, layout, k);
+    ASSERT_TRUE(created.ok()) << created.status().ToString();
+    auto& red = *created.value();
+    ASSERT_EQ(red.buckets().size(), 1u);
+    const std::vector<size_t>& bounds = red.buckets()[0].chunk_bounds;
+    const size_t n0 = layout.offsets[1];
+    auto input = [&](int w, size_t i) -> float {
+      if (i >= n0) return 0.0f;
+      if (i < bounds[1]) return 4.0f;
+      return w < 2 || w % 2 == 0 ? 0.25f : -0.25f;
+    };
+    std::vector<std::vector<float>> x(size_t(k), std::vector<float>(layout.total()));
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) {
+      for (size_t i = 0; i < layout.total(); ++i) x[size_t(j)][i] = input(r * k + j, i);
+      ptrs.push_back(x[size_t(j)].data());
+    }
+    std::vector<float> out(layout.total(), -1.0f);
+    ASSERT_TRUE(red.Reduce(ptrs.data(), out.data(), 0).ok());
+    const int s = red.last_stats()[0].shift;
+    EXPECT_EQ(s, scaling == ApsScaling::kSum ? 1 : ExpectedShift(4.0f, workers, 3));
+    EXPECT_EQ(red.last_stats()[1].shift, 0);
+    size_t wrong_rest = 0, wrong_zero = 0, wrong_first = 0;
+    const bool power_of_two = (workers & (workers - 1)) == 0;
+    for (size_t i = 0; i < layout.total(); ++i) {
+      if (i >= n0) {
+        wrong_zero += Bits(out[i]) != 0u;
+      } else if (i < bounds[1]) {
+        // 4W to e3m0 (relative error <= 1/3); exact for W a power of two.
+        const double e = 4.0 * workers;
+        wrong_first += power_of_two ? out[i] != float(e) : std::fabs(out[i] - e) > e / 3;
+      } else if (scaling == ApsScaling::kSum) {
+        wrong_rest += out[i] != 0.5f;
+      } else {
+        wrong_rest += out[i] != 0.0f;  // the paper's shift flushes every 0.25
+      }
+    }
+    EXPECT_EQ(wrong_first, 0u);
+    EXPECT_EQ(wrong_rest, 0u);
+    EXPECT_EQ(wrong_zero, 0u);
+    if (scaling == ApsScaling::kPaper) {
+      // Every contribution outside chunk 0 (the 0.25s) is flushed.
+      const size_t first = std::min(bounds[1], n0);
+      EXPECT_EQ(red.last_stats()[0].flushed, double(n0 - first) / double(n0));
+    } else {
+      EXPECT_EQ(red.last_stats()[0].flushed, 0.0);
+    }
+  }
+}
+
+// The outside study's failure: e3m0 at W >= 64 with the paper's APS flushes every contribution
+// (max|g| * W at 8 leaves every |g| * 2^s <= 8 / 64, below half of e3m0's smallest value 0.25);
+// the sum scaling keeps max|g| at 8 and flushes only the small tail of N(0, 1).
+TEST(GradientAllReduceTest, SumScalingKeepsE3m0AliveAtW64) {
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
+  const int k = (64 + p - 1) / p;
+  const GradientLayout layout = MakeLayout({3000, 700});
+  for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
+    SCOPED_TRACE(ApsScalingName(scaling));
+    GradientAllReduceOptions o;
+    o.algo = AllReduceAlgo::kPacked;
+    o.format = "e3m0";
+    o.aps = true;
+    o.aps_scaling = scaling;
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, k);
+    ASSERT_TRUE(red.ok()) << red.status().ToString();
+    std::vector<std::vector<float>> x;
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) x.push_back(WorkerInput(layout, 64, r * k + j));
+    for (auto& v : x) ptrs.push_back(v.data());
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0, /*measure_error=*/true).ok());
+    for (const LayerCommStats& st : red.value()->last_stats()) {
+      SCOPED_TRACE(st.layer);
+      if (scaling == ApsScaling::kPaper) {
+        EXPECT_EQ(st.flushed, 1.0);
+        EXPECT_EQ(st.rel_error, 1.0);
+      } else {
+        EXPECT_LT(st.flushed, 0.25);
+        EXPECT_LT(st.rel_error, 0.5);
+      }
+    }
+  }
+}
+
 // packed against the exact (double) sum: each of the W contributions and the one re-quantised
 // sum are off by at most half a step of the format (relative 2^-(M+1) for normal values, half
 // the smallest subnormal below), plus float32 rounding of the sum.
@@ -364,13 +553,15 @@ TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
   const int r = test::MpiWorld()->rank();
   for (const char* f : {"e4m3", "e5m2", "fp16", "bf16"}) {
     for (int k : {1, 3}) {
-      SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k));
+     for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
+      SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k) + " " + ApsScalingName(scaling));
       const int workers = p * k;
       const GradientLayout layout = MakeLayout({4097, 33, 1});
       GradientAllReduceOptions opts;
       opts.algo = AllReduceAlgo::kPacked;
       opts.format = f;
       opts.aps = true;
+      opts.aps_scaling = scaling;
       opts.bucket_mb = kSmallBucketMb;
       auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
       ASSERT_TRUE(red.ok());
@@ -402,6 +593,7 @@ TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
       }
       EXPECT_EQ(wrong, 0u);
       EXPECT_TRUE(SameOnAllRanks(Hash(out)));
+     }
     }
   }
 }
@@ -415,11 +607,13 @@ TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
   const std::vector<float> maxima = {3.0f, 2.0f, 0.0f, 1e-30f, 1e-40f, 5e4f, 0.75f};
   const GradientLayout layout = MakeLayout(std::vector<size_t>(maxima.size(), 9));
   for (const char* f : {"e4m3", "e5m2", "e3m0", "int8", "mxfp4"}) {
-    SCOPED_TRACE(f);
+   for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
+    SCOPED_TRACE(std::string(f) + " " + ApsScalingName(scaling));
     GradientAllReduceOptions opts;
     opts.algo = AllReduceAlgo::kPacked;
     opts.format = f;
     opts.aps = true;
+    opts.aps_scaling = scaling;
     auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
     ASSERT_TRUE(red.ok()) << red.status().ToString();
     std::vector<std::vector<float>> in(static_cast<size_t>(k), std::vector<float>(layout.total()));
@@ -438,11 +632,28 @@ TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
     for (size_t l = 0; l < maxima.size(); ++l) {
       const LayerCommStats& st = red.value()->last_stats()[l];
       EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
-      EXPECT_EQ(st.shift, ExpectedShift(maxima[l], workers, EmaxOf(f))) << "layer " << l;
-      EXPECT_EQ(ApsShift(maxima[l], workers, EmaxOf(f)), st.shift);
+      if (scaling == ApsScaling::kPaper) {
+        EXPECT_EQ(st.shift, ExpectedShift(maxima[l], workers, EmaxOf(f))) << "layer " << l;
+        EXPECT_EQ(ApsShift(maxima[l], workers, EmaxOf(f)), st.shift);
+      } else {
+        EXPECT_EQ(st.shift, ExpectedSumScalingShift(maxima[l], workers, EmaxOf(f)))
+            << "layer " << l;
+        EXPECT_EQ(internal::SumContributionShift(maxima[l], workers, EmaxOf(f)), st.shift);
+      }
     }
     EXPECT_EQ(ApsEmax(Format::Parse(f).value()), EmaxOf(f));
+   }
   }
+  // The sum scaling's shifts by hand: e4m3, max 3 -> 6 whatever W; bf16 (emax 127) at its top,
+  // W = 4: capped at 127 - ceil(log2(2^127 * 4)) = -2 so that the float32 sum stays finite; a
+  // segment's t: max|sum| 100 -> 8 - 7 = 1, zero -> 0, clamped so that |s + t| <= 126.
+  EXPECT_EQ(internal::SumContributionShift(3.0f, 64, 8), 6);
+  EXPECT_EQ(internal::SumContributionShift(std::ldexp(1.0f, 127), 4, 127), -2);
+  EXPECT_EQ(internal::SumShift(Bits(100.0f), 6, 8), 1);
+  EXPECT_EQ(internal::SumShift(Bits(-100.0f), 6, 8), 1);
+  EXPECT_EQ(internal::SumShift(0u, 6, 8), 0);
+  EXPECT_EQ(internal::SumShift(Bits(1e-30f), 100, 8), 26);
+  EXPECT_EQ(internal::SumShift(Bits(3e38f), -120, 3), -6);
   // Hand-computed values: e4m3 (emax 8), W = 1: max 3 -> ceil(log2 3) = 2 -> 6; a power of two
   // needs no rounding up: max 2, W = 2 -> log2 4 = 2 -> 6; zero -> 0; clamped at +-126.
   EXPECT_EQ(ApsShift(3.0f, 1, 8), 6);
@@ -637,6 +848,19 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   o.kahan = true;
   expect_invalid(o, layout, 1, "kahan");
   o.kahan = false;
+  o.algo = AllReduceAlgo::kEmulate;
+  o.aps_scaling = ApsScaling::kSum;
+  expect_invalid(o, layout, 1, "aps_scaling sum applies to all-reduce packed only");
+  o.aps_scaling = ApsScaling::kPaper;
+  EXPECT_TRUE(GradientAllReducer::Create(test::MpiWorld(), o, layout, 1).ok());
+  o.algo = AllReduceAlgo::kPacked;
+  o.aps_scaling = ApsScaling::kAuto;
+  auto scaling = ParseApsScaling("headroom");
+  ASSERT_FALSE(scaling.ok());
+  EXPECT_NE(scaling.status().message().find("auto, paper, sum"), std::string::npos);
+  EXPECT_EQ(ParseApsScaling("sum").value(), ApsScaling::kSum);
+  EXPECT_EQ(ParseApsScaling("paper").value(), ApsScaling::kPaper);
+  EXPECT_EQ(std::string(ApsScalingName(ApsScaling::kAuto)), "auto");
   o.threads = -2;
   expect_invalid(o, layout, 1, "threads");
   o.threads = 0;

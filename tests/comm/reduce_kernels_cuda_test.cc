@@ -525,6 +525,55 @@ TEST(ReduceKernelsCudaTest, PackedSumRequantizeMatchesCpu) {
   }
 }
 
+// The sum scaling's first stage (PackedCodes::SumShiftAndRequantizeOwnChunk): the float32 sums
+// in worker order, bit for bit (two NaNs count as equal: their payloads may differ, and the
+// reducer's contributions are finite anyway).
+TEST(ReduceKernelsCudaTest, PackedFloatSumMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(15);
+  for (const char* spec : kFormats) {
+    const Format f = Format::Parse(spec).value();
+    const CodeDecoder dec = MakeCodeDecoder(f.grid());
+    for (std::size_t n : kCounts) {
+      for (int workers : {1, 2, 3, 8}) {
+        for (bool edge : {false, true}) {
+          SCOPED_TRACE(std::string(spec) + " n " + std::to_string(n) + " W " +
+                       std::to_string(workers) + (edge ? " edge" : " gradient"));
+          const Contributions c = MakeContributions(f, n, workers, edge, 98, 0, rng);
+          std::vector<float> expected(n);
+          if (n > 0) {
+            DecodeCodes(c.codes[0].data(), n, dec, expected.data());
+            for (int w = 1; w < workers; ++w) {
+              DecodeCodesAdd(c.codes[std::size_t(w)].data(), n, dec, expected.data());
+            }
+          }
+          const std::size_t stride = CodeBytes(f, n) + 64;
+          DeviceBytes src(stride * std::size_t(workers));
+          for (int w = 0; w < workers; ++w) {
+            src.Upload(c.codes[std::size_t(w)].data(), CodeBytes(f, n), std::size_t(w) * stride);
+          }
+          DeviceBytes sum(n * sizeof(float));
+          ContributionCodes in;
+          in.codes = src.data();
+          in.stride = stride;
+          in.workers = workers;
+          const Status st =
+              SumCodesCuda(in, n, f.grid(), reinterpret_cast<float*>(sum.data()), nullptr);
+          ASSERT_TRUE(st.ok()) << st.ToString();
+          std::vector<float> got(n);
+          sum.Download(got.data(), n * sizeof(float));
+          std::size_t wrong = 0;
+          for (std::size_t i = 0; i < n; ++i) {
+            const bool both_nan = std::isnan(got[i]) && std::isnan(expected[i]);
+            wrong += !both_nan && Bits(got[i]) != Bits(expected[i]);
+          }
+          EXPECT_EQ(wrong, 0u);
+        }
+      }
+    }
+  }
+}
+
 TEST(ReduceKernelsCudaTest, EmulateRoundedAndKahanSumsMatchCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(14);

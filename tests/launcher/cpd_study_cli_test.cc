@@ -161,6 +161,43 @@ std::map<std::string, std::string> PlanLines(const std::string& out) {
   return m;
 }
 
+// Issue 17's APS study: the all-reduce's APS scaling is an axis like any cpd-train flag, and a
+// value cpd-train would refuse (sum with emulate, an unknown name) is refused at plan time.
+TEST(CpdStudyCli, ApsScalingIsAnAxis) {
+  TempDir dir("cpd_study_aps");
+  Write(dir.File("s.yaml"), R"(name: aps-packed
+ranks: 1
+base:
+  arch: lenet5
+  allreduce: packed
+  aps: true
+grid:
+  workers: [8, 64]
+  allreduce-format: [e3m0, e2m1, e4m3]
+  aps-scaling: [paper, sum]
+seeds: [1, 2]
+)");
+  const RunResult r = Study({"plan", dir.File("s.yaml"), "--out", dir.File("o")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto plan = PlanLines(r.out);
+  EXPECT_EQ(plan.size(), 2u * 3 * 2 * 2);
+  const std::string name = "workers_64.allreduce-format_e3m0.aps-scaling_sum.seed_2";
+  ASSERT_TRUE(plan.count(name)) << r.out.substr(0, 400);
+  EXPECT_NE(plan.at(name).find("--aps-scaling sum"), std::string::npos) << plan.at(name);
+  EXPECT_NE(plan.at("workers_8.allreduce-format_e2m1.aps-scaling_paper.seed_1")
+                .find("--aps-scaling paper"),
+            std::string::npos);
+  for (const char* bad : {"[paper, headroom]", "[sum]\nbase:\n  allreduce: emulate"}) {
+    SCOPED_TRACE(bad);
+    std::string yaml = std::string("name: b\ngrid:\n  aps-scaling: ") + bad + "\n";
+    Write(dir.File("b.yaml"), yaml);
+    const RunResult e = Study({"plan", dir.File("b.yaml"), "--out", dir.File("o")});
+    EXPECT_EQ(e.exit_code, 2) << e.out;
+    EXPECT_NE(e.err.find("--aps-scaling"), std::string::npos) << e.err;
+    EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
+  }
+}
+
 TEST(CpdStudyCli, PlanExpandsTheGridWithStableNamesAndExclusions) {
   TempDir dir("cpd_study_plan");
   Write(dir.File("s.yaml"), kPaperStudy);

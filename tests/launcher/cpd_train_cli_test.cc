@@ -261,6 +261,37 @@ TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {
       << r.out;
 }
 
+// --aps-scaling: a name or one clear line; sum with emulate refused; the same key from --config
+// (the flag winning), and the run's header names the scaling it got (auto: sum for packed).
+TEST(CpdTrainCli, ApsScalingFlagAndConfigKey) {
+  ExpectUsageError(Train({"--aps-scaling", "headroom"}),
+                   "--aps-scaling: unknown APS scaling 'headroom' (accepted: auto, paper, sum)");
+  ExpectUsageError(Train({"--allreduce", "emulate", "--aps", "--aps-scaling", "sum"}),
+                   "--aps-scaling sum applies to --allreduce packed only");
+  const std::vector<std::string> packed = {"--emulate-ranks", "4",      "--allreduce", "packed",
+                                           "--allreduce-format", "e3m0", "--aps", "--max-steps",
+                                           "1"};
+  auto header = [](const RunResult& r) {
+    const std::size_t at = r.out.find("all-reduce ");
+    return at == std::string::npos ? std::string() : r.out.substr(at, r.out.find('\n', at) - at);
+  };
+  RunResult r = QuickRun(packed);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(header(r).rfind("all-reduce packed e3m0 +APS(sum)", 0), 0u) << r.out;
+  const std::string cfg = WriteTemp("aps.yaml", "aps-scaling: paper\n");
+  std::vector<std::string> with_config = packed;
+  with_config.insert(with_config.end(), {"--config", cfg});
+  r = QuickRun(with_config);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(header(r).rfind("all-reduce packed e3m0 +APS", 0), 0u) << r.out;
+  EXPECT_EQ(header(r).find("(sum)"), std::string::npos) << r.out;
+  with_config.insert(with_config.end(), {"--aps-scaling", "sum"});
+  r = QuickRun(with_config);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(header(r).rfind("all-reduce packed e3m0 +APS(sum)", 0), 0u) << r.out;
+  std::remove(cfg.c_str());
+}
+
 TEST(CpdTrainCli, WarmupStepsAndEpochsExcludeEachOther) {
   ExpectUsageError(QuickRun({"--warmup-steps", "0", "--warmup-epochs", "1"}),
                    "--warmup-steps and --warmup-epochs exclude each other");

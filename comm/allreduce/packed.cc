@@ -83,7 +83,7 @@ class PackedSegments final : public BucketAlgorithm {
   using Slots = SegmentSlots;
 
   std::size_t SegmentBytes(const Segment& s) const {
-    return PackedSize(setup_.format, s.size(), 1);
+    return PackedSize(setup_.FormatOf(s.layer), s.size(), 1);
   }
 
   Status EncodeContributions(const BucketPlan& b, const Slots& slots, float* const* inputs,
@@ -122,7 +122,7 @@ Status PackedSegments::EncodeContributions(const BucketPlan& b, const Slots& slo
         const Segment& s = b.segments[si];
         QuantStats qs;
         CPD_RETURN_IF_ERROR(Encode(
-            setup_.format, inputs[k] + s.begin, s.size(),
+            setup_.FormatOf(s.layer), inputs[k] + s.begin, s.size(),
             setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &packed_, &qs));
         std::memcpy(dst + slots.offset[si], packed_.bytes.data(), packed_.bytes.size());
         ctx_.stats.AddQuantStats(s.layer, qs);
@@ -149,7 +149,7 @@ Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots
         for (std::size_t i = 0; i < s.size(); ++i) sum[i] += tmp[i];
       }
     }
-    CPD_RETURN_IF_ERROR(Encode(setup_.format, sum, s.size(),
+    CPD_RETURN_IF_ERROR(Encode(setup_.FormatOf(s.layer), sum, s.size(),
                                setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin),
                                &packed_, nullptr));
     std::memcpy(ctx_.exchange.gather_send.data() + slots.offset[si], packed_.bytes.data(),
@@ -174,13 +174,14 @@ Status PackedSegments::DecodeSegment(const Segment& s, const std::uint8_t* src, 
   packed_.count = s.size();
   packed_.channels = 1;
   packed_.bytes.assign(src, src + SegmentBytes(s));
-  return Decode(setup_.format, packed_, out, setup_.threads);
+  return Decode(setup_.FormatOf(s.layer), packed_, out, setup_.threads);
 }
 
 }  // namespace
 
 Result<std::unique_ptr<Algorithm>> MakePacked(StepContext* ctx) {
-  if (CodeTransport::Supports(ctx->setup.format)) {
+  // A hybrid plan's segments differ in format and size: the per-segment path carries them.
+  if (!ctx->setup.mixed() && CodeTransport::Supports(ctx->setup.format)) {
     CPD_ASSIGN_OR_RETURN(std::unique_ptr<CodeTransport> codes, CodeTransport::Create(ctx));
     return std::unique_ptr<Algorithm>(new PackedCodes(ctx, std::move(codes)));
   }

@@ -150,9 +150,10 @@ class EmulateFloats final : public BucketAlgorithm {
         float* dst = send + std::size_t(d) * block + std::size_t(k) * slot;
         for (const Segment& s : b.segments_of(d)) {
           QuantStats qs;
-          CPD_RETURN_IF_ERROR(Quantize(
-              setup_.FormatOf(s.layer), inputs[k] + s.begin, dst + (s.begin - b.chunk_begin(d)), s.size(),
-              setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs));
+          CPD_RETURN_IF_ERROR(
+              Quantize(setup_.FormatOf(s.layer), inputs[k] + s.begin,
+                       dst + (s.begin - b.chunk_begin(d)), s.size(),
+                       setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs));
           ctx_.stats.AddQuantStats(s.layer, qs);
         }
       }

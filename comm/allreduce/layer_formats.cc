@@ -28,9 +28,9 @@ Status ResolveLayerFormats(ReducerSetup* setup) {
     std::size_t l = 0;
     while (l < names.size() && names[l] != layer) ++l;
     if (l == names.size()) {
-      return Status::InvalidArgument("GradientAllReducer: layer_formats names layer '" + layer +
-                                     "', which the gradient layout does not have (layers: " +
-                                     SomeNames(names, 8) + ")");
+      return Status::InvalidArgument(
+          "GradientAllReducer: layer_formats names layer '" + layer +
+          "', which the gradient layout does not have (layers: " + SomeNames(names, 8) + ")");
     }
     CPD_ASSIGN_OR_RETURN(formats[l], Format::Parse(spec));
     mixed |= formats[l].spec() != setup->format.spec();

@@ -3,6 +3,8 @@
 // on its own, sequentially, with cpd::Quantize and the paper's formulas, and compares bit for bit
 // (emulate, packed) or exactly (fp32 on small integers). Run as `mpirun -np N
 // comm_gradient_allreduce_test`; only rank 0 prints.
+#include "comm/gradient_allreduce.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,7 +21,6 @@
 
 #include "comm/allreduce/internal.h"
 #include "comm/communicator.h"
-#include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
 #include "cpd/config.h"
 #include "cpd/format.h"
@@ -123,9 +124,8 @@ struct Case {
 std::string Name(const Case& c, int k) {
   std::string hybrid;
   for (const auto& [layer, spec] : c.layer_formats) hybrid += "/" + layer + "=" + spec;
-  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + hybrid +
-         (c.aps ? "/aps" : "") + (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) +
-         "/K=" + std::to_string(k);
+  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + hybrid + (c.aps ? "/aps" : "") +
+         (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) + "/K=" + std::to_string(k);
 }
 
 // The sequential reference: for each segment (a layer's part of one rank's chunk; the scale
@@ -375,23 +375,25 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
 // Hybrid precision: fp32, fixed float grids and scaled formats side by side in one plan (layers
 // split across chunks and buckets), each bit for bit as the sequential reference in its own
 // format, with each layer's own APS emax.
-const std::map<std::string, std::string> kHybrid = {
-    {"layer2", "fp32"}, {"layer3", "fp32"}, {"layer5", "e3m0"}, {"layer6", "int8"},
-    {"layer8", "mxfp4"}};
+const std::map<std::string, std::string> kHybrid = {{"layer2", "fp32"},
+                                                    {"layer3", "fp32"},
+                                                    {"layer5", "e3m0"},
+                                                    {"layer6", "int8"},
+                                                    {"layer8", "mxfp4"}};
 
 TEST(GradientAllReduceTest, HybridMatchesSequentialReferenceBitForBit) {
   for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
     for (bool aps : {false, true}) {
       for (int k : {1, 2}) {
-        RunCase({algo, "e4m3", aps, false, Rounding::kNearest, kHybrid}, k, kSizes,
-                kSmallBucketMb, 21);
+        RunCase({algo, "e4m3", aps, false, Rounding::kNearest, kHybrid}, k, kSizes, kSmallBucketMb,
+                21);
       }
     }
   }
-  RunCase({AllReduceAlgo::kEmulate, "e4m3", true, true, Rounding::kStochastic, kHybrid}, 2,
-          kSizes, kSmallBucketMb, 23);
-  RunCase({AllReduceAlgo::kPacked, "e5m2", true, false, Rounding::kStochastic, kHybrid}, 3,
-          kSizes, kSmallBucketMb, 25, /*spread=*/9);
+  RunCase({AllReduceAlgo::kEmulate, "e4m3", true, true, Rounding::kStochastic, kHybrid}, 2, kSizes,
+          kSmallBucketMb, 23);
+  RunCase({AllReduceAlgo::kPacked, "e5m2", true, false, Rounding::kStochastic, kHybrid}, 3, kSizes,
+          kSmallBucketMb, 25, /*spread=*/9);
   // A map that gives layers the global format changes nothing (the uniform fast path).
   RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kNearest, {{"layer3", "e4m3"}}},
           2, kSizes, kSmallBucketMb, 27);
@@ -407,9 +409,8 @@ TEST(GradientAllReduceTest, HybridFp32LayerIsExactWhileOthersAreQuantised) {
   // Integers below 2^11 times 2^-20 with many significant bits: e3m0 (one per binade) cannot
   // hold them, float32 sums of 8 of them are exact.
   auto value = [](int w, size_t i) {
-    return std::ldexp(static_cast<float>(static_cast<int>((i * 7919 + size_t(w) * 104729) % 2001) -
-                                         1000),
-                      -20);
+    return std::ldexp(
+        static_cast<float>(static_cast<int>((i * 7919 + size_t(w) * 104729) % 2001) - 1000), -20);
   };
   for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
     SCOPED_TRACE(AllReduceAlgoName(algo));
@@ -530,7 +531,8 @@ TEST(GradientAllReduceTest, HybridApsUsesEachLayersEmax) {
       const LayerCommStats& st = red.value()->last_stats()[l];
       EXPECT_EQ(st.format, specs[l]);
       EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
-      EXPECT_EQ(st.shift, specs[l] == "fp32" ? 0 : ExpectedShift(maxima[l], workers, EmaxOf(specs[l])))
+      EXPECT_EQ(st.shift,
+                specs[l] == "fp32" ? 0 : ExpectedShift(maxima[l], workers, EmaxOf(specs[l])))
           << "layer " << l;
     }
     // The fp32 layer's sum is exact: 0.25 * max on W - 1 workers plus max once, per element.

@@ -45,8 +45,7 @@ class Reducer final : public GradientAllReducer {
         context_(setup_, plan_),
         scan_(setup_) {
     for (const internal::BucketPlan& b : plan_.buckets()) buckets_.push_back(b.bounds);
-    stats_.resize(setup_.layers());
-    for (size_t l = 0; l < stats_.size(); ++l) stats_[l].layer = setup_.layout.layer_names[l];
+    stats_ = internal::NewLayerStats(setup_);
   }
 
   // Picks the algorithm, which allocates its scratch.
@@ -206,6 +205,18 @@ Status GradientAllReduceOptions::Validate() const {
         "aps_scaling sum applies to all-reduce packed only; emulate sums in the format and "
         "keeps the paper's scaling (accepted: auto, paper)");
   }
+  if (!layer_formats.empty() && algo == AllReduceAlgo::kFp32) {
+    return Status::InvalidArgument(
+        "per-layer all-reduce formats (layer_formats) apply to all-reduce emulate and packed, "
+        "not fp32");
+  }
+  for (const auto& [layer, spec] : layer_formats) {
+    Result<Format> f = Format::Parse(spec);
+    if (!f.ok()) {
+      return Status::InvalidArgument("all-reduce format '" + spec + "' of layer '" + layer +
+                                     "': " + f.status().message());
+    }
+  }
   return Status::Ok();
 }
 
@@ -265,8 +276,15 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   setup.emax = fp32 ? 0 : ApsEmax(setup.format);
   setup.aps_sum = UsesApsSumScaling(opts);
   setup.round_mode = ToRoundMode(opts.rounding);
-  if (opts.gradients == MemorySpace::kDevice)
+  CPD_RETURN_IF_ERROR(internal::ResolveLayerFormats(&setup));
+  if (opts.gradients == MemorySpace::kDevice) {
+    if (setup.mixed()) {
+      return Status::InvalidArgument(
+          "GradientAllReducer: per-layer all-reduce formats need gradients in host memory; the "
+          "device path carries one format (use --gradients host)");
+    }
     return internal::CreateDeviceReducer(std::move(setup));
+  }
   auto reducer = std::make_unique<Reducer>(std::move(setup));
   CPD_RETURN_IF_ERROR(reducer->Init());
   return std::unique_ptr<GradientAllReducer>(std::move(reducer));

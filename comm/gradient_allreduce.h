@@ -40,6 +40,14 @@
 // Gradients are fused into buckets of at most bucket_mb (layers are kept whole where they fit;
 // each layer keeps its own shift).
 //
+// Hybrid precision (the APS paper's remedy; options.layer_formats): named layers travel in their
+// own format (another spec, or "fp32"), the others in options.format, over the same plan. Each
+// segment is quantised, summed and re-quantised in its layer's format; APS uses its layer's
+// emax; fp32 layers travel as float32, unshifted and exact (a float32 sum in worker order). A
+// mixed plan always takes the per-segment paths (packed: cpd::Encode'd segments of per-format
+// sizes; emulate: quantised float32 values), also for fixed float grids; a layer map that gives
+// every layer options.format changes nothing. Host gradients only (Create refuses kDevice).
+//
 // Details this implementation fixes (comm/gradient_allreduce.cc and comm/allreduce/):
 // - bucket_mb counts MiB of float32 (2^20 bytes). A layer larger than a bucket is split into
 //   buckets at multiples of 64 elements from the layer's start.
@@ -86,6 +94,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -112,10 +121,14 @@ bool UsesApsSumScaling(const GradientAllReduceOptions& o);
 
 // Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
 // is accepted, for: a format that does not parse (emulate and packed only), bucket_mb <= 0 or not
-// finite, threads < 0, kahan with an algorithm other than emulate, aps_scaling kSum with emulate.
+// finite, threads < 0, kahan with an algorithm other than emulate, aps_scaling kSum with emulate,
+// layer_formats with the fp32 algorithm or with a spec that does not parse.
 struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)
+  // Hybrid precision: layer name (a GradientLayout name) -> its format spec ("fp32" allowed);
+  // layers not named use `format`. emulate and packed only; Create refuses unknown names.
+  std::map<std::string, std::string> layer_formats;
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
   ApsScaling aps_scaling = ApsScaling::kAuto;  // with aps; ignored by fp32
@@ -162,6 +175,7 @@ int ApsEmax(const Format& format);
 // Per layer, for the last Reduce() (identical on every rank).
 struct LayerCommStats {
   std::string layer;
+  std::string format;     // the layer's all-reduce format spec ("fp32" for the fp32 algorithm)
   int shift = 0;          // APS shift s_l (0 without APS)
   float max_abs = 0;      // global max |g_l| over all W contributions, before the shift
   double flushed = 0;     // fraction of nonzero contribution elements quantised to 0
@@ -176,7 +190,8 @@ class GradientAllReducer {
   // (SelfCommunicator, MpiCommunicator); device gradients take either kind.
   // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null communicator, a
   // device-memory communicator with host gradients, device gradients in a build without CUDA or
-  // in a format the device path does not support, or a layout whose offsets are not layers() + 1
+  // in a format the device path does not support, device gradients with per-layer formats, a
+  // layer_formats name the layout does not have, or a layout whose offsets are not layers() + 1
   // non-decreasing values from 0.
   // Scratch memory is bounded by the largest bucket and allocated here (the measure_error
   // reference buffers on first use), not per Reduce().

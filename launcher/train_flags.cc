@@ -205,6 +205,10 @@ void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_option("--allreduce-rounding", f->ar_rounding, "nearest | stochastic | zero")
       ->capture_default_str();
+  app->add_option("--allreduce-layer-format", f->ar_layer_formats,
+                  "Hybrid precision: NAME=SPEC, the layer's gradient format in emulate/packed "
+                  "(SPEC a format or fp32; NAME a layer, first, last or bn; repeatable, later "
+                  "wins)");
   app->add_flag("--aps", o->allreduce.aps,
                 "Auto-precision scaling: per-layer power-of-two shift from the global max");
   app->add_option("--aps-scaling", f->aps_scaling,
@@ -322,6 +326,9 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     CPD_RETURN_IF_ERROR(cpd::runtime::AddLayerOverride(lf, &o->precision));
   }
   o->precision.keep_fp32 = SplitCommas(f.keep_fp32);
+  for (const auto& lf : f.ar_layer_formats) {
+    CPD_RETURN_IF_ERROR(cpd::runtime::AddAllReduceLayerFormat(lf, &o->precision));
+  }
   if (!f.cyclic_bits.empty()) {
     cpd::CyclicPrecision c;
     c.min_bits = f.cyclic_bits[0];

@@ -32,6 +32,7 @@ struct TrainFlags {
   std::string gradients = "device";
   std::string comm_kind = "auto", algo = "fp32", ar_format = "e4m3", ar_rounding = "nearest";
   std::string aps_scaling = "auto";
+  std::vector<std::string> ar_layer_formats;  // --allreduce-layer-format NAME=SPEC
   std::string token_file, tls_ca;
   bool no_progress = false;
   std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";

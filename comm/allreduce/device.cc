@@ -45,8 +45,7 @@ class DeviceReducer final : public GradientAllReducer {
         shifts_(setup_.layers(), 0),
         counts_(3 * setup_.layers(), 0) {
     for (const BucketPlan& b : plan_.buckets()) buckets_.push_back(b.bounds);
-    stats_.resize(setup_.layers());
-    for (std::size_t l = 0; l < stats_.size(); ++l) stats_[l].layer = setup_.layout.layer_names[l];
+    stats_ = NewLayerStats(setup_);
   }
 
   Status Init();

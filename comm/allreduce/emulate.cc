@@ -150,9 +150,10 @@ class EmulateFloats final : public BucketAlgorithm {
         float* dst = send + std::size_t(d) * block + std::size_t(k) * slot;
         for (const Segment& s : b.segments_of(d)) {
           QuantStats qs;
-          CPD_RETURN_IF_ERROR(Quantize(
-              setup_.format, inputs[k] + s.begin, dst + (s.begin - b.chunk_begin(d)), s.size(),
-              setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs));
+          CPD_RETURN_IF_ERROR(
+              Quantize(setup_.FormatOf(s.layer), inputs[k] + s.begin,
+                       dst + (s.begin - b.chunk_begin(d)), s.size(),
+                       setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs));
           ctx_.stats.AddQuantStats(s.layer, qs);
         }
       }
@@ -187,7 +188,8 @@ class EmulateFloats final : public BucketAlgorithm {
     float* acc = sum_.data() + rel;
     float* tmp = tmp_.data() + rel;
     for (std::size_t i = 0; i < s.size(); ++i) tmp[i] = acc[i] + qw[i];
-    return Quantize(setup_.format, tmp, acc, s.size(), setup_.QuantizeAt(stage, step, s.begin));
+    return Quantize(setup_.FormatOf(s.layer), tmp, acc, s.size(),
+                    setup_.QuantizeAt(stage, step, s.begin));
   }
 
   // One step of Kahan's compensated sum (compensation c), every operation rounded.
@@ -197,7 +199,8 @@ class EmulateFloats final : public BucketAlgorithm {
     float *acc = sum_.data() + rel, *tmp = tmp_.data() + rel, *c = comp_.data() + rel,
           *y = y_.data() + rel, *high = high_.data() + rel, *t = t_.data() + rel;
     auto round = [&](float* out, int op) {
-      return Quantize(setup_.format, tmp, out, n, setup_.QuantizeAt(stage + op, step, s.begin));
+      return Quantize(setup_.FormatOf(s.layer), tmp, out, n,
+                      setup_.QuantizeAt(stage + op, step, s.begin));
     };
     for (std::size_t i = 0; i < n; ++i) tmp[i] = qw[i] - c[i];
     CPD_RETURN_IF_ERROR(round(y, kKahanY));
@@ -230,7 +233,8 @@ class EmulateFloats final : public BucketAlgorithm {
 }  // namespace
 
 Result<std::unique_ptr<Algorithm>> MakeEmulate(StepContext* ctx) {
-  if (CodeTransport::Supports(ctx->setup.format)) {
+  // A hybrid plan rounds each segment to its layer's format: the per-segment path.
+  if (!ctx->setup.mixed() && CodeTransport::Supports(ctx->setup.format)) {
     CPD_ASSIGN_OR_RETURN(std::unique_ptr<CodeTransport> codes, CodeTransport::Create(ctx));
     return std::unique_ptr<Algorithm>(new EmulateCodes(ctx, std::move(codes)));
   }

@@ -42,6 +42,15 @@ struct ReducerSetup {
   // each segment's sum re-quantised with its own shift t (SumShift), sent with the all-gather.
   bool aps_sum = false;
   kernels::RoundMode round_mode = kernels::RoundMode::kNearestEven;  // options.rounding
+  // Hybrid precision (comm/allreduce/layer_formats.cc): each layer's format and emax, or empty
+  // when every layer uses `format` (the uniform plan keeps its fast paths).
+  std::vector<Format> layer_formats;
+  std::vector<int> layer_emax;
+
+  bool mixed() const { return !layer_formats.empty(); }
+  // The format and APS emax of layer l: the one lookup of per-layer formats.
+  const Format& FormatOf(int l) const { return mixed() ? layer_formats[std::size_t(l)] : format; }
+  int EmaxOf(int l) const { return mixed() ? layer_emax[std::size_t(l)] : emax; }
 
   std::size_t layers() const { return layout.layers(); }
   std::size_t layer_size(std::size_t l) const { return layout.offsets[l + 1] - layout.offsets[l]; }
@@ -53,6 +62,14 @@ struct ReducerSetup {
   kernels::LoopParams LoopAt(kernels::RoundMode mode, std::int64_t stage, std::int64_t step,
                              std::size_t index) const;
 };
+
+// ---- Per-layer formats (comm/allreduce/layer_formats.cc) ----------------------------------------
+// Resolves setup->options.layer_formats over the layout into layer_formats / layer_emax (left
+// empty when every layer gets setup->format). InvalidArgument naming an unknown layer (and a few
+// known ones) or a bad spec. REQUIRED: setup->format, emax and layout set.
+Status ResolveLayerFormats(ReducerSetup* setup);
+// One entry per layer, named, with its format spec: the reducers' last_stats() before any step.
+std::vector<LayerCommStats> NewLayerStats(const ReducerSetup& setup);
 
 // ---- What every implementation of Reduce() checks and computes alike ----------------------------
 // InvalidArgument (naming the rank) for null inputs or output where the layout is not empty.

@@ -143,7 +143,7 @@ class PackedSegments final : public BucketAlgorithm {
   using Slots = SegmentSlots;
 
   std::size_t SegmentBytes(const Segment& s) const {
-    return PackedSize(setup_.format, s.size(), 1);
+    return PackedSize(setup_.FormatOf(s.layer), s.size(), 1);
   }
 
   Status EncodeContributions(const BucketPlan& b, const Slots& slots, float* const* inputs,
@@ -185,7 +185,7 @@ Status PackedSegments::EncodeContributions(const BucketPlan& b, const Slots& slo
         const Segment& s = b.segments[si];
         QuantStats qs;
         CPD_RETURN_IF_ERROR(Encode(
-            setup_.format, inputs[k] + s.begin, s.size(),
+            setup_.FormatOf(s.layer), inputs[k] + s.begin, s.size(),
             setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &packed_, &qs));
         std::memcpy(dst + slots.offset[si], packed_.bytes.data(), packed_.bytes.size());
         ctx_.stats.AddQuantStats(s.layer, qs);
@@ -212,12 +212,17 @@ Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots
         for (std::size_t i = 0; i < s.size(); ++i) sum[i] += tmp[i];
       }
     }
+    const Format& format = setup_.FormatOf(s.layer);
     if (setup_.aps_sum) {
-      // The segment's shift t (after the codes of the gather slot), applied before the rounding.
-      std::uint32_t max_bits = 0;
-      std::uint64_t nonzero = 0;
-      ScanAbs(sum, s.size(), &max_bits, &nonzero);
-      const int t = SumShift(max_bits, ctx_.shifts[std::size_t(s.layer)], setup_.emax);
+      // The segment's shift t (after the codes of the gather slot), applied before the rounding;
+      // 0 for an fp32 layer of a hybrid plan, which travels exact and unshifted.
+      int t = 0;
+      if (format.family() != FormatFamily::kFloat32) {
+        std::uint32_t max_bits = 0;
+        std::uint64_t nonzero = 0;
+        ScanAbs(sum, s.size(), &max_bits, &nonzero);
+        t = SumShift(max_bits, ctx_.shifts[std::size_t(s.layer)], setup_.EmaxOf(s.layer));
+      }
       ctx_.exchange.gather_send[slots.bytes + (si - b.seg_start[std::size_t(rank)])] =
           std::uint8_t(std::int8_t(t));
       if (t != 0) {
@@ -225,7 +230,7 @@ Status PackedSegments::SumAndRequantizeOwnChunk(const BucketPlan& b, const Slots
         for (std::size_t i = 0; i < s.size(); ++i) sum[i] *= scale;
       }
     }
-    CPD_RETURN_IF_ERROR(Encode(setup_.format, sum, s.size(),
+    CPD_RETURN_IF_ERROR(Encode(format, sum, s.size(),
                                setup_.QuantizeAt(RequantizeStage(setup_.workers), step, s.begin),
                                &packed_, nullptr));
     std::memcpy(ctx_.exchange.gather_send.data() + slots.offset[si], packed_.bytes.data(),
@@ -259,13 +264,14 @@ Status PackedSegments::DecodeSegment(const Segment& s, const std::uint8_t* src, 
   packed_.count = s.size();
   packed_.channels = 1;
   packed_.bytes.assign(src, src + SegmentBytes(s));
-  return Decode(setup_.format, packed_, out, setup_.threads);
+  return Decode(setup_.FormatOf(s.layer), packed_, out, setup_.threads);
 }
 
 }  // namespace
 
 Result<std::unique_ptr<Algorithm>> MakePacked(StepContext* ctx) {
-  if (CodeTransport::Supports(ctx->setup.format)) {
+  // A hybrid plan's segments differ in format and size: the per-segment path carries them.
+  if (!ctx->setup.mixed() && CodeTransport::Supports(ctx->setup.format)) {
     CPD_ASSIGN_OR_RETURN(std::unique_ptr<CodeTransport> codes, CodeTransport::Create(ctx));
     return std::unique_ptr<Algorithm>(new PackedCodes(ctx, std::move(codes)));
   }

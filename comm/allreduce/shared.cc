@@ -304,12 +304,15 @@ bool ShiftsFromMaxima(const ReducerSetup& setup, const std::vector<float>& max_a
   bool finite = true;
   for (std::size_t l = 0; l < setup.layers(); ++l) {
     if (!(max_abs[l] < std::numeric_limits<float>::infinity())) finite = false;
-    if (!aps) {
+    // fp32 layers of a hybrid plan travel unshifted.
+    const bool shifted = aps && setup.FormatOf(int(l)).family() != FormatFamily::kFloat32;
+    const int emax = setup.EmaxOf(int(l));
+    if (!shifted) {
       (*shifts)[l] = 0;
     } else if (setup.aps_sum) {
-      (*shifts)[l] = SumContributionShift(max_abs[l], setup.workers, setup.emax);
+      (*shifts)[l] = SumContributionShift(max_abs[l], setup.workers, emax);
     } else {
-      (*shifts)[l] = ApsShift(max_abs[l], setup.workers, setup.emax);
+      (*shifts)[l] = ApsShift(max_abs[l], setup.workers, emax);
     }
   }
   return finite;
@@ -348,7 +351,7 @@ std::vector<SegmentSlots> LayOutSegmentSlots(const ReducerSetup& setup, const Al
     for (int d = 0; d < setup.world_size; ++d) {
       std::size_t offset = 0;
       for (const Segment& s : b.segments_of(d)) {
-        const std::size_t bytes = PackedSize(setup.format, s.size(), 1);
+        const std::size_t bytes = PackedSize(setup.FormatOf(s.layer), s.size(), 1);
         slots.offset.push_back(offset);
         offset += bytes;
         *largest_segment = std::max(*largest_segment, bytes);

@@ -234,6 +234,18 @@ Status ValidateSchedule(const v1::PrecisionSchedule& s, std::string_view field,
     if (k == "first" || k == "last") continue;
     CPD_RETURN_IF_ERROR(CheckLayerName(k, Indexed(field, "keep_fp32", i), layers, limits));
   }
+  if (size_t(s.allreduce_layers_size()) > limits.max_layers_per_job + 3) {
+    return Bad(Field(field, "allreduce_layers"),
+               std::to_string(s.allreduce_layers_size()) + " entries; at most one per layer");
+  }
+  for (int i = 0; i < s.allreduce_layers_size(); ++i) {
+    const v1::AllReduceLayerFormat& a = s.allreduce_layers(i);
+    const std::string fi = Indexed(field, "allreduce_layers", i);
+    if (a.layer() != "first" && a.layer() != "last" && a.layer() != "bn") {
+      CPD_RETURN_IF_ERROR(CheckLayerName(a.layer(), fi + ".layer", layers, limits));
+    }
+    CPD_RETURN_IF_ERROR(CheckSpec(a.spec(), fi + ".spec", limits));
+  }
   return Status::Ok();
 }
 

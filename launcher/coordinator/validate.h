@@ -40,7 +40,8 @@ Status ValidateJobRef(const v1::JobRef& ref, std::string_view field, const Limit
 // A schedule as a client sends it (version, set_at_ms and set_by are ignored): sites known and
 // not repeated, specs parse (cpd::Format::Parse), roundings known, CPT bits 2..16 with
 // min <= max and periods >= 1, grad_bits 0 or 2..16, override/keep_fp32 layers among `layers`
-// when the job registered any.
+// when the job registered any; allreduce_layers: specs parse, layers "first", "last", "bn" or
+// among `layers`.
 Status ValidateSchedule(const v1::PrecisionSchedule& s, std::string_view field,
                         const LayerNames& layers, const Limits& limits);
 

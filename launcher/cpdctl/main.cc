@@ -137,6 +137,11 @@ CLI::App* AddScheduleSetCommand(CLI::App* schedule, ScheduleSetFlags* f) {
   f->keep_fp32_opt = sset->add_option("--keep-fp32", f->keep_fp32,
                                       "Comma-separated layers kept fp32 at every site: first, "
                                       "last or names; 'none' keeps none (replaces the list)");
+  sset->add_option("--allreduce-layer-format", f->edits.allreduce_layers,
+                   "NAME=SPEC: layer NAME's gradient format in the emulate/packed all-reduce "
+                   "(hybrid precision; NAME a layer, first, last or bn; SPEC a format, fp32, or "
+                   "default to drop it); none drops them all. Repeatable")
+      ->allow_extra_args(false);
   f->hysteresis_opt =
       sset->add_option("--hysteresis", f->hysteresis, "on | off: hysteresis rounding of W")
           ->check(CLI::IsMember({"on", "off"}));

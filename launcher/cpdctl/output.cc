@@ -223,6 +223,13 @@ std::string ScheduleSummary(const PrecisionSchedule& s) {
     parts.push_back(keep);
   }
   if (s.hysteresis()) parts.push_back("hysteresis");
+  if (s.allreduce_layers_size() > 0) {
+    std::string layers = "all-reduce: ";
+    for (int i = 0; i < s.allreduce_layers_size(); ++i) {
+      layers += (i ? "," : "") + s.allreduce_layers(i).layer() + "=" + s.allreduce_layers(i).spec();
+    }
+    parts.push_back(layers);
+  }
   std::string out;
   for (size_t i = 0; i < parts.size(); ++i) out += (i ? "; " : "") + parts[i];
   return out;
@@ -257,6 +264,9 @@ std::string ScheduleDetails(const PrecisionSchedule& s) {
   for (int i = 0; i < s.keep_fp32_size(); ++i) keep += (i ? "," : "") + s.keep_fp32(i);
   kv.emplace_back("keep fp32", keep.empty() ? "-" : keep);
   kv.emplace_back("hysteresis", s.hysteresis() ? "on" : "off");
+  for (const auto& a : s.allreduce_layers()) {
+    kv.emplace_back("all-reduce layer", a.layer() + "=" + a.spec());
+  }
   return KeyValues(kv);
 }
 

@@ -56,10 +56,10 @@ std::string WhoAmI() {
   return "cpdctl " + (user.empty() ? std::string("?") : user) + "@" + (host[0] ? host : "?");
 }
 
-// Whether the edits name layers (a per-layer --format, --keep-fp32), which are checked against
-// the job's layers.
+// Whether the edits name layers (a per-layer --format, --keep-fp32, --allreduce-layer-format),
+// which are checked against the job's layers.
 bool NamesLayers(const ScheduleEdits& e) {
-  if (e.keep_fp32) return true;
+  if (e.keep_fp32 || !e.allreduce_layers.empty()) return true;
   return std::any_of(e.formats.begin(), e.formats.end(), [](const std::string& f) {
     const std::string lhs = f.substr(0, f.find('='));
     return !ParseSite(lhs);

@@ -124,6 +124,27 @@ Status CheckLayer(const std::string& flag,
                                  ")");
 }
 
+// --allreduce-layer-format: "none" (empty name), or NAME=SPEC with SPEC a format or "default".
+Result<std::pair<std::string, std::string>> ParseAllReduceLayerEdit(const std::string& arg) {
+  if (arg == "none") return std::pair<std::string, std::string>{};
+  const size_t eq = arg.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 >= arg.size()) {
+    return Status::InvalidArgument("--allreduce-layer-format '" + arg +
+                                   "': expected NAME=SPEC (NAME a layer, first, last or bn; SPEC "
+                                   "a format, fp32 or default) or none");
+  }
+  std::string spec = arg.substr(eq + 1);
+  if (spec != "default") {
+    auto f = cpd::Format::Parse(spec);
+    if (!f.ok()) {
+      return Status::InvalidArgument("--allreduce-layer-format '" + arg +
+                                     "': " + f.status().message());
+    }
+    spec = f->spec();
+  }
+  return std::pair<std::string, std::string>{arg.substr(0, eq), spec};
+}
+
 }  // namespace
 
 Status ValidateScheduleEdits(const ScheduleEdits& e) {
@@ -152,6 +173,9 @@ Status ValidateScheduleEdits(const ScheduleEdits& e) {
   if (e.hysteresis && *e.hysteresis != "on" && *e.hysteresis != "off") {
     return Status::InvalidArgument("--hysteresis '" + *e.hysteresis + "' (accepted: on, off)");
   }
+  for (const auto& a : e.allreduce_layers) {
+    CPD_RETURN_IF_ERROR(ParseAllReduceLayerEdit(a).status());
+  }
   if (e.from_step && *e.from_step < 0) {
     return Status::InvalidArgument("--from-step " + std::to_string(*e.from_step) +
                                    ": expected a step >= 0");
@@ -159,7 +183,8 @@ Status ValidateScheduleEdits(const ScheduleEdits& e) {
   if (e.empty()) {
     return Status::InvalidArgument(
         "schedule set: nothing to change (give --cyclic-bits, --cyclic-periods, --grad-bits, "
-        "--static, --format, --rounding, --drop-override, --keep-fp32 or --hysteresis)");
+        "--static, --format, --rounding, --drop-override, --keep-fp32, --hysteresis or "
+        "--allreduce-layer-format)");
   }
   return Status::Ok();
 }
@@ -245,6 +270,28 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     }
     s->clear_keep_fp32();
     for (const auto& name : keep) s->add_keep_fp32(name);
+  }
+  for (const auto& arg : e.allreduce_layers) {
+    CPD_ASSIGN_OR_RETURN(const auto edit, ParseAllReduceLayerEdit(arg));
+    if (edit.first.empty()) {
+      s->clear_allreduce_layers();
+      continue;
+    }
+    const std::string name = edit.first;
+    if (name != "first" && name != "last" && name != "bn") {
+      CPD_RETURN_IF_ERROR(CheckLayer("--allreduce-layer-format " + arg, layers, name, false));
+    }
+    auto* al = s->mutable_allreduce_layers();
+    auto it = std::find_if(al->begin(), al->end(), [&](const cpd::v1::AllReduceLayerFormat& x) {
+      return x.layer() == name;
+    });
+    if (edit.second == "default") {
+      if (it != al->end()) al->erase(it);
+      continue;
+    }
+    cpd::v1::AllReduceLayerFormat* target = it != al->end() ? &*it : s->add_allreduce_layers();
+    target->set_layer(name);
+    target->set_spec(edit.second);
   }
   if (e.hysteresis) s->set_hysteresis(*e.hysteresis == "on");
   s->set_effective_from_step(e.from_step.value_or(0));

@@ -24,11 +24,15 @@ struct ScheduleEdits {
   std::vector<std::string> drop_overrides;         // --drop-override LAYER.SITE
   std::optional<std::string> keep_fp32;            // --keep-fp32 a,b,c ("none": keep nothing)
   std::optional<std::string> hysteresis;           // --hysteresis on|off
-  std::optional<int64_t> from_step;                // --from-step N (unset: the next step)
+  // --allreduce-layer-format NAME=SPEC (set NAME's all-reduce format; SPEC "default" drops it),
+  // or "none" (drop every per-layer all-reduce format). NAME: a layer, first, last or bn.
+  std::vector<std::string> allreduce_layers;
+  std::optional<int64_t> from_step;  // --from-step N (unset: the next step)
 
   bool empty() const {
     return !cyclic_bits && !cyclic_periods && !grad_bits && !make_static && formats.empty() &&
-           roundings.empty() && drop_overrides.empty() && !keep_fp32 && !hysteresis;
+           roundings.empty() && drop_overrides.empty() && !keep_fp32 && !hysteresis &&
+           allreduce_layers.empty();
   }
 };
 

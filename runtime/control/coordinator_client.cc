@@ -109,6 +109,11 @@ void ScheduleToProto(const ScheduleUpdate& u, v1::PrecisionSchedule* out) {
     }
   }
   for (const std::string& k : c.keep_fp32) out->add_keep_fp32(k);
+  for (const auto& [layer, spec] : c.allreduce_layers) {
+    v1::AllReduceLayerFormat* a = out->add_allreduce_layers();
+    a->set_layer(layer);
+    a->set_spec(spec);
+  }
   out->set_hysteresis(c.hysteresis);
   out->set_set_by(u.set_by);
 }
@@ -141,6 +146,9 @@ Result<ScheduleUpdate> ScheduleFromProto(const v1::PrecisionSchedule& p) {
     c.overrides[o.layer()][site] = fmt.spec();
   }
   c.keep_fp32.assign(p.keep_fp32().begin(), p.keep_fp32().end());
+  for (const v1::AllReduceLayerFormat& a : p.allreduce_layers()) {
+    CPD_RETURN_IF_ERROR(AddAllReduceLayerFormat(a.layer() + "=" + a.spec(), &c));
+  }
   c.hysteresis = p.hysteresis();
   return u;
 }

@@ -90,7 +90,8 @@ Status JobControl::Apply(uint64_t version, const std::string& set_by,
     PrecisionConfig& c = config.value();
     c.seed = setup_.seed;
     if (c.cpt) c.cpt->total_iters = setup_.total_steps;
-    s = setup_.quant->Reconfigure(c);
+    if (setup_.check) s = setup_.check(c);
+    if (s.ok()) s = setup_.quant->Reconfigure(c);
   }
   if (!s.ok()) {
     if (messages) {

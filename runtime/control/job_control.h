@@ -37,6 +37,9 @@ class JobControl {
     int64_t total_steps = 1;             // CPT's horizon for pushed cyclic schedules
     uint64_t seed = 0;                   // the run's stochastic-rounding seed (kept on a switch)
     double report_interval_s = 1.0;      // summary reports at least this often (rank 0)
+    // Optional: whether the rest of the trainer can take a schedule (the per-layer all-reduce
+    // formats); an error refuses it as an unknown override does.
+    std::function<Status(const PrecisionConfig&)> check;
     // Writes one metrics record (every rank that keeps metrics).
     std::function<void(const nlohmann::json& record)> log;
   };

@@ -54,6 +54,22 @@ Status AddLayerOverride(const std::string& text, PrecisionConfig* config) {
   return Status::Ok();
 }
 
+Status AddAllReduceLayerFormat(const std::string& text, PrecisionConfig* config) {
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 >= text.size()) {
+    return Status::InvalidArgument("bad --allreduce-layer-format '" + text +
+                                   "' (expected NAME=SPEC, NAME a layer, first, last or bn; e.g. "
+                                   "first=fp32)");
+  }
+  auto f = Format::Parse(text.substr(eq + 1));
+  if (!f.ok()) {
+    return Status::InvalidArgument("--allreduce-layer-format '" + text +
+                                   "': " + f.status().message());
+  }
+  config->allreduce_layers.emplace_back(text.substr(0, eq), f->spec());
+  return Status::Ok();
+}
+
 std::string PrecisionConfigToJson(const PrecisionConfig& c) {
   using nlohmann::json;
   json sites = json::object();
@@ -67,6 +83,11 @@ std::string PrecisionConfigToJson(const PrecisionConfig& c) {
   }
   json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
             {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
+  if (!c.allreduce_layers.empty()) {
+    json layers = json::array();
+    for (const auto& [name, spec] : c.allreduce_layers) layers.push_back(json::array({name, spec}));
+    j["allreduce_layers"] = layers;
+  }
   if (c.cpt) {
     j["cpt"] = {{"min_bits", c.cpt->min_bits},
                 {"max_bits", c.cpt->max_bits},
@@ -101,6 +122,13 @@ std::string DescribePrecision(const PrecisionConfig& c) {
     add("fp32: " + keep);
   }
   if (c.hysteresis) add("hysteresis");
+  if (!c.allreduce_layers.empty()) {
+    std::string layers;
+    for (const auto& [name, spec] : c.allreduce_layers) {
+      layers += (layers.empty() ? "" : ",") + name + "=" + spec;
+    }
+    add("all-reduce " + layers);
+  }
   return out.empty() ? "fp32" : out;
 }
 
@@ -127,6 +155,17 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
     c.grad_bits = j.at("grad_bits").get<int>();
     c.hysteresis = j.at("hysteresis").get<bool>();
     c.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("allreduce_layers")) {  // absent in configs written before it existed
+      for (const json& e : j["allreduce_layers"]) {
+        const auto pair = e.get<std::vector<std::string>>();
+        if (pair.size() != 2) {
+          return Status::InvalidArgument(
+              "precision config: allreduce_layers entries are "
+              "[name, spec] pairs");
+        }
+        CPD_RETURN_IF_ERROR(AddAllReduceLayerFormat(pair[0] + "=" + pair[1], &c));
+      }
+    }
     if (j.contains("cpt")) {
       const json& p = j["cpt"];
       CyclicPrecision cpt;

@@ -25,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpd/format.h"
@@ -48,6 +49,11 @@ struct PrecisionConfig {
   SiteFormat global[kNumSites];                                  // indexed by int(Site)
   std::map<std::string, std::map<Site, std::string>> overrides;  // layer -> site -> spec
   std::vector<std::string> keep_fp32;  // "first", "last" (quantisable layers) or layer names
+  // Hybrid precision of the gradient all-reduce (not a quantisation site): NAME=SPEC in order,
+  // later entries winning; NAME "first"/"last" (the first/last layer with gradients), "bn"
+  // (every BatchNorm layer) or a layer name; SPEC a format spec or "fp32". Resolved against the
+  // model by runtime/train/allreduce_layers.h; the SiteQuantizer ignores it.
+  std::vector<std::pair<std::string, std::string>> allreduce_layers;
   std::optional<CyclicPrecision> cpt;
   int grad_bits = 8;  // CPT's fixed backward precision
   bool hysteresis = false;
@@ -56,6 +62,9 @@ struct PrecisionConfig {
 
 // Parses "NAME.SITE=SPEC" (NAME may contain dots) into config->overrides, checking the spec.
 Status AddLayerOverride(const std::string& text, PrecisionConfig* config);
+// Parses "NAME=SPEC" (--allreduce-layer-format) into config->allreduce_layers, checking the spec
+// (the name is checked against the model when the all-reducer is built).
+Status AddAllReduceLayerFormat(const std::string& text, PrecisionConfig* config);
 
 // The policy as one JSON object (sites, rounding, overrides, keep_fp32, CPT, grad bits,
 // hysteresis, seed) and back; used to hand a schedule from rank 0 to every rank, to record the

@@ -37,11 +37,8 @@ json StatsJson(const std::vector<SiteRecord>& records) {
 json CommStatsJson(const std::vector<comm::LayerCommStats>& stats) {
   json layers = json::array();
   for (const auto& s : stats) {
-    json j = {{"layer", s.layer},
-              {"shift", s.shift},
-              {"max_abs", s.max_abs},
-              {"flushed", s.flushed},
-              {"saturated", s.saturated}};
+    json j = {{"layer", s.layer},     {"format", s.format},   {"shift", s.shift},
+              {"max_abs", s.max_abs}, {"flushed", s.flushed}, {"saturated", s.saturated}};
     if (s.rel_error >= 0) j["rel_error"] = s.rel_error;
     layers.push_back(j);
   }
@@ -61,11 +58,11 @@ int FormatBits(const std::string& spec) {
 }
 
 // The per-layer rows of a coordinator report: the quantisation sites (reduced over the ranks),
-// weight flips since the last report, and the all-reduce's per-layer statistics.
+// weight flips since the last report, and the all-reduce's per-layer statistics, each with its
+// layer's all-reduce format (hybrid precision).
 std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
                                       const std::map<std::string, uint64_t>& flips,
-                                      const std::vector<comm::LayerCommStats>& comm_stats,
-                                      const std::string& comm_format) {
+                                      const std::vector<comm::LayerCommStats>& comm_stats) {
   std::vector<LayerReport> out;
   for (const SiteRecord& r : records) {
     const double n = r.stats.count > 0 ? double(r.stats.count) : 1.0;
@@ -85,13 +82,12 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
     }
     out.push_back(l);
   }
-  const int comm_bits = FormatBits(comm_format);
   for (const auto& c : comm_stats) {
     LayerReport l;
     l.layer = c.layer;
     l.site = "comm";
-    l.format = comm_format;
-    l.bits = comm_bits;
+    l.format = c.format;
+    l.bits = FormatBits(c.format);
     l.aps_shift = c.shift;
     l.max_abs = c.max_abs;
     l.saturated = c.saturated;
@@ -260,8 +256,7 @@ Status Reporter::AfterStep(const StepDone& s) {
       flips_reported_ = std::move(flips);
       r.layers = LayerReports(
           records, delta,
-          comm_stats ? setup_.reducer->last_stats() : std::vector<comm::LayerCommStats>{},
-          AllReduceFormat(o_.allreduce));
+          comm_stats ? setup_.reducer->last_stats() : std::vector<comm::LayerCommStats>{});
     }
     control_->Report(std::move(r));
   }

@@ -82,6 +82,9 @@ class Reporter {
 
   // The coordinator's reports go through `control` (null: none).
   void set_control(JobControl* control) { control_ = control; }
+  // The all-reducer whose statistics are reported (the trainer rebuilds it when a schedule
+  // changes the per-layer all-reduce formats).
+  void set_reducer(const comm::GradientAllReducer* reducer) { setup_.reducer = reducer; }
   bool quiet() const { return quiet_; }
 
   // A line on rank 0's console (unless quiet), after clearing the progress bar.

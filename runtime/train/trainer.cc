@@ -16,6 +16,7 @@
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/models.h"
+#include "runtime/train/allreduce_layers.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/checkpointer.h"
 #include "runtime/train/cost_plan.h"
@@ -106,6 +107,8 @@ class Trainer {
   Status BuildOptimizer();
   Status BuildLrSchedule();
   Status BuildReducer();
+  Result<comm::GradientAllReduceOptions> ReducerOptionsFor(const PrecisionConfig& pc) const;
+  Status RebuildReducerIfChanged();
   Result<comm::Communicator*> AllReduceCommunicator(bool device_gradients);
   Result<bool> RanksShareAGpu();
   Status BuildOutputs();
@@ -140,7 +143,12 @@ class Trainer {
   std::unique_ptr<SiteQuantizer> quant_;
   std::unique_ptr<Optimizer> optimizer_;
   LrSchedule lr_;
-  comm::GradientAllReduceOptions allreduce_;
+  comm::GradientAllReduceOptions allreduce_;  // in force, with the per-layer formats
+  comm::Communicator* reduce_comm_ = nullptr;
+  comm::GradientLayout layout_;  // the all-reducer's layers
+  std::vector<std::string> batchnorm_layers_;
+  std::vector<std::pair<std::string, std::string>> reducer_rules_;  // what the reducer was built
+                                                                    // with
   std::unique_ptr<comm::Communicator> nccl_;  // the all-reduce's, when it runs over NCCL
   std::unique_ptr<comm::GradientAllReducer> reducer_;
   std::unique_ptr<LocalWorkers> workers_;
@@ -361,13 +369,54 @@ Status Trainer::BuildReducer() {
   const bool device_gradients =
       device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported();
   allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
-  CPD_ASSIGN_OR_RETURN(comm::Communicator * reduce_comm, AllReduceCommunicator(device_gradients));
-  CPD_ASSIGN_OR_RETURN(
-      reducer_, comm::GradientAllReducer::Create(reduce_comm, allreduce_,
-                                                 LayoutOf(model_->Params()), group_.local_workers));
+  CPD_ASSIGN_OR_RETURN(reduce_comm_, AllReduceCommunicator(device_gradients));
+  layout_ = LayoutOf(model_->Params());
+  for (Layer* l : model_->Flatten()) {
+    if (std::string(l->kind()) == "BatchNorm") batchnorm_layers_.push_back(l->name());
+  }
+  CPD_ASSIGN_OR_RETURN(allreduce_, ReducerOptionsFor(precision_));
+  CPD_ASSIGN_OR_RETURN(reducer_, comm::GradientAllReducer::Create(reduce_comm_, allreduce_, layout_,
+                                                                  group_.local_workers));
+  reducer_rules_ = precision_.allreduce_layers;
   workers_ =
       std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_, flat_gradients_,
                                      device_gradients, o_.debug_nan_step, o_.debug_nan_steps);
+  return Status::Ok();
+}
+
+// The all-reducer's options with pc's per-layer formats (hybrid precision) resolved against its
+// layers; InvalidArgument for rules it cannot take (the same on every rank, so that a pushed
+// schedule is refused everywhere alike).
+Result<comm::GradientAllReduceOptions> Trainer::ReducerOptionsFor(const PrecisionConfig& pc) const {
+  comm::GradientAllReduceOptions ar = allreduce_;
+  CPD_ASSIGN_OR_RETURN(ar.layer_formats,
+                       ResolveAllReduceLayers(pc.allreduce_layers, layout_, batchnorm_layers_));
+  if (!ar.layer_formats.empty() && ar.algo == comm::AllReduceAlgo::kFp32) {
+    return Status::InvalidArgument(
+        "--allreduce-layer-format needs --allreduce emulate or packed (fp32 sends every layer "
+        "in fp32 already)");
+  }
+  CPD_RETURN_IF_ERROR(ar.Validate());
+  const bool mixed = std::any_of(ar.layer_formats.begin(), ar.layer_formats.end(),
+                                 [&](const auto& e) { return e.second != ar.format; });
+  if (mixed && ar.gradients == comm::MemorySpace::kDevice) {
+    return Status::InvalidArgument(
+        "--allreduce-layer-format: per-layer all-reduce formats need the gradients in host "
+        "memory; add --gradients host");
+  }
+  return ar;
+}
+
+// After a schedule switch: a new all-reducer when the per-layer formats changed (every rank at
+// the same step boundary; the plan and the buffers are rebuilt, nothing else is kept).
+Status Trainer::RebuildReducerIfChanged() {
+  if (precision_.allreduce_layers == reducer_rules_) return Status::Ok();
+  CPD_ASSIGN_OR_RETURN(comm::GradientAllReduceOptions ar, ReducerOptionsFor(precision_));
+  CPD_ASSIGN_OR_RETURN(
+      reducer_, comm::GradientAllReducer::Create(reduce_comm_, ar, layout_, group_.local_workers));
+  allreduce_ = std::move(ar);
+  reducer_rules_ = precision_.allreduce_layers;
+  reporter_->set_reducer(reducer_.get());
   return Status::Ok();
 }
 
@@ -394,11 +443,11 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients
   CPD_RETURN_IF_ERROR(comm_->AllReduce(&host_somewhere, 1, comm::ReduceOp::kMax));
   if (!CPD_WITH_NCCL || host_somewhere != 0) {
     if (!want) return comm_;
-    return Status::InvalidArgument(
-        std::string("--comm nccl needs ") +
-        (!CPD_WITH_NCCL ? "a build with NCCL (CPD_WITH_NCCL=ON)"
-                        : "--device cuda with --gradients device on every rank") +
-        "; use --comm auto");
+    return Status::InvalidArgument(std::string("--comm nccl needs ") +
+                                   (!CPD_WITH_NCCL
+                                        ? "a build with NCCL (CPD_WITH_NCCL=ON)"
+                                        : "--device cuda with --gradients device on every rank") +
+                                   "; use --comm auto");
   }
   if (!want && comm_->size() == 1) return comm_;
   // NCCL needs a GPU per rank: ranks sharing one (several processes per GPU) keep the run's own.
@@ -515,6 +564,7 @@ Status Trainer::StartControl() {
   cs.total_steps = total_steps_;
   cs.seed = precision_.seed;
   cs.report_interval_s = o_.report_interval_s;
+  cs.check = [this](const PrecisionConfig& pc) { return ReducerOptionsFor(pc).status(); };
   cs.log = [this](const nlohmann::json& record) { reporter_->Log(record); };
   JobDescription job;
   job.arch = o_.arch;
@@ -534,6 +584,7 @@ Status Trainer::StartControl() {
   checkpointer_->set_control(control_.get());
   if (!resumed_schedule_.empty()) {
     precision_ = quant_->config();
+    CPD_RETURN_IF_ERROR(RebuildReducerIfChanged());
     cost_->Replan(step_, precision_);
     result_.relative_cost = cost_->relative_cost();
   }
@@ -639,6 +690,7 @@ Status Trainer::ApplyDueSchedule() {
   for (const std::string& m : messages) reporter_->Say(m);
   if (switched) {
     precision_ = quant_->config();
+    CPD_RETURN_IF_ERROR(RebuildReducerIfChanged());
     result_.schedule_switches.emplace_back(step_, control_->version());
     cost_->Replan(step_, precision_);
     result_.relative_cost = cost_->relative_cost();

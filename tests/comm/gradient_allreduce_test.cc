@@ -3,6 +3,8 @@
 // on its own, sequentially, with cpd::Quantize and the paper's formulas, and compares bit for bit
 // (emulate, packed) or exactly (fp32 on small integers). Run as `mpirun -np N
 // comm_gradient_allreduce_test`; only rank 0 prints.
+#include "comm/gradient_allreduce.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -18,7 +21,6 @@
 
 #include "comm/allreduce/internal.h"
 #include "comm/communicator.h"
-#include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
 #include "cpd/config.h"
 #include "cpd/format.h"
@@ -94,6 +96,7 @@ int EmaxOf(const std::string& spec) {
   if (spec == "int8") return 6;    // 127 levels
   if (spec == "mxfp8") return 8;   // e4m3 elements
   if (spec == "mxfp4") return 2;   // e2m1 elements, 6
+  if (spec == "fp32") return 0;    // hybrid plans: fp32 layers are never shifted
   ADD_FAILURE() << "no emax for " << spec;
   return 0;
 }
@@ -123,23 +126,31 @@ struct Case {
   Rounding rounding;
   // The existing cases pin today's (the paper's) scaling: its results must not change.
   ApsScaling scaling = ApsScaling::kPaper;
+  std::map<std::string, std::string> layer_formats = {};  // hybrid precision
+  // Layer l's format spec.
+  std::string FormatOf(const GradientLayout& layout, size_t l) const {
+    const auto it = layer_formats.find(layout.layer_names[l]);
+    return it == layer_formats.end() ? format : it->second;
+  }
 };
 
 std::string Name(const Case& c, int k) {
-  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format +
+  std::string hybrid;
+  for (const auto& [layer, spec] : c.layer_formats) hybrid += "/" + layer + "=" + spec;
+  return std::string(AllReduceAlgoName(c.algo)) + "/" + c.format + hybrid +
          (c.aps ? std::string("/aps-") + ApsScalingName(c.scaling) : "") +
          (c.kahan ? "/kahan" : "") + "/" + RoundingName(c.rounding) + "/K=" + std::to_string(k);
 }
 
 // The sequential reference: for each segment (a layer's part of one rank's chunk; the scale
 // group of per-tensor-scaled formats), each worker's contribution quantised after 2^s, summed in
-// worker order as the algorithm prescribes, shifted back by 2^-s. packed with the sum scaling:
-// the float32 sum times 2^t of its segment before the rounding, shifted back by 2^-(s + t).
+// worker order as the algorithm prescribes, shifted back by 2^-s; each layer in its own format
+// (hybrid precision: fp32 layers unshifted). packed with the sum scaling: the float32 sum times
+// 2^t of its segment before the rounding (t = 0 for fp32 layers), shifted back by 2^-(s + t).
 std::vector<float> Reference(const Case& c, const GradientLayout& layout,
                              const std::vector<GradientBucket>& buckets,
                              const std::vector<std::vector<float>>& x, uint64_t seed, int64_t step,
                              std::vector<int>* shifts) {
-  const Format format = Format::Parse(c.format).value();
   const int workers = static_cast<int>(x.size());
   const size_t layers = layout.layers();
   const bool sum_scaling =
@@ -151,12 +162,14 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
       for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i)
         mx = std::max(mx, std::fabs(xw[i]));
     }
-    if (c.aps) {
-      (*shifts)[l] = sum_scaling ? ExpectedSumScalingShift(mx, workers, EmaxOf(c.format))
-                                 : ExpectedShift(mx, workers, EmaxOf(c.format));
+    const std::string spec = c.FormatOf(layout, l);
+    if (c.aps && spec != "fp32") {
+      (*shifts)[l] = sum_scaling ? ExpectedSumScalingShift(mx, workers, EmaxOf(spec))
+                                 : ExpectedShift(mx, workers, EmaxOf(spec));
     }
   }
   std::vector<float> out(layout.total(), 0.0f);
+  Format format;
   auto q = [&](const float* in, float* o, size_t n, int64_t stage, size_t index) {
     QuantizeOptions qo;
     qo.rounding = c.rounding;
@@ -173,6 +186,7 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
         if (s1 <= s0) continue;
         const size_t n = s1 - s0;
         const int sh = (*shifts)[l];
+        format = Format::Parse(c.FormatOf(layout, l)).value();
         std::vector<std::vector<float>> qw(static_cast<size_t>(workers), std::vector<float>(n));
         std::vector<float> y(n);
         for (int w = 0; w < workers; ++w) {
@@ -201,10 +215,10 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
           }
         }
         int seg_shift = 0;  // t
-        if (sum_scaling) {
+        if (sum_scaling && c.FormatOf(layout, l) != "fp32") {
           float max_sum = 0.0f;
           for (float v : acc) max_sum = std::max(max_sum, std::fabs(v));
-          seg_shift = ExpectedSegmentShift(max_sum, sh, EmaxOf(c.format));
+          seg_shift = ExpectedSegmentShift(max_sum, sh, EmaxOf(c.FormatOf(layout, l)));
           for (float& v : acc) v = std::ldexp(v, seg_shift);
         }
         if (c.algo == AllReduceAlgo::kPacked)
@@ -231,6 +245,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   opts.aps_scaling = c.scaling;
   opts.kahan = c.kahan;
   opts.rounding = c.rounding;
+  opts.layer_formats = c.layer_formats;
   opts.bucket_mb = bucket_mb;
   opts.seed = seed;
   opts.threads = k == 2 ? 2 : 1;  // results must not depend on it
@@ -268,6 +283,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   for (size_t l = 0; l < layout.layers(); ++l) {
     const LayerCommStats& st = red->last_stats()[l];
     EXPECT_EQ(st.layer, layout.layer_names[l]);
+    EXPECT_EQ(st.format, c.FormatOf(layout, l)) << "layer " << l;
     EXPECT_EQ(st.shift, shifts[l]) << "layer " << l;
     EXPECT_GE(st.rel_error, 0.0) << "layer " << l;
     EXPECT_GE(st.flushed, 0.0);
@@ -435,9 +451,15 @@ TEST(GradientAllReduceTest, AutoScalingIsSumForPackedAndPaperForEmulate) {
             bits(run(AllReduceAlgo::kPacked, ApsScaling::kPaper)));
   EXPECT_EQ(bits(run(AllReduceAlgo::kEmulate, ApsScaling::kAuto)),
             bits(run(AllReduceAlgo::kEmulate, ApsScaling::kPaper)));
-  EXPECT_TRUE(UsesApsSumScaling({AllReduceAlgo::kPacked, "e4m3", Rounding::kNearest, true}));
-  EXPECT_FALSE(UsesApsSumScaling({AllReduceAlgo::kPacked, "e4m3", Rounding::kNearest, false}));
-  EXPECT_FALSE(UsesApsSumScaling({AllReduceAlgo::kEmulate, "e4m3", Rounding::kNearest, true}));
+  const auto options = [](AllReduceAlgo algo, bool aps) {
+    GradientAllReduceOptions o;
+    o.algo = algo;
+    o.aps = aps;
+    return o;
+  };
+  EXPECT_TRUE(UsesApsSumScaling(options(AllReduceAlgo::kPacked, true)));
+  EXPECT_FALSE(UsesApsSumScaling(options(AllReduceAlgo::kPacked, false)));
+  EXPECT_FALSE(UsesApsSumScaling(options(AllReduceAlgo::kEmulate, true)));
 }
 
 // Hand-computed, e3m0 (values 0.25 ... 8, no subnormals), K = 4, so W = 4P: layer 0 gives 4 on
@@ -545,6 +567,197 @@ TEST(GradientAllReduceTest, SumScalingKeepsE3m0AliveAtW64) {
   }
 }
 
+// Hybrid precision: fp32, fixed float grids and scaled formats side by side in one plan (layers
+// split across chunks and buckets), each bit for bit as the sequential reference in its own
+// format, with each layer's own APS emax.
+const std::map<std::string, std::string> kHybrid = {{"layer2", "fp32"},
+                                                    {"layer3", "fp32"},
+                                                    {"layer5", "e3m0"},
+                                                    {"layer6", "int8"},
+                                                    {"layer8", "mxfp4"}};
+
+TEST(GradientAllReduceTest, HybridMatchesSequentialReferenceBitForBit) {
+  const ApsScaling paper = ApsScaling::kPaper, sum = ApsScaling::kSum;
+  for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
+    for (bool aps : {false, true}) {
+      for (int k : {1, 2}) {
+        RunCase({algo, "e4m3", aps, false, Rounding::kNearest, paper, kHybrid}, k, kSizes,
+                kSmallBucketMb, 21);
+      }
+    }
+  }
+  RunCase({AllReduceAlgo::kEmulate, "e4m3", true, true, Rounding::kStochastic, paper, kHybrid}, 2,
+          kSizes, kSmallBucketMb, 23);
+  RunCase({AllReduceAlgo::kPacked, "e5m2", true, false, Rounding::kStochastic, paper, kHybrid}, 3,
+          kSizes, kSmallBucketMb, 25, /*spread=*/9);
+  // packed's sum scaling in a hybrid plan: each quantised segment's own t, fp32 layers t = 0.
+  for (int k : {1, 2}) {
+    RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kNearest, sum, kHybrid}, k,
+            kSizes, kSmallBucketMb, 29);
+  }
+  RunCase({AllReduceAlgo::kPacked, "e3m0", true, false, Rounding::kStochastic, sum, kHybrid}, 3,
+          kSizes, kSmallBucketMb, 31, /*spread=*/9);
+  // A map that gives layers the global format changes nothing (the uniform fast path).
+  RunCase({AllReduceAlgo::kPacked,
+           "e4m3",
+           true,
+           false,
+           Rounding::kNearest,
+           paper,
+           {{"layer3", "e4m3"}}},
+          2, kSizes, kSmallBucketMb, 27);
+}
+
+// A layer given fp32 comes back exact (inputs whose float32 sum is exact) while a layer in e3m0
+// next to it is quantised; APS shifts only the quantised one.
+TEST(GradientAllReduceTest, HybridFp32LayerIsExactWhileOthersAreQuantised) {
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
+  const int k = 2, workers = p * k;
+  const GradientLayout layout = MakeLayout({4096, 4096});
+  // Integers below 2^11 times 2^-20 with many significant bits: e3m0 (one per binade) cannot
+  // hold them, float32 sums of 8 of them are exact.
+  auto value = [](int w, size_t i) {
+    return std::ldexp(
+        static_cast<float>(static_cast<int>((i * 7919 + size_t(w) * 104729) % 2001) - 1000), -20);
+  };
+  for (AllReduceAlgo algo : {AllReduceAlgo::kEmulate, AllReduceAlgo::kPacked}) {
+    SCOPED_TRACE(AllReduceAlgoName(algo));
+    GradientAllReduceOptions o;
+    o.algo = algo;
+    o.format = "e3m0";
+    o.aps = true;
+    o.aps_scaling = ApsScaling::kPaper;  // the shift checked below is the paper's
+    o.layer_formats = {{"layer0", "fp32"}};
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, k);
+    ASSERT_TRUE(red.ok()) << red.status().ToString();
+    std::vector<std::vector<float>> in(size_t(k), std::vector<float>(layout.total()));
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) {
+      for (size_t i = 0; i < layout.total(); ++i) in[size_t(j)][i] = value(r * k + j, i);
+      ptrs.push_back(in[size_t(j)].data());
+    }
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 3, /*measure_error=*/true).ok());
+    size_t wrong_fp32 = 0, exact_e3m0 = 0;
+    for (size_t i = 0; i < layout.total(); ++i) {
+      double exact = 0;
+      for (int w = 0; w < workers; ++w) exact += value(w, i);
+      const bool same = static_cast<double>(ptrs[0][i]) == exact;
+      if (i < 4096) wrong_fp32 += !same;
+      if (i >= 4096) exact_e3m0 += same;
+    }
+    EXPECT_EQ(wrong_fp32, 0u);
+    EXPECT_LT(exact_e3m0, 4096u / 2);
+    const auto& st = red.value()->last_stats();
+    EXPECT_EQ(st[0].format, "fp32");
+    EXPECT_EQ(st[1].format, "e3m0");
+    EXPECT_EQ(st[0].shift, 0);
+    EXPECT_EQ(st[1].shift, ExpectedShift(st[1].max_abs, workers, EmaxOf("e3m0")));
+    EXPECT_NE(st[1].shift, 0);
+    EXPECT_EQ(st[0].rel_error, 0.0);
+    EXPECT_EQ(st[0].flushed, 0.0);
+    EXPECT_EQ(st[0].saturated, 0.0);
+    EXPECT_GT(st[1].rel_error, 0.01);
+  }
+}
+
+// packed moves each segment in its own format: the bytes sent are those of per-format segment
+// sizes (cpd::PackedSize, fp32 4 bytes an element), slots padded to the longest chunk's and to
+// 64 bytes, as for the all-to-all (K slots per block) and the all-gather (one slot).
+TEST(GradientAllReduceTest, HybridBytesMatchPerFormatSizes) {
+  const int p = test::MpiWorld()->size();
+  if (p == 1) GTEST_SKIP() << "nothing is sent at world size 1";
+  const GradientLayout layout = MakeLayout({3000, 2000, 1500, 700});
+  const std::map<std::string, std::string> formats = {
+      {"layer0", "fp32"}, {"layer2", "int8"}, {"layer3", "e3m0"}};
+  for (int k : {1, 2}) {
+    GradientAllReduceOptions o;
+    o.algo = AllReduceAlgo::kPacked;
+    o.format = "e4m3";
+    o.layer_formats = formats;
+    o.bucket_mb = 2500.0 * 4 / (1 << 20);  // several buckets, layer 0 split
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, k);
+    ASSERT_TRUE(red.ok()) << red.status().ToString();
+    uint64_t expected = 0;
+    for (const GradientBucket& b : red.value()->buckets()) {
+      size_t slot = 0;
+      for (int d = 0; d < p; ++d) {
+        size_t bytes = 0;
+        for (size_t l = 0; l < layout.layers(); ++l) {
+          const size_t s0 = std::max(b.chunk_bounds[size_t(d)], layout.offsets[l]);
+          const size_t s1 = std::min(b.chunk_bounds[size_t(d) + 1], layout.offsets[l + 1]);
+          if (s1 <= s0) continue;
+          const auto it = formats.find(layout.layer_names[l]);
+          const Format f = Format::Parse(it == formats.end() ? "e4m3" : it->second).value();
+          bytes += PackedSize(f, s1 - s0, 1);
+        }
+        slot = std::max(slot, bytes);
+      }
+      slot = (slot + 63) / 64 * 64;
+      expected += uint64_t(p - 1) * (uint64_t(k) * slot + slot);
+    }
+    std::vector<std::vector<float>> in(static_cast<size_t>(k));
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) {
+      in[size_t(j)] = WorkerInput(layout, 5, test::MpiWorld()->rank() * k + j);
+      ptrs.push_back(in[size_t(j)].data());
+    }
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
+    EXPECT_EQ(red.value()->last_bytes_sent(), expected) << "K = " << k;
+  }
+}
+
+// APS in a hybrid plan: each layer's shift from its own format's emax; fp32 layers unshifted.
+TEST(GradientAllReduceTest, HybridApsUsesEachLayersEmax) {
+  const int p = test::MpiWorld()->size();
+  const int r = test::MpiWorld()->rank();
+  const int k = 2, workers = p * k;
+  const std::vector<std::string> specs = {"e4m3", "e3m0", "int8", "fp32", "e5m2"};
+  const std::vector<float> maxima = {3.0f, 2.0e-3f, 0.75f, 5e4f, 1e-30f};
+  const GradientLayout layout = MakeLayout(std::vector<size_t>(specs.size(), 9));
+  const std::pair<AllReduceAlgo, ApsScaling> kRuns[] = {
+      {AllReduceAlgo::kEmulate, ApsScaling::kPaper},
+      {AllReduceAlgo::kPacked, ApsScaling::kPaper},
+      {AllReduceAlgo::kPacked, ApsScaling::kSum}};
+  for (const auto& [algo, scaling] : kRuns) {
+    SCOPED_TRACE(std::string(AllReduceAlgoName(algo)) + " " + ApsScalingName(scaling));
+    GradientAllReduceOptions o;
+    o.algo = algo;
+    o.format = "e4m3";
+    o.aps = true;
+    o.aps_scaling = scaling;
+    for (size_t l = 1; l < specs.size(); ++l) o.layer_formats[layout.layer_names[l]] = specs[l];
+    auto red = GradientAllReducer::Create(test::MpiWorld(), o, layout, k);
+    ASSERT_TRUE(red.ok()) << red.status().ToString();
+    std::vector<std::vector<float>> in(size_t(k), std::vector<float>(layout.total()));
+    std::vector<float*> ptrs;
+    for (int j = 0; j < k; ++j) {
+      const int w = r * k + j;
+      for (size_t l = 0; l < maxima.size(); ++l) {
+        for (size_t i = 0; i < 9; ++i) {
+          const float v = maxima[l] * (w == workers - 1 && i == 4 ? 1.0f : 0.25f);
+          in[size_t(j)][layout.offsets[l] + i] = (i % 2 ? -v : v);
+        }
+      }
+      ptrs.push_back(in[size_t(j)].data());
+    }
+    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
+    for (size_t l = 0; l < specs.size(); ++l) {
+      const LayerCommStats& st = red.value()->last_stats()[l];
+      EXPECT_EQ(st.format, specs[l]);
+      EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
+      const int want = specs[l] == "fp32" ? 0
+                       : scaling == ApsScaling::kSum
+                           ? ExpectedSumScalingShift(maxima[l], workers, EmaxOf(specs[l]))
+                           : ExpectedShift(maxima[l], workers, EmaxOf(specs[l]));
+      EXPECT_EQ(st.shift, want) << "layer " << l;
+    }
+    // The fp32 layer's sum is exact: 0.25 * max on W - 1 workers plus max once, per element.
+    const float fp32_sum = ptrs[0][layout.offsets[3] + 4];
+    EXPECT_EQ(fp32_sum, maxima[3] * (0.25f * float(workers - 1) + 1.0f));
+  }
+}
+
 // packed against the exact (double) sum: each of the W contributions and the one re-quantised
 // sum are off by at most half a step of the format (relative 2^-(M+1) for normal values, half
 // the smallest subnormal below), plus float32 rounding of the sum.
@@ -553,47 +766,47 @@ TEST(GradientAllReduceTest, PackedIsWithinTheFormatsErrorBound) {
   const int r = test::MpiWorld()->rank();
   for (const char* f : {"e4m3", "e5m2", "fp16", "bf16"}) {
     for (int k : {1, 3}) {
-     for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
-      SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k) + " " + ApsScalingName(scaling));
-      const int workers = p * k;
-      const GradientLayout layout = MakeLayout({4097, 33, 1});
-      GradientAllReduceOptions opts;
-      opts.algo = AllReduceAlgo::kPacked;
-      opts.format = f;
-      opts.aps = true;
-      opts.aps_scaling = scaling;
-      opts.bucket_mb = kSmallBucketMb;
-      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
-      ASSERT_TRUE(red.ok());
-      std::vector<std::vector<float>> x;
-      for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, 3, w));
-      std::vector<std::vector<float>> local;
-      std::vector<float*> ptrs;
-      for (int j = 0; j < k; ++j) local.push_back(x[static_cast<size_t>(r * k + j)]);
-      for (auto& v : local) ptrs.push_back(v.data());
-      std::vector<float> out(layout.total());
-      ASSERT_TRUE(red.value()->Reduce(ptrs.data(), out.data(), 0).ok());
-      const Format fmt = Format::Parse(f).value();
-      const double u = std::ldexp(1.0, -(fmt.grid().mbits + 1));
-      size_t wrong = 0;
-      for (size_t l = 0; l < layout.layers(); ++l) {
-        const int sh = red.value()->last_stats()[l].shift;
-        const double half_sub = std::ldexp(1.0, fmt.grid().emin - fmt.grid().mbits - 1 - sh);
-        for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
-          double exact = 0.0, abs_sum = 0.0;
-          for (const auto& xw : x) {
-            exact += xw[i];
-            abs_sum += std::fabs(xw[i]);
+      for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
+        SCOPED_TRACE(std::string(f) + " K=" + std::to_string(k) + " " + ApsScalingName(scaling));
+        const int workers = p * k;
+        const GradientLayout layout = MakeLayout({4097, 33, 1});
+        GradientAllReduceOptions opts;
+        opts.algo = AllReduceAlgo::kPacked;
+        opts.format = f;
+        opts.aps = true;
+        opts.aps_scaling = scaling;
+        opts.bucket_mb = kSmallBucketMb;
+        auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
+        ASSERT_TRUE(red.ok());
+        std::vector<std::vector<float>> x;
+        for (int w = 0; w < workers; ++w) x.push_back(WorkerInput(layout, 3, w));
+        std::vector<std::vector<float>> local;
+        std::vector<float*> ptrs;
+        for (int j = 0; j < k; ++j) local.push_back(x[static_cast<size_t>(r * k + j)]);
+        for (auto& v : local) ptrs.push_back(v.data());
+        std::vector<float> out(layout.total());
+        ASSERT_TRUE(red.value()->Reduce(ptrs.data(), out.data(), 0).ok());
+        const Format fmt = Format::Parse(f).value();
+        const double u = std::ldexp(1.0, -(fmt.grid().mbits + 1));
+        size_t wrong = 0;
+        for (size_t l = 0; l < layout.layers(); ++l) {
+          const int sh = red.value()->last_stats()[l].shift;
+          const double half_sub = std::ldexp(1.0, fmt.grid().emin - fmt.grid().mbits - 1 - sh);
+          for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
+            double exact = 0.0, abs_sum = 0.0;
+            for (const auto& xw : x) {
+              exact += xw[i];
+              abs_sum += std::fabs(xw[i]);
+            }
+            const double contrib = u * abs_sum + workers * half_sub;
+            const double bound = contrib + u * (std::fabs(exact) + contrib) + half_sub +
+                                 4.0 * workers * std::ldexp(abs_sum, -24);
+            wrong += std::fabs(out[i] - exact) > bound;
           }
-          const double contrib = u * abs_sum + workers * half_sub;
-          const double bound = contrib + u * (std::fabs(exact) + contrib) + half_sub +
-                               4.0 * workers * std::ldexp(abs_sum, -24);
-          wrong += std::fabs(out[i] - exact) > bound;
         }
+        EXPECT_EQ(wrong, 0u);
+        EXPECT_TRUE(SameOnAllRanks(Hash(out)));
       }
-      EXPECT_EQ(wrong, 0u);
-      EXPECT_TRUE(SameOnAllRanks(Hash(out)));
-     }
     }
   }
 }
@@ -607,42 +820,43 @@ TEST(GradientAllReduceTest, ApsShiftFollowsTheFormula) {
   const std::vector<float> maxima = {3.0f, 2.0f, 0.0f, 1e-30f, 1e-40f, 5e4f, 0.75f};
   const GradientLayout layout = MakeLayout(std::vector<size_t>(maxima.size(), 9));
   for (const char* f : {"e4m3", "e5m2", "e3m0", "int8", "mxfp4"}) {
-   for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
-    SCOPED_TRACE(std::string(f) + " " + ApsScalingName(scaling));
-    GradientAllReduceOptions opts;
-    opts.algo = AllReduceAlgo::kPacked;
-    opts.format = f;
-    opts.aps = true;
-    opts.aps_scaling = scaling;
-    auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
-    ASSERT_TRUE(red.ok()) << red.status().ToString();
-    std::vector<std::vector<float>> in(static_cast<size_t>(k), std::vector<float>(layout.total()));
-    std::vector<float*> ptrs;
-    for (int j = 0; j < k; ++j) {
-      const int w = r * k + j;
+    for (ApsScaling scaling : {ApsScaling::kPaper, ApsScaling::kSum}) {
+      SCOPED_TRACE(std::string(f) + " " + ApsScalingName(scaling));
+      GradientAllReduceOptions opts;
+      opts.algo = AllReduceAlgo::kPacked;
+      opts.format = f;
+      opts.aps = true;
+      opts.aps_scaling = scaling;
+      auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
+      ASSERT_TRUE(red.ok()) << red.status().ToString();
+      std::vector<std::vector<float>> in(static_cast<size_t>(k),
+                                         std::vector<float>(layout.total()));
+      std::vector<float*> ptrs;
+      for (int j = 0; j < k; ++j) {
+        const int w = r * k + j;
+        for (size_t l = 0; l < maxima.size(); ++l) {
+          for (size_t i = 0; i < 9; ++i) {
+            const float v = maxima[l] * (w == workers - 1 && i == 4 ? 1.0f : 0.25f);
+            in[static_cast<size_t>(j)][layout.offsets[l] + i] = (i % 2 ? -v : v);
+          }
+        }
+        ptrs.push_back(in[static_cast<size_t>(j)].data());
+      }
+      ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
       for (size_t l = 0; l < maxima.size(); ++l) {
-        for (size_t i = 0; i < 9; ++i) {
-          const float v = maxima[l] * (w == workers - 1 && i == 4 ? 1.0f : 0.25f);
-          in[static_cast<size_t>(j)][layout.offsets[l] + i] = (i % 2 ? -v : v);
+        const LayerCommStats& st = red.value()->last_stats()[l];
+        EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
+        if (scaling == ApsScaling::kPaper) {
+          EXPECT_EQ(st.shift, ExpectedShift(maxima[l], workers, EmaxOf(f))) << "layer " << l;
+          EXPECT_EQ(ApsShift(maxima[l], workers, EmaxOf(f)), st.shift);
+        } else {
+          EXPECT_EQ(st.shift, ExpectedSumScalingShift(maxima[l], workers, EmaxOf(f)))
+              << "layer " << l;
+          EXPECT_EQ(internal::SumContributionShift(maxima[l], workers, EmaxOf(f)), st.shift);
         }
       }
-      ptrs.push_back(in[static_cast<size_t>(j)].data());
+      EXPECT_EQ(ApsEmax(Format::Parse(f).value()), EmaxOf(f));
     }
-    ASSERT_TRUE(red.value()->Reduce(ptrs.data(), ptrs[0], 0).ok());
-    for (size_t l = 0; l < maxima.size(); ++l) {
-      const LayerCommStats& st = red.value()->last_stats()[l];
-      EXPECT_EQ(st.max_abs, maxima[l]) << "layer " << l;
-      if (scaling == ApsScaling::kPaper) {
-        EXPECT_EQ(st.shift, ExpectedShift(maxima[l], workers, EmaxOf(f))) << "layer " << l;
-        EXPECT_EQ(ApsShift(maxima[l], workers, EmaxOf(f)), st.shift);
-      } else {
-        EXPECT_EQ(st.shift, ExpectedSumScalingShift(maxima[l], workers, EmaxOf(f)))
-            << "layer " << l;
-        EXPECT_EQ(internal::SumContributionShift(maxima[l], workers, EmaxOf(f)), st.shift);
-      }
-    }
-    EXPECT_EQ(ApsEmax(Format::Parse(f).value()), EmaxOf(f));
-   }
   }
   // The sum scaling's shifts by hand: e4m3, max 3 -> 6 whatever W; bf16 (emax 127) at its top,
   // W = 4: capped at 127 - ceil(log2(2^127 * 4)) = -2 so that the float32 sum stays finite; a
@@ -878,6 +1092,19 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   GradientAllReduceOptions f;
   f.format = "nonsense";
   EXPECT_TRUE(GradientAllReducer::Create(test::MpiWorld(), f, layout, 1).ok());
+  // Hybrid precision: a layer the layout does not have, a spec that does not parse, the fp32
+  // algorithm, gradients in device memory.
+  o.layer_formats = {{"layer9", "fp32"}};
+  expect_invalid(o, layout, 1, "'layer9'");
+  o.layer_formats = {{"layer1", "e9m9"}};
+  expect_invalid(o, layout, 1, "e9m9");
+  o.layer_formats = {{"layer1", "fp32"}};
+  f.layer_formats = o.layer_formats;
+  expect_invalid(f, layout, 1, "emulate and packed");
+  o.gradients = MemorySpace::kDevice;
+  expect_invalid(o, layout, 1, "host memory");
+  o.gradients = MemorySpace::kHost;
+  o.layer_formats.clear();
   auto none = GradientAllReducer::Create(nullptr, GradientAllReduceOptions{}, layout, 1);
   EXPECT_EQ(none.status().code(), Status::Code::kInvalidArgument);
 }

@@ -4,7 +4,8 @@
 Starts cpd-coordinator (SQLite file, token), runs a 2-rank `mpirun` cpd-train against it, and
 checks with cpdctl:
   * `schedule set` mid-run (with --from-step in the future): every rank switches at that step
-    (asserted from each rank's metrics);
+    (asserted from each rank's metrics), the per-layer all-reduce format (hybrid precision:
+    first=fp32) included: the first layer's gradient goes from e4m3 to fp32 there;
   * `layers` shows every quantisable layer at every site, and the all-reduce rows;
   * the coordinator is killed (SIGKILL) mid-run: training goes on and finishes; the coordinator
     restarted on the same DB and port takes the job back (the worker re-registers) and `layers`
@@ -218,7 +219,7 @@ def main():
     # 2. A schedule set mid-run, effective at a step still ahead: every rank switches there.
     switch_at = step + 60
     sched = ctl_json("schedule", "set", JOB, "--cyclic-bits", "4", "6", "--cyclic-periods", "4",
-                     "--from-step", str(switch_at))
+                     "--allreduce-layer-format", "first=fp32", "--from-step", str(switch_at))
     version = sched.get("version") or sched.get("schedule", {}).get("version")
     check(version == 2, "schedule set answers version 2 (was %s)" % version)
 
@@ -251,6 +252,12 @@ def main():
         check(all(b == 0 for s, b in bits.items() if s < switch_at) and
               all(4 <= b <= 6 for s, b in bits.items() if s >= switch_at),
               "rank %d: no CPT bits before the switch, 4-6 bits after" % rank)
+        comm = {e["step"]: {c["layer"]: c["format"] for c in e["comm"]}
+                for e in events if e.get("type") == "step" and "comm" in e}
+        check(comm and all(f == {"fc1": "fp32" if s >= switch_at else "e4m3", "fc2": "e4m3",
+                                 "fc3": "e4m3"} for s, f in comm.items()) and
+              min(comm) < switch_at <= max(comm),
+              "rank %d: fc1's all-reduce format is e4m3 before the switch, fp32 after" % rank)
 
     status = ctl_json("status", JOB)
     check(status["job"]["state"] == "finished", "the job is finished at the coordinator")
@@ -266,6 +273,9 @@ def main():
     check(True, "cpdctl layers shows fc1, fc2, fc3 at W, A, E, G and COMM")
     check(any(l["site"] == "SITE_W" and l["format"] == "uint%d:minmax:ch" % latest["bits"]
               for l in latest["layers"]), "the latest W rows carry the CPT format in force")
+    comm_formats = {l["layer"]: l["format"] for l in latest["layers"] if l["site"] == "SITE_COMM"}
+    check(comm_formats == {"fc1": "fp32", "fc2": "e4m3", "fc3": "e4m3"},
+          "the latest COMM rows name each layer's all-reduce format (%s)" % comm_formats)
 
     # 6. Export: the whole history, from before the kill to the end.
     csv_path = os.path.join(TMP, "history.csv")

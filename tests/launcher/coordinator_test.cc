@@ -449,6 +449,55 @@ TEST_F(CoordinatorTest, ScheduleVersionsHistoryAndPushToWatchers) {
   EXPECT_EQ(server_->coordinator()->open_streams(), 0u);
 }
 
+// Per-layer all-reduce formats (hybrid precision) in a schedule: validated like keep_fp32 (rule
+// names first/last/bn, or the job's layers; specs parse), stored in order, pushed to the workers.
+TEST_F(CoordinatorTest, ScheduleCarriesPerLayerAllReduceFormats) {
+  Start();
+  const v1::RegisterJobRequest req = LenetJob("hybrid", 1);
+  const int64_t id = Register(req);
+  v1::WatchScheduleRequest wreq;
+  wreq.set_job_id(id);
+  wreq.set_after_version(1);
+  auto wctx = Ctx(30);
+  auto watch = worker_->WatchSchedule(wctx.get(), wreq);
+
+  v1::PrecisionSchedule next = req.schedule();
+  for (const auto& [layer, spec] : std::vector<std::pair<std::string, std::string>>{
+           {"first", "fp32"}, {"bn", "e5m2"}, {req.layers(0).name(), "int8"}, {"last", "fp32"}}) {
+    auto* a = next.add_allreduce_layers();
+    a->set_layer(layer);
+    a->set_spec(spec);
+  }
+  v1::SetScheduleResponse sresp;
+  grpc::Status s = SetSchedule(id, next, 1, &sresp);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ExpectSchedule(sresp.schedule(), next, 2, "cpdctl");
+  v1::PrecisionSchedule got;
+  ASSERT_TRUE(watch->Read(&got));
+  ASSERT_EQ(got.allreduce_layers_size(), 4);
+  EXPECT_EQ(got.allreduce_layers(1).layer(), "bn");
+  EXPECT_EQ(got.allreduce_layers(2).spec(), "int8");
+  EXPECT_EQ(Diff(got, sresp.schedule()), "");
+  EXPECT_EQ(Diff(GetSchedule(id).schedule(), sresp.schedule()), "");
+
+  // An unknown layer or a bad spec is refused, naming the field; nothing is written.
+  v1::PrecisionSchedule bad = next;
+  bad.mutable_allreduce_layers(2)->set_layer("conv9");
+  s = SetSchedule(id, bad, 2);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("allreduce_layers[2].layer"), std::string::npos)
+      << s.error_message();
+  bad = next;
+  bad.mutable_allreduce_layers(0)->set_spec("e4m3:bogus");
+  s = SetSchedule(id, bad, 2);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("allreduce_layers[0].spec"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(GetSchedule(id).schedule().version(), 2u);
+  wctx->TryCancel();
+  watch->Finish();
+}
+
 TEST_F(CoordinatorTest, WatchJobStreamsReportsAndEndsWithTheJob) {
   Start();
   const int64_t id = Register(LenetJob("watched", 1));
@@ -658,6 +707,23 @@ TEST_F(CoordinatorTest, RejectsMalformedRegistrations) {
        "schedule.overrides[0].spec"},
       {"keep_fp32 unknown layer", [](auto* r) { r->mutable_schedule()->add_keep_fp32("fc9"); },
        "schedule.keep_fp32[1]"},
+      {"all-reduce format of unknown layer",
+       [](auto* r) {
+         auto* a = r->mutable_schedule()->add_allreduce_layers();
+         a->set_layer("fc9");
+         a->set_spec("fp32");
+       },
+       "schedule.allreduce_layers[0].layer"},
+      {"all-reduce format bad spec",
+       [](auto* r) {
+         auto* a = r->mutable_schedule()->add_allreduce_layers();
+         a->set_layer("first");
+         a->set_spec("e9m9");
+       },
+       "schedule.allreduce_layers[0].spec"},
+      {"all-reduce format empty spec",
+       [](auto* r) { r->mutable_schedule()->add_allreduce_layers()->set_layer("bn"); },
+       "schedule.allreduce_layers[0].spec"},
       {"negative total_steps", [](auto* r) { r->set_total_steps(-5); }, "total_steps"},
       {"negative start_step", [](auto* r) { r->set_start_step(-1); }, "start_step"},
       {"control char in arch", [](auto* r) { r->set_arch(std::string("le\nnet")); }, "arch"},

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -212,6 +213,57 @@ TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
     ExpectUsageError(r, flag);
     EXPECT_TRUE(r.out.empty()) << flag << " " << value << ": " << r.out;
   }
+}
+
+// Hybrid precision: a bad --allreduce-layer-format (no '=', a bad spec, a layer the model does
+// not have, bn in a model without BatchNorm, the fp32 all-reduce) is one line naming the flag,
+// exit 2; a good one trains and reports each layer's all-reduce format.
+TEST(CpdTrainCli, AllReduceLayerFormatErrorsAndPerLayerStatistics) {
+  const std::vector<std::string> base = {"--dataset",   "synthetic", "--arch",    "lenet5",
+                                         "--max-steps", "2",         "--threads", "1"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const std::vector<std::string> packed = {"--allreduce", "packed", "--emulate-ranks", "2"};
+  auto bad = [&](const std::string& value, const std::string& needle) {
+    std::vector<std::string> extra = packed;
+    extra.insert(extra.end(), {"--allreduce-layer-format", value});
+    ExpectUsageError(Train(with(extra)), needle);
+  };
+  bad("conv1", "expected NAME=SPEC");
+  bad("conv1=e9m9", "'conv1=e9m9'");
+  bad("conv9=fp32", "'conv9'");
+  bad("bn=fp32", "BatchNorm");
+  ExpectUsageError(Train(with({"--emulate-ranks", "2", "--allreduce-layer-format", "first=fp32"})),
+                   "--allreduce emulate or packed");
+
+  const std::string metrics = WriteTemp("hybrid.jsonl", "");
+  std::vector<std::string> extra = packed;
+  extra.insert(extra.end(), {"--allreduce-format", "e3m0", "--aps", "--allreduce-layer-format",
+                             "first=fp32", "--allreduce-layer-format", "fc2=e4m3", "--stats-every",
+                             "1", "--metrics-out", metrics, "--quiet"});
+  const RunResult r = Train(with(extra));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(metrics);
+  std::string line;
+  int comm_records = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("comm")) continue;
+    ++comm_records;
+    std::map<std::string, std::string> formats;
+    for (const auto& c : j["comm"]) formats[c["layer"]] = c["format"];
+    EXPECT_EQ(formats, (std::map<std::string, std::string>{{"conv1", "fp32"},
+                                                           {"conv2", "e3m0"},
+                                                           {"fc1", "e3m0"},
+                                                           {"fc2", "e4m3"},
+                                                           {"fc3", "e3m0"}}));
+    EXPECT_EQ(j["comm"][0]["shift"], 0);  // fp32: never shifted
+  }
+  EXPECT_EQ(comm_records, 2);
+  std::remove(metrics.c_str());
 }
 
 // --study is a coordinator tag: without --coordinator, or malformed, it is one line naming it.

@@ -886,6 +886,53 @@ TEST_F(CpdctlTest, ScheduleSetRefusesBadSpecsLocallyAndStaleVersions) {
             0);
 }
 
+// Hybrid precision: per-layer all-reduce formats set, replaced, dropped and cleared through the
+// real coordinator, checked against the job's layers and the format library first.
+TEST_F(CpdctlTest, ScheduleSetPerLayerAllReduceFormatsRoundTrips) {
+  RunResult r =
+      Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "first=fp32",
+           "--allreduce-layer-format", "block1.conv1=e5m2", "--allreduce-layer-format", "bn=fp32"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json j = Json(Ctl({"schedule", "get", kJob, "--json"}));
+  json s = j["schedule"];
+  EXPECT_EQ(s["version"], 2);
+  ASSERT_EQ(s["allreduce_layers"].size(), 3u) << s.dump();
+  EXPECT_EQ(s["allreduce_layers"][0]["layer"], "first");
+  EXPECT_EQ(s["allreduce_layers"][0]["spec"], "fp32");
+  EXPECT_EQ(s["allreduce_layers"][1]["layer"], "block1.conv1");
+  EXPECT_EQ(s["allreduce_layers"][1]["spec"], "e5m2");
+  EXPECT_EQ(s["allreduce_layers"][2]["layer"], "bn");
+  r = Ctl({"schedule", "get", kJob});
+  EXPECT_NE(r.out.find("all-reduce layer  block1.conv1=e5m2"), std::string::npos) << r.out;
+
+  // NAME=SPEC replaces NAME's entry in place; NAME=default drops it.
+  ASSERT_EQ(Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "block1.conv1=int8",
+                 "--allreduce-layer-format", "first=default"})
+                .exit_code,
+            0);
+  s = Json(Ctl({"schedule", "get", kJob, "--json"}))["schedule"];
+  ASSERT_EQ(s["allreduce_layers"].size(), 2u) << s.dump();
+  EXPECT_EQ(s["allreduce_layers"][0]["layer"], "block1.conv1");
+  EXPECT_EQ(s["allreduce_layers"][0]["spec"], "int8");
+  EXPECT_EQ(s["allreduce_layers"][1]["layer"], "bn");
+  // The other parts of the schedule are kept.
+  EXPECT_EQ(s["formats"][0]["spec"], "e4m3");
+
+  // Refused before the coordinator writes anything: unknown layer, bad spec, no '='.
+  ExpectError(Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "conv9=fp32"}), 2,
+              "no layer 'conv9'");
+  ExpectError(Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "fc=e9m9"}), 2, "e9m9");
+  ExpectError(Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "fc"}), 2,
+              "expected NAME=SPEC");
+  EXPECT_EQ(Json(Ctl({"schedule", "get", kJob, "--json"}))["schedule"]["version"], 3);
+
+  // none clears them all.
+  ASSERT_EQ(Ctl({"schedule", "set", kJob, "--allreduce-layer-format", "none"}).exit_code, 0);
+  s = Json(Ctl({"schedule", "get", kJob, "--json"}))["schedule"];
+  EXPECT_EQ(s["version"], 4);
+  EXPECT_TRUE(!s.contains("allreduce_layers") || s["allreduce_layers"].empty()) << s.dump();
+}
+
 // ---- watch -----------------------------------------------------------------------------------
 
 TEST_F(CpdctlTest, WatchReceivesReportsPushedWhileItRuns) {
@@ -1231,7 +1278,8 @@ TEST_F(CpdctlTest, HelpDocumentsEveryCommandAndOption) {
       {{"schedule", "get"}, {"--history"}},
       {{"schedule", "set"},
        {"--cyclic-bits", "--cyclic-periods", "--grad-bits", "--static", "--format", "--rounding",
-        "--drop-override", "--keep-fp32", "--hysteresis", "--from-step", "--expect-version"}},
+        "--drop-override", "--keep-fp32", "--hysteresis", "--allreduce-layer-format", "--from-step",
+        "--expect-version"}},
       {{"export"}, {"--csv", "--from", "--to"}},
       {{"plot"}, {"--out", "--from", "--to"}}};
   for (const auto& [cmd, words] : cases) {

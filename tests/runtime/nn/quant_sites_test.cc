@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "cpd/format.h"
@@ -188,6 +189,32 @@ TEST(SiteQuantizerLogScope, ConvolutionsPerChannelOtherLayersPerTensor) {
   }
 }
 
+// --allreduce-layer-format NAME=SPEC: the spec is checked here, the name by the trainer.
+TEST(PrecisionConfig, AllReduceLayerFormatsParseAndRefuseBadInput) {
+  PrecisionConfig c;
+  ASSERT_TRUE(AddAllReduceLayerFormat("first=fp32", &c).ok());
+  ASSERT_TRUE(AddAllReduceLayerFormat("layer1.0.bn1=e4m3:sat", &c).ok());
+  ASSERT_EQ(c.allreduce_layers.size(), 2u);
+  EXPECT_EQ(c.allreduce_layers[1].first, "layer1.0.bn1");
+  for (const char* bad : {"first", "=fp32", "first=", "fc=e9m9"}) {
+    const Status s = AddAllReduceLayerFormat(bad, &c);
+    EXPECT_EQ(s.code(), Status::Code::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("--allreduce-layer-format"), std::string::npos) << s.message();
+  }
+  EXPECT_EQ(c.allreduce_layers.size(), 2u);
+  EXPECT_NE(DescribePrecision(c).find("all-reduce first=fp32,layer1.0.bn1=e4m3"), std::string::npos)
+      << DescribePrecision(c);
+  // A config written before the field existed still reads (no allreduce_layers).
+  PrecisionConfig plain;
+  nlohmann::json j = nlohmann::json::parse(PrecisionConfigToJson(plain));
+  EXPECT_FALSE(j.contains("allreduce_layers"));
+  auto back = PrecisionConfigFromJson(j.dump());
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->allreduce_layers.empty());
+  j["allreduce_layers"] = nlohmann::json::array({nlohmann::json::array({"fc", "e9m9"})});
+  EXPECT_FALSE(PrecisionConfigFromJson(j.dump()).ok());
+}
+
 TEST(PrecisionConfigJson, RoundTripsEveryField) {
   PrecisionConfig c;
   c.global[int(Site::kWeight)] = {"log4", Rounding::kNearest};
@@ -196,6 +223,7 @@ TEST(PrecisionConfigJson, RoundTripsEveryField) {
   c.overrides["conv1"][Site::kWeight] = "fp32";
   c.overrides["layer1.0.conv2"][Site::kWeightGrad] = "int8";
   c.keep_fp32 = {"first", "fc"};
+  c.allreduce_layers = {{"first", "fp32"}, {"bn", "e5m2"}, {"first", "int8"}};
   c.cpt = CyclicPrecision{4, 6, 16, 3000};
   c.grad_bits = 7;
   c.hysteresis = true;
@@ -208,6 +236,7 @@ TEST(PrecisionConfigJson, RoundTripsEveryField) {
   }
   EXPECT_EQ(back->overrides, c.overrides);
   EXPECT_EQ(back->keep_fp32, c.keep_fp32);
+  EXPECT_EQ(back->allreduce_layers, c.allreduce_layers);  // in order, repeats kept
   ASSERT_TRUE(back->cpt.has_value());
   EXPECT_EQ(back->cpt->min_bits, 4);
   EXPECT_EQ(back->cpt->max_bits, 6);

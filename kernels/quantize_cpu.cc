@@ -101,7 +101,7 @@ ElementSpan<kRandom, RoundFn> MakeElementSpan(const RoundFn& round, uint64_t key
 CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, float lo, float hi,
                                 SpanAcc* acc) {
   uint32_t mx = acc->max_bits;
-  uint64_t sat = 0, fl = 0, nf = 0;
+  uint32_t sat = 0, fl = 0, nf = 0;  // a piece has at most 2^32 - 1 elements
   double se = 0.0, si = 0.0;
 #pragma omp simd reduction(max : mx) reduction(+ : sat, fl, nf, se, si)
   for (size_t i = 0; i < n; ++i) {
@@ -141,20 +141,26 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
     }
     return;
   }
-  // Each piece is rounded into scratch first: `out` may alias `in`, and the statistics need
-  // both. The copy out of L1 is cheap next to the rounding.
+  // The statistics need each piece's input and output. Where `out` overlaps `in` (in place) or
+  // is absent, a piece is rounded into scratch first and copied out (a 4 KiB copy per piece,
+  // about a sixth of the time); otherwise straight into `out`, read back from L1.
   constexpr size_t kPiece = 1024;
   float scratch[kPiece];
+  const uintptr_t in_begin = reinterpret_cast<uintptr_t>(in),
+                  out_begin = reinterpret_cast<uintptr_t>(out), bytes = n * sizeof(float);
+  const bool direct =
+      out != nullptr && (out_begin + bytes <= in_begin || in_begin + bytes <= out_begin);
   SpanAcc acc;
   for (size_t s = 0; s < n; s += kPiece) {
     const size_t len = std::min(kPiece, n - s);
+    float* const dst = direct ? out + s : scratch;
     if (codes != nullptr) {
-      span.template Run<true, true>(in + s, scratch, codes + s, len, first + s);
+      span.template Run<true, true>(in + s, dst, codes + s, len, first + s);
     } else {
-      span.template Run<true, false>(in + s, scratch, nullptr, len, first + s);
+      span.template Run<true, false>(in + s, dst, nullptr, len, first + s);
     }
-    AccumulateStats(in + s, scratch, len, lo, hi, &acc);
-    if (out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
+    AccumulateStats(in + s, dst, len, lo, hi, &acc);
+    if (!direct && out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
   }
   acc.MergeInto(stats);
 }

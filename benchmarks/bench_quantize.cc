@@ -1,6 +1,10 @@
 // bench_quantize: CPU quantisation throughput against memcpy of the same buffer, in one run.
 //
 //   bench_quantize [--mib 64] [--reps 15] [--threads 1,2] [--formats e4m3,bf16,...]
+//                  [--lanes auto|avx512|avx2|scalar]
+//
+// --lanes picks the code that rounds stochastically onto float grids (kernels/stochastic_lanes.inc)
+// where the CPU runs it, so that an AVX-512 machine also measures the AVX2 lanes.
 //
 // GB/s counts bytes read + written (8 bytes per element out of place; memcpy likewise). The
 // ratio column divides by memcpy measured with the same thread count in this run. Medians of
@@ -19,6 +23,7 @@
 #include "benchmarks/bench_util.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "kernels/quantize_cpu.h"
 
 namespace {
 
@@ -67,7 +72,22 @@ int main(int argc, char** argv) {
   app.add_option("--stochastic", stochastic_list, "Formats also timed with stochastic rounding")
       ->capture_default_str();
   app.add_flag("!--no-stats", with_stats, "Skip the rows with fused statistics and encoding");
+  std::string lanes = "auto";
+  app.add_option("--lanes", lanes, "Stochastic float-grid lanes: auto | avx512 | avx2 | scalar")
+      ->check(CLI::IsMember({"auto", "avx512", "avx2", "scalar"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  using cpd::kernels::StochasticLaneSet;
+  if (lanes != "auto") {
+    const StochasticLaneSet set = lanes == "avx512" ? StochasticLaneSet::kAvx512
+                                  : lanes == "avx2" ? StochasticLaneSet::kAvx2
+                                                    : StochasticLaneSet::kNone;
+    if (!cpd::kernels::ForceStochasticLanesForTesting(set)) {
+      std::fprintf(stderr, "bench_quantize: --lanes %s: this CPU cannot run them\n", lanes.c_str());
+      return 2;
+    }
+  }
+  const char* const lane_names[] = {"scalar", "avx2", "avx512"};
 
   cpd::bench::WarnIfUnoptimised();
 
@@ -82,8 +102,10 @@ int main(int argc, char** argv) {
   ParallelMemcpy(out_ptr, in.data(), n, 1);  // touch every page of `out`
 
   const double bytes = 2.0 * n * sizeof(float);
-  std::printf("# bench_quantize: %zu float32 (%.0f MiB), out of place, median of %d\n", n, mib,
-              reps);
+  std::printf(
+      "# bench_quantize: %zu float32 (%.0f MiB), out of place, median of %d, "
+      "stochastic float-grid lanes: %s\n",
+      n, mib, reps, lane_names[int(cpd::kernels::ActiveStochasticLanes())]);
   std::printf("%-16s %-11s %-9s %7s %10s %9s %8s\n", "format", "rounding", "mode", "threads",
               "time(ms)", "GB/s", "x_memcpy");
 

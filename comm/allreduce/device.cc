@@ -100,6 +100,14 @@ class DeviceReducer final : public GradientAllReducer {
   Status ReduceBucketCodes(std::size_t index, float* const* inputs, float* output,
                            std::int64_t step);
   Status SumOwnChunk(const BucketPlan& b, std::size_t slot, std::int64_t step);
+  // The W contributions to this rank's chunk after the all-to-all: worker w's at w * slot.
+  ContributionCodes ReceivedContributions(std::size_t slot) {
+    ContributionCodes in;
+    in.codes = d_recv_.data();
+    in.stride = slot;
+    in.workers = setup_.workers;
+    return in;
+  }
   // aps_sum: PackedCodes::SumShiftAndRequantizeOwnChunk, the float32 sums (SumCodesCuda), the
   // shifts t, the rounding of sum * 2^t (EncodeContributionCuda over the segments).
   Status SumShiftRequantize(std::size_t index, std::size_t slot, std::int64_t step);
@@ -491,10 +499,7 @@ Status DeviceReducer::SumShiftRequantize(std::size_t index, std::size_t slot, st
   const BucketPlan& b = plan_.buckets()[index];
   const int rank = setup_.rank, workers = setup_.workers;
   const std::size_t c0 = b.chunk_begin(rank), n = b.chunk_end(rank) - c0;
-  ContributionCodes in;
-  in.codes = d_recv_.data();
-  in.stride = slot;
-  in.workers = workers;
+  const ContributionCodes in = ReceivedContributions(slot);
   const kernels::FloatGrid& g = setup_.format.grid();
   CPD_RETURN_IF_ERROR(SumCodesCuda(in, n, g, d_sum_.data(), stream_));
   CPD_RETURN_IF_ERROR(PickSumShifts(b, slot));
@@ -589,10 +594,7 @@ Status DeviceReducer::ResultShifts(const BucketPlan& b, std::size_t slot_bytes,
 Status DeviceReducer::SumOwnChunk(const BucketPlan& b, std::size_t slot, std::int64_t step) {
   const int rank = setup_.rank, workers = setup_.workers;
   const std::size_t c0 = b.chunk_begin(rank), n = b.chunk_end(rank) - c0;
-  ContributionCodes in;
-  in.codes = d_recv_.data();
-  in.stride = slot;
-  in.workers = workers;
+  const ContributionCodes in = ReceivedContributions(slot);
   const kernels::FloatGrid& g = setup_.format.grid();
   if (setup_.options.algo == AllReduceAlgo::kPacked) {
     return SumRequantizeCodesCuda(

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpd/quantize.h"
+#include "kernels/quantize_cpu.h"
 
 // Multi-versioned like kernels/quantize_cpu.cc: the loader picks AVX-512, AVX2 or baseline.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -140,24 +141,32 @@ CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
   const std::uint32_t mag_mask = (1u << (g.ebits + g.mbits)) - 1u;
   // 32-bit lane counters vectorise better than 64-bit ones; flushed into `stats` every 2^16.
   constexpr std::size_t kBlock = std::size_t(1) << 16;
+  // Stochastic rounding's random bits come an L1-sized piece at a time from FillRandomBits
+  // (two elements per hash, vectorised) rather than one RandomBits call per element.
+  constexpr std::size_t kPiece = kMode == kernels::RoundMode::kStochastic ? 1024 : kBlock;
+  std::uint32_t rnd[kMode == kernels::RoundMode::kStochastic ? kPiece : 1] = {};
   for (std::size_t s = 0; s < n; s += kBlock) {
     const std::size_t e = std::min(n, s + kBlock);
     std::uint32_t fl = 0, sat = 0;
-    for (std::size_t i = s; i < e; ++i) {
-      const float y = x[i] * scale;
-      const std::uint32_t rnd = kMode == kernels::RoundMode::kStochastic
-                                    ? kernels::RandomBits(p.rng_key, p.index_base + i)
-                                    : 0u;
-      std::uint32_t code;
-      if constexpr (kFinite && kMode == kernels::RoundMode::kNearestEven) {
-        code = NearestCodeFinite(y, g, nc);
-      } else {
-        kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr);
+    for (std::size_t ps = s; ps < e; ps += kPiece) {
+      const std::size_t pe = std::min(e, ps + kPiece);
+      if constexpr (kMode == kernels::RoundMode::kStochastic) {
+        kernels::FillRandomBits(p.rng_key, p.index_base + ps, pe - ps, rnd);
       }
-      codes[i] = Code(code);
-      if (kStats) {
-        fl += (Bits(x[i]) & 0x7fffffffu) != 0 && (code & mag_mask) == 0;
-        sat += (Bits(y) & 0x7fffffffu) > g.max_bits;
+      for (std::size_t i = ps; i < pe; ++i) {
+        const float y = x[i] * scale;
+        const std::uint32_t r = kMode == kernels::RoundMode::kStochastic ? rnd[i - ps] : 0u;
+        std::uint32_t code;
+        if constexpr (kFinite && kMode == kernels::RoundMode::kNearestEven) {
+          code = NearestCodeFinite(y, g, nc);
+        } else {
+          kernels::RoundToFloatGrid<kMode>(y, g, r, &code, nullptr);
+        }
+        codes[i] = Code(code);
+        if (kStats) {
+          fl += (Bits(x[i]) & 0x7fffffffu) != 0 && (code & mag_mask) == 0;
+          sat += (Bits(y) & 0x7fffffffu) > g.max_bits;
+        }
       }
     }
     if (kStats) {

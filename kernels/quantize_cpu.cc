@@ -165,11 +165,12 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
   acc.MergeInto(stats);
 }
 
-// ---- Stochastic rounding onto a float grid, 16 lanes at a time --------------------------------
-// kernels/stochastic_lanes.inc restates RoundToFloatGrid<kStochastic> and RandomBits on GCC
-// vector extensions. Vector-extension code must be compiled for its instruction set from the
-// start (target_clones would lower it to scalar code first), so the file is included once per
-// instruction set under `#pragma GCC target`, and the span picks one by the CPU it runs on.
+// ---- Stochastic rounding, 16 lanes at a time ------------------------------------------------
+// kernels/stochastic_lanes.inc restates RoundToFloatGrid / RoundToLinearGrid<kStochastic> and
+// RandomBits on GCC vector extensions. Vector-extension code must be compiled for its
+// instruction set from the start (target_clones would lower it to scalar code first), so the
+// file is included once per instruction set under `#pragma GCC target`, and the spans pick one
+// by the CPU they run on.
 
 // The grid's constants as RoundToFloatGrid derives them.
 struct StochasticGridConsts {
@@ -199,9 +200,14 @@ struct StochasticGridConsts {
         normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))) {}
 };
 
-using StochasticLanesFn = void (*)(const float* in, float* out, uint32_t* codes, size_t n,
-                                   const StochasticGridConsts& c, float down, float up,
-                                   uint64_t key, uint64_t first);
+// The entry points of one instruction set's lanes (out and codes may each be null).
+struct StochasticLanes {
+  void (*float_grid)(const float* in, float* out, uint32_t* codes, size_t n,
+                     const StochasticGridConsts& c, float down, float up, uint64_t key,
+                     uint64_t first);
+  void (*linear_grid)(const float* in, float* out, uint32_t* codes, size_t n, const LinearGrid& g,
+                      uint64_t key, uint64_t first);
+};
 
 }  // namespace
 
@@ -223,17 +229,18 @@ namespace avx2 {
 
 namespace {
 
-StochasticLanesFn LanesFunction(StochasticLaneSet set) {
-  switch (set) {
+// The lanes of `set`, or null for the scalar loops.
+const StochasticLanes* LanesOf(StochasticLaneSet set) {
 #ifdef CPD_HAVE_STOCHASTIC_LANES
-    case StochasticLaneSet::kAvx512:
-      return &avx512::StochasticFloatGridLanes;
-    case StochasticLaneSet::kAvx2:
-      return &avx2::StochasticFloatGridLanes;
+  static constexpr StochasticLanes kAvx512{&avx512::StochasticFloatGridLanes,
+                                           &avx512::StochasticLinearGridLanes};
+  static constexpr StochasticLanes kAvx2{&avx2::StochasticFloatGridLanes,
+                                         &avx2::StochasticLinearGridLanes};
+  if (set == StochasticLaneSet::kAvx512) return &kAvx512;
+  if (set == StochasticLaneSet::kAvx2) return &kAvx2;
 #endif
-    default:
-      return nullptr;
-  }
+  (void)set;
+  return nullptr;
 }
 
 bool CpuRuns(StochasticLaneSet set) {
@@ -259,9 +266,13 @@ std::atomic<StochasticLaneSet>& LaneSetInUse() {
   return set;
 }
 
-// Span rounder (see ElementSpan) for stochastic rounding onto a float grid with the lanes.
-struct StochasticLanesSpan {
-  StochasticLanesFn lanes;
+const StochasticLanes* LanesInUse() {
+  return LanesOf(LaneSetInUse().load(std::memory_order_relaxed));
+}
+
+// Span rounders (see ElementSpan) for stochastic rounding with the lanes.
+struct FloatGridLanesSpan {
+  const StochasticLanes* lanes;
   StochasticGridConsts consts;
   float down, up;
   uint64_t key;
@@ -269,7 +280,20 @@ struct StochasticLanesSpan {
   template <bool kOut, bool kCodes>
   CPD_INLINE void Run(const float* in, float* out, uint32_t* codes, size_t n,
                       uint64_t first) const {
-    lanes(in, kOut ? out : nullptr, kCodes ? codes : nullptr, n, consts, down, up, key, first);
+    lanes->float_grid(in, kOut ? out : nullptr, kCodes ? codes : nullptr, n, consts, down, up, key,
+                      first);
+  }
+};
+
+struct LinearGridLanesSpan {
+  const StochasticLanes* lanes;
+  LinearGrid grid;
+  uint64_t key;
+
+  template <bool kOut, bool kCodes>
+  CPD_INLINE void Run(const float* in, float* out, uint32_t* codes, size_t n,
+                      uint64_t first) const {
+    lanes->linear_grid(in, kOut ? out : nullptr, kCodes ? codes : nullptr, n, grid, key, first);
   }
 };
 
@@ -281,9 +305,8 @@ CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, 
   const float down = Pow2(-shift), up = Pow2(shift);
   const float hi = BitsFloat(g.max_bits) * up;
   if constexpr (kMode == RoundMode::kStochastic) {
-    if (const StochasticLanesFn lanes =
-            LanesFunction(LaneSetInUse().load(std::memory_order_relaxed))) {
-      const StochasticLanesSpan span{lanes, StochasticGridConsts(g), down, up, p.rng_key};
+    if (const StochasticLanes* lanes = LanesInUse()) {
+      const FloatGridLanesSpan span{lanes, StochasticGridConsts(g), down, up, p.rng_key};
       DispatchOutputs(span, in, out, codes, n, p.index_base, -hi, hi, stats);
       return;
     }
@@ -318,6 +341,14 @@ CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes,
                                    const LinearGrid& grid, const LoopParams& p,
                                    ElementStats* stats) {
   const LinearGrid g = grid;
+  const float lo = LinearValue(g.qmin, g), hi = LinearValue(g.qmax, g);
+  if constexpr (kMode == RoundMode::kStochastic) {
+    if (const StochasticLanes* lanes = LanesInUse()) {
+      const LinearGridLanesSpan span{lanes, g, p.rng_key};
+      DispatchOutputs(span, in, out, codes, n, p.index_base, lo, hi, stats);
+      return;
+    }
+  }
   auto round = [&g](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     int32_t q;
     Rounded r;
@@ -326,7 +357,7 @@ CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes,
     return r;
   };
   DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
-                  codes, n, p.index_base, LinearValue(g.qmin, g), LinearValue(g.qmax, g), stats);
+                  codes, n, p.index_base, lo, hi, stats);
 }
 
 CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {

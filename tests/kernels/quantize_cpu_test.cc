@@ -91,7 +91,7 @@ std::vector<float> Inputs(const FloatGrid& g, int shift, size_t n, uint64_t seed
   return x;
 }
 
-class StochasticFloatGrid : public ::testing::TestWithParam<StochasticLaneSet> {
+class StochasticLanesTest : public ::testing::TestWithParam<StochasticLaneSet> {
  protected:
   void SetUp() override {
     saved_ = ActiveStochasticLanes();
@@ -101,7 +101,7 @@ class StochasticFloatGrid : public ::testing::TestWithParam<StochasticLaneSet> {
   StochasticLaneSet saved_ = StochasticLaneSet::kNone;
 };
 
-TEST_P(StochasticFloatGrid, MatchesTheScalarFunctionBitForBit) {
+TEST_P(StochasticLanesTest, MatchesTheScalarFunctionBitForBit) {
   uint64_t seed = 1;
   for (const GridCase& gc : kGrids) {
     const FloatGrid g = MakeFloatGrid(gc.ebits, gc.mbits, gc.bias, gc.style, gc.subnormals,
@@ -142,7 +142,7 @@ TEST_P(StochasticFloatGrid, MatchesTheScalarFunctionBitForBit) {
 }
 
 // Statistics of the lanes equal those of the scalar loop (the same pass runs after both).
-TEST_P(StochasticFloatGrid, StatisticsMatchTheScalarLoop) {
+TEST_P(StochasticLanesTest, StatisticsMatchTheScalarLoop) {
   const FloatGrid g = MakeFloatGrid(4, 3, 7, NonFiniteStyle::kNanOnly, true, false);
   const std::vector<float> in = Inputs(g, 0, 5000, 3);
   LoopParams p;
@@ -163,7 +163,43 @@ TEST_P(StochasticFloatGrid, StatisticsMatchTheScalarLoop) {
   EXPECT_GT(lanes.flushed, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(LaneSets, StochasticFloatGrid,
+// The same for linear grids (int<b>, uint<b>:minmax, a constant tensor), inputs beyond the range,
+// non-finite ones included, with statistics.
+TEST_P(StochasticLanesTest, LinearGridsMatchTheScalarFunctionBitForBit) {
+  const LinearGrid grids[] = {SymmetricIntGrid(3.5f, 127), SymmetricIntGrid(1e-30f, 7),
+                              MinMaxGrid(-0.75f, 2.0f, 15), MinMaxGrid(-1e30f, 3e30f, 255),
+                              MinMaxGrid(0.5f, 0.5f, 15)};
+  uint64_t seed = 100;
+  for (const LinearGrid& g : grids) {
+    for (size_t n : {size_t(1), size_t(16), size_t(41), size_t(3000)}) {
+      for (uint64_t base : {uint64_t(0), uint64_t(7)}) {
+        std::mt19937_64 rng(++seed);
+        std::vector<float> in(n);
+        const float specials[] = {NAN, INFINITY, -INFINITY, 0.0f, -4.0f, 1e35f, 0.5f};
+        std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+        for (size_t i = 0; i < n; ++i) in[i] = rng() % 9 == 0 ? specials[rng() % 7] : u(rng);
+        LoopParams p;
+        p.mode = RoundMode::kStochastic;
+        p.rng_key = MakeRandomKey(seed, 2);
+        p.index_base = base;
+        std::vector<float> out(n);
+        std::vector<uint32_t> codes(n);
+        ElementStats st;
+        QuantizeLinearGrid(in.data(), out.data(), codes.data(), n, g, p, &st);
+        for (size_t i = 0; i < n; ++i) {
+          int32_t q;
+          const float want = RoundToLinearGrid<RoundMode::kStochastic>(
+              in[i], g, RandomBits(p.rng_key, base + i), &q, nullptr);
+          ASSERT_EQ(FloatBits(out[i]), FloatBits(want))
+              << "scale " << g.scale << " n " << n << " i " << i << " x " << in[i];
+          ASSERT_EQ(codes[i], uint32_t(q - g.qmin)) << "i " << i;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(LaneSets, StochasticLanesTest,
                          ::testing::Values(StochasticLaneSet::kNone, StochasticLaneSet::kAvx2,
                                            StochasticLaneSet::kAvx512),
                          [](const auto& info) {

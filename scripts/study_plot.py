@@ -84,7 +84,13 @@ def finish(fig, subplots, axis, values, title, legend_limit=24):
         if axis:
             ax.set_title(f"{axis}={v}", fontsize=9)
     fig.suptitle(title)
-    handles, labels = subplots[0].get_legend_handles_labels()
+    # Every panel's lines: a panel need not have them all (fp32 runs without APS scalings).
+    handles, labels = [], []
+    for ax in subplots:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in labels:
+                handles.append(h)
+                labels.append(l)
     if 0 < len(handles) <= legend_limit:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(handles)), fontsize=7,
                    bbox_to_anchor=(0.5, -0.02 - 0.035 * math.ceil(len(handles) / 4)))

@@ -165,7 +165,7 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
   acc.MergeInto(stats);
 }
 
-// ---- Stochastic rounding, 16 lanes at a time ------------------------------------------------
+// ---- Stochastic rounding, a vector register at a time -----------------------------------------
 // kernels/stochastic_lanes.inc restates RoundToFloatGrid / RoundToLinearGrid<kStochastic> and
 // RandomBits on GCC vector extensions. Vector-extension code must be compiled for its
 // instruction set from the start (target_clones would lower it to scalar code first), so the
@@ -216,13 +216,17 @@ struct StochasticLanes {
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v4")
 namespace avx512 {
+#define CPD_LANE_BYTES 64
 #include "kernels/stochastic_lanes.inc"
+#undef CPD_LANE_BYTES
 }  // namespace avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64-v3")
 namespace avx2 {
+#define CPD_LANE_BYTES 32
 #include "kernels/stochastic_lanes.inc"
+#undef CPD_LANE_BYTES
 }  // namespace avx2
 #pragma GCC pop_options
 #endif

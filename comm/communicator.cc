@@ -30,7 +30,53 @@ Status CheckRoot(int root, const char* what) {
   return Status::Ok();
 }
 
+// Nothing left to move.
+class CompletedExchange final : public Communicator::PendingExchange {
+ public:
+  Status Test(bool* done) override {
+    *done = true;
+    return Status::Ok();
+  }
+  Status Wait() override { return Status::Ok(); }
+};
+
 }  // namespace
+
+Result<std::unique_ptr<Communicator::PendingExchange>> Communicator::StartExchangeBytes(
+    std::span<const SendBlock>, std::span<const RecvBlock>) {
+  return Status::Unavailable(
+      "StartExchangeBytes: this communicator's backend has no nonblocking exchange");
+}
+
+Status CheckExchangeBlocks(std::span<const Communicator::SendBlock> send,
+                           std::span<const Communicator::RecvBlock> recv, int size, int rank) {
+  const std::string where = "StartExchangeBytes on rank " + std::to_string(rank) + ": ";
+  if (send.size() != std::size_t(size) || recv.size() != std::size_t(size)) {
+    return Status::InvalidArgument(where + std::to_string(send.size()) + " send and " +
+                                   std::to_string(recv.size()) + " receive blocks for " +
+                                   std::to_string(size) + " ranks");
+  }
+  for (int d = 0; d < size; ++d) {
+    const auto& s = send[std::size_t(d)];
+    const auto& r = recv[std::size_t(d)];
+    if ((s.bytes > 0 && s.data == nullptr) || (r.bytes > 0 && r.data == nullptr)) {
+      return Status::InvalidArgument(where + "null buffer for rank " + std::to_string(d));
+    }
+  }
+  if (send[std::size_t(rank)].bytes != recv[std::size_t(rank)].bytes) {
+    return Status::InvalidArgument(where + "the block to itself is " +
+                                   std::to_string(send[std::size_t(rank)].bytes) + " bytes but " +
+                                   std::to_string(recv[std::size_t(rank)].bytes) + " are expected");
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Communicator::PendingExchange>> SelfCommunicator::StartExchangeBytes(
+    std::span<const SendBlock> send, std::span<const RecvBlock> recv) {
+  CPD_RETURN_IF_ERROR(CheckExchangeBlocks(send, recv, 1, 0));
+  if (send[0].bytes > 0) std::copy_n(send[0].data, send[0].bytes, recv[0].data);
+  return std::unique_ptr<PendingExchange>(new CompletedExchange());
+}
 
 Status SelfCommunicator::AllReduce(float* data, std::size_t count, ReduceOp) {
   return CheckBuffers(data, data, count, "AllReduce");

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "cpd/status.h"
 
@@ -79,12 +80,48 @@ class Communicator {
 
   // Returns once every rank has entered Barrier.
   virtual Status Barrier() = 0;
+
+  // ---- Nonblocking exchange, for pipelined algorithms ----
+  // A byte block of one peer: what is sent to it, or where what it sends is received.
+  struct SendBlock {
+    const std::uint8_t* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  struct RecvBlock {
+    std::uint8_t* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  // An exchange in flight. The MPI backend moves bytes only inside its calls: a caller that
+  // computes meanwhile calls Test now and then, which never blocks.
+  class PendingExchange {
+   public:
+    virtual ~PendingExchange() = default;
+    // *done = true once the exchange is complete (then Test and Wait return at once).
+    virtual Status Test(bool* done) = 0;
+    virtual Status Wait() = 0;
+  };
+  // Starts a personalised exchange and returns without waiting: this rank sends send[d] to every
+  // rank d and receives rank q's block into recv[q] (send[rank()] goes to recv[rank()] by copy).
+  // An all-to-all with blocks of any size; with one block sent to every rank, an all-gather.
+  // Both spans hold size() blocks; recv[q].bytes on rank r must equal send[r].bytes on rank q.
+  // Exchanges complete in any order but must be started in the same order on every rank; the
+  // buffers stay valid, the sent ones unmodified and the received ones unread, until the
+  // exchange completes (Wait, or Test says done); destroying an incomplete one waits for it.
+  // Blocking collectives may be called while exchanges are in flight. InvalidArgument for spans
+  // of the wrong size, null data with bytes > 0 or blocks beyond the backend's message limit;
+  // Unavailable where the backend has no nonblocking exchange (NCCL).
+  virtual Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
+      std::span<const SendBlock> send, std::span<const RecvBlock> recv);
 };
 
 // This process's rank among the ranks on its node, from the launcher's environment (Open MPI's
 // OMPI_COMM_WORLD_LOCAL_RANK, Slurm's SLURM_LOCALID, MPICH's MPI_LOCALRANKID), or -1 when no
 // launcher says. Used to give each rank of a node its own GPU.
 int LocalRankFromEnv();
+
+// What every StartExchangeBytes checks (its InvalidArgument cases but the backend's limit).
+Status CheckExchangeBlocks(std::span<const Communicator::SendBlock> send,
+                           std::span<const Communicator::RecvBlock> recv, int size, int rank);
 
 // World size 1: reductions and broadcasts are no-ops, gathers and scatters are copies. Useful for
 // single-process training and as a reference.
@@ -105,6 +142,9 @@ class SelfCommunicator final : public Communicator {
                         std::size_t block_bytes) override;
   Status BroadcastBytes(std::uint8_t* data, std::size_t count, int root) override;
   Status Barrier() override { return Status::Ok(); }
+  // Copies the one block and returns a completed exchange.
+  Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
+      std::span<const SendBlock> send, std::span<const RecvBlock> recv) override;
 };
 
 }  // namespace cpd::comm

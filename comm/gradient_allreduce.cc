@@ -195,6 +195,11 @@ Status GradientAllReduceOptions::Validate() const {
     return Status::InvalidArgument("threads must be >= 0 (0 = all cores), got " +
                                    std::to_string(threads));
   }
+  if (pipeline_kb < 0) {
+    return Status::InvalidArgument(
+        "pipeline_kb must be >= 0 (KiB of codes per round; 0 = sequential), got " +
+        std::to_string(pipeline_kb));
+  }
   if (kahan && algo != AllReduceAlgo::kEmulate) {
     return Status::InvalidArgument(std::string("kahan summation applies to all-reduce emulate "
                                                "only, not ") +

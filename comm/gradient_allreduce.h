@@ -71,10 +71,19 @@
 //   stream, drawn from opts.seed, the step and each element's index in the flat buffer, so the
 //   results depend neither on threads nor on the split into pieces. comm/allreduce/internal.h
 //   numbers the streams.
+// - Pipelining (pipeline_kb > 0, host gradients, fixed float grids of <= 16 bits, P > 1): a
+//   bucket's stages run over rounds, each round a slice of every chunk of about pipeline_kb KiB
+//   of codes per contribution; round j's contributions are quantised while round j - 1's are on
+//   the wire, and summed as they arrive, and the all-gather of one round overlaps the decoding of
+//   the previous one, over the communicator's nonblocking exchange. Each element meets the same
+//   arithmetic in the same order, so the results are the same bits as the sequential schedule
+//   (pipeline_kb = 0: one blocking all-to-all and one all-gather per bucket).
 // - last_stats().rel_error compares with a float32 reduce-scatter of the same inputs.
 // - last_bytes_sent() counts what a bandwidth-optimal implementation of each payload collective
 //   sends from this rank: all-to-all (P-1) blocks, all-gather (P-1) blocks, all-reduce
-//   2(P-1)/P of the buffer. The per-step max/statistics collectives (O(layers)) are not counted.
+//   2(P-1)/P of the buffer (pipelined: the bytes of every round, without the padding of
+//   blocks to a cache line). The per-step max/statistics collectives (O(layers)) are not
+//   counted.
 //
 // Gradients in device memory (options.gradients = kDevice, CUDA builds; comm/allreduce/device.h):
 // the same plan, streams, statistics and bytes sent, with the element loops as CUDA kernels
@@ -121,8 +130,8 @@ bool UsesApsSumScaling(const GradientAllReduceOptions& o);
 
 // Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
 // is accepted, for: a format that does not parse (emulate and packed only), bucket_mb <= 0 or not
-// finite, threads < 0, kahan with an algorithm other than emulate, aps_scaling kSum with emulate,
-// layer_formats with the fp32 algorithm or with a spec that does not parse.
+// finite, threads < 0, pipeline_kb < 0, kahan with an algorithm other than emulate, aps_scaling
+// kSum with emulate, layer_formats with the fp32 algorithm or with a spec that does not parse.
 struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)
@@ -136,6 +145,9 @@ struct GradientAllReduceOptions {
   double bucket_mb = 25;  // > 0
   uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)
   int threads = 0;        // quantisation threads; 0 = all cores
+  // KiB of codes per contribution per round of the pipelined schedule (see "Pipelining" above);
+  // 0 = the sequential schedule.
+  int pipeline_kb = 256;
   // Where Reduce()'s inputs and output live. kDevice (CUDA builds only): device pointers of the
   // current CUDA device; the plan, the rounding streams and the bits of the result are the host
   // path's, see "Gradients in device memory" above.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <vector>
 
 namespace cpd::comm {
 namespace {
@@ -184,6 +185,77 @@ Status MpiCommunicator::BroadcastBytes(std::uint8_t* data, std::size_t count, in
 Status MpiCommunicator::Barrier() {
   CPD_MPI_CHECK(rank_, MPI_Barrier(comm_));
   return Status::Ok();
+}
+
+namespace {
+
+// The point-to-point messages of StartExchangeBytes on the duplicated communicator, which carries
+// no other point-to-point traffic: messages between two ranks match in the order they were
+// posted, so exchanges started in the same order on every rank pair up.
+constexpr int kExchangeTag = 0x4350;
+
+class MpiPendingExchange final : public Communicator::PendingExchange {
+ public:
+  explicit MpiPendingExchange(int rank) : rank_(rank) {}
+  ~MpiPendingExchange() override {
+    if (!requests_.empty()) (void)Wait();
+  }
+
+  std::vector<MPI_Request>& requests() { return requests_; }
+
+  Status Test(bool* done) override {
+    int flag = 1;
+    if (!requests_.empty()) {
+      CPD_MPI_CHECK(
+          rank_, MPI_Testall(int(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+    }
+    if (flag) requests_.clear();
+    *done = flag != 0;
+    return Status::Ok();
+  }
+  Status Wait() override {
+    if (requests_.empty()) return Status::Ok();
+    const int err = MPI_Waitall(int(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+    requests_.clear();
+    if (err != MPI_SUCCESS) return MpiError("MPI_Waitall", err, rank_, __FILE__, __LINE__);
+    return Status::Ok();
+  }
+
+ private:
+  int rank_;
+  std::vector<MPI_Request> requests_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator::PendingExchange>> MpiCommunicator::StartExchangeBytes(
+    std::span<const SendBlock> send, std::span<const RecvBlock> recv) {
+  CPD_RETURN_IF_ERROR(CheckExchangeBlocks(send, recv, size_, rank_));
+  for (int d = 0; d < size_; ++d) {
+    CPD_RETURN_IF_ERROR(CheckCount(send[std::size_t(d)].bytes, "StartExchangeBytes", rank_));
+    CPD_RETURN_IF_ERROR(CheckCount(recv[std::size_t(d)].bytes, "StartExchangeBytes", rank_));
+  }
+  auto pending = std::make_unique<MpiPendingExchange>(rank_);
+  std::vector<MPI_Request>& requests = pending->requests();
+  requests.reserve(2 * std::size_t(size_));
+  // Receives first, so that the peers' sends find them posted.
+  for (int q = 0; q < size_; ++q) {
+    const RecvBlock& r = recv[std::size_t(q)];
+    if (q == rank_ || r.bytes == 0) continue;
+    requests.emplace_back();
+    CPD_MPI_CHECK(
+        rank_, MPI_Irecv(r.data, int(r.bytes), MPI_BYTE, q, kExchangeTag, comm_, &requests.back()));
+  }
+  for (int d = 0; d < size_; ++d) {
+    const SendBlock& b = send[std::size_t(d)];
+    if (d == rank_ || b.bytes == 0) continue;
+    requests.emplace_back();
+    CPD_MPI_CHECK(
+        rank_, MPI_Isend(b.data, int(b.bytes), MPI_BYTE, d, kExchangeTag, comm_, &requests.back()));
+  }
+  const SendBlock& self = send[std::size_t(rank_)];
+  if (self.bytes > 0) std::copy_n(self.data, self.bytes, recv[std::size_t(rank_)].data);
+  return std::unique_ptr<PendingExchange>(std::move(pending));
 }
 
 #undef CPD_MPI_CHECK

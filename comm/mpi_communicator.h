@@ -50,6 +50,9 @@ class MpiCommunicator final : public Communicator {
                         std::size_t block_bytes) override;
   Status BroadcastBytes(std::uint8_t* data, std::size_t count, int root) override;
   Status Barrier() override;
+  // Point-to-point MPI_Irecv / MPI_Isend of every block; Test is MPI_Testall.
+  Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
+      std::span<const SendBlock> send, std::span<const RecvBlock> recv) override;
 
   // The duplicated communicator, for code that needs to call MPI directly.
   MPI_Comm mpi_comm() const { return comm_; }

@@ -27,26 +27,24 @@ class EmulateCodes final : public BucketAlgorithm {
  protected:
   Status ReduceBucket(std::size_t, const BucketPlan& b, float* const* inputs, float* output,
                       std::int64_t step) override {
-    codes_->EncodeContributions(b, inputs, step);
-    CPD_RETURN_IF_ERROR(codes_->ExchangeContributions(b));
-    SumOwnChunk(b, step);
-    CPD_RETURN_IF_ERROR(codes_->GatherResults(b));
-    codes_->DecodeResults(b, output);
-    return Status::Ok();
+    CodeTransport::OwnChunk own;
+    own.sum = [&](std::span<const Piece> pieces) { SumPieces(b, pieces, step); };
+    return codes_->ReduceBucket(b, inputs, output, step, own);
   }
 
  private:
   static constexpr std::size_t kScratchPerThread = 6;
 
-  // This rank's chunk: the W contributions in worker order, the sum encoded for the all-gather.
-  void SumOwnChunk(const BucketPlan& b, std::int64_t step) {
-    const std::span<const Piece> own = b.pieces_of(setup_.rank);
+  // Pieces of this rank's chunk: the W contributions in worker order, the sum encoded for the
+  // all-gather.
+  void SumPieces(const BucketPlan& b, std::span<const Piece> pieces, std::int64_t step) {
     const int threads = setup_.threads;
-    const long n = long(own.size());
+    const long n = long(pieces.size());
     const std::size_t per_thread = setup_.options.kahan ? kScratchPerThread : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
     for (long i = 0; i < n; ++i) {
-      const Piece& pc = own[std::size_t(i)];
+      codes_->KeepExchangesMoving(i);
+      const Piece& pc = pieces[std::size_t(i)];
       float* scratch = &thread_floats_[std::size_t(omp_get_thread_num()) * per_thread * kPiece];
       const float* sum = setup_.options.kahan ? SumPieceKahan(b, pc, step, scratch)
                                               : SumPieceRounded(b, pc, step, scratch);

@@ -38,54 +38,57 @@ class PackedCodes final : public BucketAlgorithm {
  protected:
   Status ReduceBucket(std::size_t, const BucketPlan& b, float* const* inputs, float* output,
                       std::int64_t step) override {
-    codes_->EncodeContributions(b, inputs, step);
-    CPD_RETURN_IF_ERROR(codes_->ExchangeContributions(b));
-    SumAndRequantizeOwnChunk(b, step);
-    CPD_RETURN_IF_ERROR(codes_->GatherResults(b));
-    codes_->DecodeResults(b, output);
-    return Status::Ok();
+    CodeTransport::OwnChunk own;
+    if (!setup_.aps_sum) {
+      own.sum = [&](std::span<const Piece> pieces) { SumAndRequantize(b, pieces, step); };
+    } else {
+      std::fill(thread_max_.begin(), thread_max_.end(), 0u);
+      own.sum = [&](std::span<const Piece> pieces) { SumAndFindMaxima(b, pieces); };
+      own.finish = [&] { SetSumShifts(b); };
+      own.encode = [&](std::span<const Piece> pieces) { RequantizeSums(b, pieces, step); };
+    }
+    return codes_->ReduceBucket(b, inputs, output, step, own);
   }
 
  private:
-  // This rank's chunk: the W contributions decoded and summed in float32, then one rounding of
-  // the sum to the format, packed for the all-gather.
-  void SumAndRequantizeOwnChunk(const BucketPlan& b, std::int64_t step) {
-    if (setup_.aps_sum) return SumShiftAndRequantizeOwnChunk(b, step);
-    const std::span<const Piece> own = b.pieces_of(setup_.rank);
+  // The W contributions of each piece decoded and summed in float32 (into sum).
+  void SumPiece(const BucketPlan& b, const Piece& pc, float* sum) const {
     const CodeDecoder& dec = codes_->decoder();
+    DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, sum);
+    for (int w = 1; w < setup_.workers; ++w) {
+      DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, sum);
+    }
+  }
+
+  // Pieces of this rank's chunk: the sums, then one rounding of each to the format, packed for
+  // the all-gather.
+  void SumAndRequantize(const BucketPlan& b, std::span<const Piece> pieces, std::int64_t step) {
     const int threads = setup_.threads;
-    const long n = long(own.size());
+    const long n = long(pieces.size());
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
     for (long i = 0; i < n; ++i) {
-      const Piece& pc = own[std::size_t(i)];
+      codes_->KeepExchangesMoving(i);
+      const Piece& pc = pieces[std::size_t(i)];
       float* sum = &thread_sums_[std::size_t(omp_get_thread_num()) * kPiece];
-      DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, sum);
-      for (int w = 1; w < setup_.workers; ++w) {
-        DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, sum);
-      }
+      SumPiece(b, pc, sum);
       codes_->EncodeResult(sum, b, pc, setup_.round_mode, RequantizeStage(setup_.workers), step);
     }
   }
 
-  // aps_sum: the whole chunk's float32 sums first, with each segment's max|sum| (its shift t
-  // needs it), then the rounding of sum * 2^t.
-  void SumShiftAndRequantizeOwnChunk(const BucketPlan& b, std::int64_t step) {
+  // aps_sum: the chunk's float32 sums are kept, with each segment's max|sum| (its shift t needs
+  // the whole segment), and rounded once t is known (RequantizeSums).
+  void SumAndFindMaxima(const BucketPlan& b, std::span<const Piece> pieces) {
     const int rank = setup_.rank;
-    const std::span<const Piece> own = b.pieces_of(rank);
-    const CodeDecoder& dec = codes_->decoder();
     const std::size_t c0 = b.chunk_begin(rank), seg0 = b.seg_start[std::size_t(rank)];
     const std::size_t segments = b.segments_of(rank).size();
     const int threads = setup_.threads;
-    const long n = long(own.size());
-    std::fill(thread_max_.begin(), thread_max_.end(), 0u);
+    const long n = long(pieces.size());
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
     for (long i = 0; i < n; ++i) {
-      const Piece& pc = own[std::size_t(i)];
+      codes_->KeepExchangesMoving(i);
+      const Piece& pc = pieces[std::size_t(i)];
       float* sum = chunk_sums_.data() + (pc.begin - c0);
-      DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, sum);
-      for (int w = 1; w < setup_.workers; ++w) {
-        DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, sum);
-      }
+      SumPiece(b, pc, sum);
       std::uint32_t* max_bits = &thread_max_[std::size_t(omp_get_thread_num()) * segments];
       for (std::size_t si = pc.first_segment;
            si < b.segments.size() && b.segments[si].begin < pc.end; ++si) {
@@ -95,16 +98,32 @@ class PackedCodes final : public BucketAlgorithm {
         ScanAbs(sum + (lo - pc.begin), hi - lo, &max_bits[si - seg0], &nonzero);
       }
     }
+  }
+
+  // aps_sum, once the chunk is summed: each segment's t from the threads' maxima.
+  void SetSumShifts(const BucketPlan& b) {
+    const int rank = setup_.rank, threads = setup_.threads;
+    const std::size_t seg0 = b.seg_start[std::size_t(rank)];
+    const std::size_t segments = b.segments_of(rank).size();
     std::int8_t* t = codes_->SumShifts(b);
     for (std::size_t j = 0; j < segments; ++j) {
       std::uint32_t m = 0;
-      for (int th = 0; th < threads; ++th) m = std::max(m, thread_max_[std::size_t(th) * segments + j]);
+      for (int th = 0; th < threads; ++th) {
+        m = std::max(m, thread_max_[std::size_t(th) * segments + j]);
+      }
       t[j] = std::int8_t(
           SumShift(m, ctx_.shifts[std::size_t(b.segments[seg0 + j].layer)], setup_.emax));
     }
+  }
+
+  void RequantizeSums(const BucketPlan& b, std::span<const Piece> pieces, std::int64_t step) {
+    const std::size_t c0 = b.chunk_begin(setup_.rank);
+    const int threads = setup_.threads;
+    const long n = long(pieces.size());
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
     for (long i = 0; i < n; ++i) {
-      const Piece& pc = own[std::size_t(i)];
+      codes_->KeepExchangesMoving(i);
+      const Piece& pc = pieces[std::size_t(i)];
       codes_->EncodeResult(chunk_sums_.data() + (pc.begin - c0), b, pc, setup_.round_mode,
                            RequantizeStage(setup_.workers), step);
     }

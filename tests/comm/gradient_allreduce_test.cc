@@ -230,9 +230,10 @@ std::vector<float> Reference(const Case& c, const GradientLayout& layout,
   return out;
 }
 
-// Runs one case on this rank's K replicas and checks it against the reference.
+// Runs one case on this rank's K replicas and checks it against the reference. pipeline_kb < 0
+// keeps the options' default.
 void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double bucket_mb,
-             uint64_t seed, int spread = 0) {
+             uint64_t seed, int spread = 0, int pipeline_kb = -1) {
   SCOPED_TRACE(Name(c, k));
   const int p = test::MpiWorld()->size();
   const int r = test::MpiWorld()->rank();
@@ -249,6 +250,7 @@ void RunCase(const Case& c, int k, const std::vector<size_t>& sizes, double buck
   opts.bucket_mb = bucket_mb;
   opts.seed = seed;
   opts.threads = k == 2 ? 2 : 1;  // results must not depend on it
+  if (pipeline_kb >= 0) opts.pipeline_kb = pipeline_kb;
   auto created = GradientAllReducer::Create(test::MpiWorld(), opts, layout, k);
   ASSERT_TRUE(created.ok()) << created.status().ToString();
   std::unique_ptr<GradientAllReducer> red = std::move(created).value();
@@ -397,6 +399,37 @@ TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
   for (const char* f : {"bf16", "fp16", "int8"}) {
     RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest}, 3, kSizes, kSmallBucketMb,
             13, /*spread=*/9);
+  }
+}
+
+// The pipelined schedule (rounds of a few KiB of codes, so that every chunk takes several rounds,
+// and ranks whose chunks have fewer pieces than the rounds) against the sequential reference, bit
+// for bit, and the sequential schedule (pipeline_kb = 0) too: every fixed float grid width (4, 8
+// and 16 bits), without APS and with both scalings, nearest and stochastic rounding, K = 1 and 2;
+// emulate takes the same transport.
+TEST(GradientAllReduceTest, PipelinedMatchesSequentialReferenceBitForBit) {
+  // 0.25 MiB buckets: the 70001-element layer is split, chunks hold several 2048-element pieces.
+  const std::vector<size_t> sizes = {5, 70001, 3, 20000, 0, 9000};
+  const double bucket_mb = 0.25;
+  for (int kb : {1, 3, 0}) {
+    for (const char* f : {"e4m3", "e3m0", "e2m1", "bf16"}) {
+      for (int k : {1, 2}) {
+        RunCase({AllReduceAlgo::kPacked, f, false, false, Rounding::kNearest}, k, sizes, bucket_mb,
+                21, 0, kb);
+        RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest}, k, sizes, bucket_mb,
+                22, 0, kb);
+        RunCase({AllReduceAlgo::kPacked, f, true, false, Rounding::kNearest, ApsScaling::kSum}, k,
+                sizes, bucket_mb, 23, 0, kb);
+      }
+    }
+    RunCase({AllReduceAlgo::kPacked, "e4m3", true, false, Rounding::kStochastic, ApsScaling::kSum},
+            2, sizes, bucket_mb, 24, 0, kb);
+    RunCase({AllReduceAlgo::kPacked, "e3m0", true, false, Rounding::kStochastic}, 1, sizes,
+            bucket_mb, 25, 0, kb);
+    RunCase({AllReduceAlgo::kEmulate, "e4m3", true, false, Rounding::kNearest}, 2, sizes, bucket_mb,
+            26, 0, kb);
+    RunCase({AllReduceAlgo::kEmulate, "e5m2", true, true, Rounding::kStochastic}, 1, sizes,
+            bucket_mb, 27, 0, kb);
   }
 }
 
@@ -1009,28 +1042,48 @@ TEST(GradientAllReduceTest, PackedSendsFewerBytesThanFp32) {
   const int p = test::MpiWorld()->size();
   if (p == 1) GTEST_SKIP() << "nothing is sent at world size 1";
   const GradientLayout layout = MakeLayout({1 << 16});
-  uint64_t bytes[3] = {};
-  const char* formats[3] = {"e4m3", "e4m3", "e3m0"};
-  const AllReduceAlgo algos[3] = {AllReduceAlgo::kFp32, AllReduceAlgo::kPacked,
+  const int r = test::MpiWorld()->rank();
+  uint64_t bytes[5] = {}, codes[5] = {};
+  const char* formats[5] = {"e4m3", "e4m3", "e3m0", "e4m3", "e3m0"};
+  const AllReduceAlgo algos[5] = {AllReduceAlgo::kFp32, AllReduceAlgo::kPacked,
+                                  AllReduceAlgo::kPacked, AllReduceAlgo::kPacked,
                                   AllReduceAlgo::kPacked};
-  for (int j = 0; j < 3; ++j) {
+  const int pipeline_kb[5] = {256, 256, 256, 0, 0};
+  for (int j = 0; j < 5; ++j) {
     GradientAllReduceOptions opts;
     opts.algo = algos[j];
     opts.format = formats[j];
+    opts.pipeline_kb = pipeline_kb[j];
     auto red = GradientAllReducer::Create(test::MpiWorld(), opts, layout, 1);
     ASSERT_TRUE(red.ok());
-    std::vector<float> x = WorkerInput(layout, 2, test::MpiWorld()->rank());
+    std::vector<float> x = WorkerInput(layout, 2, r);
     float* ptrs[1] = {x.data()};
     ASSERT_TRUE(red.value()->Reduce(ptrs, x.data(), 0).ok());
     bytes[j] = red.value()->last_bytes_sent();
+    // The codes of one contribution to every other rank's chunk (all-to-all) and of this rank's
+    // reduced chunk to every other rank (all-gather).
+    const int bits = j == 0 ? 32 : Format::Parse(formats[j]).value().bits();
+    for (const GradientBucket& b : red.value()->buckets()) {
+      for (int d = 0; d < p; ++d) {
+        const uint64_t len = b.chunk_bounds[size_t(d) + 1] - b.chunk_bounds[size_t(d)];
+        const uint64_t chunk_codes = (len * uint64_t(bits) + 7) / 8;
+        if (d != r) codes[j] += chunk_codes;
+        if (d == r) codes[j] += uint64_t(p - 1) * chunk_codes;
+      }
+    }
   }
-  // fp32: 2(P-1)/P * 4 bytes per element; 8-bit codes a quarter of it, 4-bit an eighth (plus
-  // slot padding to 64 bytes).
+  // fp32: 2(P-1)/P * 4 bytes per element. Pipelined packed: exactly the codes (e4m3 about a
+  // quarter of fp32's bytes, e3m0 an eighth); the sequential schedule sends padded slots.
   const double n = 1 << 16;
   EXPECT_EQ(bytes[0], static_cast<uint64_t>(2.0 * (p - 1) / p * 4 * n));
+  EXPECT_EQ(bytes[1], codes[1]);
+  EXPECT_EQ(bytes[2], codes[2]);
   EXPECT_LT(bytes[1], bytes[0] / 4 + 256u * p);
-  EXPECT_GE(bytes[1], bytes[0] / 4);
   EXPECT_LT(bytes[2], bytes[0] / 8 + 256u * p);
+  EXPECT_GE(bytes[3], codes[3]);
+  EXPECT_LT(bytes[3], codes[3] + 2 * 64u * p);
+  EXPECT_GE(bytes[4], codes[4]);
+  EXPECT_LT(bytes[4], codes[4] + 2 * 64u * p);
 }
 
 TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
@@ -1059,6 +1112,9 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   o.bucket_mb = std::numeric_limits<double>::quiet_NaN();
   expect_invalid(o, layout, 1, "bucket_mb");
   o.bucket_mb = 25;
+  o.pipeline_kb = -1;
+  expect_invalid(o, layout, 1, "pipeline_kb must be >= 0");
+  o.pipeline_kb = 256;
   o.kahan = true;
   expect_invalid(o, layout, 1, "kahan");
   o.kahan = false;

@@ -1,6 +1,8 @@
 // Collectives under mpirun (world sizes 1-4): inputs whose reduced results are exact, so every
 // element is compared bit for bit and the wrong ones are counted (after gloo's allreduce_test and
 // nccl-tests' verifiable inputs). Run as `mpirun -np N comm_mpi_test`; only rank 0 prints.
+#include "comm/mpi_communicator.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,11 +11,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
-#include "comm/mpi_communicator.h"
 #include "tests/mpi_test_main.h"
 
 namespace cpd::comm {
@@ -310,6 +312,117 @@ TEST(MpiCommunicatorTest, InvalidArgumentsAreRejectedBeforeMpi) {
   // Null buffers are fine with a count of 0.
   EXPECT_TRUE(test::MpiWorld()->AllReduce(static_cast<float*>(nullptr), 0, ReduceOp::kSum).ok());
   EXPECT_TRUE(test::MpiWorld()->Barrier().ok());
+}
+
+// The byte rank q sends to rank d at position i of exchange e: every block is distinct.
+std::uint8_t ExchangeByte(int e, int q, int d, std::size_t i) {
+  return static_cast<std::uint8_t>(e * 131 + q * 29 + d * 7 + int(i % 251));
+}
+// Block sizes that differ by sender, receiver and exchange, zero included.
+std::size_t ExchangeBytes(int e, int q, int d) {
+  return std::size_t((e * 5 + q * 3 + d) % 4) * 1000 + std::size_t(q == d ? 0 : (e + d) % 3);
+}
+
+// Three exchanges started back to back with blocks of different sizes (some empty), completed
+// out of order (the last one waited for first, the first one polled with Test), with a blocking
+// collective in between: every block lands where its sender put it.
+TEST(MpiCommunicatorTest, StartExchangeBytesRoutesBlocksOfAnySize) {
+  Communicator* w = test::MpiWorld();
+  const int n = w->size(), r = w->rank();
+  constexpr int kExchanges = 3;
+  std::vector<std::vector<std::vector<std::uint8_t>>> out(kExchanges), in(kExchanges);
+  std::vector<std::unique_ptr<Communicator::PendingExchange>> pending;
+  for (int e = 0; e < kExchanges; ++e) {
+    std::vector<Communicator::SendBlock> send(static_cast<std::size_t>(n));
+    std::vector<Communicator::RecvBlock> recv(static_cast<std::size_t>(n));
+    out[e].resize(std::size_t(n));
+    in[e].resize(std::size_t(n));
+    for (int d = 0; d < n; ++d) {
+      auto& o = out[e][std::size_t(d)];
+      o.resize(ExchangeBytes(e, r, d));
+      for (std::size_t i = 0; i < o.size(); ++i) o[i] = ExchangeByte(e, r, d, i);
+      send[std::size_t(d)] = {o.data(), o.size()};
+      auto& b = in[e][std::size_t(d)];
+      b.assign(ExchangeBytes(e, d, r), 0);
+      recv[std::size_t(d)] = {b.data(), b.size()};
+    }
+    auto started = w->StartExchangeBytes(send, recv);
+    ASSERT_TRUE(started.ok()) << started.status().ToString();
+    pending.push_back(std::move(started).value());
+  }
+  std::int32_t one = 1;
+  ASSERT_TRUE(w->AllReduce(&one, 1, ReduceOp::kSum).ok());
+  EXPECT_EQ(one, n);
+  ASSERT_TRUE(pending[2]->Wait().ok());
+  bool done = false;
+  for (int polls = 0; !done; ++polls) {
+    ASSERT_TRUE(pending[0]->Test(&done).ok());
+    ASSERT_LT(polls, 100000000) << "exchange 0 never completed";
+  }
+  ASSERT_TRUE(pending[1]->Wait().ok());
+  ASSERT_TRUE(pending[0]->Wait().ok());  // completed: returns at once
+  ASSERT_TRUE(pending[0]->Test(&done).ok());
+  EXPECT_TRUE(done);
+  std::size_t wrong = 0;
+  for (int e = 0; e < kExchanges; ++e) {
+    for (int q = 0; q < n; ++q) {
+      const auto& b = in[e][std::size_t(q)];
+      for (std::size_t i = 0; i < b.size(); ++i) wrong += b[i] != ExchangeByte(e, q, r, i);
+    }
+  }
+  EXPECT_EQ(wrong, 0u);
+}
+
+// Destroying an exchange in flight waits for it, and the next exchange still pairs up.
+TEST(MpiCommunicatorTest, StartExchangeBytesDestroyedInFlightCompletes) {
+  Communicator* w = test::MpiWorld();
+  const int n = w->size(), r = w->rank();
+  std::vector<std::uint8_t> out(std::size_t(n) * 64), in(std::size_t(n) * 64, 0);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<Communicator::SendBlock> send(static_cast<std::size_t>(n));
+    std::vector<Communicator::RecvBlock> recv(static_cast<std::size_t>(n));
+    for (int d = 0; d < n; ++d) {
+      for (std::size_t i = 0; i < 64; ++i) {
+        out[std::size_t(d) * 64 + i] = ExchangeByte(round, r, d, i);
+      }
+      send[std::size_t(d)] = {out.data() + std::size_t(d) * 64, 64};
+      recv[std::size_t(d)] = {in.data() + std::size_t(d) * 64, 64};
+    }
+    {
+      auto started = w->StartExchangeBytes(send, recv);
+      ASSERT_TRUE(started.ok()) << started.status().ToString();
+    }  // destroyed here
+    std::size_t wrong = 0;
+    for (int q = 0; q < n; ++q) {
+      for (std::size_t i = 0; i < 64; ++i) {
+        wrong += in[std::size_t(q) * 64 + i] != ExchangeByte(round, q, r, i);
+      }
+    }
+    EXPECT_EQ(wrong, 0u) << "round " << round;
+  }
+}
+
+TEST(MpiCommunicatorTest, StartExchangeBytesRejectsBadBlocks) {
+  Communicator* w = test::MpiWorld();
+  const int n = w->size(), r = w->rank();
+  std::vector<std::uint8_t> buf(16);
+  std::vector<Communicator::SendBlock> send(std::size_t(n), {buf.data(), 4});
+  std::vector<Communicator::RecvBlock> recv(std::size_t(n), {buf.data() + 8, 4});
+  auto expect_invalid = [&](std::span<const Communicator::SendBlock> s,
+                            std::span<const Communicator::RecvBlock> rv, const char* what) {
+    auto started = w->StartExchangeBytes(s, rv);
+    ASSERT_FALSE(started.ok()) << what;
+    EXPECT_EQ(started.status().code(), Status::Code::kInvalidArgument) << what;
+    EXPECT_NE(started.status().message().find("StartExchangeBytes"), std::string::npos)
+        << started.status().ToString();
+  };
+  expect_invalid(std::span(send).first(std::size_t(n - 1)), recv, "too few send blocks");
+  std::vector<Communicator::SendBlock> null_send = send;
+  null_send[std::size_t(r)] = {nullptr, 4};
+  expect_invalid(null_send, recv, "null data");
+  std::vector<Communicator::RecvBlock> self_mismatch = recv;
+  self_mismatch[std::size_t(r)].bytes = 3;
+  expect_invalid(send, self_mismatch, "block to itself of another size");
 }
 
 TEST(MpiCommunicatorTest, CreateAgainSharesTheInitialisedMpi) {

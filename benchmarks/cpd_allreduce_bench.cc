@@ -33,11 +33,13 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/bench_util.h"
 #include "comm/gradient_allreduce.h"
 #include "comm/mpi_communicator.h"
+#include "comm/perf_model.h"
 #include "cpd/config.h"
 #if CPD_WITH_CUDA
 #include <cuda_runtime.h>
@@ -105,6 +107,171 @@ double TimeIt(MPI_Comm comm, int warmup, int iters, Fn&& fn) {
     t.push_back(slowest);
   }
   return cpd::bench::Median(t);
+}
+
+// A barrier whose waiting ranks sleep instead of spinning, so that a measurement on some ranks
+// does not share its cores with the others' polling.
+void QuietBarrier(MPI_Comm comm) {
+  MPI_Request req;
+  MPI_Ibarrier(comm, &req);
+  int done = 0;
+  while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done) usleep(200);
+}
+
+// Ping-pong between ranks 0 and 1 (the others wait quietly): alpha = half the median round trip
+// of an 8-byte message; beta = m / (half the median round trip of m bytes - alpha), m = 4 MiB.
+// Every rank returns rank 0's figures.
+cpd::comm::perf::Link MeasureLink(MPI_Comm comm, int rank) {
+  auto half_round_trip = [&](std::size_t bytes, int reps) {
+    std::vector<char> buf(bytes);
+    std::vector<double> t;
+    for (int i = 0; i < reps + 2; ++i) {
+      const double t0 = MPI_Wtime();
+      if (rank == 0) {
+        MPI_Send(buf.data(), int(bytes), MPI_BYTE, 1, 7, comm);
+        MPI_Recv(buf.data(), int(bytes), MPI_BYTE, 1, 7, comm, MPI_STATUS_IGNORE);
+      } else if (rank == 1) {
+        MPI_Recv(buf.data(), int(bytes), MPI_BYTE, 0, 7, comm, MPI_STATUS_IGNORE);
+        MPI_Send(buf.data(), int(bytes), MPI_BYTE, 0, 7, comm);
+      }
+      if (i >= 2) t.push_back((MPI_Wtime() - t0) / 2.0);
+    }
+    return cpd::bench::Median(t);
+  };
+  double figures[2] = {0.0, 0.0};
+  QuietBarrier(comm);
+  if (rank <= 1) {
+    const std::size_t m = std::size_t(4) << 20;
+    const double alpha = half_round_trip(8, 200);
+    const double big = half_round_trip(m, 20);
+    figures[0] = alpha;
+    figures[1] = double(m) / std::max(big - alpha, 1e-9);
+  }
+  QuietBarrier(comm);
+  MPI_Bcast(figures, 2, MPI_DOUBLE, 0, comm);
+  return {figures[0], figures[1]};
+}
+
+// Every rank sends 16 MiB / (P - 1) bytes to every other rank at once, as the packed
+// algorithm's exchanges do (nonblocking sends and receives to all peers): bytes sent per rank /
+// the median time of the slowest rank. Where ranks share a host's cores this is below the
+// ping-pong's beta: the host's CPUs also run every rank's network stack.
+double MeasureLoadedBandwidth(MPI_Comm comm, int rank, int np) {
+  // 16 MiB in all: long enough for TCP to leave slow start.
+  const std::size_t m = (std::size_t(16) << 20) / std::size_t(np - 1);
+  std::vector<char> send(m * std::size_t(np)), recv(m * std::size_t(np));
+  std::vector<MPI_Request> req;
+  std::vector<double> t;
+  for (int i = 0; i < 7; ++i) {
+    QuietBarrier(comm);
+    const double t0 = MPI_Wtime();
+    req.clear();
+    for (int d = 0; d < np; ++d) {
+      if (d == rank) continue;
+      req.emplace_back();
+      MPI_Irecv(recv.data() + std::size_t(d) * m, int(m), MPI_BYTE, d, 9, comm, &req.back());
+    }
+    for (int d = 0; d < np; ++d) {
+      if (d == rank) continue;
+      req.emplace_back();
+      MPI_Isend(send.data() + std::size_t(d) * m, int(m), MPI_BYTE, d, 9, comm, &req.back());
+    }
+    MPI_Waitall(int(req.size()), req.data(), MPI_STATUSES_IGNORE);
+    double dt = MPI_Wtime() - t0, slowest = 0.0;
+    MPI_Allreduce(&dt, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
+    if (i >= 2) t.push_back(slowest);
+  }
+  return double(np - 1) * double(m) / cpd::bench::Median(t);
+}
+
+// Rank 0 times the element loops of `format` (the others wait quietly); every rank gets them.
+cpd::comm::perf::CodecCost MeasureCodec(MPI_Comm comm, int rank, const std::string& format) {
+  double c[5] = {0, 0, 0, 0, 0};
+  QuietBarrier(comm);
+  if (rank == 0) {
+    auto cost = cpd::comm::perf::MeasureCodecCost(format, std::size_t(1) << 22, 5);
+    Check(cost.status(), "MeasureCodecCost");
+    c[0] = cost->scan, c[1] = cost->encode, c[2] = cost->decode_add, c[3] = cost->decode;
+    c[4] = cost->add;
+  }
+  QuietBarrier(comm);
+  MPI_Bcast(c, 5, MPI_DOUBLE, 0, comm);
+  return {c[0], c[1], c[2], c[3], c[4]};
+}
+
+// --project: the model's prediction for clusters this machine cannot emulate (no measurement).
+struct ProjectionModel {
+  std::string name;
+  double params = 0;   // gradient elements
+  double step_ms = 0;  // forward + backward + update of one step, not overlapped with the sum
+};
+
+// "NAME:PARAMS:STEP_MS,..." -> models; empty on a malformed list.
+std::vector<ProjectionModel> ParseProjectionModels(const std::string& list) {
+  std::vector<ProjectionModel> out;
+  for (const std::string& item : cpd::bench::SplitList(list)) {
+    const std::size_t a = item.find(':'), b = item.rfind(':');
+    if (a == std::string::npos || b == a) return {};
+    ProjectionModel m{item.substr(0, a), 0, 0};
+    try {
+      m.params = std::stod(item.substr(a + 1, b - a - 1));
+      m.step_ms = std::stod(item.substr(b + 1));
+    } catch (const std::exception&) {
+      return {};
+    }
+    if (m.name.empty() || !(m.params >= 1) || !(m.step_ms >= 0)) return {};
+    out.push_back(m);
+  }
+  return out;
+}
+
+// Per bucket of bucket_mb MiB of float32 (the last one holds the rest), as the trainer fuses
+// gradients: the ring fp32 all-reduce and packed + APS (sum scaling, pipelined as by default).
+void PrintProjection(const std::vector<ProjectionModel>& models, const std::vector<double>& gbits,
+                     const std::vector<int>& ranks, double alpha_us, double mem_gbs,
+                     double bucket_mb) {
+  namespace perf = cpd::comm::perf;
+  const perf::Host gpu{1, 2, 1};  // one rank per GPU; its kernels overlap the host's transfers
+  const std::size_t bucket = std::size_t(bucket_mb * double(1 << 20) / sizeof(float));
+  const int pipeline_kb = cpd::comm::GradientAllReduceOptions{}.pipeline_kb;
+  std::printf(
+      "# projection (model only, nothing measured): ring fp32 all-reduce vs packed + APS "
+      "sum scaling; alpha %.1f us per message, element loops at %.0f GB/s (memory "
+      "bound), buckets of %g MiB, pipeline %d KiB; step = compute (not overlapped) + "
+      "all-reduce\n",
+      alpha_us, mem_gbs, bucket_mb, pipeline_kb);
+  std::printf("%12s %8s %6s %5s %9s %9s %7s %9s %7s %9s %8s %8s\n", "model", "params", "Gb/s", "P",
+              "fp32(ms)", "e4m3(ms)", "x_fp32", "e3m0(ms)", "x_fp32", "step(ms)", "up_e4m3",
+              "up_e3m0");
+  for (const ProjectionModel& m : models) {
+    const std::size_t n = std::size_t(m.params);
+    for (double g : gbits) {
+      const perf::Link link{alpha_us * 1e-6, g * 1e9 / 8.0};
+      for (int p : ranks) {
+        double fp32 = 0.0, packed[2] = {0.0, 0.0};
+        const int bits[2] = {8, 4};
+        for (std::size_t begin = 0; begin < n; begin += bucket) {
+          const std::size_t len = std::min(bucket, n - begin);
+          fp32 += perf::PredictFp32Ring({p, len, 32, false, false, 0}, link,
+                                        perf::MemoryBoundCost(32, mem_gbs * 1e9), gpu)
+                      .total;
+          for (int k = 0; k < 2; ++k) {
+            const perf::Case c{p,    len,  bits[k],
+                               true, true, perf::PipelineRounds(len, p, bits[k], pipeline_kb)};
+            packed[k] +=
+                perf::PredictPacked(c, link, perf::MemoryBoundCost(bits[k], mem_gbs * 1e9), gpu)
+                    .total;
+          }
+        }
+        const double step = m.step_ms * 1e-3;
+        std::printf("%12s %7.1fM %6.0f %5d %9.2f %9.2f %7.3f %9.2f %7.3f %9.1f %8.2f %8.2f\n",
+                    m.name.c_str(), m.params / 1e6, g, p, fp32 * 1e3, packed[0] * 1e3,
+                    packed[0] / fp32, packed[1] * 1e3, packed[1] / fp32, m.step_ms,
+                    perf::StepSpeedup(step, fp32, packed[0]),
+                    perf::StepSpeedup(step, fp32, packed[1]));
+      }
+    }
+  }
 }
 
 // This rank's place among the ranks of its node, and their number.
@@ -200,10 +367,14 @@ int main(int argc, char** argv) {
   std::string minbytes = "1M", maxbytes = "64M", formats_list = "e4m3,e3m0",
               algos_list = "fp32,emulate,packed", aps = "on";
   double stepfactor = 2;
-  int iters = 10, warmup = 2, threads = 0;
+  int iters = 10, warmup = 2, threads = 0, pipeline_kb = -1;
   double bucket_mb = 25;
   double scale = 1.0;
   std::string device = "cpu", comm_kind = "mpi";
+  bool model = false, project = false;
+  std::string project_models = "ResNet-50:25.6e6:85,GPT-2-small:124e6:15",
+              project_gbits = "100,400", project_ranks = "64,512,4096";
+  double project_alpha_us = 5.0, project_mem_gbs = 2000.0;
   app.add_option("--device", device,
                  "cpu (host gradients) | cuda (gradients in GPU memory; SKIP without a GPU)")
       ->capture_default_str();
@@ -225,12 +396,59 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads,
                  "Quantisation threads per rank; 0 = cores / ranks on this node")
       ->capture_default_str();
+  app.add_option("--pipeline-kb", pipeline_kb,
+                 "KiB of codes per round of the pipelined emulate/packed schedule; 0 = "
+                 "sequential (default: the reducer's, 256)");
   app.add_option("--bucket-mb", bucket_mb, "Fusion bucket, MiB of float32")->capture_default_str();
   app.add_option("--scale", scale,
                  "Standard deviation of the N(0, s^2) inputs (e.g. 1e-5 to see e4m3 flush "
                  "without APS)")
       ->capture_default_str();
+  app.add_flag("--model", model,
+               "Also predict every fp32 and packed row with the performance model "
+               "(comm/perf_model.h) from parameters measured in this run (ping-pong alpha and "
+               "beta between ranks 0 and 1, the bandwidth of all ranks exchanging at once, the "
+               "element loops' cost per format): columns pp(us) and loaded(us) with their err "
+               "(model vs measured)");
+  app.add_flag("--project", project,
+               "Print the model's projection for large clusters (no measurement) and exit: ring "
+               "fp32 vs packed e4m3/e3m0 + APS per model, link and world size");
+  app.add_option("--project-models", project_models,
+                 "NAME:PARAMS:STEP_MS,... gradient elements and the step's compute time (ms)")
+      ->capture_default_str();
+  app.add_option("--project-gbits", project_gbits, "Link rates, Gbit/s")->capture_default_str();
+  app.add_option("--project-ranks", project_ranks, "World sizes")->capture_default_str();
+  app.add_option("--project-alpha-us", project_alpha_us, "Start-up time of one message, us")
+      ->capture_default_str();
+  app.add_option("--project-mem-gbs", project_mem_gbs,
+                 "Memory bandwidth the element loops run at (GPU kernels), GB/s")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (project) {
+    const std::vector<ProjectionModel> models = ParseProjectionModels(project_models);
+    std::vector<double> gbits;
+    std::vector<int> ranks;
+    try {
+      for (const std::string& g : cpd::bench::SplitList(project_gbits))
+        gbits.push_back(std::stod(g));
+      for (const std::string& p : cpd::bench::SplitList(project_ranks))
+        ranks.push_back(std::stoi(p));
+    } catch (const std::exception&) {
+      gbits.clear();
+    }
+    const bool ok_lists = !models.empty() && !gbits.empty() && !ranks.empty() &&
+                          std::all_of(gbits.begin(), gbits.end(), [](double g) { return g > 0; }) &&
+                          std::all_of(ranks.begin(), ranks.end(), [](int p) { return p >= 2; });
+    if (!ok_lists || !(project_alpha_us >= 0) || !(project_mem_gbs > 0) || !(bucket_mb > 0)) {
+      std::fprintf(stderr,
+                   "cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
+                   "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
+                   "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
+      return 2;
+    }
+    PrintProjection(models, gbits, ranks, project_alpha_us, project_mem_gbs, bucket_mb);
+    return 0;
+  }
 
   const size_t min_b = ParseSize(minbytes), max_b = ParseSize(maxbytes);
   if (min_b < 4 || max_b < min_b) {
@@ -248,6 +466,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "cpd-allreduce-bench: --aps must be on or off, got '%s'\n", aps.c_str());
     return 2;
   }
+  if (pipeline_kb < 0) pipeline_kb = GradientAllReduceOptions{}.pipeline_kb;
   if (iters < 1 || warmup < 0 || threads < 0 || !(scale > 0.0) || !std::isfinite(scale)) {
     std::fprintf(stderr,
                  "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
@@ -269,6 +488,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool on_gpu = device == "cuda";
+  if (model && on_gpu) {
+    std::fprintf(stderr,
+                 "cpd-allreduce-bench: --model predicts host gradients only (not "
+                 "--device cuda)\n");
+    return 2;
+  }
   std::vector<AllReduceAlgo> algos;
   for (const std::string& a : cpd::bench::SplitList(algos_list)) {
     auto parsed = cpd::comm::ParseAllReduceAlgo(a);
@@ -352,8 +577,9 @@ int main(int argc, char** argv) {
     std::getline(la, load);
     std::printf(
         "# cpd-allreduce-bench: %d ranks (%d on this node, %d cores), %d quantisation "
-        "thread(s) per rank, APS %s, bucket %g MiB, median of %d after %d warm-up\n",
-        np, local, cores, threads, aps.c_str(), bucket_mb, iters, warmup);
+        "thread(s) per rank, APS %s, bucket %g MiB, pipeline %d KiB, median of %d after %d "
+        "warm-up\n",
+        np, local, cores, threads, aps.c_str(), bucket_mb, pipeline_kb, iters, warmup);
     if (on_gpu) {
       std::printf(
           "# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
@@ -362,11 +588,43 @@ int main(int argc, char** argv) {
           comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory", baseline);
     }
     std::printf("# load average at start: %s\n", load.c_str());
-    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "size", "count", "format",
+  }
+  // --model: the machine's parameters, measured before the rows. Two links: the ping-pong's
+  // (alpha, beta), and the same alpha with the bandwidth of every rank exchanging at once.
+  cpd::comm::perf::Link link_pp, link_loaded;
+  const cpd::comm::perf::Host host{local, cores, threads};
+  std::vector<cpd::comm::perf::CodecCost> codec;
+  if (model) {
+    if (np < 2) Fail("--model needs at least 2 ranks (ping-pong)");
+    link_pp = MeasureLink(mc, rank);
+    link_loaded = {link_pp.alpha_s, MeasureLoadedBandwidth(mc, rank, np)};
+    for (const std::string& f : formats.empty() ? std::vector<std::string>{"e4m3"} : formats) {
+      codec.push_back(MeasureCodec(mc, rank, f));
+    }
+    if (rank == 0) {
+      std::printf(
+          "# model: alpha %.1f us, beta %.1f MB/s (ping-pong 0-1), loaded beta %.1f MB/s "
+          "(all ranks at once); %d rank(s) on %d core(s), %d thread(s): parallelism "
+          "%.2f, overlap %s\n",
+          link_pp.alpha_s * 1e6, link_pp.beta_bytes_per_s / 1e6, link_loaded.beta_bytes_per_s / 1e6,
+          host.ranks, host.cores, host.threads, host.Parallelism(), host.Overlaps() ? "yes" : "no");
+      for (std::size_t i = 0; i < formats.size(); ++i) {
+        std::printf(
+            "# model %s, ns/element on one thread: scan %.3f encode %.3f decode+add "
+            "%.3f decode %.3f; float32 add %.3f\n",
+            formats[i].c_str(), codec[i].scan * 1e9, codec[i].encode * 1e9,
+            codec[i].decode_add * 1e9, codec[i].decode * 1e9, codec[i].add * 1e9);
+      }
+    }
+  }
+  if (rank == 0) {
+    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "size", "count", "format",
                 "algo", "time(us)", "algbw", "busbw", "fp32-busbw", on_gpu ? "x_base" : "x_mpi",
                 "relerr", "#wrong");
-    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s\n", "(B)", "(elems)", "", "", "",
+    std::printf(model ? " %11s %7s %11s %7s\n" : "\n", "pp(us)", "err", "loaded(us)", "err");
+    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "(B)", "(elems)", "", "", "",
                 "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
+    std::printf(model ? " %11s %7s %11s %7s\n" : "\n", "(model)", "(%)", "(model)", "(%)");
   }
 
   for (double size_d = double(min_b); size_d <= double(max_b) * 1.0000001; size_d *= stepfactor) {
@@ -403,8 +661,10 @@ int main(int argc, char** argv) {
     };
     const double ring = 2.0 * (np - 1) / np * double(bytes);
 
+    // predicted: the model's times (s) with the ping-pong and the loaded link, < 0 for none.
+    using Predicted = std::pair<double, double>;
     auto print = [&](const char* format, const char* algo, double t, double sent, double err,
-                     long long wrong, double t_mpi) {
+                     long long wrong, double t_mpi, Predicted predicted) {
       if (rank != 0) return;
       char wrong_s[24];
       if (wrong < 0) {
@@ -412,9 +672,18 @@ int main(int argc, char** argv) {
       } else {
         std::snprintf(wrong_s, sizeof wrong_s, "%lld", wrong);
       }
-      std::printf("%10s %10zu %7s %8s %11.1f %8.2f %8.2f %10.2f %7.3f %9.2e %7s\n",
+      std::printf("%10s %10zu %7s %8s %11.1f %8.2f %8.2f %10.2f %7.3f %9.2e %7s",
                   FormatSize(bytes).c_str(), count, format, algo, t * 1e6, bytes / t / 1e9,
                   sent / t / 1e9, ring / t / 1e9, t / t_mpi, err, wrong_s);
+      if (!model) {
+        std::printf("\n");
+      } else if (predicted.first < 0.0) {
+        std::printf(" %11s %7s %11s %7s\n", "-", "-", "-", "-");
+      } else {
+        std::printf(" %11.1f %+7.1f %11.1f %+7.1f\n", predicted.first * 1e6,
+                    (predicted.first - t) / t * 100.0, predicted.second * 1e6,
+                    (predicted.second - t) / t * 100.0);
+      }
       std::fflush(stdout);
     };
 
@@ -460,7 +729,14 @@ int main(int argc, char** argv) {
     baseline_allreduce(mem.x());
     mem.Download(&out, baseline_result());
     mem.Upload(mem.x(), x);
-    print("fp32", baseline, t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi);
+    Predicted predicted_mpi{-1.0, -1.0};
+    if (model) {
+      const cpd::comm::perf::Case c{np, count, 32, false, false, 0};
+      predicted_mpi = {cpd::comm::perf::PredictFp32Ring(c, link_pp, codec.front(), host).total,
+                       cpd::comm::perf::PredictFp32Ring(c, link_loaded, codec.front(), host).total};
+    }
+    print("fp32", baseline, t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi,
+          predicted_mpi);
 
     GradientLayout layout;
     layout.layer_names = {"grad"};
@@ -468,13 +744,15 @@ int main(int argc, char** argv) {
     for (AllReduceAlgo algo : algos) {
       const std::vector<std::string> fmts =
           algo == AllReduceAlgo::kFp32 ? std::vector<std::string>{"fp32"} : formats;
-      for (const std::string& f : fmts) {
+      for (std::size_t fi = 0; fi < fmts.size(); ++fi) {
+        const std::string& f = fmts[fi];
         GradientAllReduceOptions opts;
         opts.algo = algo;
         opts.format = algo == AllReduceAlgo::kFp32 ? "e4m3" : f;
         opts.aps = aps == "on";
         opts.bucket_mb = bucket_mb;
         opts.threads = threads;
+        opts.pipeline_kb = pipeline_kb;
         if (on_gpu) opts.gradients = cpd::comm::MemorySpace::kDevice;
         auto red = GradientAllReducer::Create(reduce_comm, opts, layout, 1);
         Check(red.status(), "GradientAllReducer::Create");
@@ -500,8 +778,26 @@ int main(int argc, char** argv) {
           mem.Download(&out, mem.out());
           wrong = (long long)count_wrong(out);
         }
+        Predicted predicted{-1.0, -1.0};
+        if (model && algo == AllReduceAlgo::kPacked) {
+          predicted = {0.0, 0.0};
+          const int bits = cpd::Format::Parse(f)->bits();
+          for (const cpd::comm::GradientBucket& bucket : r.buckets()) {
+            const std::size_t n = bucket.end - bucket.begin;
+            const cpd::comm::perf::Case c{
+                np,
+                n,
+                bits,
+                opts.aps,
+                cpd::comm::UsesApsSumScaling(opts),
+                cpd::comm::perf::PipelineRounds(n, np, bits, opts.pipeline_kb)};
+            predicted.first += cpd::comm::perf::PredictPacked(c, link_pp, codec[fi], host).total;
+            predicted.second +=
+                cpd::comm::perf::PredictPacked(c, link_loaded, codec[fi], host).total;
+          }
+        }
         print(algo == AllReduceAlgo::kFp32 ? "fp32" : f.c_str(), cpd::comm::AllReduceAlgoName(algo),
-              t, sent, err, wrong, t_mpi);
+              t, sent, err, wrong, t_mpi, predicted);
       }
     }
   }

@@ -219,6 +219,11 @@ void AddParallelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_flag("--kahan", o->allreduce.kahan, "emulate: Kahan-compensated sum");
   app->add_option("--bucket-mb", o->allreduce.bucket_mb, "Gradient bucket size in MiB")
       ->capture_default_str();
+  app->add_option("--pipeline-kb", o->allreduce.pipeline_kb,
+                  "emulate/packed with float grids: KiB of codes per contribution per round of "
+                  "the pipelined all-reduce (quantise one round while the last is on the wire); "
+                  "0 = sequential. The same bits either way")
+      ->capture_default_str();
   app->add_option("--measure-error", o->measure_error_every,
                   "Every N steps, the all-reduce error against exact fp32 (0: never)")
       ->capture_default_str();
@@ -428,6 +433,10 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto r = cpd::ParseRounding(f->ar_rounding);
   if (!r.ok()) return bad("--allreduce-rounding: " + r.status().message());
   o->allreduce.rounding = *r;
+  if (o->allreduce.pipeline_kb < 0) {
+    return bad("--pipeline-kb must be >= 0 (KiB of codes per round; 0 = sequential), got " +
+               std::to_string(o->allreduce.pipeline_kb));
+  }
   auto scaling = cpd::comm::ParseApsScaling(f->aps_scaling);
   if (!scaling.ok()) return bad("--aps-scaling: " + scaling.status().message());
   o->allreduce.aps_scaling = *scaling;

@@ -320,6 +320,7 @@ TEST(CpdTrainCli, ApsScalingFlagAndConfigKey) {
                    "--aps-scaling: unknown APS scaling 'headroom' (accepted: auto, paper, sum)");
   ExpectUsageError(Train({"--allreduce", "emulate", "--aps", "--aps-scaling", "sum"}),
                    "--aps-scaling sum applies to --allreduce packed only");
+  ExpectUsageError(Train({"--pipeline-kb", "-1"}), "--pipeline-kb must be >= 0");
   const std::vector<std::string> packed = {"--emulate-ranks", "4",      "--allreduce", "packed",
                                            "--allreduce-format", "e3m0", "--aps", "--max-steps",
                                            "1"};

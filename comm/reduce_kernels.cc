@@ -143,7 +143,8 @@ CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
   constexpr std::size_t kBlock = std::size_t(1) << 16;
   // Stochastic rounding's random bits come an L1-sized piece at a time from FillRandomBits
   // (two elements per hash, vectorised) rather than one RandomBits call per element.
-  constexpr std::size_t kPiece = kMode == kernels::RoundMode::kStochastic ? 1024 : kBlock;
+  constexpr std::size_t kPiece =
+      kMode == kernels::RoundMode::kStochastic ? kernels::kL1Piece : kBlock;
   std::uint32_t rnd[kMode == kernels::RoundMode::kStochastic ? kPiece : 1] = {};
   for (std::size_t s = 0; s < n; s += kBlock) {
     const std::size_t e = std::min(n, s + kBlock);

@@ -70,10 +70,9 @@ struct ElementSpan {
     if constexpr (!kRandom) {
       for (size_t i = 0; i < n; ++i) Store<kOut, kCodes>(round(in[i], 0u), out, codes, i);
     } else {
-      constexpr size_t kPiece = 1024;
-      uint32_t rnd[kPiece];
-      for (size_t s = 0; s < n; s += kPiece) {
-        const size_t len = std::min(kPiece, n - s);
+      uint32_t rnd[kL1Piece];
+      for (size_t s = 0; s < n; s += kL1Piece) {
+        const size_t len = std::min(kL1Piece, n - s);
         FillRandomBits(key, first + s, len, rnd);
         for (size_t i = 0; i < len; ++i) {
           Store<kOut, kCodes>(round(in[s + i], rnd[i]), out, codes, s + i);
@@ -144,7 +143,7 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
   // The statistics need each piece's input and output. Where `out` overlaps `in` (in place) or
   // is absent, a piece is rounded into scratch first and copied out (a 4 KiB copy per piece,
   // about a sixth of the time); otherwise straight into `out`, read back from L1.
-  constexpr size_t kPiece = 1024;
+  constexpr size_t kPiece = kL1Piece;
   float scratch[kPiece];
   const uintptr_t in_begin = reinterpret_cast<uintptr_t>(in),
                   out_begin = reinterpret_cast<uintptr_t>(out), bytes = n * sizeof(float);

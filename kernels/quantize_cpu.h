@@ -27,6 +27,11 @@ struct LoopParams {
   uint64_t index_base = 0;  // global index of in[0], the counter of the random stream
 };
 
+// Elements of the L1-sized pieces the element loops work in: a piece's random bits (stochastic
+// rounding, kernels::FillRandomBits) or its rounded values are made in one pass and used in the
+// next while they are still in L1 (4 KiB of uint32 / float32).
+inline constexpr size_t kL1Piece = 1024;
+
 // out[i] = round(in[i] * 2^-shift) * 2^shift on grid g; codes[i] = its code. `out` may equal
 // `in`; `out`, `codes` and `stats` may each be null. -127 <= shift <= 127.
 void QuantizeFloatGrid(const float* in, float* out, uint32_t* codes, size_t n, const FloatGrid& g,

@@ -440,7 +440,8 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto scaling = cpd::comm::ParseApsScaling(f->aps_scaling);
   if (!scaling.ok()) return bad("--aps-scaling: " + scaling.status().message());
   o->allreduce.aps_scaling = *scaling;
-  if (*scaling == cpd::comm::ApsScaling::kSum && o->allreduce.algo == cpd::comm::AllReduceAlgo::kEmulate) {
+  if (*scaling == cpd::comm::ApsScaling::kSum &&
+      o->allreduce.algo == cpd::comm::AllReduceAlgo::kEmulate) {
     return bad("--aps-scaling sum applies to --allreduce packed only; emulate keeps the paper's "
                "scaling (accepted with emulate: auto, paper)");
   }

@@ -8,7 +8,8 @@
 # --model adds the performance model's prediction of every mpi and packed row (comm/perf_model.h,
 # parameters measured in the same run: ping-pong alpha/beta, the element loops' cost) and prints
 # the parameters of each run as '#' lines. --pipeline-kb 0 measures the sequential schedule.
-# Needs root (namespaces, tc). Prints one table; removes the namespaces at the end.
+# Needs root (namespaces, tc). On a fresh machine it first installs the dependencies and builds
+# (scripts/build.sh). Prints one table; removes the namespaces at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATES="none 25gbit 10gbit 1gbit"
@@ -30,7 +31,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 BIN=${BUILD_DIR:-build}/bin
-[ -x "$BIN/cpd-allreduce-bench" ] || { echo "allreduce_netns.sh: build first (scripts/build.sh)" >&2; exit 1; }
+if [ ! -x "$BIN/cpd-allreduce-bench" ]; then
+  echo "allreduce_netns.sh: no $BIN/cpd-allreduce-bench yet: installing dependencies and building" \
+       "(scripts/build.sh, several minutes)" >&2
+  bash scripts/build.sh >&2
+fi
 trap 'scripts/netns_cluster.sh down >/dev/null' EXIT
 max_np=0
 for np in $NPS; do [ "$np" -gt "$max_np" ] && max_np=$np; done

@@ -18,9 +18,9 @@
 // Overlap: the sequential schedule adds compute and wire. The pipelined one (R rounds, each a
 // slice of every chunk) runs a round's element loops while the previous round is on the wire,
 // which costs (R - 1) steps of max(compute, wire) / R plus one round of each alone to fill and
-// drain the pipeline (R = 1: compute + wire). With the
-// paper's APS scaling the all-to-all and the all-gather interleave (a round is gathered as soon
-// as it is summed): one overlap over all the loops and both exchanges. With APS sum scaling the
+// drain the pipeline (R = 1: compute + wire). With the paper's APS scaling the all-to-all and the
+// all-gather interleave (a round is gathered as soon as it is summed): one overlap over all the
+// loops and both exchanges. With APS sum scaling the
 // shifts t need the whole chunk's sums: the all-to-all overlaps encode + decode-add, then the
 // all-gather overlaps re-encode + decode. Where the ranks of a host have no idle core
 // (Host::Overlaps() false), the host's CPUs also move the bytes (TCP), and the model adds compute
@@ -32,7 +32,6 @@
 
 #include <cstddef>
 #include <string>
-#include <vector>
 
 #include "cpd/status.h"
 

@@ -12,6 +12,8 @@ PACKAGES=(
   libgrpc++-dev libabsl-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev
   dataset-fashion-mnist python3 python3-numpy python3-matplotlib openssl
+  # The emulated cluster network of benchmarks/allreduce_netns.sh (ip netns, tc).
+  iproute2
   # The sanitizer and fuzzing builds (scripts/sanitize.sh, scripts/fuzz.sh): clang with its
   # sanitizer and libFuzzer runtimes, its OpenMP, and llvm-symbolizer for readable reports.
   clang libclang-rt-14-dev libomp-dev llvm

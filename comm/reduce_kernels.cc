@@ -161,7 +161,7 @@ CPD_INLINE void EncodeLoop(const float* x, std::size_t n, float scale,
         if constexpr (kFinite && kMode == kernels::RoundMode::kNearestEven) {
           code = NearestCodeFinite(y, g, nc);
         } else {
-          kernels::RoundToFloatGrid<kMode>(y, g, r, &code, nullptr);
+          kernels::RoundToFloatGrid<kMode>(y, g, r, &code);
         }
         codes[i] = Code(code);
         if (kStats) {

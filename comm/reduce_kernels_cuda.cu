@@ -61,7 +61,7 @@ template <RoundMode kMode>
 __device__ __forceinline__ float RoundOnGrid(float x, const FloatGrid& g, std::uint64_t key,
                                              std::uint64_t index) {
   const std::uint32_t rnd = kMode == RoundMode::kStochastic ? kernels::RandomBits(key, index) : 0u;
-  return BitsFloat(kernels::RoundToFloatGrid<kMode>(x, g, rnd, nullptr, nullptr));
+  return BitsFloat(kernels::RoundToFloatGrid<kMode>(x, g, rnd, nullptr));
 }
 
 // The key of emulate's rounding of worker w's addition (op: KahanOp, 0 for the plain sum).
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
           const std::uint32_t rnd =
               kMode == RoundMode::kStochastic ? kernels::RandomBits(key, i) : 0u;
           std::uint32_t code = 0;
-          kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code, nullptr);
+          kernels::RoundToFloatGrid<kMode>(y, g, rnd, &code);
           codes[k] = code & mask;
           if constexpr (kStats) {
             const unsigned f = (FloatBits(xv) & 0x7fffffffu) != 0 && (code & mag_mask) == 0;
@@ -332,10 +332,10 @@ __global__ void __launch_bounds__(kThreads) sum_codes_kernel(const SumArgs a) {
           const std::uint32_t rnd = kMode == RoundMode::kStochastic
                                         ? kernels::RandomBits(a.key, a.index_base + first + k)
                                         : 0u;
-          kernels::RoundToFloatGrid<kMode>(sum[k], g, rnd, &code, nullptr);
+          kernels::RoundToFloatGrid<kMode>(sum[k], g, rnd, &code);
         } else {
           // emulate's sum is on the grid already: rounding it to nearest only yields its code.
-          kernels::RoundToFloatGrid<RoundMode::kNearestEven>(sum[k], g, 0u, &code, nullptr);
+          kernels::RoundToFloatGrid<RoundMode::kNearestEven>(sum[k], g, 0u, &code);
         }
         codes[k] = k < len ? code & mask : 0u;
       }
@@ -526,8 +526,8 @@ Status SumCodesCuda(const ContributionCodes& in, std::size_t n, const FloatGrid&
                     void* stream) {
   if (n == 0) return Status::Ok();
   // d_sum stands in for the codes' destination in the checks (non-null).
-  CPD_RETURN_IF_ERROR(CheckContributions(in, n, g, reinterpret_cast<const std::uint8_t*>(d_sum),
-                                         "SumCodesCuda"));
+  CPD_RETURN_IF_ERROR(
+      CheckContributions(in, n, g, reinterpret_cast<const std::uint8_t*>(d_sum), "SumCodesCuda"));
   SumArgs a = MakeSumArgs(in, n, g, nullptr);
   a.words = a.bits % 4 == 0 && Aligned4(in.codes) && in.stride % 4 == 0;
   a.sum_out = d_sum;

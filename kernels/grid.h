@@ -69,13 +69,6 @@ struct LinearGrid {
   int32_t qmax;
 };
 
-// Fused per-element statistics, accumulated by the loops (not by these functions).
-struct ElementFlags {
-  bool saturated;  // +-Inf, or a finite input beyond the grid's largest finite value
-  bool flushed;    // nonzero finite input that became zero
-  bool nonfinite;  // NaN or Inf input
-};
-
 CPD_HD uint32_t FloatBits(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -92,6 +85,72 @@ CPD_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7fffffffu) < 0x7f800000
 // 2^e as a float32 for -149 <= e <= 127 (subnormal powers included).
 CPD_HD float Pow2(int32_t e) {
   return e >= -126 ? BitsFloat(uint32_t(e + 127) << 23) : BitsFloat(1u << (e + 149));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The per-element statistics of a quantisation (cpd::QuantStats), one definition for every CPU
+// loop (kernels/quantize_cpu.cc: quantise, blocks, hysteresis) and every CUDA kernel
+// (kernels/cuda/): they are taken on the input x and the final output z, after any 2^s scaling,
+// never on the scaled value x * 2^-s. (Taken on the scaled value, a nonzero x whose x * 2^-s
+// underflows to 0, next to a huge outlier's shift, was flushed on the CPU and not on the GPU.)
+
+// The finite values a grid gives after its scaling: [lo, hi]. Inputs outside are saturated.
+struct GridRange {
+  float lo;
+  float hi;
+};
+
+// A float or per-binade grid whose largest finite magnitude has float32 bits max_bits, scaled
+// by up = 2^s: hi = max * 2^s, the largest value the output can hold (Inf where that overflows).
+CPD_HD GridRange ShiftedGridRange(uint32_t max_bits, float up) {
+  const float hi = BitsFloat(max_bits) * up;
+  return GridRange{-hi, hi};
+}
+
+// The definition, one predicate per statistic (scalars, so that the CPU's `omp simd` statistics
+// pass vectorises them; a struct local there would become a per-lane array in memory):
+// |x| as float32 bits for the max_abs reduction, NaN as 0 (Inf kept);
+CPD_HD uint32_t StatAbsBits(float x) {
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  return a & (0u - uint32_t(a <= 0x7f800000u));
+}
+// x is NaN or +-Inf;
+CPD_HD bool StatNonfinite(float x) { return (FloatBits(x) & 0x7fffffffu) >= 0x7f800000u; }
+// x is +-Inf, or finite and outside the grid's range [lo, hi];
+CPD_HD bool StatSaturated(float x, float lo, float hi) {
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  return a == 0x7f800000u || (a < 0x7f800000u && (x > hi || x < lo));
+}
+// x is finite and nonzero, z is zero;
+CPD_HD bool StatFlushed(float x, float z) {
+  const uint32_t a = FloatBits(x) & 0x7fffffffu;
+  return a < 0x7f800000u && a != 0 && z == 0.0f;
+}
+// the squared error (z - x)^2 and the squared input x^2, in double, where x and z are finite
+// (else 0).
+CPD_HD bool StatMeasured(float x, float z) {
+  return (FloatBits(x) & 0x7fffffffu) < 0x7f800000u && (FloatBits(z) & 0x7fffffffu) < 0x7f800000u;
+}
+CPD_HD double StatSqError(float x, float z) {
+  const double d = StatMeasured(x, z) ? double(z) - double(x) : 0.0;
+  return d * d;
+}
+CPD_HD double StatSqInput(float x, float z) {
+  const double xd = StatMeasured(x, z) ? double(x) : 0.0;
+  return xd * xd;
+}
+
+// All of them for one element: kernels::ElementStats' and cpd::QuantStats' fields.
+struct ElementStat {
+  uint32_t abs_bits;
+  bool saturated, flushed, nonfinite;
+  double sq_error, sq_input;
+};
+
+CPD_HD ElementStat StatOf(float x, float z, const GridRange& range) {
+  return ElementStat{StatAbsBits(x),    StatSaturated(x, range.lo, range.hi),
+                     StatFlushed(x, z), StatNonfinite(x),
+                     StatSqError(x, z), StatSqInput(x, z)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -131,8 +190,7 @@ CPD_HD uint32_t RandomBits(uint64_t key, uint64_t index) {
 // (sign | magnitude code, sign at bit ebits + mbits) when `code` is non-null.
 // `rnd` is used only by kStochastic.
 template <RoundMode kMode>
-CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint32_t* code,
-                                 ElementFlags* flags) {
+CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint32_t* code) {
   const uint32_t u = FloatBits(y);
   const uint32_t sign = u & 0x80000000u;
   const uint32_t a = u & 0x7fffffffu;
@@ -200,7 +258,6 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   const uint32_t flush_below = g.subnormals ? 0u : uint32_t(emin_field) << 23;
   const bool flush = res < flush_below;
   const bool overflow = res > g.max_bits;  // includes a carry into the float32 Inf pattern
-  const bool is_inf = a == 0x7f800000u;
   const bool is_nan = a > 0x7f800000u;
   res = flush ? 0u : res;
   mag_code = flush ? 0u : mag_code;
@@ -220,11 +277,6 @@ CPD_HD uint32_t RoundToFloatGrid(float y, const FloatGrid& g, uint32_t rnd, uint
   // conversions write it; every NaN code decodes to the canonical NaN.
   const uint32_t code_sign = is_nan ? 0u : sign;
   const uint32_t out_sign = res > 0x7f800000u ? 0u : code_sign;
-  if (flags != nullptr) {
-    flags->saturated = is_inf || (!is_nan && a > g.max_bits);
-    flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
-    flags->nonfinite = is_nan || is_inf;
-  }
   if (code != nullptr) *code = mag_code | (code_sign >> 31 << (g.ebits + m));
   return res | out_sign;
 }
@@ -360,12 +412,15 @@ CPD_HD float LinearValue(int32_t q, const LinearGrid& g) {
 #endif
 }
 
+// The statistics' range of a linear grid: its lowest and highest levels.
+CPD_HD GridRange LinearGridRange(const LinearGrid& g) {
+  return GridRange{LinearValue(g.qmin, g), LinearValue(g.qmax, g)};
+}
+
 template <RoundMode kMode>
-CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32_t* q_out,
-                               ElementFlags* flags) {
+CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32_t* q_out) {
   const uint32_t a = FloatBits(x) & 0x7fffffffu;
   const bool is_nan = a > 0x7f800000u;
-  const bool is_inf = a == 0x7f800000u;
   const float fmin = float(g.qmin), fmax = float(g.qmax);
   // Branch-free for the vectoriser: a NaN input is swapped for the offset up front (and replaced
   // by +max below), the division is unconditional (by 1 for a constant tensor), and t is
@@ -396,15 +451,8 @@ CPD_HD float RoundToLinearGrid(float x, const LinearGrid& g, uint32_t rnd, int32
   q = q < g.qmin ? g.qmin : q;
   q = q > g.qmax ? g.qmax : q;
   q = is_nan ? g.qmax : q;  // no NaN code: NaN becomes +max, as CUDA's FP6/FP4 conversions do
-  const float value = LinearValue(q, g);
-  if (flags != nullptr) {
-    flags->saturated =
-        is_inf || (!is_nan && (x > LinearValue(g.qmax, g) || x < LinearValue(g.qmin, g)));
-    flags->flushed = a != 0 && !is_nan && !is_inf && value == 0.0f;
-    flags->nonfinite = is_nan || is_inf;
-  }
   if (q_out != nullptr) *q_out = q;
-  return value;
+  return LinearValue(q, g);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -498,7 +546,7 @@ inline BinadeGrid MakeBinadeGrid(const int32_t* mbits, int32_t count) {
 }
 
 // Rounds y onto grid g: RoundToFloatGrid's contract (float32 bits returned, sign | magnitude
-// code in *code with the sign at bit g.sign_shift, flags as there) for a grid whose codes are
+// code in *code with the sign at bit g.sign_shift) for a grid whose codes are
 // all finite: overflow, +-Inf and every directed mode saturate to +-max; NaN becomes +max and
 // counts as non-finite.
 //
@@ -516,8 +564,7 @@ inline BinadeGrid MakeBinadeGrid(const int32_t* mbits, int32_t count) {
 // Written with masks rather than selects on the region, which GCC would turn into branches (and
 // then not vectorise); the one table lookup per element is a gather.
 template <RoundMode kMode>
-CPD_HD uint32_t RoundToBinadeGrid(float y, const BinadeGrid& g, uint32_t rnd, uint32_t* code,
-                                  ElementFlags* flags) {
+CPD_HD uint32_t RoundToBinadeGrid(float y, const BinadeGrid& g, uint32_t rnd, uint32_t* code) {
   const uint32_t u = FloatBits(y);
   const uint32_t sign = u & 0x80000000u;
   const uint32_t a = u & 0x7fffffffu;
@@ -570,16 +617,10 @@ CPD_HD uint32_t RoundToBinadeGrid(float y, const BinadeGrid& g, uint32_t rnd, ui
   // As RoundToFloatGrid for an all-finite grid. The value below the lowest binade never
   // overflows; +-Inf and NaN inputs do (NaN's sign is cleared below).
   const bool overflow = res > g.max_bits;
-  const bool is_inf = a == 0x7f800000u;
   const bool is_nan = a > 0x7f800000u;
   res = overflow ? g.max_bits : res;
   mag_code = overflow ? g.max_code : mag_code;
   const uint32_t out_sign = is_nan ? 0u : sign;
-  if (flags != nullptr) {
-    flags->saturated = is_inf || (!is_nan && a > g.max_bits);
-    flags->flushed = a != 0 && !is_nan && !is_inf && res == 0;
-    flags->nonfinite = is_nan || is_inf;
-  }
   if (code != nullptr) *code = mag_code | (out_sign >> 31 << g.sign_shift);
   return res | out_sign;
 }

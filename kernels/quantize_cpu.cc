@@ -96,26 +96,22 @@ ElementSpan<kRandom, RoundFn> MakeElementSpan(const RoundFn& round, uint64_t key
 // Statistics of a quantised span from (input, output) pairs, in a separate pass over data
 // still in L1: this loop is pure arithmetic, so `omp simd` vectorises its reductions (the
 // rounding loop cannot carry them: GCC lowers its address-taken locals to per-lane arrays).
-// lo/hi: the smallest and largest finite values of the grid in force (saturation bounds).
-CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, float lo, float hi,
+// range: the finite values of the grid in force (kernels::StatOf's saturation bounds).
+CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, const GridRange& range,
                                 SpanAcc* acc) {
+  const float lo = range.lo, hi = range.hi;
   uint32_t mx = acc->max_bits;
   uint32_t sat = 0, fl = 0, nf = 0;  // a piece has at most 2^32 - 1 elements
   double se = 0.0, si = 0.0;
 #pragma omp simd reduction(max : mx) reduction(+ : sat, fl, nf, se, si)
   for (size_t i = 0; i < n; ++i) {
     const float x = in[i], z = out[i];
-    const uint32_t a = FloatBits(x) & 0x7fffffffu;
-    const bool x_finite = a < 0x7f800000u;
-    mx = std::max(mx, a & (0u - uint32_t(a <= 0x7f800000u)));  // NaN excluded, Inf kept
-    nf += !x_finite;
-    sat += a == 0x7f800000u || (x_finite && (x > hi || x < lo));
-    fl += x_finite && a != 0 && z == 0.0f;
-    const bool finite = x_finite && (FloatBits(z) & 0x7fffffffu) < 0x7f800000u;
-    const double xd = finite ? double(x) : 0.0;
-    const double d = finite ? double(z) - xd : 0.0;
-    se += d * d;
-    si += xd * xd;
+    mx = std::max(mx, StatAbsBits(x));
+    sat += StatSaturated(x, lo, hi);
+    fl += StatFlushed(x, z);
+    nf += StatNonfinite(x);
+    se += StatSqError(x, z);
+    si += StatSqInput(x, z);
   }
   acc->max_bits = mx;
   acc->saturated += sat;
@@ -129,7 +125,8 @@ CPD_INLINE void AccumulateStats(const float* in, const float* out, size_t n, flo
 // (through a scratch buffer when the caller wants no floats).
 template <typename Span>
 CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, uint32_t* codes,
-                                size_t n, uint64_t first, float lo, float hi, ElementStats* stats) {
+                                size_t n, uint64_t first, const GridRange& range,
+                                ElementStats* stats) {
   if (stats == nullptr) {
     if (out != nullptr && codes != nullptr) {
       span.template Run<true, true>(in, out, codes, n, first);
@@ -158,7 +155,7 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
     } else {
       span.template Run<true, false>(in + s, dst, nullptr, len, first + s);
     }
-    AccumulateStats(in + s, dst, len, lo, hi, &acc);
+    AccumulateStats(in + s, dst, len, range, &acc);
     if (!direct && out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
   }
   acc.MergeInto(stats);
@@ -306,21 +303,21 @@ CPD_INLINE void FloatGridDispatch(const float* in, float* out, uint32_t* codes, 
                                   ElementStats* stats) {
   const FloatGrid g = grid;
   const float down = Pow2(-shift), up = Pow2(shift);
-  const float hi = BitsFloat(g.max_bits) * up;
+  const GridRange range = ShiftedGridRange(g.max_bits, up);
   if constexpr (kMode == RoundMode::kStochastic) {
     if (const StochasticLanes* lanes = LanesInUse()) {
       const FloatGridLanesSpan span{lanes, StochasticGridConsts(g), down, up, p.rng_key};
-      DispatchOutputs(span, in, out, codes, n, p.index_base, -hi, hi, stats);
+      DispatchOutputs(span, in, out, codes, n, p.index_base, range, stats);
       return;
     }
   }
   auto round = [&g, down, up](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     Rounded r;
-    r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
+    r.value = BitsFloat(RoundToFloatGrid<kMode>(x * down, g, rnd, &r.code)) * up;
     return r;
   };
   DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
-                  codes, n, p.index_base, -hi, hi, stats);
+                  codes, n, p.index_base, range, stats);
 }
 
 template <RoundMode kMode>
@@ -331,12 +328,11 @@ CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes,
   const float down = Pow2(-shift), up = Pow2(shift);
   auto round = [&g, down, up](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     Rounded r;
-    r.value = BitsFloat(RoundToBinadeGrid<kMode>(x * down, g, rnd, &r.code, nullptr)) * up;
+    r.value = BitsFloat(RoundToBinadeGrid<kMode>(x * down, g, rnd, &r.code)) * up;
     return r;
   };
-  const float hi = BitsFloat(g.max_bits) * up;
   DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
-                  codes, n, p.index_base, -hi, hi, stats);
+                  codes, n, p.index_base, ShiftedGridRange(g.max_bits, up), stats);
 }
 
 template <RoundMode kMode>
@@ -344,23 +340,23 @@ CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes,
                                    const LinearGrid& grid, const LoopParams& p,
                                    ElementStats* stats) {
   const LinearGrid g = grid;
-  const float lo = LinearValue(g.qmin, g), hi = LinearValue(g.qmax, g);
+  const GridRange range = LinearGridRange(g);
   if constexpr (kMode == RoundMode::kStochastic) {
     if (const StochasticLanes* lanes = LanesInUse()) {
       const LinearGridLanesSpan span{lanes, g, p.rng_key};
-      DispatchOutputs(span, in, out, codes, n, p.index_base, lo, hi, stats);
+      DispatchOutputs(span, in, out, codes, n, p.index_base, range, stats);
       return;
     }
   }
   auto round = [&g](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
     int32_t q;
     Rounded r;
-    r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q, nullptr);
+    r.value = RoundToLinearGrid<kMode>(x, g, rnd, &q);
     r.code = uint32_t(q - g.qmin);
     return r;
   };
   DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
-                  codes, n, p.index_base, lo, hi, stats);
+                  codes, n, p.index_base, range, stats);
 }
 
 CPD_INLINE uint32_t MaxAbsBits(const float* x, size_t n) {
@@ -463,8 +459,7 @@ CPD_INLINE size_t FixedBlocks(const float* in, float* out, uint32_t* codes, size
     if (kMode == RoundMode::kStochastic) FillRandomBits(p.rng_key, p.index_base + s, kBlock, rnd);
     for (size_t j = 0; j < kBlock; ++j) {
       uint32_t code;
-      const float z =
-          BitsFloat(RoundToFloatGrid<kMode>(in[s + j] * down, g, rnd[j], &code, nullptr));
+      const float z = BitsFloat(RoundToFloatGrid<kMode>(in[s + j] * down, g, rnd[j], &code));
       if (kOut) out[s + j] = z * up;
       if (kCodes) codes[s + j] = code;
     }
@@ -567,28 +562,25 @@ uint64_t CountChangedBits(const float* a, const float* b, size_t n) {
 namespace {
 
 // Hysteresis is applied to weights once per step: a plain scalar loop is fast enough.
+// round(x, up) rounds x onto the grid toward +inf (up) or -inf and returns the value.
 template <typename RoundFn>
 uint64_t HysteresisLoop(const float* w, float* q, size_t n, const RoundFn& round,
-                        ElementStats* stats) {
+                        const GridRange& range, ElementStats* stats) {
   uint64_t flips = 0;
   SpanAcc acc;
   for (size_t i = 0; i < n; ++i) {
     const float x = w[i];
     const float prev = q[i];
-    ElementFlags f;
-    const float z = round(x, x < prev, &f);
+    const float z = round(x, x < prev);
     flips += FloatBits(z) != FloatBits(prev);
     q[i] = z;
-    const uint32_t a = FloatBits(x) & 0x7fffffffu;
-    if (a <= 0x7f800000u) acc.max_bits = std::max(acc.max_bits, a);
-    acc.saturated += f.saturated;
-    acc.flushed += f.flushed;
-    acc.nonfinite += f.nonfinite;
-    if (a < 0x7f800000u && (FloatBits(z) & 0x7fffffffu) < 0x7f800000u) {
-      const double d = double(z) - double(x);
-      acc.sq_error += d * d;
-      acc.sq_input += double(x) * double(x);
-    }
+    const ElementStat e = StatOf(x, z, range);
+    acc.max_bits = std::max(acc.max_bits, e.abs_bits);
+    acc.saturated += e.saturated;
+    acc.flushed += e.flushed;
+    acc.nonfinite += e.nonfinite;
+    acc.sq_error += e.sq_error;
+    acc.sq_input += e.sq_input;
   }
   if (stats != nullptr) acc.MergeInto(stats);
   return flips;
@@ -599,34 +591,34 @@ uint64_t HysteresisLoop(const float* w, float* q, size_t n, const RoundFn& round
 uint64_t HysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g, int shift,
                              ElementStats* stats) {
   const float down = Pow2(-shift), up = Pow2(shift);
-  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
+  auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
     const float y = x * down;
-    const uint32_t zb = up_dir ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0, nullptr, f)
-                               : RoundToFloatGrid<RoundMode::kDown>(y, g, 0, nullptr, f);
+    const uint32_t zb = up_dir ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0, nullptr)
+                               : RoundToFloatGrid<RoundMode::kDown>(y, g, 0, nullptr);
     return BitsFloat(zb) * up;
   };
-  return HysteresisLoop(w, q, n, round, stats);
+  return HysteresisLoop(w, q, n, round, ShiftedGridRange(g.max_bits, up), stats);
 }
 
 uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid& g, int shift,
                               ElementStats* stats) {
   const float down = Pow2(-shift), up = Pow2(shift);
-  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
+  auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
     const float y = x * down;
-    const uint32_t zb = up_dir ? RoundToBinadeGrid<RoundMode::kUp>(y, g, 0, nullptr, f)
-                               : RoundToBinadeGrid<RoundMode::kDown>(y, g, 0, nullptr, f);
+    const uint32_t zb = up_dir ? RoundToBinadeGrid<RoundMode::kUp>(y, g, 0, nullptr)
+                               : RoundToBinadeGrid<RoundMode::kDown>(y, g, 0, nullptr);
     return BitsFloat(zb) * up;
   };
-  return HysteresisLoop(w, q, n, round, stats);
+  return HysteresisLoop(w, q, n, round, ShiftedGridRange(g.max_bits, up), stats);
 }
 
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats) {
-  auto round = [&](float x, bool up_dir, ElementFlags* f) CPD_LAMBDA_INLINE {
-    return up_dir ? RoundToLinearGrid<RoundMode::kUp>(x, g, 0, nullptr, f)
-                  : RoundToLinearGrid<RoundMode::kDown>(x, g, 0, nullptr, f);
+  auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
+    return up_dir ? RoundToLinearGrid<RoundMode::kUp>(x, g, 0, nullptr)
+                  : RoundToLinearGrid<RoundMode::kDown>(x, g, 0, nullptr);
   };
-  return HysteresisLoop(w, q, n, round, stats);
+  return HysteresisLoop(w, q, n, round, LinearGridRange(g), stats);
 }
 
 CPD_CLONES

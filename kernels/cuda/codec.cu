@@ -99,11 +99,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kUnitCodes; ++k) {
       codes[k] = 0;
       if (k < len) {
-        ElementFlags f;
+        GridRange range;
         uint32_t code = 0;
-        const float z = o.Apply(x[k], 0.0f, first + k, &code, kStats ? &f : nullptr);
+        const float z = o.Apply(x[k], 0.0f, first + k, &code, kStats ? &range : nullptr);
         codes[k] = code & mask;
-        if constexpr (kStats) acc.Add(x[k], z, f);
+        if constexpr (kStats) acc.Add(x[k], z, range);
       }
     }
     StoreCodeUnit(codes, len, bits, words, dst + u * uint64_t(bits));

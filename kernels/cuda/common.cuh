@@ -58,10 +58,10 @@ __device__ __forceinline__ uint32_t FiniteAbsBits(float x) {
   return a < 0x7f800000u ? a : 0u;
 }
 
-// The per-element statistics of kernels/quantize_cpu.cc (LaneStats::Add), per thread.
+// The per-element statistics (kernels::StatOf, the CPU loops' definition), per thread.
 template <bool kStats>
 struct Acc {
-  __device__ __forceinline__ void Add(float, float, const ElementFlags&) {}
+  __device__ __forceinline__ void Add(float, float, const GridRange&) {}
   __device__ __forceinline__ void Flip(bool) {}
 };
 
@@ -71,18 +71,14 @@ struct Acc<true> {
   double sq_error = 0.0, sq_input = 0.0;
   uint32_t max_bits = 0;
 
-  __device__ __forceinline__ void Add(float in, float out, const ElementFlags& f) {
-    const uint32_t a = FloatBits(in) & 0x7fffffffu;
-    const uint32_t abits = a > 0x7f800000u ? 0u : a;
-    max_bits = abits > max_bits ? abits : max_bits;
-    saturated += f.saturated;
-    flushed += f.flushed;
-    nonfinite += f.nonfinite;
-    const bool finite = a < 0x7f800000u && (FloatBits(out) & 0x7fffffffu) < 0x7f800000u;
-    const double d = finite ? double(out) - double(in) : 0.0;
-    const double x = finite ? double(in) : 0.0;
-    sq_error += d * d;
-    sq_input += x * x;
+  __device__ __forceinline__ void Add(float in, float out, const GridRange& range) {
+    const ElementStat e = StatOf(in, out, range);
+    max_bits = e.abs_bits > max_bits ? e.abs_bits : max_bits;
+    saturated += e.saturated;
+    flushed += e.flushed;
+    nonfinite += e.nonfinite;
+    sq_error += e.sq_error;
+    sq_input += e.sq_input;
   }
   __device__ __forceinline__ void Flip(bool changed) { flips += changed; }
 };
@@ -132,8 +128,10 @@ __device__ __forceinline__ void BlockStatsToPartial(const Acc<true>& acc, Device
 // Element operations: what one element becomes. Init() runs once per thread (caches the scale
 // of a single-group span in registers); Apply() maps x (and, for hysteresis, the previous
 // quantised value) of global element i to its output and, when `code` is non-null (the
-// encoder), writes its code as the CPU loops do (kernels/quantize_cpu.cc). Shared by
-// quantize.cu and codec.cu, so that QuantizeCuda and EncodeCuda round with the same code.
+// encoder), writes its code as the CPU loops do (kernels/quantize_cpu.cc); when `range` is
+// non-null (statistics), the finite range of the element's grid after its scaling, the bounds
+// kernels::StatOf counts saturation against. Shared by quantize.cu and codec.cu, so that
+// QuantizeCuda and EncodeCuda round with the same code.
 
 // A fixed float grid (shift 0): x * 2^0 and z * 2^0 are identities, so they are left out.
 template <RoundMode kMode>
@@ -144,9 +142,10 @@ struct FixedFloatGridOp {
 
   __device__ __forceinline__ void Init() {}
   __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-    return BitsFloat(RoundToFloatGrid<kMode>(x, g, rnd, code, f));
+    if (range != nullptr) *range = ShiftedGridRange(g.max_bits, 1.0f);
+    return BitsFloat(RoundToFloatGrid<kMode>(x, g, rnd, code));
   }
 };
 
@@ -165,7 +164,7 @@ struct FloatGridOp {
     up0 = Pow2(shifts[0]);
   }
   __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     float down = down0, up = up0;
     if (group_len != 0) {
       const int32_t s = shifts[GroupOf(i, group_len)];
@@ -173,7 +172,8 @@ struct FloatGridOp {
       up = Pow2(s);
     }
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-    const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(x, down), g, rnd, code, f);
+    if (range != nullptr) *range = ShiftedGridRange(g.max_bits, up);
+    const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(x, down), g, rnd, code);
     return ScaleBack(zb, up);
   }
 };
@@ -193,7 +193,7 @@ struct BinadeGridOp {
     up0 = Pow2(shifts[0]);
   }
   __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     float down = down0, up = up0;
     if (group_len != 0) {
       const int32_t s = shifts[GroupOf(i, group_len)];
@@ -201,7 +201,8 @@ struct BinadeGridOp {
       up = Pow2(s);
     }
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-    const uint32_t zb = RoundToBinadeGrid<kMode>(__fmul_rn(x, down), *g, rnd, code, f);
+    if (range != nullptr) *range = ShiftedGridRange(g->max_bits, up);
+    const uint32_t zb = RoundToBinadeGrid<kMode>(__fmul_rn(x, down), *g, rnd, code);
     return ScaleBack(zb, up);
   }
 };
@@ -216,11 +217,12 @@ struct LinearGridOp {
 
   __device__ __forceinline__ void Init() { grid0 = grids[0]; }
   __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
     const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
+    if (range != nullptr) *range = LinearGridRange(lg);
     int32_t q;
-    const float value = RoundToLinearGrid<kMode>(x, lg, rnd, &q, f);
+    const float value = RoundToLinearGrid<kMode>(x, lg, rnd, &q);
     if (code != nullptr) *code = uint32_t(q - lg.qmin);  // kernels::QuantizeLinearGrid's codes
     return value;
   }

@@ -48,11 +48,12 @@ struct FloatHysteresisOp {
 
   __device__ __forceinline__ void Init() { shift0 = shifts != nullptr ? shifts[0] : 0; }
   __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     const int32_t s = group_len == 0 ? shift0 : shifts[GroupOf(i, group_len)];
     const float y = __fmul_rn(x, Pow2(-s));
-    const uint32_t zb = x < prev ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0u, nullptr, f)
-                                 : RoundToFloatGrid<RoundMode::kDown>(y, g, 0u, nullptr, f);
+    if (range != nullptr) *range = ShiftedGridRange(g.max_bits, Pow2(s));
+    const uint32_t zb = x < prev ? RoundToFloatGrid<RoundMode::kUp>(y, g, 0u, nullptr)
+                                 : RoundToFloatGrid<RoundMode::kDown>(y, g, 0u, nullptr);
     return ScaleBack(zb, Pow2(s));
   }
 };
@@ -67,11 +68,12 @@ struct BinadeHysteresisOp {
 
   __device__ __forceinline__ void Init() { shift0 = shifts[0]; }
   __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     const int32_t s = group_len == 0 ? shift0 : shifts[GroupOf(i, group_len)];
     const float y = __fmul_rn(x, Pow2(-s));
-    const uint32_t zb = x < prev ? RoundToBinadeGrid<RoundMode::kUp>(y, *g, 0u, nullptr, f)
-                                 : RoundToBinadeGrid<RoundMode::kDown>(y, *g, 0u, nullptr, f);
+    if (range != nullptr) *range = ShiftedGridRange(g->max_bits, Pow2(s));
+    const uint32_t zb = x < prev ? RoundToBinadeGrid<RoundMode::kUp>(y, *g, 0u, nullptr)
+                                 : RoundToBinadeGrid<RoundMode::kDown>(y, *g, 0u, nullptr);
     return ScaleBack(zb, Pow2(s));
   }
 };
@@ -84,20 +86,21 @@ struct LinearHysteresisOp {
 
   __device__ __forceinline__ void Init() { grid0 = grids[0]; }
   __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         ElementFlags* f) const {
+                                         GridRange* range) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
-    return x < prev ? RoundToLinearGrid<RoundMode::kUp>(x, lg, 0u, nullptr, f)
-                    : RoundToLinearGrid<RoundMode::kDown>(x, lg, 0u, nullptr, f);
+    if (range != nullptr) *range = LinearGridRange(lg);
+    return x < prev ? RoundToLinearGrid<RoundMode::kUp>(x, lg, 0u, nullptr)
+                    : RoundToLinearGrid<RoundMode::kDown>(x, lg, 0u, nullptr);
   }
 };
 
 template <class Op, bool kStats>
 __device__ __forceinline__ float ApplyOne(const Op& op, float x, float prev, uint64_t i,
                                           Acc<kStats>& acc) {
-  ElementFlags f;
-  const float z = op.Apply(x, prev, i, /*code=*/nullptr, kStats ? &f : nullptr);
+  GridRange range;
+  const float z = op.Apply(x, prev, i, /*code=*/nullptr, kStats ? &range : nullptr);
   if constexpr (kStats) {
-    acc.Add(x, z, f);
+    acc.Add(x, z, range);
     if (Op::kReadsOut) acc.Flip(FloatBits(z) != FloatBits(prev));
   }
   return z;
@@ -338,12 +341,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int c = 0; c < 4; ++c) {
         const uint64_t i = e + c;
         const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-        ElementFlags f;
-        const uint32_t zb =
-            RoundToFloatGrid<kMode>(__fmul_rn(xs[c], down), g, rnd, nullptr, kStats ? &f : nullptr);
+        const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(xs[c], down), g, rnd, nullptr);
         z[c] = ScaleBack(zb, up);
         if constexpr (kStats) {
-          if (i < n) acc.Add(xs[c], z[c], f);
+          if (i < n) acc.Add(xs[c], z[c], ShiftedGridRange(g.max_bits, up));
         }
       }
       if (vec_out && e + 4 <= n) {

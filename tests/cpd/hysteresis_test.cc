@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpd/format.h"
@@ -217,6 +219,47 @@ TEST(Hysteresis, FlipCountAndThreadsOnLargeTensors) {
       std::vector<float> again = qw;
       ASSERT_TRUE(QuantizeHysteresis(f, w.data(), again.data(), n, o).ok());
       EXPECT_TRUE(again == qw) << spec;
+    }
+  }
+}
+
+// The statistics of QuantizeHysteresis and Quantize follow one definition (kernels::StatOf), on
+// the input and the final output: a nonzero x that comes out 0 is flushed even where x * 2^-s
+// underflows under a near-FLT_MAX outlier's shift, and an x beyond the scaled grid's largest
+// value is saturated. Counted here from the inputs and outputs themselves.
+TEST(Hysteresis, StatisticsCountInputsAndFinalOutputs) {
+  const float big = 0.9f * std::numeric_limits<float>::max();
+  const float sub = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> w = {big,    1e-38f,  3 * sub, -sub, 0.0f,   1.0f,       -2.5e-30f,
+                                7e-39f, -1e-44f, 1e-20f,  -big, 6e-45f, 0.5f * big, 2e-42f};
+  for (const char* spec : {"fp134", "fp152:room=2", "log4", "binades:4x7,3,2,1,0", "int8",
+                           "uint4:minmax", "e4m3", "e5m2:nosub", "bf16"}) {
+    const Format f = MustParse(spec);
+    QuantizeOptions o;
+    std::vector<float> quantized(w.size());
+    QuantStats qs;
+    ASSERT_TRUE(Quantize(f, w.data(), quantized.data(), w.size(), o, &qs).ok()) << spec;
+    for (const bool from_zero : {true, false}) {
+      // From all-zero previous weights every w > 0 rounds down and every w < 0 up; from the
+      // quantised weights some hold.
+      std::vector<float> q = from_zero ? std::vector<float>(w.size(), 0.0f) : quantized;
+      QuantStats hs;
+      ASSERT_TRUE(QuantizeHysteresis(f, w.data(), q.data(), w.size(), o, &hs).ok()) << spec;
+      for (const auto& [out, st, what] :
+           {std::tuple{&quantized, &qs, "Quantize"}, std::tuple{&q, &hs, "QuantizeHysteresis"}}) {
+        uint64_t flushed = 0, nonfinite = 0;
+        for (size_t i = 0; i < w.size(); ++i) {
+          flushed += w[i] != 0.0f && (*out)[i] == 0.0f;
+          nonfinite += !std::isfinite(w[i]);
+        }
+        EXPECT_EQ(st->flushed, flushed) << spec << " " << what;
+        EXPECT_EQ(st->nonfinite, nonfinite) << spec << " " << what;
+        EXPECT_EQ(Bits(st->max_abs), Bits(big)) << spec << " " << what;
+      }
+      EXPECT_EQ(hs.saturated, qs.saturated) << spec;
+    }
+    if (std::string(spec) == "fp134") {
+      EXPECT_GE(qs.flushed, 8u) << "the tiny elements flush under the outlier's shift";
     }
   }
 }

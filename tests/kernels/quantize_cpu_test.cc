@@ -124,7 +124,7 @@ TEST_P(StochasticLanesTest, MatchesTheScalarFunctionBitForBit) {
           for (size_t i = 0; i < n; ++i) {
             uint32_t code;
             const uint32_t bits = RoundToFloatGrid<RoundMode::kStochastic>(
-                in[i] * down, g, RandomBits(p.rng_key, base + i), &code, nullptr);
+                in[i] * down, g, RandomBits(p.rng_key, base + i), &code);
             const uint32_t want = FloatBits(BitsFloat(bits) * up);
             const std::string where = std::string(gc.name) + " shift " + std::to_string(shift) +
                                       " n " + std::to_string(n) + " base " + std::to_string(base) +
@@ -189,7 +189,7 @@ TEST_P(StochasticLanesTest, LinearGridsMatchTheScalarFunctionBitForBit) {
         for (size_t i = 0; i < n; ++i) {
           int32_t q;
           const float want = RoundToLinearGrid<RoundMode::kStochastic>(
-              in[i], g, RandomBits(p.rng_key, base + i), &q, nullptr);
+              in[i], g, RandomBits(p.rng_key, base + i), &q);
           ASSERT_EQ(FloatBits(out[i]), FloatBits(want))
               << "scale " << g.scale << " n " << n << " i " << i << " x " << in[i];
           ASSERT_EQ(codes[i], uint32_t(q - g.qmin)) << "i " << i;

@@ -144,14 +144,6 @@ std::vector<float> MakeInput(size_t n, uint32_t seed) {
   return x;
 }
 
-// Channels that divide n, so that :ch formats get several groups (other formats ignore it).
-size_t ChannelsFor(size_t n) {
-  for (size_t c : {8, 7, 5, 3}) {
-    if (n % c == 0) return c;
-  }
-  return 1;
-}
-
 // Every family the gradient all-reduce accepts: fixed float grids (eXmY, OCP FP8/FP6/FP4, fp16,
 // bf16, fp32), int<b>[:ch], uint<b>:minmax[:ch], MX, bfp (power-of-two, odd and 1-element
 // blocks), the shared-shift fp134/fp143/fp152 and log<b>, at widths 2..32 bits.
@@ -246,7 +238,7 @@ TEST_P(CodecCudaTest, MatchesCpuCodec) {
     opts.seed = 42;
     opts.step = 7;
     opts.index_offset = 1000003;
-    opts.channels = ChannelsFor(n);
+    opts.channels = ChannelsFor(format, n, {8, 7, 5, 3});
     const std::string base = spec + " " + RoundingName(rounding) + " n=" + std::to_string(n);
 
     // The reference: Encode, Decode(Encode) and Quantize on the CPU.

@@ -88,14 +88,6 @@ std::vector<float> CodecInputs(size_t n, uint64_t seed) {
 }
 
 // The smallest of a few divisors of n (channel count for :ch formats), or 1.
-size_t ChannelsFor(const Format& f, size_t n) {
-  if (f.scope() != ScaleScope::kChannel || n == 0) return 1;
-  for (size_t d : {3, 7, 11, 13}) {
-    if (n % d == 0) return d;
-  }
-  return 1;
-}
-
 struct CodecCase {
   std::string spec;
   size_t n;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -52,6 +53,18 @@ inline std::string Show(float f) {
   s.precision(9);
   s << f << " (" << Hex(Bits(f)) << ")";
   return s.str();
+}
+
+// A channel count for a test tensor of n elements in format f: for a per-channel (`:ch`) format
+// the first of `divisors` that divides n, else 1; 1 for every other format and for n = 0, which
+// a per-channel format refuses (no channel can be empty).
+inline size_t ChannelsFor(const Format& f, size_t n,
+                          std::initializer_list<size_t> divisors = {3, 7, 11, 13}) {
+  if (f.scope() != ScaleScope::kChannel || n == 0) return 1;
+  for (size_t d : divisors) {
+    if (n % d == 0) return d;
+  }
+  return 1;
 }
 
 // Parses a spec that the test expects to be valid.

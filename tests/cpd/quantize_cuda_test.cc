@@ -1,6 +1,8 @@
 // QuantizeCuda / QuantizeHysteresisCuda against the CPU path (cpd::Quantize,
 // cpd::QuantizeHysteresis): outputs bit for bit (NaN by NaN-ness), statistics counts exactly,
 // the double sums to a relative 1e-9. Every test skips when no CUDA device is present.
+#include "cpd/quantize_cuda.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -17,7 +19,6 @@
 
 #include "cpd/format.h"
 #include "cpd/quantize.h"
-#include "cpd/quantize_cuda.h"
 #include "tests/cpd/format_test_util.h"
 
 namespace {
@@ -110,14 +111,6 @@ std::vector<float> MakeInput(size_t n, uint32_t seed) {
   return x;
 }
 
-// Channels that divide n, so that :ch formats get several groups.
-size_t ChannelsFor(size_t n) {
-  for (size_t c : {8, 7, 5, 3}) {
-    if (n % c == 0) return c;
-  }
-  return 1;
-}
-
 std::string Hex(float f) {
   char buf[16];
   std::snprintf(buf, sizeof(buf), "%08x", Bits(f));
@@ -186,7 +179,7 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
     opts.seed = 42;
     opts.step = 7;
     opts.index_offset = 1000003;
-    opts.channels = ChannelsFor(n);
+    opts.channels = cpd::test::ChannelsFor(*format, n, {8, 7, 5, 3});
     std::vector<float> want(n);
     QuantStats want_stats;
     ASSERT_TRUE(cpd::Quantize(*format, in.data(), want.data(), n, opts, &want_stats).ok());
@@ -227,10 +220,10 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
 }
 
 // The "cuda" prefix makes every test name match `ctest -R cuda`.
-INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest,
-                         cpd::test::EveryRoundingOf(kFormats), cpd::test::FormatRoundingName);
-INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaTest,
-                         cpd::test::EveryRoundingOf(kBinadeFormats), cpd::test::FormatRoundingName);
+INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest, cpd::test::EveryRoundingOf(kFormats),
+                         cpd::test::FormatRoundingName);
+INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaTest, cpd::test::EveryRoundingOf(kBinadeFormats),
+                         cpd::test::FormatRoundingName);
 
 // Groups whose scale comes from degenerate data: all zeros of both signs (uint minmax takes the
 // zero the CPU picks as its offset, and a zero scale maps everything to it), no finite element,
@@ -318,7 +311,7 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
     std::uniform_real_distribution<float> jitter(0.9f, 1.1f);
     for (float& v : w0) v *= jitter(rng);
     QuantizeOptions opts;
-    opts.channels = ChannelsFor(n);
+    opts.channels = cpd::test::ChannelsFor(*format, n, {8, 7, 5, 3});
     std::vector<float> q(n);
     ASSERT_TRUE(cpd::Quantize(*format, w0.data(), q.data(), n, opts).ok());
 

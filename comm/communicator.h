@@ -109,9 +109,13 @@ class Communicator {
   // exchange completes (Wait, or Test says done); destroying an incomplete one waits for it.
   // Blocking collectives may be called while exchanges are in flight. InvalidArgument for spans
   // of the wrong size, null data with bytes > 0 or blocks beyond the backend's message limit;
-  // Unavailable where the backend has no nonblocking exchange (NCCL).
+  // Unavailable where the backend has no nonblocking exchange (has_nonblocking_exchange()).
   virtual Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
       std::span<const SendBlock> send, std::span<const RecvBlock> recv);
+  // Whether StartExchangeBytes works: a capability that algorithms ask for before they pick a
+  // pipelined schedule (comm/allreduce/codes.h), false unless an implementation says so. MPI and
+  // world size 1 have it; NCCL does not.
+  virtual bool has_nonblocking_exchange() const { return false; }
 };
 
 // This process's rank among the ranks on its node, from the launcher's environment (Open MPI's
@@ -145,6 +149,7 @@ class SelfCommunicator final : public Communicator {
   // Copies the one block and returns a completed exchange.
   Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
       std::span<const SendBlock> send, std::span<const RecvBlock> recv) override;
+  bool has_nonblocking_exchange() const override { return true; }
 };
 
 }  // namespace cpd::comm

@@ -53,6 +53,7 @@ class MpiCommunicator final : public Communicator {
   // Point-to-point MPI_Irecv / MPI_Isend of every block; Test is MPI_Testall.
   Result<std::unique_ptr<PendingExchange>> StartExchangeBytes(
       std::span<const SendBlock> send, std::span<const RecvBlock> recv) override;
+  bool has_nonblocking_exchange() const override { return true; }
 
   // The duplicated communicator, for code that needs to call MPI directly.
   MPI_Comm mpi_comm() const { return comm_; }

@@ -39,7 +39,11 @@ std::size_t CodeTransport::PieceOffset(const BucketPlan& b, const Piece& pc) con
 }
 
 int CodeTransport::Rounds(const BucketPlan& b) const {
-  if (setup_.options.pipeline_kb == 0 || setup_.world_size == 1) return 0;
+  // Pipelining needs the communicator's nonblocking exchange (a capability, not an error later).
+  if (setup_.options.pipeline_kb == 0 || setup_.world_size == 1 ||
+      !setup_.comm->has_nonblocking_exchange()) {
+    return 0;
+  }
   const std::size_t round_bytes = std::size_t(setup_.options.pipeline_kb) * 1024;
   const std::size_t codes = PackedCodeBytes(setup_.format, b.max_chunk);
   std::size_t most_pieces = 0;

@@ -28,6 +28,7 @@
 #include "cpd/config.h"
 #include "cpd/quantize.h"
 #include "cpd/quantize_cuda.h"
+#include "tests/comm/mirror_communicator.h"
 #include "tests/mpi_test_main.h"
 #if CPD_WITH_NCCL
 #include "comm/nccl_communicator.h"
@@ -250,8 +251,8 @@ std::vector<Case> AllCases() {
     }
   }
   cases.push_back({AllReduceAlgo::kPacked, "e4m3", Rounding::kZero, true, false});
-  cases.push_back({AllReduceAlgo::kPacked, "e3m0", Rounding::kZero, true, false,
-                   ApsScaling::kPaper});
+  cases.push_back(
+      {AllReduceAlgo::kPacked, "e3m0", Rounding::kZero, true, false, ApsScaling::kPaper});
   cases.push_back({AllReduceAlgo::kEmulate, "e5m2", Rounding::kZero, false, true});
   // Formats that travel as cpd::Encode'd segments (packed) or quantised float32 (emulate).
   for (AllReduceAlgo algo : {AllReduceAlgo::kPacked, AllReduceAlgo::kEmulate}) {
@@ -311,80 +312,16 @@ TEST(GradientAllReduceCudaTest, OnAStreamOfItsOwnWithTheOutputAliasingTheInput) 
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
-// Rank 0 of a world of `size` ranks that all hold this process's inputs: every collective
-// returns what it would if the other ranks were copies of this one. Not a world a run can have
-// (their stochastic roundings would differ), but a host communicator of size > 1 in one process:
-// both reducers over it must agree, and the device one stages its payloads through pinned
-// memory at chunk offsets of several ranks, which a GPU machine without MPI can test no other way.
-class MirrorCommunicator final : public Communicator {
- public:
-  explicit MirrorCommunicator(int size) : size_(size) {}
-  int rank() const override { return 0; }
-  int size() const override { return size_; }
-
-  Status AllReduce(float* data, std::size_t count, ReduceOp op) override {
-    return Reduce(data, count, op);
-  }
-  Status AllReduce(std::int32_t* data, std::size_t count, ReduceOp op) override {
-    return Reduce(data, count, op);
-  }
-  Status AllReduce(std::uint64_t* data, std::size_t count, ReduceOp op) override {
-    return Reduce(data, count, op);
-  }
-  Status ReduceScatter(const float* in, float* out, std::size_t count) override {
-    const std::size_t block = count / std::size_t(size_);
-    std::copy(in, in + block, out);  // rank 0's block, from every rank
-    return Reduce(out, block, ReduceOp::kSum);
-  }
-  Status AllGather(const float* in, float* out, std::size_t count) override {
-    return Replicate(in, out, count * sizeof(float));
-  }
-  Status AllToAll(const float* in, float* out, std::size_t block_count) override {
-    return Replicate(in, out, block_count * sizeof(float));  // every rank's block 0
-  }
-  Status Broadcast(float*, std::size_t, int) override { return Status::Ok(); }
-  Status AllToAllBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block) override {
-    return Replicate(in, out, block);
-  }
-  Status AllGatherBytes(const std::uint8_t* in, std::uint8_t* out, std::size_t block) override {
-    return Replicate(in, out, block);
-  }
-  Status BroadcastBytes(std::uint8_t*, std::size_t, int) override { return Status::Ok(); }
-  Status Barrier() override { return Status::Ok(); }
-
- private:
-  // op over `size_` copies of each value, added one by one as a real reduction would.
-  template <typename T>
-  Status Reduce(T* data, std::size_t count, ReduceOp op) {
-    if (op == ReduceOp::kMax) return Status::Ok();
-    for (std::size_t i = 0; i < count; ++i) {
-      T acc = data[i];
-      for (int r = 1; r < size_; ++r) acc += data[i];
-      data[i] = acc;
-    }
-    return Status::Ok();
-  }
-  // out holds `size_` copies of in[0, bytes).
-  Status Replicate(const void* in, void* out, std::size_t bytes) {
-    for (int r = 0; r < size_; ++r) {
-      if (bytes > 0)
-        std::memcpy(static_cast<std::uint8_t*>(out) + std::size_t(r) * bytes, in, bytes);
-    }
-    return Status::Ok();
-  }
-  int size_;
-};
-
 TEST(GradientAllReduceCudaTest, StagedTransportOverAMirroredWorldMatchesHostReducer) {
   SKIP_WITHOUT_GPU();
   const GradientLayout layout = MakeLayout(kSizes);
   for (int size : {2, 3}) {
-    MirrorCommunicator mirror(size);
+    test::MirrorCommunicator mirror(size);
     for (const Case& c : {Case{AllReduceAlgo::kFp32, "fp32", Rounding::kNearest, false, false},
                           Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false},
                           Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false},
-          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false,
-               ApsScaling::kPaper},
+                          Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false,
+                               ApsScaling::kPaper},
                           Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kNearest, false, true},
                           Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kStochastic, true, false},
                           Case{AllReduceAlgo::kPacked, "mxfp8", Rounding::kStochastic, true, false},

@@ -25,6 +25,7 @@
 #include "cpd/config.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "tests/comm/mirror_communicator.h"
 #include "tests/mpi_test_main.h"
 
 namespace cpd::comm {
@@ -1084,6 +1085,75 @@ TEST(GradientAllReduceTest, PackedSendsFewerBytesThanFp32) {
   EXPECT_LT(bytes[3], codes[3] + 2 * 64u * p);
   EXPECT_GE(bytes[4], codes[4]);
   EXPECT_LT(bytes[4], codes[4] + 2 * 64u * p);
+}
+
+// A world of P > 1 copies of this process (tests/comm/mirror_communicator.h: no nonblocking
+// exchange) with default options, pipelining included: the reducer must pick a schedule the
+// communicator can run. Rank 0 reduces chunk 0 of every bucket from the P copies, which must sum
+// the P * K contributions exactly (small integers times a power of two per layer, exact in every
+// format here and in every partial sum); the mirror's all-gather hands it chunk 0 again for the
+// other ranks' chunks, so only fp32's all-reduce gives the whole buffer.
+TEST(GradientAllReduceTest, MirroredWorldWithDefaultOptionsSumsEveryCopy) {
+  const GradientLayout layout = MakeLayout({0, 1, 7, 1001, 64, 3000, 129, 513});
+  struct Case {
+    AllReduceAlgo algo;
+    const char* format;
+    bool aps;
+  };
+  const Case cases[] = {
+      {AllReduceAlgo::kFp32, "e4m3", false},    {AllReduceAlgo::kPacked, "e4m3", false},
+      {AllReduceAlgo::kPacked, "e4m3", true},   {AllReduceAlgo::kPacked, "e5m2", true},
+      {AllReduceAlgo::kPacked, "bf16", false},  {AllReduceAlgo::kPacked, "mxfp8", true},
+      {AllReduceAlgo::kEmulate, "e4m3", false}, {AllReduceAlgo::kEmulate, "e4m3", true},
+      {AllReduceAlgo::kEmulate, "bf16", true}};
+  for (int p : {2, 3}) {
+    test::MirrorCommunicator mirror(p);
+    for (int k : {1, 2}) {
+      for (const Case& c : cases) {
+        GradientAllReduceOptions opts;  // default bucket_mb and pipeline_kb
+        opts.algo = c.algo;
+        opts.format = c.format;
+        opts.aps = c.aps;
+        ASSERT_GT(opts.pipeline_kb, 0);
+        const std::string what = std::string(AllReduceAlgoName(c.algo)) + "/" + c.format +
+                                 (c.aps ? "/aps" : "") + " P=" + std::to_string(p) +
+                                 " K=" + std::to_string(k);
+        auto red = GradientAllReducer::Create(&mirror, opts, layout, k);
+        ASSERT_TRUE(red.ok()) << what << ": " << red.status().ToString();
+        std::vector<std::vector<float>> in(static_cast<size_t>(k),
+                                           std::vector<float>(layout.total()));
+        std::vector<float> want(layout.total(), 0.0f);
+        std::vector<float*> ptrs;
+        for (int j = 0; j < k; ++j) {
+          for (size_t l = 0; l < layout.layers(); ++l) {
+            for (size_t i = layout.offsets[l]; i < layout.offsets[l + 1]; ++i) {
+              const float v = std::ldexp(float(int((i * 7 + size_t(j) * 5) % 5) - 2), int(l) - 3);
+              in[size_t(j)][i] = v;
+              want[i] += float(p) * v;
+            }
+          }
+          ptrs.push_back(in[size_t(j)].data());
+        }
+        std::vector<float> out(layout.total(), -1.0f);
+        const Status st = red.value()->Reduce(ptrs.data(), out.data(), 5);
+        ASSERT_TRUE(st.ok()) << what << ": " << st.ToString();
+        size_t wrong = 0, checked = 0;
+        for (const GradientBucket& b : red.value()->buckets()) {
+          const bool whole = c.algo == AllReduceAlgo::kFp32;
+          for (size_t i = b.begin; i < (whole ? b.end : b.chunk_bounds[1]); ++i, ++checked) {
+            wrong += Bits(out[i]) != Bits(want[i] + 0.0f);
+          }
+        }
+        EXPECT_EQ(wrong, 0u) << what << ", of " << checked;
+        EXPECT_GT(checked, layout.total() / size_t(p) / 2) << what;
+        for (const LayerCommStats& ls : red.value()->last_stats()) {
+          EXPECT_EQ(ls.flushed, 0.0) << what << " " << ls.layer;
+          EXPECT_EQ(ls.saturated, 0.0) << what << " " << ls.layer;
+        }
+        EXPECT_GT(red.value()->last_bytes_sent(), 0u) << what;
+      }
+    }
+  }
 }
 
 TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <utility>
 
-#include "comm/allreduce/device.h"
+#include "comm/allreduce/backend.h"
 #include "comm/allreduce/internal.h"
 #include "comm/allreduce/plan.h"
 #include "cpd/config.h"
@@ -23,7 +23,6 @@ constexpr int kMaxShift = 126;
 using internal::Algorithm;
 using internal::AllReducePlan;
 using internal::ReducerSetup;
-using internal::ShiftScan;
 using internal::StepContext;
 
 kernels::RoundMode ToRoundMode(Rounding r) {
@@ -37,30 +36,37 @@ kernels::RoundMode ToRoundMode(Rounding r) {
   }
 }
 
+// One reducer for host and device gradients: the plan, the step's state and the algorithm are
+// the same; the back end (comm/allreduce/backend.h) runs the stages where the gradients live.
 class Reducer final : public GradientAllReducer {
  public:
   explicit Reducer(ReducerSetup setup)
       : setup_(std::move(setup)),
-        plan_(setup_.layout, setup_.world_size, setup_.options.bucket_mb, internal::kPiece),
-        context_(setup_, plan_),
-        scan_(setup_) {
+        plan_(setup_.layout, setup_.world_size, setup_.options.bucket_mb, internal::kPiece) {
     for (const internal::BucketPlan& b : plan_.buckets()) buckets_.push_back(b.bounds);
     stats_ = internal::NewLayerStats(setup_);
   }
 
-  // Picks the algorithm, which allocates its scratch.
+  // Makes the back end and the step's state, then picks the algorithm, which allocates its
+  // scratch.
   Status Init() {
+    if (setup_.options.gradients == MemorySpace::kDevice) {
+      CPD_ASSIGN_OR_RETURN(backend_, internal::MakeDeviceBackend(setup_, plan_));
+    } else {
+      CPD_ASSIGN_OR_RETURN(backend_, internal::MakeHostBackend(setup_, plan_));
+    }
+    context_ = std::make_unique<StepContext>(setup_, plan_, backend_.get());
     switch (setup_.options.algo) {
       case AllReduceAlgo::kFp32: {
-        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakeFp32(&context_));
+        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakeFp32(context_.get()));
         break;
       }
       case AllReduceAlgo::kEmulate: {
-        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakeEmulate(&context_));
+        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakeEmulate(context_.get()));
         break;
       }
       case AllReduceAlgo::kPacked: {
-        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakePacked(&context_));
+        CPD_ASSIGN_OR_RETURN(algorithm_, internal::MakePacked(context_.get()));
         break;
       }
     }
@@ -70,7 +76,7 @@ class Reducer final : public GradientAllReducer {
   Status Reduce(float* const* inputs, float* output, int64_t step, bool measure_error) override;
   bool last_nonfinite() const override { return nonfinite_; }
   const std::vector<LayerCommStats>& last_stats() const override { return stats_; }
-  uint64_t last_bytes_sent() const override { return context_.bytes_sent; }
+  uint64_t last_bytes_sent() const override { return context_->bytes_sent; }
   const std::vector<GradientBucket>& buckets() const override { return buckets_; }
 
  private:
@@ -78,8 +84,8 @@ class Reducer final : public GradientAllReducer {
 
   const ReducerSetup setup_;
   const AllReducePlan plan_;
-  StepContext context_;
-  ShiftScan scan_;
+  std::unique_ptr<internal::Backend> backend_;
+  std::unique_ptr<StepContext> context_;
   std::unique_ptr<Algorithm> algorithm_;
   std::vector<GradientBucket> buckets_;
   std::vector<LayerCommStats> stats_;
@@ -88,24 +94,26 @@ class Reducer final : public GradientAllReducer {
 
 Status Reducer::Reduce(float* const* inputs, float* output, int64_t step, bool measure_error) {
   CPD_RETURN_IF_ERROR(internal::CheckReduceBuffers(setup_, inputs, output));
+  CPD_RETURN_IF_ERROR(backend_->BeginStep(inputs, output));
   BeginStep();
   bool finite = true;
-  CPD_RETURN_IF_ERROR(scan_.ScanAndShift(inputs, &context_, &finite));
+  CPD_RETURN_IF_ERROR(context_->ScanAndShift(inputs, &finite));
   for (size_t l = 0; l < stats_.size(); ++l) {
-    stats_[l].max_abs = context_.max_abs[l];
-    stats_[l].shift = context_.shifts[l];
+    stats_[l].max_abs = context_->max_abs[l];
+    stats_[l].shift = context_->shifts[l];
   }
   if (!finite) {
     nonfinite_ = true;
     return Status::Ok();
   }
   CPD_RETURN_IF_ERROR(algorithm_->Reduce(inputs, output, step, measure_error));
-  return context_.stats.Finish(measure_error, &stats_);
+  CPD_RETURN_IF_ERROR(context_->stats.Finish(measure_error, &stats_));
+  return backend_->EndStep();
 }
 
 void Reducer::BeginStep() {
   nonfinite_ = false;
-  context_.Reset();
+  context_->Reset();
   internal::ResetLayerStats(&stats_);
 }
 
@@ -159,8 +167,7 @@ Result<ApsScaling> ParseApsScaling(const std::string& name) {
   if (name == "auto") return ApsScaling::kAuto;
   if (name == "paper") return ApsScaling::kPaper;
   if (name == "sum") return ApsScaling::kSum;
-  return Status::InvalidArgument("unknown APS scaling '" + name +
-                                 "' (accepted: auto, paper, sum)");
+  return Status::InvalidArgument("unknown APS scaling '" + name + "' (accepted: auto, paper, sum)");
 }
 
 const char* ApsScalingName(ApsScaling s) {
@@ -282,14 +289,6 @@ Result<std::unique_ptr<GradientAllReducer>> GradientAllReducer::Create(
   setup.aps_sum = UsesApsSumScaling(opts);
   setup.round_mode = ToRoundMode(opts.rounding);
   CPD_RETURN_IF_ERROR(internal::ResolveLayerFormats(&setup));
-  if (opts.gradients == MemorySpace::kDevice) {
-    if (setup.mixed()) {
-      return Status::InvalidArgument(
-          "GradientAllReducer: per-layer all-reduce formats need gradients in host memory; the "
-          "device path carries one format (use --gradients host)");
-    }
-    return internal::CreateDeviceReducer(std::move(setup));
-  }
   auto reducer = std::make_unique<Reducer>(std::move(setup));
   CPD_RETURN_IF_ERROR(reducer->Init());
   return std::unique_ptr<GradientAllReducer>(std::move(reducer));

@@ -46,7 +46,7 @@
 // emax; fp32 layers travel as float32, unshifted and exact (a float32 sum in worker order). A
 // mixed plan always takes the per-segment paths (packed: cpd::Encode'd segments of per-format
 // sizes; emulate: quantised float32 values), also for fixed float grids; a layer map that gives
-// every layer options.format changes nothing. Host gradients only (Create refuses kDevice).
+// every layer options.format changes nothing. Host and device gradients alike.
 //
 // Details this implementation fixes (comm/gradient_allreduce.cc and comm/allreduce/):
 // - bucket_mb counts MiB of float32 (2^20 bytes). A layer larger than a bucket is split into
@@ -71,7 +71,8 @@
 //   stream, drawn from opts.seed, the step and each element's index in the flat buffer, so the
 //   results depend neither on threads nor on the split into pieces. comm/allreduce/internal.h
 //   numbers the streams.
-// - Pipelining (pipeline_kb > 0, host gradients, fixed float grids of <= 16 bits, P > 1): a
+// - Pipelining (pipeline_kb > 0, fixed float grids of <= 16 bits, P > 1, a communicator with a
+//   nonblocking exchange: MPI, not NCCL; Communicator::has_nonblocking_exchange): a
 //   bucket's stages run over rounds, each round a slice of every chunk of about pipeline_kb KiB
 //   of codes per contribution; round j's contributions are quantised while round j - 1's are on
 //   the wire, and summed as they arrive, and the all-gather of one round overlaps the decoding of
@@ -85,19 +86,21 @@
 //   blocks to a cache line). The per-step max/statistics collectives (O(layers)) are not
 //   counted.
 //
-// Gradients in device memory (options.gradients = kDevice, CUDA builds; comm/allreduce/device.h):
-// the same plan, streams, statistics and bytes sent, with the element loops as CUDA kernels
+// Gradients in device memory (options.gradients = kDevice, CUDA builds): the same algorithms
+// over the device back end (comm/allreduce/backend.h, device_backend.cc): the same plan, schedule,
+// per-layer formats, streams, statistics and bytes sent, with the element loops as CUDA kernels
 // (comm/reduce_kernels_cuda.h) and the payload collectives on device buffers, over any
 // communicator: a device-memory one (NcclCommunicator) directly, a host-memory one (MPI, Self)
-// with the payload staged through pinned host memory. Only the payload crosses PCIe: packed codes
-// (fp32 stages its float32 buckets, emulate with formats other than fixed float grids of <= 16
-// bits its quantised float32 values, as on the wire; measure_error copies its float32 reference
-// and this rank's chunks of the result). Every result is bit for bit the host path's with the
-// same communicator kind (fp32 and the reference over NCCL sum in NCCL's order). Formats other
-// than fixed float grids of <= 16 bits (int, uint:minmax, MX, bfp, fp134, log, binades) are
-// encoded per segment with cpd::EncodeCuda / QuantizeCuda, whose statistics wait for the stream
-// (a synchronisation per segment and replica). Reduce() returns once the sum is complete on
-// options.cuda_stream. The per-layer max|g| all-reduce runs on host values (one small copy and one
+// with the payload staged through pinned host memory (a pipelined schedule's exchanges through
+// pinned mirrors). Only the payload crosses PCIe: packed codes (fp32 stages its float32 buckets,
+// formats other than fixed float grids of <= 16 bits their cpd::Encode'd segments or quantised
+// float32 values, as on the wire; measure_error copies its float32 reference and this rank's
+// chunks of the result). Every result is bit for bit the host path's with the same communicator
+// kind (fp32 and the reference over NCCL sum in NCCL's order). Formats other than fixed float
+// grids of <= 16 bits (int, uint:minmax, MX, bfp, fp134, log, binades) are encoded per segment with
+// cpd::EncodeCuda / QuantizeCuda, whose statistics wait for the stream (a synchronisation per
+// segment and replica). Reduce() returns once the sum is complete on options.cuda_stream (it waits
+// for the stream). The per-layer max|g| all-reduce runs on host values (one small copy and one
 // stream synchronisation per step); each payload collective waits for the stream.
 #pragma once
 
@@ -136,7 +139,8 @@ struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)
   // Hybrid precision: layer name (a GradientLayout name) -> its format spec ("fp32" allowed);
-  // layers not named use `format`. emulate and packed only; Create refuses unknown names.
+  // layers not named use `format`. emulate and packed only, host or device gradients; Create
+  // refuses unknown names.
   std::map<std::string, std::string> layer_formats;
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
@@ -201,8 +205,7 @@ class GradientAllReducer {
   // `comm` must outlive the reducer. Host gradients need a host-memory communicator
   // (SelfCommunicator, MpiCommunicator); device gradients take either kind.
   // local_replicas = K >= 1. InvalidArgument for bad options, K < 1, a null communicator, a
-  // device-memory communicator with host gradients, device gradients in a build without CUDA or
-  // in a format the device path does not support, device gradients with per-layer formats, a
+  // device-memory communicator with host gradients, device gradients in a build without CUDA, a
   // layer_formats name the layout does not have, or a layout whose offsets are not layers() + 1
   // non-decreasing values from 0.
   // Scratch memory is bounded by the largest bucket and allocated here (the measure_error

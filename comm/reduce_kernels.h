@@ -16,6 +16,10 @@ namespace cpd::comm::internal {
 // (NaN and Inf included). Both are merged into the outputs (max, +=).
 void ScanAbs(const float* x, std::size_t n, std::uint32_t* max_bits, std::uint64_t* nonzero);
 
+// Float32 arithmetic between roundings of the all-reduce (the scaled formats' sums, Kahan's
+// steps): out[i] = a[i] + b[i] (kAdd) or a[i] - b[i] (kSubtract); host and device back ends.
+enum class ElementOp { kAdd, kSubtract };
+
 // Rounds x[i] * scale (scale a power of two: the APS shift) onto grid g with p's rounding mode
 // (nearest, stochastic or toward zero; the random stream as kernels::QuantizeFloatGrid's) and
 // stores the codes, one per byte (EncodeCodes8, grids of <= 8 bits) or per uint16 (EncodeCodes16,

@@ -19,6 +19,7 @@
 
 #if CPD_WITH_CUDA
 
+#include "comm/reduce_kernels.h"
 #include "cpd/status.h"
 #include "kernels/grid.h"
 #include "kernels/quantize_cpu.h"
@@ -124,7 +125,6 @@ Status SumRoundedCodesCuda(const ContributionCodes& in, std::size_t n, const ker
 // them. Equal to the CPU's for every result that is not NaN; a NaN stays a NaN (its payload may
 // differ from x86's), and every rounding that follows maps it to the format's one NaN. out may
 // equal a or b.
-enum class ElementOp { kAdd, kSubtract };
 Status CombineCuda(const float* d_a, const float* d_b, float* d_out, std::size_t n, ElementOp op,
                    void* stream);
 

@@ -1,6 +1,7 @@
-// How the device-memory gradient all-reduce (comm/allreduce/device.h) moves its payloads: the
-// collectives of the host path (all-to-all and all-gather of packed bytes, fp32's sum all-reduce,
-// the small per-layer all-reduces) on device buffers, over either kind of communicator:
+// How the device back end of the gradient all-reduce (comm/allreduce/device_backend.cc) moves the
+// payloads of its blocking collectives: the collectives of the host path (all-to-all and
+// all-gather of packed bytes, fp32's sum all-reduce, the small per-layer all-reduces) on device
+// buffers, over either kind of communicator:
 //   direct  a device-memory communicator (NcclCommunicator) gets the device buffers;
 //   staged  a host-memory communicator (MPI, Self) gets copies in pinned host memory: only the
 //           payload's bytes cross PCIe, one copy each way (at world size 1, none: the

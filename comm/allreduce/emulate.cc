@@ -2,9 +2,8 @@
 // shift), the W contributions of a chunk summed in worker order with rounding to the format after
 // every addition (kahan: a compensated sum, every operation rounded), the chunks all-gathered.
 // Fixed float grids of <= 16 bits travel as packed codes (comm/allreduce/codes.h), other formats
-// as quantised float32 values; the result is the same bits either way.
-#include <omp.h>
-
+// as quantised float32 values; the result is the same bits either way. Each stage runs on the
+// step's back end (comm/allreduce/backend.h).
 #include <algorithm>
 #include <utility>
 
@@ -14,90 +13,25 @@
 namespace cpd::comm::internal {
 namespace {
 
-// Packed codes, piece by piece.
+// Packed codes: the back end sums each run of pieces and packs the sum (on the grid) at once.
 class EmulateCodes final : public BucketAlgorithm {
  public:
   EmulateCodes(StepContext* ctx, std::unique_ptr<CodeTransport> codes)
-      : BucketAlgorithm(ctx), codes_(std::move(codes)) {
-    // Per thread: the sum, t, c, y, u and the decoded contribution (kahan); the sum alone else.
-    const std::size_t per_thread = setup_.options.kahan ? kScratchPerThread : 1;
-    thread_floats_.assign(std::size_t(setup_.threads) * per_thread * kPiece, 0.0f);
-  }
+      : BucketAlgorithm(ctx), codes_(std::move(codes)) {}
 
  protected:
   Status ReduceBucket(std::size_t, const BucketPlan& b, float* const* inputs, float* output,
                       std::int64_t step) override {
     CodeTransport::OwnChunk own;
-    own.sum = [&](std::span<const Piece> pieces) { SumPieces(b, pieces, step); };
+    own.sum = [&](std::span<const Piece> pieces) {
+      return ctx_.backend.SumRoundedCodes(b, pieces, codes_->Received(b), step,
+                                          codes_->ResultSlot());
+    };
     return codes_->ReduceBucket(b, inputs, output, step, own);
   }
 
  private:
-  static constexpr std::size_t kScratchPerThread = 6;
-
-  // Pieces of this rank's chunk: the W contributions in worker order, the sum encoded for the
-  // all-gather.
-  void SumPieces(const BucketPlan& b, std::span<const Piece> pieces, std::int64_t step) {
-    const int threads = setup_.threads;
-    const long n = long(pieces.size());
-    const std::size_t per_thread = setup_.options.kahan ? kScratchPerThread : 1;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n > 1)
-    for (long i = 0; i < n; ++i) {
-      codes_->KeepExchangesMoving(i);
-      const Piece& pc = pieces[std::size_t(i)];
-      float* scratch = &thread_floats_[std::size_t(omp_get_thread_num()) * per_thread * kPiece];
-      const float* sum = setup_.options.kahan ? SumPieceKahan(b, pc, step, scratch)
-                                              : SumPieceRounded(b, pc, step, scratch);
-      // The sum is on the grid: rounding it again only yields its codes.
-      codes_->EncodeResult(sum, b, pc, kernels::RoundMode::kNearestEven, 0, 0);
-    }
-  }
-
-  // acc = Q(acc + q_w): rounded to the format after every addition.
-  const float* SumPieceRounded(const BucketPlan& b, const Piece& pc, std::int64_t step,
-                               float* acc) const {
-    const CodeDecoder& dec = codes_->decoder();
-    DecodeCodes(codes_->Contribution(b, pc, 0), pc.size(), dec, acc);
-    for (int w = 1; w < setup_.workers; ++w) {
-      DecodeCodesAdd(codes_->Contribution(b, pc, w), pc.size(), dec, acc);
-      Round(acc, pc, AdditionStage(setup_.workers, w), step);
-    }
-    return acc;
-  }
-
-  // Kahan's compensated sum with every operation rounded to the format.
-  const float* SumPieceKahan(const BucketPlan& b, const Piece& pc, std::int64_t step,
-                             float* scratch) const {
-    const CodeDecoder& dec = codes_->decoder();
-    const std::size_t n = pc.size();
-    float *acc = scratch, *t = scratch + kPiece, *c = scratch + 2 * kPiece,
-          *y = scratch + 3 * kPiece, *u = scratch + 4 * kPiece, *q = scratch + 5 * kPiece;
-    DecodeCodes(codes_->Contribution(b, pc, 0), n, dec, acc);
-    std::fill(c, c + n, 0.0f);
-    for (int w = 1; w < setup_.workers; ++w) {
-      const std::int64_t stage = AdditionStage(setup_.workers, w);
-      DecodeCodes(codes_->Contribution(b, pc, w), n, dec, q);
-      for (std::size_t i = 0; i < n; ++i) y[i] = q[i] - c[i];
-      Round(y, pc, stage + kKahanY, step);
-      for (std::size_t i = 0; i < n; ++i) t[i] = acc[i] + y[i];
-      Round(t, pc, stage + kKahanT, step);
-      for (std::size_t i = 0; i < n; ++i) u[i] = t[i] - acc[i];
-      Round(u, pc, stage + kKahanHigh, step);
-      for (std::size_t i = 0; i < n; ++i) c[i] = u[i] - y[i];
-      Round(c, pc, stage + kKahanC, step);
-      std::swap(acc, t);
-    }
-    return acc;
-  }
-
-  // x[0, pc.size()) rounded to the format in place with the stream of `stage`.
-  void Round(float* x, const Piece& pc, std::int64_t stage, std::int64_t step) const {
-    kernels::QuantizeFloatGrid(x, x, nullptr, pc.size(), setup_.format.grid(), 0,
-                               setup_.LoopAt(setup_.round_mode, stage, step, pc.begin), nullptr);
-  }
-
   std::unique_ptr<CodeTransport> codes_;
-  std::vector<float> thread_floats_;
 };
 
 // Scaled formats: the quantised values travel as float32, segment by segment.
@@ -108,15 +42,15 @@ class EmulateFloats final : public BucketAlgorithm {
   Status Allocate() {
     std::size_t slot = 0;
     for (const BucketPlan& b : ctx_.plan.buckets()) slot = std::max(slot, SlotBytes(b));
-    CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, slot));
-    const std::size_t chunk = ctx_.plan.max_chunk();
-    sum_.assign(std::max(chunk, slot / sizeof(float)), 0.0f);  // also the all-gather's send slot
-    tmp_.assign(chunk, 0.0f);
+    CPD_RETURN_IF_ERROR(ctx_.exchange.Allocate(setup_, &ctx_.backend, slot));
+    const std::size_t chunk = ctx_.plan.max_chunk() * sizeof(float);
+    // The sum is also the all-gather's send slot.
+    CPD_ASSIGN_OR_RETURN(sum_, ctx_.backend.Allocate(std::max(chunk, slot)));
+    CPD_ASSIGN_OR_RETURN(tmp_, ctx_.backend.Allocate(chunk));
     if (setup_.options.kahan) {
-      comp_.assign(chunk, 0.0f);
-      y_.assign(chunk, 0.0f);
-      high_.assign(chunk, 0.0f);
-      t_.assign(chunk, 0.0f);
+      for (Memory* m : {&comp_, &y_, &high_, &t_}) {
+        CPD_ASSIGN_OR_RETURN(*m, ctx_.backend.Allocate(chunk));
+      }
     }
     return Status::Ok();
   }
@@ -124,15 +58,13 @@ class EmulateFloats final : public BucketAlgorithm {
  protected:
   Status ReduceBucket(std::size_t, const BucketPlan& b, float* const* inputs, float* output,
                       std::int64_t step) override {
-    ctx_.ApplyShift(b, inputs);
+    CPD_RETURN_IF_ERROR(ctx_.ApplyShift(b, inputs));
     CPD_RETURN_IF_ERROR(QuantizeContributions(b, inputs, step));
     CPD_RETURN_IF_ERROR(
         ctx_.ExchangeContributions(std::size_t(setup_.local_replicas) * SlotBytes(b)));
     CPD_RETURN_IF_ERROR(SumOwnChunk(b, step));
-    CPD_RETURN_IF_ERROR(
-        ctx_.GatherChunks(reinterpret_cast<const std::uint8_t*>(sum_.data()), SlotBytes(b)));
-    UnshiftResults(b, output);
-    return Status::Ok();
+    CPD_RETURN_IF_ERROR(ctx_.GatherChunks(sum_.data(), SlotBytes(b)));
+    return UnshiftResults(b, output);
   }
 
  private:
@@ -142,16 +74,16 @@ class EmulateFloats final : public BucketAlgorithm {
   Status QuantizeContributions(const BucketPlan& b, float* const* inputs, std::int64_t step) {
     const std::size_t slot = SlotBytes(b) / sizeof(float);
     const std::size_t block = std::size_t(setup_.local_replicas) * slot;
-    float* send = reinterpret_cast<float*>(ctx_.exchange.send.data());
+    float* send = ctx_.exchange.send.floats();
     for (int d = 0; d < setup_.world_size; ++d) {
       for (int k = 0; k < setup_.local_replicas; ++k) {
         float* dst = send + std::size_t(d) * block + std::size_t(k) * slot;
         for (const Segment& s : b.segments_of(d)) {
           QuantStats qs;
-          CPD_RETURN_IF_ERROR(
-              Quantize(setup_.FormatOf(s.layer), inputs[k] + s.begin,
-                       dst + (s.begin - b.chunk_begin(d)), s.size(),
-                       setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin), &qs));
+          CPD_RETURN_IF_ERROR(ctx_.backend.Quantize(
+              setup_.FormatOf(s.layer), inputs[k] + s.begin, dst + (s.begin - b.chunk_begin(d)),
+              s.size(), setup_.QuantizeAt(ContributionStage(setup_.worker(k)), step, s.begin),
+              &qs));
           ctx_.stats.AddQuantStats(s.layer, qs);
         }
       }
@@ -162,19 +94,19 @@ class EmulateFloats final : public BucketAlgorithm {
   // This rank's chunk, segment by segment: the W contributions summed in worker order into sum_.
   Status SumOwnChunk(const BucketPlan& b, std::int64_t step) {
     const std::size_t slot = SlotBytes(b) / sizeof(float);
-    const float* recv = reinterpret_cast<const float*>(ctx_.exchange.recv.data());
+    const float* recv = ctx_.exchange.recv.floats();
     const std::size_t c0 = b.chunk_begin(setup_.rank);
     for (const Segment& s : b.segments_of(setup_.rank)) {
       const std::size_t rel = s.begin - c0;
       auto q = [&](int w) { return recv + std::size_t(w) * slot + rel; };
-      std::copy_n(q(0), s.size(), sum_.data() + rel);
-      if (setup_.options.kahan) std::fill_n(comp_.data() + rel, s.size(), 0.0f);
+      CPD_RETURN_IF_ERROR(ctx_.backend.Copy(sum_.floats() + rel, q(0), s.size() * sizeof(float)));
+      if (setup_.options.kahan) {
+        CPD_RETURN_IF_ERROR(ctx_.backend.Zero(comp_.floats() + rel, s.size() * sizeof(float)));
+      }
       for (int w = 1; w < setup_.workers; ++w) {
-        if (setup_.options.kahan) {
-          CPD_RETURN_IF_ERROR(AddKahan(q(w), s, rel, AdditionStage(setup_.workers, w), step));
-        } else {
-          CPD_RETURN_IF_ERROR(AddRounded(q(w), s, rel, AdditionStage(setup_.workers, w), step));
-        }
+        const std::int64_t stage = AdditionStage(setup_.workers, w);
+        CPD_RETURN_IF_ERROR(setup_.options.kahan ? AddKahan(q(w), s, rel, stage, step)
+                                                 : AddRounded(q(w), s, rel, stage, step));
       }
     }
     return Status::Ok();
@@ -183,49 +115,50 @@ class EmulateFloats final : public BucketAlgorithm {
   // sum = Q(sum + q_w) over segment s (at rel in the chunk).
   Status AddRounded(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
                     std::int64_t step) {
-    float* acc = sum_.data() + rel;
-    float* tmp = tmp_.data() + rel;
-    for (std::size_t i = 0; i < s.size(); ++i) tmp[i] = acc[i] + qw[i];
-    return Quantize(setup_.FormatOf(s.layer), tmp, acc, s.size(),
-                    setup_.QuantizeAt(stage, step, s.begin));
+    float* acc = sum_.floats() + rel;
+    float* tmp = tmp_.floats() + rel;
+    CPD_RETURN_IF_ERROR(ctx_.backend.Combine(acc, qw, tmp, s.size(), ElementOp::kAdd));
+    return ctx_.backend.Quantize(setup_.FormatOf(s.layer), tmp, acc, s.size(),
+                                 setup_.QuantizeAt(stage, step, s.begin), nullptr);
   }
 
   // One step of Kahan's compensated sum (compensation c), every operation rounded.
   Status AddKahan(const float* qw, const Segment& s, std::size_t rel, std::int64_t stage,
                   std::int64_t step) {
     const std::size_t n = s.size();
-    float *acc = sum_.data() + rel, *tmp = tmp_.data() + rel, *c = comp_.data() + rel,
-          *y = y_.data() + rel, *high = high_.data() + rel, *t = t_.data() + rel;
+    float *acc = sum_.floats() + rel, *tmp = tmp_.floats() + rel, *c = comp_.floats() + rel,
+          *y = y_.floats() + rel, *high = high_.floats() + rel, *t = t_.floats() + rel;
+    Backend& be = ctx_.backend;
     auto round = [&](float* out, int op) {
-      return Quantize(setup_.FormatOf(s.layer), tmp, out, n,
-                      setup_.QuantizeAt(stage + op, step, s.begin));
+      return be.Quantize(setup_.FormatOf(s.layer), tmp, out, n,
+                         setup_.QuantizeAt(stage + op, step, s.begin), nullptr);
     };
-    for (std::size_t i = 0; i < n; ++i) tmp[i] = qw[i] - c[i];
+    CPD_RETURN_IF_ERROR(be.Combine(qw, c, tmp, n, ElementOp::kSubtract));
     CPD_RETURN_IF_ERROR(round(y, kKahanY));
-    for (std::size_t i = 0; i < n; ++i) tmp[i] = acc[i] + y[i];
+    CPD_RETURN_IF_ERROR(be.Combine(acc, y, tmp, n, ElementOp::kAdd));
     CPD_RETURN_IF_ERROR(round(t, kKahanT));
-    for (std::size_t i = 0; i < n; ++i) tmp[i] = t[i] - acc[i];
+    CPD_RETURN_IF_ERROR(be.Combine(t, acc, tmp, n, ElementOp::kSubtract));
     CPD_RETURN_IF_ERROR(round(high, kKahanHigh));
-    for (std::size_t i = 0; i < n; ++i) tmp[i] = high[i] - y[i];
+    CPD_RETURN_IF_ERROR(be.Combine(high, y, tmp, n, ElementOp::kSubtract));
     CPD_RETURN_IF_ERROR(round(c, kKahanC));
-    std::copy_n(t, n, acc);
-    return Status::Ok();
+    return be.Copy(acc, t, n * sizeof(float));
   }
 
-  // Every chunk's result, times 2^-s of its layer.
-  void UnshiftResults(const BucketPlan& b, float* output) const {
+  // Every chunk's result, times 2^-s of its layer (also for s = 0: x * 1 is x, NaN included).
+  Status UnshiftResults(const BucketPlan& b, float* output) {
     const std::size_t slot = SlotBytes(b) / sizeof(float);
-    const float* gathered = reinterpret_cast<const float*>(ctx_.exchange.gather_recv.data());
+    const float* gathered = ctx_.exchange.gather_recv.floats();
     for (int d = 0; d < setup_.world_size; ++d) {
       for (const Segment& s : b.segments_of(d)) {
         const float up = kernels::Pow2(-ctx_.shifts[std::size_t(s.layer)]);
         const float* src = gathered + std::size_t(d) * slot + (s.begin - b.chunk_begin(d));
-        for (std::size_t i = 0; i < s.size(); ++i) output[s.begin + i] = src[i] * up;
+        CPD_RETURN_IF_ERROR(ctx_.backend.Scale(src, output + s.begin, s.size(), up));
       }
     }
+    return Status::Ok();
   }
 
-  std::vector<float> sum_, tmp_, comp_, y_, high_, t_;  // a chunk each
+  Memory sum_, tmp_, comp_, y_, high_, t_;  // a chunk each
 };
 
 }  // namespace

@@ -1,7 +1,7 @@
 // What the algorithms of the gradient all-reduce (comm/allreduce/{fp32,emulate,packed}.cc) share:
-// the stochastic-rounding stage numbering, the setup fixed at Create, the per-step state (the scan
-// of max|g| with the APS shift all-reduce, the per-layer statistics, the payload collectives and
-// their buffers), and the Algorithm interface that comm/gradient_allreduce.cc dispatches to.
+// the setup fixed at Create, the per-step state (the APS shifts, the per-layer statistics, the
+// payload collectives and their buffers) over a Backend (comm/allreduce/backend.h: host or
+// device), and the Algorithm interface that comm/gradient_allreduce.cc dispatches to.
 // Internal to comm/.
 #pragma once
 
@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "comm/allreduce/backend.h"
 #include "comm/allreduce/plan.h"
 #include "comm/allreduce/streams.h"
 #include "comm/communicator.h"
@@ -113,22 +114,21 @@ void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
 void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_all_ranks,
                   std::vector<LayerCommStats>* stats);
 
+// The per-layer statistics of a step: the flushed / saturated counters of the quantised
+// contributions (cpd::QuantStats of per-segment stages, the back end's code counters) and, with
+// measure_error, the error against a float32 reduce-scatter of the same inputs.
 class LayerStatistics {
  public:
-  LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk);
+  LayerStatistics(const ReducerSetup& setup, Backend* backend, std::size_t max_chunk);
 
   void Reset();  // at the start of every step
   void SetNonzero(std::size_t layer, std::uint64_t nonzero) { counts_[3 * layer + 2] = nonzero; }
   void AddQuantStats(int layer, const QuantStats& qs);
-  // Counters for one OpenMP thread: flushed, saturated per layer (2 per layer).
-  std::uint64_t* ThreadCounters(std::size_t thread) {
-    return &thread_counts_[thread * 2 * setup_.layers()];
-  }
 
   // measure_error: the float32 reduce-scatter of count local buffers over bucket b (before the
   // inputs are used as scratch; collective), then the error of this rank's chunk of the output.
   Status ReduceReference(const BucketPlan& b, const float* const* src, int count);
-  void AccumulateError(const BucketPlan& b, const float* output);
+  Status AccumulateError(const BucketPlan& b, const float* output);
 
   // Collective: the counters of all ranks give flushed and saturated (quantised algorithms), the
   // errors rel_error (with measure_error).
@@ -136,12 +136,16 @@ class LayerStatistics {
 
  private:
   const ReducerSetup& setup_;
+  Backend& backend_;
   const std::size_t max_chunk_;
   std::vector<std::uint64_t> counts_;  // flushed, saturated, nonzero per layer (local, then global)
-  std::vector<std::uint64_t> thread_counts_;       // flushed, saturated per layer per thread
-  std::vector<double> error_;                      // squared error, squared reference per layer
-  std::vector<double> error_all_ranks_;            // error_ of every rank
-  std::vector<float> reference_send_, reference_;  // allocated on first use
+  std::vector<double> error_;          // squared error, squared reference per layer
+  std::vector<double> error_all_ranks_;  // error_ of every rank
+  // measure_error (allocated on first use): the reference's send buffer (every chunk padded to
+  // the longest) and this rank's chunk of it, in the back end's memory; host copies of that chunk
+  // and of the result's.
+  Memory reference_send_, reference_;
+  std::vector<float> host_reference_, host_output_;
 };
 
 // ---- Payload buffers ----------------------------------------------------------------------------
@@ -152,20 +156,22 @@ class LayerStatistics {
 Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes);
 
 struct ExchangeBuffers {
-  std::vector<std::uint8_t> send, recv;                // P blocks of K slots
-  std::vector<std::uint8_t> gather_send, gather_recv;  // 1 and P gather slots
-  // CheckBlockBytes, then the allocation; gather slots of gather_slot_bytes (0: slot_bytes).
-  Status Allocate(const ReducerSetup& setup, std::size_t slot_bytes,
+  Memory send, recv;                // P blocks of K slots
+  Memory gather_send, gather_recv;  // 1 and P gather slots
+  // CheckBlockBytes, then the allocation in the back end's memory (marked for the nonblocking
+  // exchange); gather slots of gather_slot_bytes (0: slot_bytes).
+  Status Allocate(const ReducerSetup& setup, Backend* backend, std::size_t slot_bytes,
                   std::size_t gather_slot_bytes = 0);
 };
 
 // ---- The state of a step ------------------------------------------------------------------------
 // What the algorithms share during Reduce(): owned by the reducer, reset at every step.
 struct StepContext {
-  StepContext(const ReducerSetup& setup, const AllReducePlan& plan);
+  StepContext(const ReducerSetup& setup, const AllReducePlan& plan, Backend* backend);
 
   const ReducerSetup& setup;
   const AllReducePlan& plan;
+  Backend& backend;
   std::vector<float> max_abs;  // per layer, global max |g| (ScanAndShift)
   std::vector<int> shifts;     // per layer, the APS shift (0 without APS)
   LayerStatistics stats;
@@ -173,34 +179,17 @@ struct StepContext {
   std::uint64_t bytes_sent = 0;
 
   void Reset();
+  // The scan of max|g| and of non-finite elements over the inputs (the back end's), one small MAX
+  // all-reduce that gives every rank the per-layer maxima (a NaN/Inf travels as +Inf), and the
+  // APS shifts, handed to the back end. *finite = false when some rank holds NaN/Inf. Collective.
+  Status ScanAndShift(float* const* inputs, bool* finite);
   // The payload collectives, counted as a bandwidth-optimal implementation sends them: all-to-all
   // and all-gather (P - 1) blocks, all-reduce 2(P - 1)/P of the buffer.
   Status ExchangeContributions(std::size_t block_bytes);  // exchange.send -> exchange.recv
   Status GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes);  // -> gather_recv
   Status AllReduceSum(float* data, std::size_t count);
-  // APS: x *= 2^s of each segment's layer, over every segment of b; output *= 2^-s over chunk's.
-  void ApplyShift(const BucketPlan& b, float* const* inputs) const;
-  void Unshift(const BucketPlan& b, int chunk, float* output) const;
-};
-
-// The scan of max|g| and of non-finite elements over the inputs, then one small MAX all-reduce
-// that gives every rank the per-layer maxima (a NaN/Inf travels as +Inf) and the APS shifts.
-class ShiftScan {
- public:
-  explicit ShiftScan(const ReducerSetup& setup);
-  // Fills ctx->max_abs, ctx->shifts and the local nonzero counts; *finite = false when some rank
-  // holds NaN/Inf. Collective.
-  Status ScanAndShift(float* const* inputs, StepContext* ctx, bool* finite);
-
- private:
-  struct Item {
-    int layer = 0;
-    std::size_t begin = 0, end = 0;
-  };
-  const ReducerSetup& setup_;
-  std::vector<Item> items_;  // every layer in blocks
-  std::vector<std::uint32_t> thread_max_;
-  std::vector<std::uint64_t> thread_nonzero_;
+  // APS: x *= 2^s of each segment's layer, over every segment of b (the K inputs).
+  Status ApplyShift(const BucketPlan& b, float* const* inputs);
 };
 
 // ---- Algorithms ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // The parts of comm/allreduce/internal.h that every algorithm uses: rounding streams, the scan
-// with the APS shifts, the statistics, and the payload collectives.
+// with the APS shifts, the statistics, and the payload collectives; the exchange tracking of
+// comm/allreduce/backend.h.
 #include <omp.h>
 
 #include <algorithm>
@@ -13,12 +14,6 @@
 #include "comm/reduce_kernels.h"
 
 namespace cpd::comm::internal {
-namespace {
-
-// Elements per work item of the max/non-finite scan.
-constexpr std::size_t kScanBlock = std::size_t(1) << 16;
-
-}  // namespace
 
 QuantizeOptions ReducerSetup::QuantizeAt(std::int64_t stage, std::int64_t step,
                                          std::size_t index) const {
@@ -53,11 +48,10 @@ void SetCountFractions(const ReducerSetup& setup, const std::vector<std::uint64_
   }
 }
 
-LayerStatistics::LayerStatistics(const ReducerSetup& setup, std::size_t max_chunk)
-    : setup_(setup), max_chunk_(max_chunk) {
+LayerStatistics::LayerStatistics(const ReducerSetup& setup, Backend* backend, std::size_t max_chunk)
+    : setup_(setup), backend_(*backend), max_chunk_(max_chunk) {
   const std::size_t layers = setup.layers();
   counts_.assign(3 * layers, 0);
-  thread_counts_.assign(std::size_t(setup.threads) * 2 * layers, 0);
   error_.assign(2 * layers, 0.0);
   error_all_ranks_.assign(2 * layers * std::size_t(setup.world_size), 0.0);
 }
@@ -65,7 +59,6 @@ LayerStatistics::LayerStatistics(const ReducerSetup& setup, std::size_t max_chun
 void LayerStatistics::Reset() {
   std::fill(counts_.begin(), counts_.end(), 0u);
   std::fill(error_.begin(), error_.end(), 0.0);
-  std::fill(thread_counts_.begin(), thread_counts_.end(), 0u);
 }
 
 void LayerStatistics::AddQuantStats(int layer, const QuantStats& qs) {
@@ -75,23 +68,22 @@ void LayerStatistics::AddQuantStats(int layer, const QuantStats& qs) {
 
 Status LayerStatistics::ReduceReference(const BucketPlan& b, const float* const* src, int count) {
   const std::size_t p = std::size_t(setup_.world_size);
-  if (reference_.empty()) {
-    reference_send_.assign(max_chunk_ * p, 0.0f);
-    reference_.assign(max_chunk_, 0.0f);
+  if (reference_.bytes() == 0) {
+    const std::size_t chunk = std::max<std::size_t>(max_chunk_, 1);
+    CPD_ASSIGN_OR_RETURN(reference_send_, backend_.Allocate(chunk * p * sizeof(float)));
+    CPD_ASSIGN_OR_RETURN(reference_, backend_.Allocate(chunk * sizeof(float)));
+    host_reference_.assign(chunk, 0.0f);
+    host_output_.assign(chunk, 0.0f);
   }
   // Every chunk padded to the longest, so that the reduce-scatter's blocks are equal.
   const std::size_t slot = b.max_chunk;
   for (int d = 0; d < setup_.world_size; ++d) {
     const std::size_t c0 = b.chunk_begin(d), c1 = b.chunk_end(d);
-    float* dst = reference_send_.data() + std::size_t(d) * slot;
-    for (std::size_t i = c0; i < c1; ++i) {
-      float v = src[0][i];
-      for (int k = 1; k < count; ++k) v += src[k][i];
-      dst[i - c0] = v;
-    }
-    std::fill(dst + (c1 - c0), dst + slot, 0.0f);
+    float* dst = reference_send_.floats() + std::size_t(d) * slot;
+    CPD_RETURN_IF_ERROR(backend_.SumBuffers(src, count, c0, c1, dst));
+    CPD_RETURN_IF_ERROR(backend_.Zero(dst + (c1 - c0), (slot - (c1 - c0)) * sizeof(float)));
   }
-  return setup_.comm->ReduceScatter(reference_send_.data(), reference_.data(), slot * p);
+  return backend_.ReduceScatterSum(reference_send_.floats(), reference_.floats(), slot * p);
 }
 
 void AddChunkErrors(const BucketPlan& b, int rank, const float* output_chunk,
@@ -125,25 +117,24 @@ void SetRelErrors(const ReducerSetup& setup, const std::vector<double>& error_al
   }
 }
 
-void LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
-  AddChunkErrors(b, setup_.rank, output + b.chunk_begin(setup_.rank), reference_.data(), &error_);
+Status LayerStatistics::AccumulateError(const BucketPlan& b, const float* output) {
+  const std::size_t c0 = b.chunk_begin(setup_.rank), n = b.chunk_end(setup_.rank) - c0;
+  CPD_RETURN_IF_ERROR(backend_.ToHost(output + c0, n * sizeof(float), host_output_.data()));
+  CPD_RETURN_IF_ERROR(
+      backend_.ToHost(reference_.floats(), n * sizeof(float), host_reference_.data()));
+  AddChunkErrors(b, setup_.rank, host_output_.data(), host_reference_.data(), &error_);
+  return Status::Ok();
 }
 
 Status LayerStatistics::Finish(bool measure_error, std::vector<LayerCommStats>* stats) {
-  const std::size_t layers = setup_.layers();
   if (setup_.options.algo != AllReduceAlgo::kFp32) {
-    for (std::size_t th = 0; th < std::size_t(setup_.threads); ++th) {
-      for (std::size_t l = 0; l < layers; ++l) {
-        counts_[3 * l] += thread_counts_[th * 2 * layers + 2 * l];
-        counts_[3 * l + 1] += thread_counts_[th * 2 * layers + 2 * l + 1];
-      }
-    }
-    CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(counts_.data(), counts_.size(), ReduceOp::kSum));
+    CPD_RETURN_IF_ERROR(backend_.ReadCodeCounters(&counts_));
+    CPD_RETURN_IF_ERROR(backend_.AllReduceHost(counts_.data(), counts_.size(), ReduceOp::kSum));
     SetCountFractions(setup_, counts_, stats);
   }
   if (!measure_error) return Status::Ok();
   // Every rank sums the per-rank parts in rank order, so the result is identical everywhere.
-  CPD_RETURN_IF_ERROR(setup_.comm->AllGatherBytes(
+  CPD_RETURN_IF_ERROR(backend_.AllGatherHost(
       reinterpret_cast<const std::uint8_t*>(error_.data()),
       reinterpret_cast<std::uint8_t*>(error_all_ranks_.data()), error_.size() * sizeof(double)));
   SetRelErrors(setup_, error_all_ranks_, stats);
@@ -161,111 +152,105 @@ Status CheckBlockBytes(const ReducerSetup& setup, std::size_t slot_bytes) {
       std::to_string(INT_MAX) + "; use a smaller bucket_mb");
 }
 
-Status ExchangeBuffers::Allocate(const ReducerSetup& setup, std::size_t slot_bytes,
-                                 std::size_t gather_slot_bytes) {
+Status ExchangeBuffers::Allocate(const ReducerSetup& setup, Backend* backend,
+                                 std::size_t slot_bytes, std::size_t gather_slot_bytes) {
   CPD_RETURN_IF_ERROR(CheckBlockBytes(setup, slot_bytes));
   const std::size_t block = std::size_t(setup.local_replicas) * slot_bytes;
   const std::size_t p = std::size_t(setup.world_size);
   const std::size_t gather = gather_slot_bytes > 0 ? gather_slot_bytes : slot_bytes;
-  send.assign(block * p, 0);
-  recv.assign(block * p, 0);
-  gather_send.assign(gather, 0);
-  gather_recv.assign(gather * p, 0);
+  CPD_ASSIGN_OR_RETURN(send, backend->Allocate(block * p, /*exchanged=*/true));
+  CPD_ASSIGN_OR_RETURN(recv, backend->Allocate(block * p, /*exchanged=*/true));
+  CPD_ASSIGN_OR_RETURN(gather_send, backend->Allocate(gather, /*exchanged=*/true));
+  CPD_ASSIGN_OR_RETURN(gather_recv, backend->Allocate(gather * p, /*exchanged=*/true));
   return Status::Ok();
 }
 
-StepContext::StepContext(const ReducerSetup& setup_in, const AllReducePlan& plan_in)
+StepContext::StepContext(const ReducerSetup& setup_in, const AllReducePlan& plan_in,
+                         Backend* backend_in)
     : setup(setup_in),
       plan(plan_in),
+      backend(*backend_in),
       max_abs(setup_in.layers(), 0.0f),
       shifts(setup_in.layers(), 0),
-      stats(setup_in, plan_in.max_chunk()) {}
+      stats(setup_in, backend_in, plan_in.max_chunk()) {}
 
 void StepContext::Reset() {
   bytes_sent = 0;
   stats.Reset();
 }
 
+Status StepContext::ScanAndShift(float* const* inputs, bool* finite) {
+  std::vector<std::uint32_t> max_bits;
+  std::vector<std::uint64_t> nonzero;
+  CPD_RETURN_IF_ERROR(backend.ScanLayers(inputs, &max_bits, &nonzero));
+  for (std::size_t l = 0; l < setup.layers(); ++l) {
+    max_abs[l] = MaxAbsForAllReduce(max_bits[l]);
+    stats.SetNonzero(l, nonzero[l]);
+  }
+  CPD_RETURN_IF_ERROR(backend.AllReduceHost(max_abs.data(), setup.layers(), ReduceOp::kMax));
+  *finite = ShiftsFromMaxima(setup, max_abs, &shifts);
+  if (!*finite) return Status::Ok();
+  return backend.SetLayerShifts(shifts);
+}
+
 Status StepContext::ExchangeContributions(std::size_t block_bytes) {
   CPD_RETURN_IF_ERROR(
-      setup.comm->AllToAllBytes(exchange.send.data(), exchange.recv.data(), block_bytes));
+      backend.AllToAllBytes(exchange.send.data(), exchange.recv.data(), block_bytes));
   bytes_sent += SentByExchange(setup.world_size, block_bytes);
   return Status::Ok();
 }
 
 Status StepContext::GatherChunks(const std::uint8_t* chunk, std::size_t slot_bytes) {
-  CPD_RETURN_IF_ERROR(setup.comm->AllGatherBytes(chunk, exchange.gather_recv.data(), slot_bytes));
+  CPD_RETURN_IF_ERROR(backend.AllGatherBytes(chunk, exchange.gather_recv.data(), slot_bytes));
   bytes_sent += SentByExchange(setup.world_size, slot_bytes);
   return Status::Ok();
 }
 
 Status StepContext::AllReduceSum(float* data, std::size_t count) {
-  CPD_RETURN_IF_ERROR(setup.comm->AllReduce(data, count, ReduceOp::kSum));
+  CPD_RETURN_IF_ERROR(backend.AllReduceSum(data, count));
   bytes_sent += SentByAllReduce(setup.world_size, count * sizeof(float));
   return Status::Ok();
 }
 
-void StepContext::ApplyShift(const BucketPlan& b, float* const* inputs) const {
+Status StepContext::ApplyShift(const BucketPlan& b, float* const* inputs) {
   for (int k = 0; k < setup.local_replicas; ++k) {
     for (const Segment& s : b.segments) {
       const int sh = shifts[std::size_t(s.layer)];
       if (sh == 0) continue;
-      const float scale = kernels::Pow2(sh);
-      float* x = inputs[k];
-      for (std::size_t i = s.begin; i < s.end; ++i) x[i] *= scale;
+      float* x = inputs[k] + s.begin;
+      CPD_RETURN_IF_ERROR(backend.Scale(x, x, s.size(), kernels::Pow2(sh)));
     }
   }
-}
-
-void StepContext::Unshift(const BucketPlan& b, int chunk, float* output) const {
-  for (const Segment& s : b.segments_of(chunk)) {
-    const int sh = shifts[std::size_t(s.layer)];
-    if (sh == 0) continue;
-    const float up = kernels::Pow2(-sh);
-    for (std::size_t i = s.begin; i < s.end; ++i) output[i] *= up;
-  }
-}
-
-// ---- ShiftScan ----------------------------------------------------------------------------------
-
-ShiftScan::ShiftScan(const ReducerSetup& setup) : setup_(setup) {
-  const GradientLayout& layout = setup.layout;
-  for (std::size_t l = 0; l < layout.layers(); ++l) {
-    for (std::size_t s = layout.offsets[l]; s < layout.offsets[l + 1]; s += kScanBlock) {
-      items_.push_back({int(l), s, std::min(layout.offsets[l + 1], s + kScanBlock)});
-    }
-  }
-  thread_max_.assign(std::size_t(setup.threads) * setup.layers(), 0);
-  thread_nonzero_.assign(std::size_t(setup.threads) * setup.layers(), 0);
-}
-
-Status ShiftScan::ScanAndShift(float* const* inputs, StepContext* ctx, bool* finite) {
-  const std::size_t layers = setup_.layers();
-  const int threads = setup_.threads;
-  const std::size_t replicas = std::size_t(setup_.local_replicas);
-  std::fill(thread_max_.begin(), thread_max_.end(), 0u);
-  std::fill(thread_nonzero_.begin(), thread_nonzero_.end(), 0u);
-  const long count = long(items_.size() * replicas);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && count > 1)
-  for (long it = 0; it < count; ++it) {
-    const Item& item = items_[std::size_t(it) / replicas];
-    const std::size_t k = std::size_t(it) % replicas;
-    const std::size_t at = std::size_t(omp_get_thread_num()) * layers + std::size_t(item.layer);
-    ScanAbs(inputs[k] + item.begin, item.end - item.begin, &thread_max_[at], &thread_nonzero_[at]);
-  }
-  for (std::size_t l = 0; l < layers; ++l) {
-    std::uint32_t m = 0;
-    std::uint64_t nonzero = 0;
-    for (std::size_t th = 0; th < std::size_t(threads); ++th) {
-      m = std::max(m, thread_max_[th * layers + l]);
-      nonzero += thread_nonzero_[th * layers + l];
-    }
-    ctx->max_abs[l] = MaxAbsForAllReduce(m);
-    ctx->stats.SetNonzero(l, nonzero);
-  }
-  CPD_RETURN_IF_ERROR(setup_.comm->AllReduce(ctx->max_abs.data(), layers, ReduceOp::kMax));
-  *finite = ShiftsFromMaxima(setup_, ctx->max_abs, &ctx->shifts);
   return Status::Ok();
+}
+
+// ---- Backend: the exchanges in flight -----------------------------------------------------------
+
+Status Backend::StartExchange(std::span<const Communicator::SendBlock> send,
+                              std::span<const Communicator::RecvBlock> recv,
+                              std::vector<std::unique_ptr<Communicator::PendingExchange>>* flight) {
+  CPD_ASSIGN_OR_RETURN(std::unique_ptr<Communicator::PendingExchange> pending,
+                       StartExchangeBytes(send, recv));
+  in_flight_.push_back(pending.get());
+  flight->push_back(std::move(pending));
+  return Status::Ok();
+}
+
+Status Backend::Land(std::vector<std::unique_ptr<Communicator::PendingExchange>>* flight) {
+  for (std::unique_ptr<Communicator::PendingExchange>& pending : *flight) {
+    CPD_RETURN_IF_ERROR(pending->Wait());
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), pending.get()));
+  }
+  flight->clear();
+  return Status::Ok();
+}
+
+void Backend::KeepExchangesMoving() {
+  for (Communicator::PendingExchange* pending : in_flight_) {
+    bool done = false;
+    const Status st = pending->Test(&done);
+    if (!st.ok() && moving_error_.ok()) moving_error_ = st;
+  }
 }
 
 // ---- What every implementation checks and computes alike ----------------------------------------
@@ -374,7 +359,7 @@ Status BucketAlgorithm::Reduce(float* const* inputs, float* output, std::int64_t
       CPD_RETURN_IF_ERROR(ctx_.stats.ReduceReference(buckets[i], inputs, setup_.local_replicas));
     }
     CPD_RETURN_IF_ERROR(ReduceBucket(i, buckets[i], inputs, output, step));
-    if (measure_error) ctx_.stats.AccumulateError(buckets[i], output);
+    if (measure_error) CPD_RETURN_IF_ERROR(ctx_.stats.AccumulateError(buckets[i], output));
   }
   return Status::Ok();
 }

@@ -1,14 +1,15 @@
-// The gradient all-reduce on device memory (GradientAllReduceOptions::gradients = kDevice,
-// comm/allreduce/device.h) against the host reducer on the same inputs, bit for bit: the sum, the
-// non-finite flag, every layer's shift, max|g|, flushed and saturated fractions, and the bytes
-// sent, and with measure_error the relative error. fp32, packed and emulate (plain and Kahan);
-// e4m3, e5m2, e3m0, e2m1, fp16, bf16 (fused kernels) and int8, int4, uint4:minmax, mxfp8, mxfp4,
-// bfp8:16, fp134, log4 (per segment); nearest, stochastic and toward-zero rounding; APS on and off;
-// K = 1 and 3 local replicas; layers of 0, 1, odd and large sizes cut by small buckets; NaN/Inf on
-// one rank. Transports: the world communicator under mpirun (MPI, staged through pinned memory;
-// world size 1 also through SelfCommunicator, where the collectives are device copies), a
-// mirrored world of 2 and 3 ranks in one process (staged: what a GPU machine without MPI can run)
-// and NcclCommunicator where every rank has its own GPU. Every test that needs a GPU skips without
+// The gradient all-reduce on device memory (GradientAllReduceOptions::gradients = kDevice: the
+// device back end, comm/allreduce/device_backend.cc) against the host reducer on the same inputs,
+// bit for bit: the sum, the non-finite flag, every layer's shift, max|g|, flushed and saturated
+// fractions, and the bytes sent, and with measure_error the relative error. fp32, packed and
+// emulate (plain and Kahan); e4m3, e5m2, e3m0, e2m1, fp16, bf16 (fused kernels) and int8, int4,
+// uint4:minmax, mxfp8, mxfp4, bfp8:16, fp134, log4 (per segment); nearest, stochastic and
+// toward-zero rounding; APS on and off; K = 1 and 3 local replicas; layers of 0, 1, odd and large
+// sizes cut by small buckets; pipelined schedules and hybrid (per-layer) formats; NaN/Inf on one
+// rank. Transports: the world communicator under mpirun (MPI, staged through pinned memory; world
+// size 1 also through SelfCommunicator, where the collectives are device copies), a mirrored
+// world of 2 and 3 ranks in one process (staged: what a GPU machine without MPI can run) and
+// NcclCommunicator where every rank has its own GPU. Every test that needs a GPU skips without
 // one (on every rank alike: they share the machine).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -337,6 +339,54 @@ TEST(GradientAllReduceCudaTest, StagedTransportOverAMirroredWorldMatchesHostRedu
                      Name(c, k) + " mirrored world of " + std::to_string(size) +
                          (measure ? " with measure_error" : ""));
         }
+      }
+    }
+  }
+}
+
+// One algorithm per file runs on both back ends, so the device path has what the host path has:
+// the pipelined schedule (rounds of 1 KiB of codes, several per chunk here; staged through pinned
+// mirrors over MPI, sequential where the communicator has no nonblocking exchange) and per-layer
+// formats (hybrid precision: an fp32 layer, a scaled format and another float grid among e4m3
+// ones), bit for bit the host reducer's, bytes sent included.
+TEST(GradientAllReduceCudaTest, PipelinedAndHybridPlansMatchHostReducer) {
+  SKIP_WITHOUT_GPU();
+  const GradientLayout layout = MakeLayout({1, 7, 130, 0, 9001, 64, 20011, 5});
+  struct Plan {
+    Case c;
+    int pipeline_kb;
+    std::map<std::string, std::string> layer_formats;
+  };
+  const std::map<std::string, std::string> hybrid = {
+      {"layer2", "fp32"}, {"layer4", "int8"}, {"layer6", "e5m2"}};
+  const std::vector<Plan> plans = {
+      {Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false}, 1, {}},
+      {Case{AllReduceAlgo::kPacked, "e2m1", Rounding::kNearest, true, false, ApsScaling::kPaper},
+       1,
+       {}},
+      {Case{AllReduceAlgo::kPacked, "e3m0", Rounding::kNearest, false, false}, 1, {}},
+      {Case{AllReduceAlgo::kEmulate, "e5m2", Rounding::kStochastic, true, true}, 1, {}},
+      {Case{AllReduceAlgo::kEmulate, "bf16", Rounding::kNearest, false, false}, 2, {}},
+      {Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kStochastic, true, false}, 0, hybrid},
+      {Case{AllReduceAlgo::kPacked, "e4m3", Rounding::kNearest, true, false, ApsScaling::kPaper}, 0,
+       hybrid},
+      {Case{AllReduceAlgo::kEmulate, "e4m3", Rounding::kStochastic, true, false}, 0, hybrid},
+      {Case{AllReduceAlgo::kEmulate, "e4m3", Rounding::kNearest, false, true}, 0, hybrid}};
+  for (const Plan& plan : plans) {
+    for (int k : {1, 2}) {
+      GradientAllReduceOptions host_o = Options(plan.c, 0.05, MemorySpace::kHost);
+      host_o.pipeline_kb = plan.pipeline_kb;
+      host_o.layer_formats = plan.layer_formats;
+      GradientAllReduceOptions dev_o = host_o;
+      dev_o.gradients = MemorySpace::kDevice;
+      const auto x = LocalInputs(layout, 17, test::World()->rank(), k);
+      for (bool measure : {false, true}) {
+        const Outcome host = RunHost(test::World(), host_o, layout, x, 5, measure);
+        const Outcome dev = RunDevice(test::World(), dev_o, layout, x, 5, false, measure);
+        ExpectSame(host, dev,
+                   Name(plan.c, k) + " pipeline_kb " + std::to_string(plan.pipeline_kb) +
+                       (plan.layer_formats.empty() ? "" : " hybrid") +
+                       (measure ? " with measure_error" : ""));
       }
     }
   }

@@ -1219,7 +1219,7 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   f.format = "nonsense";
   EXPECT_TRUE(GradientAllReducer::Create(test::MpiWorld(), f, layout, 1).ok());
   // Hybrid precision: a layer the layout does not have, a spec that does not parse, the fp32
-  // algorithm, gradients in device memory.
+  // algorithm.
   o.layer_formats = {{"layer9", "fp32"}};
   expect_invalid(o, layout, 1, "'layer9'");
   o.layer_formats = {{"layer1", "e9m9"}};
@@ -1227,9 +1227,6 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   o.layer_formats = {{"layer1", "fp32"}};
   f.layer_formats = o.layer_formats;
   expect_invalid(f, layout, 1, "emulate and packed");
-  o.gradients = MemorySpace::kDevice;
-  expect_invalid(o, layout, 1, "host memory");
-  o.gradients = MemorySpace::kHost;
   o.layer_formats.clear();
   auto none = GradientAllReducer::Create(nullptr, GradientAllReduceOptions{}, layout, 1);
   EXPECT_EQ(none.status().code(), Status::Code::kInvalidArgument);

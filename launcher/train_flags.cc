@@ -273,6 +273,10 @@ void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--device", f->device,
                   "auto | cpu | cuda (auto: cuda when this build has CUDA and a GPU is present)")
       ->capture_default_str();
+  app->add_flag("--fast-conv-algos", o->fast_conv_algos,
+                "With --device cuda: let cuDNN use Winograd, FFT and TF32 convolution "
+                "algorithms for speed (default: only GEMM-like float32 ones, which match the "
+                "CPU up to summation order)");
   app->add_flag("--no-progress", f->no_progress, "No progress bar");
   app->add_option("--progress-interval", o->progress_interval_s,
                   "When stdout is not a terminal: a progress line when at least this many "

@@ -15,7 +15,9 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
+#include "runtime/engine/conv_algos.h"
 #include "runtime/engine/cuda_internal.h"
 #include "runtime/engine/cuda_ops.h"
 
@@ -55,18 +57,54 @@ using internal::Scratch;
   } while (0)
 
 // The largest cuDNN workspace an algorithm may ask for; algorithms that need more are passed
-// over for the next deterministic one.
+// over for the next acceptable one.
 constexpr size_t kMaxWorkspaceBytes = size_t(512) << 20;
 
-// Descriptors and algorithm choices of one convolution shape.
+// conv_algos.h mirrors cuDNN's enums so that its rule needs no CUDA; they must agree value for
+// value.
+static_assert(int(FwdAlgo::kImplicitGemm) == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM);
+static_assert(int(FwdAlgo::kImplicitPrecompGemm) ==
+              CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM);
+static_assert(int(FwdAlgo::kGemm) == CUDNN_CONVOLUTION_FWD_ALGO_GEMM);
+static_assert(int(FwdAlgo::kDirect) == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT);
+static_assert(int(FwdAlgo::kFft) == CUDNN_CONVOLUTION_FWD_ALGO_FFT);
+static_assert(int(FwdAlgo::kFftTiling) == CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING);
+static_assert(int(FwdAlgo::kWinograd) == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD);
+static_assert(int(FwdAlgo::kWinogradNonfused) == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED);
+static_assert(kFwdAlgoCount == CUDNN_CONVOLUTION_FWD_ALGO_COUNT);
+static_assert(int(BwdDataAlgo::kAlgo0) == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0);
+static_assert(int(BwdDataAlgo::kAlgo1) == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
+static_assert(int(BwdDataAlgo::kFft) == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT);
+static_assert(int(BwdDataAlgo::kFftTiling) == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING);
+static_assert(int(BwdDataAlgo::kWinograd) == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD);
+static_assert(int(BwdDataAlgo::kWinogradNonfused) ==
+              CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED);
+static_assert(kBwdDataAlgoCount == CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT);
+static_assert(int(BwdFilterAlgo::kAlgo0) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0);
+static_assert(int(BwdFilterAlgo::kAlgo1) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1);
+static_assert(int(BwdFilterAlgo::kFft) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT);
+static_assert(int(BwdFilterAlgo::kAlgo3) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3);
+static_assert(int(BwdFilterAlgo::kWinograd) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD);
+static_assert(int(BwdFilterAlgo::kWinogradNonfused) ==
+              CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED);
+static_assert(int(BwdFilterAlgo::kFftTiling) == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING);
+static_assert(kBwdFilterAlgoCount == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT);
+static_assert(int(ConvMath::kDefault) == CUDNN_DEFAULT_MATH);
+static_assert(int(ConvMath::kTensorOp) == CUDNN_TENSOR_OP_MATH);
+static_assert(int(ConvMath::kTensorOpAllowConversion) == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION);
+static_assert(int(ConvMath::kFma) == CUDNN_FMA_MATH);
+
+constexpr size_t kPasses = 3;  // ConvPass values, as indices
+
+// Descriptors and algorithm choices of one convolution shape under one policy. Each pass has a
+// convolution descriptor of its own because the math type, which lives on the descriptor, is
+// the chosen algorithm's.
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  cudnnConvolutionDescriptor_t conv = nullptr;
-  cudnnConvolutionFwdAlgo_t fwd{};
-  cudnnConvolutionBwdDataAlgo_t bwd_data{};
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
-  size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
+  std::array<cudnnConvolutionDescriptor_t, kPasses> conv{};
+  // Per pass; workspace_bytes is the workspace the pass runs with.
+  std::array<ConvAlgoChoice, kPasses> chosen{};
 
   ConvPlan() = default;
   ConvPlan(const ConvPlan&) = delete;
@@ -74,14 +112,21 @@ struct ConvPlan {
   ~ConvPlan() {
     // Plans live as long as the context; this runs when PlanFor fails half-way (a destructor
     // cannot report errors, so they are ignored).
-    if (conv != nullptr) cudnnDestroyConvolutionDescriptor(conv);
+    for (cudnnConvolutionDescriptor_t c : conv) {
+      if (c != nullptr) cudnnDestroyConvolutionDescriptor(c);
+    }
     if (w != nullptr) cudnnDestroyFilterDescriptor(w);
     if (y != nullptr) cudnnDestroyTensorDescriptor(y);
     if (x != nullptr) cudnnDestroyTensorDescriptor(x);
   }
+
+  cudnnConvolutionDescriptor_t Conv(ConvPass pass) const { return conv[size_t(pass)]; }
+  const ConvAlgoChoice& Chosen(ConvPass pass) const { return chosen[size_t(pass)]; }
 };
 
-using ConvKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+// The shape and the policy it was planned under.
+using ConvKey =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int>;
 
 struct Context {
   int device = 0;
@@ -153,7 +198,9 @@ void GemmRowMajor(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, c
 
 // ---- cuDNN: convolution plans ------------------------------------------------------------------
 
-bool IsTensorOpMath(cudnnMathType_t m) { return m != CUDNN_DEFAULT_MATH && m != CUDNN_FMA_MATH; }
+// The policy the next convolution is planned or looked up under (SetConvAlgoPolicy). A setting
+// apart from the context, so that choosing it creates no CUDA state.
+ConvAlgoPolicy conv_policy_in_force = ConvAlgoPolicy::kExact;
 
 std::string ShapeText(const cpu::ConvShape& s) {
   return "[" + std::to_string(s.n) + ", " + std::to_string(s.c) + ", " + std::to_string(s.h) +
@@ -162,43 +209,58 @@ std::string ShapeText(const cpu::ConvShape& s) {
          std::to_string(s.pad);
 }
 
-// Picks the first algorithm of cuDNN's heuristic ranking that is deterministic, needs no tensor
-// cores (TF32) and fits kMaxWorkspaceBytes; `fallback` (an algorithm cuDNN documents as
-// deterministic) when none qualifies.
+cudnnMathType_t CudnnMath(ConvMath m) { return cudnnMathType_t(int(m)); }
+
+// One pass's algorithm: cuDNN's whole heuristic ranking (the _v7 query, asked for as many
+// results as cuDNN has algorithms), turned into plain candidates for the rule of conv_algos.h,
+// which picks one or the fallback. The pick's math type is left set on `conv`, the pass's
+// descriptor, which the ranking was asked with at RankingMath(policy). The workspace is the
+// larger of the ranking's figure and the size query's at the math type the algorithm runs with.
 template <typename Perf, typename Algo, typename QueryFn, typename SizeFn>
-void ChooseAlgo(const char* what, const cpu::ConvShape& s, QueryFn query, SizeFn size_of,
-                Algo fallback, Algo* algo, size_t* bytes) {
-  constexpr int kMaxAlgos = 16;
-  Perf perf[kMaxAlgos];
+ConvAlgoChoice ChooseAlgo(ConvPass pass, ConvAlgoPolicy policy, const cpu::ConvShape& s,
+                          cudnnConvolutionDescriptor_t conv, int max_count, QueryFn query,
+                          SizeFn size_of) {
+  std::vector<Perf> perf(size_t(std::max(max_count, 1)));
   int returned = 0;
-  CPD_CUDNN_CHECK(query(kMaxAlgos, &returned, perf));
-  for (int i = 0; i < returned; ++i) {
-    const Perf& p = perf[i];
-    if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC ||
-        IsTensorOpMath(p.mathType) || p.memory > kMaxWorkspaceBytes) {
-      continue;
+  CPD_CUDNN_CHECK(query(int(perf.size()), &returned, perf.data()));
+  std::vector<ConvAlgoCandidate> ranked;
+  for (int i = 0; i < returned && i < int(perf.size()); ++i) {
+    const Perf& p = perf[size_t(i)];
+    ConvAlgoCandidate c;
+    c.algo = int(p.algo);
+    c.ok = p.status == CUDNN_STATUS_SUCCESS;
+    c.deterministic = p.determinism == CUDNN_DETERMINISTIC;
+    c.math = ConvMath(int(p.mathType));
+    c.workspace_bytes = p.memory;
+    if (c.ok && c.deterministic && ConvAlgoAcceptable(policy, pass, c.algo, c.math)) {
+      CPD_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, CudnnMath(RunMath(policy, c.math))));
+      size_t need = 0;
+      c.ok = size_of(p.algo, &need) == CUDNN_STATUS_SUCCESS;  // else not runnable: passed over
+      c.workspace_bytes = std::max(p.memory, need);
     }
-    // The workspace the size query gives for the algorithm, if larger than the heuristic's.
+    ranked.push_back(c);
+  }
+  ConvAlgoChoice choice = ChooseConvAlgo(policy, pass, ranked, kMaxWorkspaceBytes);
+  CPD_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, CudnnMath(choice.math)));
+  if (choice.fallback) {
     size_t need = 0;
-    if (size_of(p.algo, &need) != CUDNN_STATUS_SUCCESS) continue;
-    *algo = p.algo;
-    *bytes = std::max(p.memory, need);
-    return;
+    const cudnnStatus_t st = size_of(Algo(choice.algo), &need);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      throw std::runtime_error(std::string("cuDNN ranks no deterministic ") +
+                               ConvAlgoPolicyName(policy) + " " + ConvPassName(pass) +
+                               " algorithm for the convolution " + ShapeText(s) +
+                               " within the workspace limit, and the fallback (algorithm " +
+                               std::to_string(choice.algo) + ") fails: " + cudnnGetErrorString(st));
+    }
+    choice.workspace_bytes = need;
   }
-  size_t need = 0;
-  const cudnnStatus_t st = size_of(fallback, &need);
-  if (st != CUDNN_STATUS_SUCCESS) {
-    throw std::runtime_error(std::string("cuDNN offers no deterministic float32 ") + what +
-                             " algorithm for the convolution " + ShapeText(s) + " (" +
-                             cudnnGetErrorString(st) + ")");
-  }
-  *algo = fallback;
-  *bytes = need;
+  return choice;
 }
 
 ConvPlan& PlanFor(const cpu::ConvShape& s) {
   Context& ctx = Ctx();
-  const ConvKey key{s.n, s.c, s.h, s.w, s.oc, s.k, s.stride, s.pad};
+  const ConvAlgoPolicy policy = conv_policy_in_force;
+  const ConvKey key{s.n, s.c, s.h, s.w, s.oc, s.k, s.stride, s.pad, int(policy)};
   auto it = ctx.plans.find(key);
   if (it != ctx.plans.end()) return *it->second;
   const int64_t kMax = int64_t(0x7fffffff);
@@ -210,19 +272,23 @@ ConvPlan& PlanFor(const cpu::ConvShape& s) {
   CPD_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p.x));
   CPD_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p.y));
   CPD_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p.w));
-  CPD_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p.conv));
   CPD_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p.x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, int(s.n),
                                              int(s.c), int(s.h), int(s.w)));
   CPD_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p.w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, int(s.oc),
                                              int(s.c), int(s.k), int(s.k)));
-  CPD_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p.conv, int(s.pad), int(s.pad), int(s.stride),
-                                                  int(s.stride), 1, 1, CUDNN_CROSS_CORRELATION,
-                                                  CUDNN_DATA_FLOAT));
-  // FMA math only: cuDNN's default lets float32 convolutions use TF32 tensor cores on A100 and
-  // later, which would round the inputs to 10 mantissa bits.
-  CPD_CUDNN_CHECK(cudnnSetConvolutionMathType(p.conv, CUDNN_FMA_MATH));
+  // Ranked at FMA math unless fast algorithms are allowed: cuDNN's default math lets float32
+  // convolutions use TF32 tensor cores on compute capability 8.0 and later, which would round
+  // the inputs to 10 mantissa bits.
+  for (cudnnConvolutionDescriptor_t& c : p.conv) {
+    CPD_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&c));
+    CPD_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(c, int(s.pad), int(s.pad), int(s.stride),
+                                                    int(s.stride), 1, 1, CUDNN_CROSS_CORRELATION,
+                                                    CUDNN_DATA_FLOAT));
+    CPD_CUDNN_CHECK(cudnnSetConvolutionMathType(c, CudnnMath(RankingMath(policy))));
+  }
+  cudnnConvolutionDescriptor_t geometry = p.Conv(ConvPass::kForward);
   int on = 0, oc = 0, oh = 0, ow = 0;
-  CPD_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(p.conv, p.x, p.w, &on, &oc, &oh, &ow));
+  CPD_CUDNN_CHECK(cudnnGetConvolution2dForwardOutputDim(geometry, p.x, p.w, &on, &oc, &oh, &ow));
   if (on != s.n || oc != s.oc || oh != s.oh || ow != s.ow) {
     throw std::logic_error("cuDNN computes the output of the convolution " + ShapeText(s) +
                            " as [" + std::to_string(on) + ", " + std::to_string(oc) + ", " +
@@ -233,35 +299,43 @@ ConvPlan& PlanFor(const cpu::ConvShape& s) {
   CPD_CUDNN_CHECK(
       cudnnSetTensor4dDescriptor(p.y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, on, oc, oh, ow));
   cudnnHandle_t h = ctx.cudnn;
-  ChooseAlgo<cudnnConvolutionFwdAlgoPerf_t>(
-      "forward", s,
-      [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* perf) {
-        return cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, p.conv, p.y, req, ret, perf);
-      },
-      [&](cudnnConvolutionFwdAlgo_t a, size_t* b) {
-        return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, p.conv, p.y, a, b);
-      },
-      CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM, &p.fwd, &p.fwd_bytes);
-  ChooseAlgo<cudnnConvolutionBwdDataAlgoPerf_t>(
-      "backward-data", s,
-      [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
-        return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, p.conv, p.x, req, ret,
-                                                           perf);
-      },
-      [&](cudnnConvolutionBwdDataAlgo_t a, size_t* b) {
-        return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, p.conv, p.x, a, b);
-      },
-      CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, &p.bwd_data, &p.bwd_data_bytes);
-  ChooseAlgo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-      "backward-filter", s,
-      [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
-        return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, p.conv, p.w, req, ret,
-                                                             perf);
-      },
-      [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* b) {
-        return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, p.conv, p.w, a, b);
-      },
-      CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, &p.bwd_filter, &p.bwd_filter_bytes);
+  int count = 0;
+  cudnnConvolutionDescriptor_t fwd = p.Conv(ConvPass::kForward);
+  CPD_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &count));
+  p.chosen[size_t(ConvPass::kForward)] =
+      ChooseAlgo<cudnnConvolutionFwdAlgoPerf_t, cudnnConvolutionFwdAlgo_t>(
+          ConvPass::kForward, policy, s, fwd, count,
+          [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* perf) {
+            return cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, fwd, p.y, req, ret, perf);
+          },
+          [&](cudnnConvolutionFwdAlgo_t a, size_t* b) {
+            return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, fwd, p.y, a, b);
+          });
+  cudnnConvolutionDescriptor_t bwd_data = p.Conv(ConvPass::kBackwardData);
+  CPD_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &count));
+  p.chosen[size_t(ConvPass::kBackwardData)] =
+      ChooseAlgo<cudnnConvolutionBwdDataAlgoPerf_t, cudnnConvolutionBwdDataAlgo_t>(
+          ConvPass::kBackwardData, policy, s, bwd_data, count,
+          [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* perf) {
+            return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, bwd_data, p.x, req, ret,
+                                                               perf);
+          },
+          [&](cudnnConvolutionBwdDataAlgo_t a, size_t* b) {
+            return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, bwd_data, p.x, a, b);
+          });
+  cudnnConvolutionDescriptor_t bwd_filter = p.Conv(ConvPass::kBackwardFilter);
+  CPD_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &count));
+  p.chosen[size_t(ConvPass::kBackwardFilter)] =
+      ChooseAlgo<cudnnConvolutionBwdFilterAlgoPerf_t, cudnnConvolutionBwdFilterAlgo_t>(
+          ConvPass::kBackwardFilter, policy, s, bwd_filter, count,
+          [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* perf) {
+            return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, bwd_filter, p.w, req,
+                                                                 ret, perf);
+          },
+          [&](cudnnConvolutionBwdFilterAlgo_t a, size_t* b) {
+            return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, bwd_filter, p.w, a,
+                                                                  b);
+          });
   return *ctx.plans.emplace(key, std::move(plan)).first->second;
 }
 
@@ -278,6 +352,14 @@ void* ScratchMemory(Scratch which, size_t bytes) { return Ctx().Get(which, bytes
 void* Stream() { return Ctx().stream; }
 
 void Synchronize() { CPD_CUDA_CHECK(cudaStreamSynchronize(Ctx().stream)); }
+
+void SetConvAlgoPolicy(ConvAlgoPolicy policy) { conv_policy_in_force = policy; }
+
+ConvAlgoPolicy GetConvAlgoPolicy() { return conv_policy_in_force; }
+
+ConvAlgoChoice ChosenConvAlgo(const cpu::ConvShape& s, ConvPass pass) {
+  return PlanFor(s).Chosen(pass);
+}
 
 // ---- Fully connected (cuBLAS GEMMs; bias kernels in cuda_ops.cu) -------------------------------
 
@@ -302,11 +384,14 @@ void Conv2dForward(const cpu::ConvShape& s, const float* x, const float* w, cons
   if (s.n == 0 || s.oc == 0 || s.ohw() == 0) return;
   ConvPlan& p = PlanFor(s);
   Context& ctx = Ctx();
-  void* ws =
-      p.fwd_bytes > 0 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.fwd_bytes) : nullptr;
+  const ConvAlgoChoice& a = p.Chosen(ConvPass::kForward);
+  void* ws = a.workspace_bytes > 0
+                 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, a.workspace_bytes)
+                 : nullptr;
   const float one = 1.f, zero = 0.f;
-  CPD_CUDNN_CHECK(cudnnConvolutionForward(ctx.cudnn, &one, p.x, x, p.w, w, p.conv, p.fwd, ws,
-                                          p.fwd_bytes, &zero, p.y, y));
+  CPD_CUDNN_CHECK(cudnnConvolutionForward(
+      ctx.cudnn, &one, p.x, x, p.w, w, p.Conv(ConvPass::kForward),
+      cudnnConvolutionFwdAlgo_t(a.algo), ws, a.workspace_bytes, &zero, p.y, y));
   if (bias != nullptr) internal::AddChannelBias(s.n, s.oc, s.ohw(), bias, y);
 }
 
@@ -325,18 +410,21 @@ void Conv2dBackward(const cpu::ConvShape& s, const float* x, const float* w, con
   ConvPlan& p = PlanFor(s);
   const float one = 1.f, zero = 0.f;
   if (dx != nullptr) {
-    void* ws = p.bwd_data_bytes > 0
-                   ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.bwd_data_bytes)
+    const ConvAlgoChoice& a = p.Chosen(ConvPass::kBackwardData);
+    void* ws = a.workspace_bytes > 0
+                   ? internal::ScratchMemory(Scratch::kCudnnWorkspace, a.workspace_bytes)
                    : nullptr;
-    CPD_CUDNN_CHECK(cudnnConvolutionBackwardData(ctx.cudnn, &one, p.w, w, p.y, dy, p.conv,
-                                                 p.bwd_data, ws, p.bwd_data_bytes, &zero, p.x, dx));
+    CPD_CUDNN_CHECK(cudnnConvolutionBackwardData(
+        ctx.cudnn, &one, p.w, w, p.y, dy, p.Conv(ConvPass::kBackwardData),
+        cudnnConvolutionBwdDataAlgo_t(a.algo), ws, a.workspace_bytes, &zero, p.x, dx));
   }
-  void* ws = p.bwd_filter_bytes > 0
-                 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, p.bwd_filter_bytes)
+  const ConvAlgoChoice& a = p.Chosen(ConvPass::kBackwardFilter);
+  void* ws = a.workspace_bytes > 0
+                 ? internal::ScratchMemory(Scratch::kCudnnWorkspace, a.workspace_bytes)
                  : nullptr;
-  CPD_CUDNN_CHECK(cudnnConvolutionBackwardFilter(ctx.cudnn, &one, p.x, x, p.y, dy, p.conv,
-                                                 p.bwd_filter, ws, p.bwd_filter_bytes, &zero, p.w,
-                                                 dw));
+  CPD_CUDNN_CHECK(cudnnConvolutionBackwardFilter(
+      ctx.cudnn, &one, p.x, x, p.y, dy, p.Conv(ConvPass::kBackwardFilter),
+      cudnnConvolutionBwdFilterAlgo_t(a.algo), ws, a.workspace_bytes, &zero, p.w, dw));
   if (db != nullptr) internal::ChannelSums(s.n, s.oc, s.ohw(), dy, db);
 }
 

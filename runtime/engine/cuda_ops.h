@@ -3,10 +3,11 @@
 // Layers dispatch to these when their tensors are Device::kCuda tensors.
 //
 // Compute: GEMMs through cuBLAS (cublasGemmEx, CUBLAS_COMPUTE_32F: float32 multiply-adds, never
-// TF32), convolutions through cuDNN's convolution API (libcudnn_cnn; math type CUDNN_FMA_MATH,
-// so never TF32, and only algorithms cuDNN reports as CUDNN_DETERMINISTIC), everything else in
-// own kernels (runtime/engine/cuda_ops.cu and runtime/cuda_kernels_*.cu, built with -fmad=false
-// like the CPU code's -ffp-contract=off).
+// TF32), convolutions through cuDNN's convolution API (libcudnn_cnn; only algorithms cuDNN
+// reports as CUDNN_DETERMINISTIC and, unless SetConvAlgoPolicy(kFast), only GEMM-like ones at
+// math type CUDNN_FMA_MATH, so never Winograd, FFT or TF32: runtime/engine/conv_algos.h),
+// everything else in own kernels (runtime/engine/cuda_ops.cu and runtime/cuda_kernels_*.cu, built
+// with -fmad=false like the CPU code's -ffp-contract=off).
 //
 // Agreement with the CPU functions of the same name:
 //  * bit for bit: Relu, ReluBackward, AddRelu, Add, AddInPlace, DropoutApply (the same
@@ -15,9 +16,9 @@
 //    LinearBackward, BatchNormEvalForward, BatchNormUpdateRunning given the same batch
 //    statistics, and the optimiser updates (SgdUpdate; ChunkSumSquares sums in the CPU's order);
 //  * to float32 rounding (a different summation order): LinearForward/Backward's GEMMs,
-//    Conv2dForward/Backward, the batch statistics of BatchNormTrainForward and the sums of
-//    BatchNormBackward (accumulated in double), GlobalAvgPoolForward, SoftmaxCrossEntropy
-//    (double, CUDA's exp/log).
+//    Conv2dForward/Backward (under ConvAlgoPolicy::kExact), the batch statistics of
+//    BatchNormTrainForward and the sums of BatchNormBackward (accumulated in double),
+//    GlobalAvgPoolForward, SoftmaxCrossEntropy (double, CUDA's exp/log).
 // Results are deterministic: the same inputs give the same bits on the same GPU and build.
 //
 // Execution: work is queued on one process-wide stream (Stream(); created blocking, so it is
@@ -45,6 +46,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/engine/conv_algos.h"
 #include "runtime/engine/conv_shape.h"
 
 namespace cpd::runtime::cuda {
@@ -55,6 +57,17 @@ void* Stream();
 // Waits until everything queued on Stream() has run (for timing; copies to the host wait by
 // themselves).
 void Synchronize();
+
+// ---- Convolution algorithms -------------------------------------------------------------------
+// Which of cuDNN's algorithms Conv2dForward/Backward may use (runtime/engine/conv_algos.h): kExact
+// (the default) or kFast (cpd-train --fast-conv-algos). Takes effect from the next convolution:
+// plans are cached per shape and policy, so switching back reuses the earlier ones. A plain
+// setting: it creates no CUDA state and needs no GPU.
+void SetConvAlgoPolicy(ConvAlgoPolicy policy);
+ConvAlgoPolicy GetConvAlgoPolicy();
+// The algorithm, math type and workspace with which `pass` of the convolution `s` runs under the
+// policy in force (plans the shape if it has not run yet; needs a GPU). For tests and reports.
+ConvAlgoChoice ChosenConvAlgo(const cpu::ConvShape& s, ConvPass pass);
 
 // ---- Fully connected --------------------------------------------------------------------------
 // As cpu::LinearForward / LinearBackward (row-major x [n, in], w [out, in], y [n, out]).

@@ -170,6 +170,7 @@ void Reporter::Started(const RunStart& run) {
             {"aps", o_.allreduce.aps},
             {"precision", run.precision},
             {"device", run.device}};
+  if (!run.conv_algos.empty()) j["conv_algos"] = run.conv_algos;
   if (o_.optimizer == OptimizerKind::kLars) {
     j["lars_eta"] = o_.lars_eta;
     j["lars_exclude"] = LarsExcludeName(o_.lars_exclude);

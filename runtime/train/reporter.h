@@ -42,6 +42,7 @@ struct RunStart {
   int64_t warmup_steps = 0;  // after --warmup-epochs
   std::string precision;     // DescribePrecision of the policy at the start
   std::string device;        // "cpu" | "cuda"
+  std::string conv_algos;    // on a GPU: "exact" | "fast" (--fast-conv-algos); else empty
 };
 
 // A step just done, as the reporter needs it.

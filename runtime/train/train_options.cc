@@ -79,6 +79,11 @@ Status ValidateTrainOptions(const TrainOptions& o) {
     return bad("--progress-interval must be a number of seconds >= 0 (0: every step)");
   }
   if (o.checkpoint_every < 0) return bad("--checkpoint-every must be >= 0");
+  if (o.fast_conv_algos && o.device == DeviceChoice::kCpu) {
+    return bad(
+        "--fast-conv-algos chooses cuDNN's convolution algorithms on a GPU; it needs "
+        "--device cuda or auto, got --device cpu");
+  }
   if (!o.resume.empty() && o.resume != "auto" && access(o.resume.c_str(), R_OK) != 0) {
     return bad("--resume: cannot read checkpoint '" + o.resume + "'");
   }

@@ -25,6 +25,9 @@
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
 #include "runtime/train/workers.h"
+#if CPD_WITH_CUDA
+#include "runtime/engine/cuda_ops.h"
+#endif
 #if CPD_WITH_NCCL
 #include "comm/nccl_communicator.h"
 #endif
@@ -199,13 +202,20 @@ Status Trainer::CheckOptions() {
   return Status::Ok();
 }
 
-// Ranks, workers, batch sizes, threads and the GPU of this rank.
+// Ranks, workers, batch sizes, threads, the GPU of this rank and its convolution algorithms.
 Status Trainer::PlaceWorkers() {
   if (device_ == Device::kCuda && comm_->size() > 1) {
     // The ranks of a node take its GPUs in turn (before any CUDA tensor exists).
     const int local = comm::LocalRankFromEnv();
     SelectCudaDevice(local >= 0 ? local : comm_->rank());
   }
+#if CPD_WITH_CUDA
+  // Set on every run, since the setting is the process's and an earlier run may have changed it.
+  if (device_ == Device::kCuda) {
+    cuda::SetConvAlgoPolicy(o_.fast_conv_algos ? cuda::ConvAlgoPolicy::kFast
+                                               : cuda::ConvAlgoPolicy::kExact);
+  }
+#endif
   threads_ = o_.threads > 0 ? o_.threads : omp_get_num_procs();
   omp_set_num_threads(threads_);
   openblas_set_num_threads(threads_);
@@ -529,12 +539,14 @@ void Trainer::Announce() {
                std::to_string(group_.local_workers) + " worker(s), all-reduce " +
                AllReduceDescription(allreduce_);
   }
+  const bool fast_conv = device_ == Device::kCuda && o_.fast_conv_algos;
   char line[512];
   std::snprintf(line, sizeof line,
-                "cpd-train: %s on %s (%lld train / %lld test), %s, %d threads, batch %lld (%lld "
+                "cpd-train: %s on %s (%lld train / %lld test), %s%s, %d threads, batch %lld (%lld "
                 "per worker)%s, %d epochs x %lld steps",
                 o_.arch.c_str(), o_.dataset.c_str(), static_cast<long long>(train_.count),
-                static_cast<long long>(test_.count), DeviceName(device_), threads_,
+                static_cast<long long>(test_.count), DeviceName(device_),
+                fast_conv ? " (fast conv algorithms)" : "", threads_,
                 static_cast<long long>(global_batch_),
                 static_cast<long long>(global_batch_ / group_.workers), parallel.c_str(), o_.epochs,
                 static_cast<long long>(batches_per_epoch_));
@@ -548,6 +560,7 @@ void Trainer::Announce() {
   run.warmup_steps = result_.warmup_steps;
   run.precision = DescribePrecision(precision_);
   run.device = DeviceName(device_);
+  if (device_ == Device::kCuda) run.conv_algos = o_.fast_conv_algos ? "fast" : "exact";
   reporter_->Started(run);
 }
 

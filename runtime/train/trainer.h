@@ -102,6 +102,11 @@ struct TrainOptions {
   int64_t checkpoint_every = 0;  // steps (0: only at the end of each epoch when a dir is set)
   std::string resume;            // "" | "auto" | a checkpoint path
   DeviceChoice device = DeviceChoice::kAuto;
+  // On a GPU, let cuDNN run any convolution algorithm it ranks (Winograd, FFT, TF32 tensor
+  // cores: cuda::ConvAlgoPolicy::kFast, runtime/engine/conv_algos.h) instead of only the
+  // GEMM-like ones in float32 arithmetic, the default, whose results differ from the CPU's only by
+  // summation order. Refused with DeviceChoice::kCpu; no effect when kAuto resolves to the CPU.
+  bool fast_conv_algos = false;
   // Control plane: with coordinator.address set, rank 0 registers the job with the coordinator
   // (job_name default: <arch>-<dataset>-<UTC time>), applies the schedules it pushes on every
   // rank at the same step, and reports per-layer statistics (every stats_every steps, at each

@@ -299,6 +299,23 @@ TEST(CpdTrainCli, CommNcclNeedsGradientsOnAGpu) {
                    "--comm nccl needs");
 }
 
+// --fast-conv-algos (issue 25, item 1.4) is documented, off by default, refused with --device cpu
+// (from the command line and from a config file alike), and harmless where auto finds no GPU.
+TEST(CpdTrainCli, FastConvAlgosIsAGpuFlag) {
+  EXPECT_NE(Train({"--help"}).out.find("--fast-conv-algos"), std::string::npos);
+  ExpectUsageError(QuickRun({"--device", "cpu", "--fast-conv-algos", "--max-steps", "1"}),
+                   "--fast-conv-algos");
+  const std::string config = WriteTemp("fast.yaml", "fast-conv-algos: true\ndevice: cpu\n");
+  ExpectUsageError(QuickRun({"--config", config, "--max-steps", "1"}), "got --device cpu");
+  std::remove(config.c_str());
+  const RunResult r =
+      TrainWithoutGpu({"--dataset", "synthetic", "--arch", "lenet5", "--fast-conv-algos",
+                       "--max-steps", "2", "--epochs", "1", "--no-progress"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(", cpu, "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("fast conv"), std::string::npos) << r.out;
+}
+
 // Rank 0 says once how the lr came about: the rule, the global batch, the warm-up in epochs and
 // steps, and LARS's ratio for biases and BatchNorm.
 TEST(CpdTrainCli, EffectiveLrIsOneLineAtStart) {

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -280,6 +281,29 @@ TEST(CudaTraining, EvaluationRunsOnTheGpu) {
   // 2048 test images: a few predictions may flip between devices near a tie.
   EXPECT_NEAR(rg.test_accuracy, rc.test_accuracy, 0.01);
   EXPECT_GT(rg.test_accuracy, 0.2);  // chance is 0.1
+}
+
+// --fast-conv-algos (issue 25, item 1.4): the run trains, repeats bit for bit (the fast policy
+// still takes deterministic algorithms only) and says so in its "run" record; a default run
+// after it in the same process is back on the exact algorithms, the CPU's curve.
+TEST(CudaTraining, FastConvAlgosTrainRepeatAndAreRecorded) {
+  CPD_REQUIRE_CUDA();
+  TempDir dir;
+  TrainOptions o = Options("lenet5", DeviceChoice::kCuda);
+  o.fast_conv_algos = true;
+  o.metrics_out = dir.File("fast.jsonl");
+  const TrainResult a = MustTrain(o);
+  o.metrics_out.clear();
+  const TrainResult b = MustTrain(o);
+  ASSERT_EQ(a.step_losses.size(), size_t(o.max_steps));
+  EXPECT_EQ(a.param_hash, b.param_hash);
+  EXPECT_LT(Mean(a.step_losses, a.step_losses.size() - 20, a.step_losses.size()),
+            Mean(a.step_losses, 0, 20));
+  std::ifstream in(dir.File("fast.jsonl"));
+  std::string first;
+  std::getline(in, first);
+  EXPECT_NE(first.find("\"conv_algos\":\"fast\""), std::string::npos) << first;
+  ExpectSameCurve("lenet5 fp32 after a fast run", Options("lenet5"), kFp32);
 }
 
 }  // namespace

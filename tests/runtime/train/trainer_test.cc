@@ -683,6 +683,7 @@ TEST(TrainerMetrics, RunRecordComesFirstAndAgainOnResume) {
   EXPECT_EQ(run["precision"], DescribePrecision(o.precision));
   EXPECT_NE(run["precision"].get<std::string>().find("A=e4m3"), std::string::npos) << run;
   EXPECT_EQ(run["device"], "cpu");
+  EXPECT_FALSE(run.contains("conv_algos")) << run;  // a GPU run's record only
   // The resumed part's record differs only in its start step.
   nlohmann::json resumed = records[runs[1]];
   EXPECT_EQ(resumed["step"], 10);
@@ -749,6 +750,13 @@ TEST(TrainerOptions, BadValuesNameTheFlag) {
   r = Train(o);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("conv9"), std::string::npos);
+  o = SmallRun();  // --device cpu
+  o.fast_conv_algos = true;
+  r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("--fast-conv-algos"), std::string::npos);
+  EXPECT_NE(r.status().message().find("--device cpu"), std::string::npos);
 }
 
 // ---- Data parallelism in one process (--emulate-ranks) -----------------------------------------

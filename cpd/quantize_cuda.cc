@@ -2,8 +2,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cpd/quantize_internal.h"
 #include "kernels/cuda/codec.h"
@@ -86,50 +91,126 @@ Status CheckDeviceBuffer(const void* p, const char* what, size_t align = alignof
   return Status::Ok();
 }
 
-// Device scratch from the stream-ordered allocator (plain cudaMalloc where the device has no
-// memory pools), released in stream order.
-class DeviceScratch {
+// Scratch memory of the drivers (statistics partials, per-group scales), kept across calls: one
+// buffer per (device, stream), grown when a call needs more and never shrunk, so it settles at
+// what the largest call on that stream needed. Why not cudaMallocAsync + cudaFreeAsync per call:
+// those are two API calls, two stream operations and a pool attribute query for every
+// quantisation site of every training step. Work queued on one stream runs in order, so a call
+// may reuse the buffer as soon as the previous call's work is queued; a call holds its arena's
+// lock while it queues work, so host threads sharing a stream take turns.
+// cudaStreamPerThread is a different stream on each thread: its arenas are per thread as well.
+// A destroyed stream's handle may come back for a new stream; the driver keeps a stream object
+// until its queued work has run, so a recycled handle has no work of the old stream pending.
+struct Arena {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::thread::id thread;  // cudaStreamPerThread only
+  std::mutex mu;           // held by the call that queues work with this arena
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  uint64_t last_use = 0;  // the registry's clock, for eviction
+};
+
+// Every arena of the process. At most kMaxArenas are kept: a process that cycles through many
+// streams (tests create one per case) gives back the least recently used idle arena of the
+// current device, after waiting for that device.
+class ArenaRegistry {
  public:
-  DeviceScratch() = default;
-  DeviceScratch(const DeviceScratch&) = delete;
-  DeviceScratch& operator=(const DeviceScratch&) = delete;
-  ~DeviceScratch() { (void)Release(); }
-
-  Status Allocate(size_t bytes, cudaStream_t stream) {
-    stream_ = stream;
-    int device = 0, pools = 0;
-    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    CPD_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
-    async_ = pools != 0;
-    if (async_) {
-      CPD_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&ptr_, bytes, stream));
-    } else {
-      CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
-    }
-    return Status::Ok();
+  static ArenaRegistry& Get() {
+    static ArenaRegistry* registry = new ArenaRegistry;  // never destroyed: the CUDA runtime
+    return *registry;                                    // may be torn down first at exit
   }
 
-  // Queues the release after the work already on the stream (or waits, without pools).
-  Status Release() {
-    if (ptr_ == nullptr) return Status::Ok();
-    void* p = ptr_;
-    ptr_ = nullptr;
-    if (async_) {
-      CPD_CUDA_RETURN_IF_ERROR(cudaFreeAsync(p, stream_));
-    } else {
-      CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      CPD_CUDA_RETURN_IF_ERROR(cudaFree(p));
+  Result<std::shared_ptr<Arena>> Find(int device, cudaStream_t stream) {
+    const std::thread::id thread =
+        stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id();
+    std::lock_guard<std::mutex> lock(mu_);
+    ++clock_;
+    for (const auto& a : arenas_) {
+      if (a->device == device && a->stream == stream && a->thread == thread) {
+        a->last_use = clock_;
+        return a;
+      }
     }
-    return Status::Ok();
+    if (arenas_.size() >= kMaxArenas) CPD_RETURN_IF_ERROR(EvictOne(device));
+    auto a = std::make_shared<Arena>();
+    a->device = device;
+    a->stream = stream;
+    a->thread = thread;
+    a->last_use = clock_;
+    arenas_.push_back(a);
+    return a;
   }
-
-  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
 
  private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  bool async_ = true;
+  static constexpr size_t kMaxArenas = 16;
+
+  // Called with mu_ held. An arena another call holds, or one of another device, stays.
+  Status EvictOne(int device) {
+    size_t victim = arenas_.size();
+    for (size_t i = 0; i < arenas_.size(); ++i) {
+      if (arenas_[i]->device != device) continue;
+      if (victim == arenas_.size() || arenas_[i]->last_use < arenas_[victim]->last_use) {
+        victim = i;
+      }
+    }
+    if (victim == arenas_.size()) return Status::Ok();
+    std::shared_ptr<Arena> a = arenas_[victim];
+    std::unique_lock<std::mutex> held(a->mu, std::try_to_lock);
+    if (!held.owns_lock()) return Status::Ok();
+    arenas_.erase(arenas_.begin() + std::ptrdiff_t(victim));
+    if (a->ptr != nullptr) {
+      // Its stream may be gone, so wait for the whole device before freeing.
+      CPD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      CPD_CUDA_RETURN_IF_ERROR(cudaFree(a->ptr));
+      a->ptr = nullptr;
+      a->bytes = 0;
+    }
+    return Status::Ok();
+  }
+
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Arena>> arenas_;
+  uint64_t clock_ = 0;
+};
+
+// One call's use of the arena of the current device and its stream: holds the arena's lock from
+// Acquire until Release (or destruction), i.e. while the call queues work that uses the memory.
+class ScratchLease {
+ public:
+  ScratchLease() = default;
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+
+  Status Acquire(size_t bytes, cudaStream_t stream) {
+    int device = 0;
+    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    CPD_ASSIGN_OR_RETURN(arena_, ArenaRegistry::Get().Find(device, stream));
+    lock_ = std::unique_lock<std::mutex>(arena_->mu);
+    if (arena_->bytes >= bytes) return Status::Ok();
+    if (arena_->ptr != nullptr) {
+      // Work queued by earlier calls may still read the old buffer.
+      CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      CPD_CUDA_RETURN_IF_ERROR(cudaFree(arena_->ptr));
+      arena_->ptr = nullptr;
+      arena_->bytes = 0;
+    }
+    const size_t grown = std::max(bytes, size_t(64) << 10);
+    CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&arena_->ptr, grown));
+    arena_->bytes = grown;
+    return Status::Ok();
+  }
+
+  // Lets other calls use the arena; the work already queued keeps its stream order.
+  void Release() {
+    if (lock_.owns_lock()) lock_.unlock();
+  }
+
+  uint8_t* data() const { return arena_ ? static_cast<uint8_t*>(arena_->ptr) : nullptr; }
+
+ private:
+  std::shared_ptr<Arena> arena_;
+  std::unique_lock<std::mutex> lock_;
 };
 
 // How a format is computed on the device.
@@ -303,9 +384,9 @@ Status ComputeScales(const Format& format, const float* in, size_t n, const Plan
   return StoreBinadeTable(format, layout, base, stream, scales);
 }
 
-// The last step of every driver: queues the statistics' copy to the host and the scratch's
-// release, then (only when statistics are wanted) waits for the stream and fills them in.
-Status CollectStats(const StatsTarget& st, size_t n, DeviceScratch* scratch, QuantStats* stats,
+// The last step of every driver: queues the statistics' copy to the host, lets other calls use
+// the scratch, then (only when statistics are wanted) waits for the stream and fills them in.
+Status CollectStats(const StatsTarget& st, size_t n, ScratchLease* scratch, QuantStats* stats,
                     uint64_t* flips, cudaStream_t stream) {
   const bool want_stats = st.result != nullptr;
   DeviceStats ds{};
@@ -313,7 +394,7 @@ Status CollectStats(const StatsTarget& st, size_t n, DeviceScratch* scratch, Qua
     CPD_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(&ds, st.result, sizeof(DeviceStats), cudaMemcpyDeviceToHost, stream));
   }
-  CPD_RETURN_IF_ERROR(scratch->Release());
+  scratch->Release();
   if (!want_stats) return Status::Ok();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
   if (stats != nullptr) {
@@ -351,8 +432,8 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
   const bool binades = format.family() == FormatFamily::kBinades;
   const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
 
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  ScratchLease scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
   uint8_t* base = scratch.data();
   const StatsTarget st = StatsIn(layout, base, want_stats);
 
@@ -414,8 +495,8 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
   const bool want_stats = stats != nullptr;
   const ScratchLayout layout =
       MakeLayout(plan, want_stats, format.family() == FormatFamily::kBinades);
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  ScratchLease scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
   uint8_t* base = scratch.data();
   const StatsTarget st = StatsIn(layout, base, want_stats);
 
@@ -464,8 +545,8 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
   const Plan plan = MakePlan(format, n, packed.channels, /*fused_ok=*/false);
   const ScratchLayout layout =
       MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades);
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+  ScratchLease scratch;
+  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
   uint8_t* base = scratch.data();
 
   DeviceScales scales;
@@ -493,7 +574,8 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
     CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeLinearGrid(
         packed.bytes, n, bits, scales.grids, plan.apply, out, stream));
   }
-  return scratch.Release();
+  scratch.Release();
+  return Status::Ok();
 }
 
 }  // namespace
@@ -548,15 +630,15 @@ Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "CountFlipsCuda: previous weights"));
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsCuda: quantised weights"));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  DeviceScratch scratch;
-  CPD_RETURN_IF_ERROR(scratch.Allocate(sizeof(unsigned long long), s));
+  ScratchLease scratch;
+  CPD_RETURN_IF_ERROR(scratch.Acquire(sizeof(unsigned long long), s));
   auto* d_count = reinterpret_cast<unsigned long long*>(scratch.data());
   CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s));
   CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_count, s));
   unsigned long long count = 0;
   CPD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost, s));
-  CPD_RETURN_IF_ERROR(scratch.Release());
+  scratch.Release();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return uint64_t(count);
 }

@@ -8,7 +8,10 @@
 // Buffers are device pointers (or managed / mapped host memory the device can access), on the
 // current device. Work is queued on `stream` (a cudaStream_t; nullptr = the legacy default
 // stream) and the call returns without waiting, unless `stats` (or `flips`) is requested: then
-// it waits for the stream. Scratch memory comes from the stream-ordered allocator.
+// it waits for the stream. Scratch memory (statistics partials, per-group scales) is kept per
+// device and stream across calls and grown when a call needs more (the first call on a stream,
+// or one with more groups than any before, allocates and waits for the stream once); calls on
+// one stream from several host threads take turns queueing their work.
 //
 // Statistics: count, max_abs, saturated, flushed, nonfinite (and flips) equal the CPU's exactly;
 // sq_error and sq_input are double sums in a different order from the CPU's (per thread, per
@@ -60,7 +63,7 @@ Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
 // caller owns. Why this representation:
 //  * a view, not an owning buffer: the all-reduce packs the segments of many tensors into one
 //    send buffer and receives into another, so packed tensors are slices of the caller's
-//    buffers, and the codec allocates nothing for them (only small stream-ordered scratch);
+//    buffers, and the codec allocates nothing for them (only the small per-stream scratch);
 //  * the CPU's byte layout, at any alignment: one cudaMemcpy of `size` bytes moves a packed
 //    tensor to or from PackedTensor::bytes (MPI staged through host memory, tests), and CPU and
 //    GPU ranks put the same bytes on the wire.

@@ -182,14 +182,14 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
   if (stats.result != nullptr) {
-    CudaResult r = GridBlocks(encode_kernel<Op, true>, units, kThreads, true, &blocks);
+    CudaResult r = GridBlocks<encode_kernel<Op, true>>(units, kThreads, true, &blocks);
     if (!r.ok()) return r;
     encode_kernel<Op, true>
         <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, stats.scratch);
     CPD_CUDA_CHECK(cudaGetLastError());
     return FinalizeStats(stats, blocks, stream);
   }
-  CudaResult r = GridBlocks(encode_kernel<Op, false>, units, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<encode_kernel<Op, false>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   encode_kernel<Op, false>
       <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, nullptr);
@@ -226,7 +226,7 @@ CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, 
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
-  CudaResult r = GridBlocks(decode_kernel<Op>, units, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<decode_kernel<Op>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   decode_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, bits, words, vec_out, out);
   CPD_CUDA_CHECK(cudaGetLastError());

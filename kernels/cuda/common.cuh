@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/quantize.h"
@@ -233,15 +234,42 @@ struct LinearGridOp {
 
 inline cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// How many blocks of kKernel (kThreads threads, no dynamic shared memory) the current device
+// holds at once: SMs x resident blocks per SM. The attribute and occupancy queries cost
+// microseconds each and a training step launches hundreds of kernels, so they run once per
+// kernel and device; cudaGetDevice stays per launch because it is what keeps the cache right
+// when a thread switches devices, and it only reads the runtime's thread-local state.
+template <auto kKernel>
+CudaResult ResidentBlocks(int* cap) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: not known yet
+  int device = 0;
+  CPD_CUDA_CHECK(cudaGetDevice(&device));
+  const bool cached = device >= 0 && device < kCachedDevices;
+  if (cached) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) {
+      *cap = known;
+      return CudaResult{};
+    }
+  }
+  int sms = 0, per_sm = 0;
+  CPD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CPD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+  *cap = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  // Racing threads store the same value.
+  if (cached) cache[device].store(*cap, std::memory_order_relaxed);
+  return CudaResult{};
+}
+
 // Blocks for a grid-stride kernel: enough for `work` items of `per_block` each, at most the
 // number that fit on the device at once (and kMaxStatsBlocks when per-block stats are kept).
-template <class Kernel>
-CudaResult GridBlocks(Kernel kernel, uint64_t work, uint64_t per_block, bool stats, int* blocks) {
-  int device = 0, sms = 0, per_sm = 0;
-  CPD_CUDA_CHECK(cudaGetDevice(&device));
-  CPD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CPD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  uint64_t cap = uint64_t(sms > 0 ? sms : 1) * uint64_t(per_sm > 0 ? per_sm : 1);
+template <auto kKernel>
+CudaResult GridBlocks(uint64_t work, uint64_t per_block, bool stats, int* blocks) {
+  int resident = 0;
+  CudaResult r = ResidentBlocks<kKernel>(&resident);
+  if (!r.ok()) return r;
+  uint64_t cap = uint64_t(resident);
   if (stats && cap > kMaxStatsBlocks) cap = kMaxStatsBlocks;
   uint64_t b = CEIL_DIV(work, per_block);
   b = b < cap ? b : cap;

@@ -415,14 +415,14 @@ CudaResult LaunchElementwise(const Op& op, const float* in, float* out, uint64_t
   const uint64_t work = CEIL_DIV(nvec, uint64_t(kUnroll)) + (n - 4 * nvec);
   int blocks = 0;
   if (stats.result != nullptr) {
-    CudaResult r = GridBlocks(quantize_elementwise_kernel<Op, true>, work, kThreads, true, &blocks);
+    CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, true>>(work, kThreads, true, &blocks);
     if (!r.ok()) return r;
     quantize_elementwise_kernel<Op, true>
         <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, stats.scratch);
     CPD_CUDA_CHECK(cudaGetLastError());
     return FinalizeStats(stats, blocks, stream);
   }
-  CudaResult r = GridBlocks(quantize_elementwise_kernel<Op, false>, work, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, false>>(work, kThreads, false, &blocks);
   if (!r.ok()) return r;
   quantize_elementwise_kernel<Op, false>
       <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, nullptr);
@@ -458,7 +458,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
   int blocks = 0;
   if (stats.result != nullptr) {
     CudaResult r =
-        GridBlocks(quantize_blocks_fused_kernel<kMode, true>, work, kWarpsPerBlock, true, &blocks);
+        GridBlocks<quantize_blocks_fused_kernel<kMode, true>>(work, kWarpsPerBlock, true, &blocks);
     if (!r.ok()) return r;
     quantize_blocks_fused_kernel<kMode, true>
         <<<blocks, kThreads, 0, stream>>>(in, out, n, g, rule, lanes_per_block, vec_in, vec_out,
@@ -467,7 +467,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
     return FinalizeStats(stats, blocks, stream);
   }
   CudaResult r =
-      GridBlocks(quantize_blocks_fused_kernel<kMode, false>, work, kWarpsPerBlock, false, &blocks);
+      GridBlocks<quantize_blocks_fused_kernel<kMode, false>>(work, kWarpsPerBlock, false, &blocks);
   if (!r.ok()) return r;
   quantize_blocks_fused_kernel<kMode, false><<<blocks, kThreads, 0, stream>>>(
       in, out, n, g, rule, lanes_per_block, vec_in, vec_out, rng.key, rng.index_base, nullptr);
@@ -504,7 +504,7 @@ CudaResult LaunchGroupMaxAbs(const float* in, size_t n, GroupLayout groups, uint
   uint64_t len = 0, segs = 0, items = 0;
   ReduceItems(n, groups, &len, &segs, &items);
   int blocks = 0;
-  CudaResult r = GridBlocks(group_max_abs_kernel, items, kWarpsPerBlock, false, &blocks);
+  CudaResult r = GridBlocks<group_max_abs_kernel>(items, kWarpsPerBlock, false, &blocks);
   if (!r.ok()) return r;
   group_max_abs_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(in, n, len, segs, items,
                                                                   max_bits);
@@ -521,7 +521,7 @@ CudaResult LaunchGroupMinMax(const float* in, size_t n, GroupLayout groups, bool
   uint64_t len = 0, segs = 0, items = 0;
   ReduceItems(n, groups, &len, &segs, &items);
   int blocks = 0;
-  CudaResult r = GridBlocks(group_min_max_kernel, items, kWarpsPerBlock, false, &blocks);
+  CudaResult r = GridBlocks<group_min_max_kernel>(items, kWarpsPerBlock, false, &blocks);
   if (!r.ok()) return r;
   static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
   group_min_max_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
@@ -676,7 +676,7 @@ CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(a != nullptr && b != nullptr && count != nullptr, "null buffer");
   int blocks = 0;
-  CudaResult r = GridBlocks(count_changed_bits_kernel, n, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<count_changed_bits_kernel>(n, kThreads, false, &blocks);
   if (!r.ok()) return r;
   count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, count);
   CPD_CUDA_CHECK(cudaGetLastError());

@@ -384,8 +384,22 @@ Status ComputeScales(const Format& format, const float* in, size_t n, const Plan
   return StoreBinadeTable(format, layout, base, stream, scales);
 }
 
-// The last step of every driver: queues the statistics' copy to the host, lets other calls use
-// the scratch, then (only when statistics are wanted) waits for the stream and fills them in.
+// A DeviceStats as the QuantStats of `count` elements.
+QuantStats ToQuantStats(const DeviceStats& ds, uint64_t count) {
+  QuantStats stats;
+  stats.count = count;
+  std::memcpy(&stats.max_abs, &ds.max_bits, sizeof(stats.max_abs));
+  stats.saturated = ds.saturated;
+  stats.flushed = ds.flushed;
+  stats.nonfinite = ds.nonfinite;
+  stats.sq_error = ds.sq_error;
+  stats.sq_input = ds.sq_input;
+  return stats;
+}
+
+// The last step of every driver: queues the statistics' copy to the host (when the caller asked
+// for host values), lets other calls use the scratch, then waits for the stream and fills the
+// values in; slots on the device need neither.
 Status CollectStats(const StatsTarget& st, size_t n, ScratchLease* scratch, QuantStats* stats,
                     uint64_t* flips, cudaStream_t stream) {
   const bool want_stats = st.result != nullptr;
@@ -397,45 +411,73 @@ Status CollectStats(const StatsTarget& st, size_t n, ScratchLease* scratch, Quan
   scratch->Release();
   if (!want_stats) return Status::Ok();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  if (stats != nullptr) {
-    *stats = QuantStats{};
-    stats->count = n;
-    float max_abs;
-    std::memcpy(&max_abs, &ds.max_bits, sizeof(max_abs));
-    stats->max_abs = max_abs;
-    stats->saturated = ds.saturated;
-    stats->flushed = ds.flushed;
-    stats->nonfinite = ds.nonfinite;
-    stats->sq_error = ds.sq_error;
-    stats->sq_input = ds.sq_input;
-  }
+  if (stats != nullptr) *stats = ToQuantStats(ds, n);
   if (flips != nullptr) *flips = ds.flips;
   return Status::Ok();
 }
 
-// Points `st` at the statistics' part of the scratch (when wanted).
-StatsTarget StatsIn(const ScratchLayout& layout, uint8_t* base, bool want_stats) {
+// Statistics destinations in a caller's CudaStatsSlots (cpd::CudaStatsTarget, resolved).
+struct DeviceSinks {
+  DeviceStats* add_to = nullptr;
+  unsigned long long* add_flips = nullptr;
+};
+
+// What a call wants: values returned to the host (waits) and/or slots updated on the device.
+struct StatsRequest {
+  QuantStats* stats = nullptr;
+  uint64_t* flips = nullptr;
+  DeviceSinks sinks;
+  bool immediate() const { return stats != nullptr || flips != nullptr; }
+  bool any() const { return immediate() || sinks.add_to != nullptr || sinks.add_flips != nullptr; }
+};
+
+// Points `st` at the statistics' part of the scratch and at the caller's slots (when wanted).
+StatsTarget StatsIn(const ScratchLayout& layout, uint8_t* base, const StatsRequest& req) {
   StatsTarget st;
-  if (want_stats) {
-    st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
-    st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
-  }
+  if (req.immediate()) st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
+  st.add_to = req.sinks.add_to;
+  st.add_flips = req.sinks.add_flips;
+  if (req.any()) st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
   return st;
+}
+
+// The slots a CudaStatsTarget names; `with_flips`: whether the call counts flips at all.
+Result<DeviceSinks> SinksFor(const CudaStatsTarget& t, bool with_flips, const char* who) {
+  DeviceSinks sinks;
+  const bool want_stats = t.stats != CudaStatsTarget::kNone;
+  const bool want_flips = with_flips && t.flips != CudaStatsTarget::kNone;
+  if (!want_stats && !want_flips) return sinks;
+  if (t.slots == nullptr) {
+    return Status::InvalidArgument(std::string(who) + ": a statistics slot without CudaStatsSlots");
+  }
+  for (const size_t slot : {want_stats ? t.stats : 0, want_flips ? t.flips : 0}) {
+    if (slot >= t.slots->capacity()) {
+      return Status::InvalidArgument(std::string(who) + ": statistics slot " +
+                                     std::to_string(slot) + " of " +
+                                     std::to_string(t.slots->capacity()));
+    }
+  }
+  auto* base = static_cast<DeviceStats*>(t.slots->device_data());
+  if (want_stats) sinks.add_to = base + t.stats;
+  if (want_flips) {
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+    sinks.add_flips = reinterpret_cast<unsigned long long*>(&base[t.flips].flips);
+  }
+  return sinks;
 }
 
 // The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
 Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
-           bool hysteresis, QuantStats* stats, uint64_t* flips, void* stream_ptr) {
+           bool hysteresis, const StatsRequest& req, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/!hysteresis);
-  const bool want_stats = stats != nullptr || flips != nullptr;
   const bool binades = format.family() == FormatFamily::kBinades;
-  const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
+  const ScratchLayout layout = MakeLayout(plan, req.any(), binades);
 
   ScratchLease scratch;
   if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
   uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, want_stats);
+  const StatsTarget st = StatsIn(layout, base, req);
 
   // 1. Scales, on the device.
   DeviceScales scales;
@@ -483,8 +525,8 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
     }
   }
 
-  // 3. Statistics: copy back and wait.
-  return CollectStats(st, n, &scratch, stats, flips, stream);
+  // 3. Statistics: copy back and wait (only when the caller asked for host values).
+  return CollectStats(st, n, &scratch, req.stats, req.flips, stream);
 }
 
 // The encoder: QuantizeCuda's scales (never the fused block path: the shifts are metadata), one
@@ -492,13 +534,14 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
 Status EncodeRun(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
                  uint8_t* dst, QuantStats* stats, cudaStream_t stream) {
   const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/false);
-  const bool want_stats = stats != nullptr;
+  StatsRequest req;
+  req.stats = stats;
   const ScratchLayout layout =
-      MakeLayout(plan, want_stats, format.family() == FormatFamily::kBinades);
+      MakeLayout(plan, req.any(), format.family() == FormatFamily::kBinades);
   ScratchLease scratch;
   if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
   uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, want_stats);
+  const StatsTarget st = StatsIn(layout, base, req);
 
   DeviceScales scales;
   CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
@@ -578,6 +621,39 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
   return Status::Ok();
 }
 
+// The argument checks of QuantizeCuda's overloads, then the driver.
+Status CheckedQuantize(const Format& format, const float* d_in, float* d_out, size_t n,
+                       const QuantizeOptions& opts, const StatsRequest& req, void* stream) {
+  if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
+    return Status::InvalidArgument("QuantizeCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  if (n == 0) {
+    if (req.stats != nullptr) *req.stats = QuantStats{};
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
+  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/false, req, stream);
+}
+
+// The argument checks of QuantizeHysteresisCuda's overloads, then the driver.
+Status CheckedHysteresis(const Format& format, const float* d_w, float* d_q, size_t n,
+                         const QuantizeOptions& opts, const StatsRequest& req, void* stream) {
+  if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  if (n == 0) {
+    if (req.stats != nullptr) *req.stats = QuantStats{};
+    if (req.flips != nullptr) *req.flips = 0;
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
+  return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, req, stream);
+}
+
 }  // namespace
 
 bool CudaDeviceAvailable() {
@@ -592,34 +668,33 @@ bool CudaDeviceAvailable() {
 
 Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_t n,
                     const QuantizeOptions& opts, QuantStats* stats, void* stream) {
-  if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
-    return Status::InvalidArgument("QuantizeCuda: null buffer");
-  }
-  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  if (n == 0) {
-    if (stats != nullptr) *stats = QuantStats{};
-    return Status::Ok();
-  }
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
-  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/false, stats, nullptr, stream);
+  StatsRequest req;
+  req.stats = stats;
+  return CheckedQuantize(format, d_in, d_out, n, opts, req, stream);
+}
+
+Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_t n,
+                    const QuantizeOptions& opts, const CudaStatsTarget& target, void* stream) {
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks, SinksFor(target, /*with_flips=*/false, "QuantizeCuda"));
+  return CheckedQuantize(format, d_in, d_out, n, opts, req, stream);
 }
 
 Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
                               const QuantizeOptions& opts, QuantStats* stats, uint64_t* flips,
                               void* stream) {
-  if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
-    return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
-  }
-  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  if (n == 0) {
-    if (stats != nullptr) *stats = QuantStats{};
-    if (flips != nullptr) *flips = 0;
-    return Status::Ok();
-  }
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
-  return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, stats, flips, stream);
+  StatsRequest req;
+  req.stats = stats;
+  req.flips = flips;
+  return CheckedHysteresis(format, d_w, d_q, n, opts, req, stream);
+}
+
+Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
+                              const QuantizeOptions& opts, const CudaStatsTarget& target,
+                              void* stream) {
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks, SinksFor(target, /*with_flips=*/true, "QuantizeHysteresisCuda"));
+  return CheckedHysteresis(format, d_w, d_q, n, opts, req, stream);
 }
 
 Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n, void* stream) {
@@ -634,13 +709,110 @@ Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
   CPD_RETURN_IF_ERROR(scratch.Acquire(sizeof(unsigned long long), s));
   auto* d_count = reinterpret_cast<unsigned long long*>(scratch.data());
   CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s));
-  CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_count, s));
+  CPD_LAUNCH_RETURN_IF_ERROR(
+      kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, /*copy_to=*/nullptr, d_count, s));
   unsigned long long count = 0;
   CPD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost, s));
   scratch.Release();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return uint64_t(count);
+}
+
+Status CountFlipsAndKeepCuda(float* d_prev, const float* d_q, size_t n,
+                             const CudaStatsTarget& target, void* stream) {
+  if (n > 0 && (d_prev == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("CountFlipsAndKeepCuda: null buffer");
+  }
+  const uintptr_t prev = reinterpret_cast<uintptr_t>(d_prev), q = reinterpret_cast<uintptr_t>(d_q);
+  if (n > 0 && prev < q + n * sizeof(float) && q < prev + n * sizeof(float)) {
+    return Status::InvalidArgument("CountFlipsAndKeepCuda: previous and new weights overlap");
+  }
+  CPD_ASSIGN_OR_RETURN(const DeviceSinks sinks,
+                       SinksFor(target, /*with_flips=*/true, "CountFlipsAndKeepCuda"));
+  if (n == 0) return Status::Ok();
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "CountFlipsAndKeepCuda: previous weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsAndKeepCuda: quantised weights"));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (sinks.add_flips == nullptr) {  // nothing to count: only keep the weights
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(d_prev, d_q, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    return Status::Ok();
+  }
+  CPD_LAUNCH_RETURN_IF_ERROR(
+      kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_prev, sinks.add_flips, s));
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<CudaStatsSlots>> CudaStatsSlots::Create(size_t capacity) {
+  std::unique_ptr<CudaStatsSlots> slots(new CudaStatsSlots());
+  CPD_RETURN_IF_ERROR(slots->Reserve(capacity, nullptr));
+  return slots;
+}
+
+CudaStatsSlots::~CudaStatsSlots() {
+  // Queued work may still update the slots; cudaFree waits for the device.
+  if (data_ != nullptr) (void)cudaFree(data_);
+}
+
+Status CudaStatsSlots::Reserve(size_t capacity, void* stream) {
+  if (capacity <= capacity_ && data_ != nullptr) return Status::Ok();
+  capacity = std::max<size_t>(capacity, 1);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  void* grown = nullptr;
+  CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&grown, capacity * sizeof(DeviceStats)));
+  Status st = [&]() -> Status {
+    CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grown, 0, capacity * sizeof(DeviceStats), s));
+    if (data_ != nullptr) {
+      CPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grown, data_, capacity_ * sizeof(DeviceStats),
+                                               cudaMemcpyDeviceToDevice, s));
+    }
+    // Work queued on other streams before this call is the caller's to order; ours is done when
+    // the stream is.
+    CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    (void)cudaFree(grown);
+    return st;
+  }
+  if (data_ != nullptr) CPD_CUDA_RETURN_IF_ERROR(cudaFree(data_));
+  data_ = grown;
+  capacity_ = capacity;
+  return Status::Ok();
+}
+
+Status CudaStatsSlots::Clear(size_t first, size_t count, void* stream) {
+  if (first > capacity_ || count > capacity_ - first) {
+    return Status::InvalidArgument("CudaStatsSlots::Clear: slots [" + std::to_string(first) +
+                                   ", +" + std::to_string(count) + ") of " +
+                                   std::to_string(capacity_));
+  }
+  if (count == 0) return Status::Ok();
+  CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<DeviceStats*>(data_) + first, 0,
+                                           count * sizeof(DeviceStats),
+                                           static_cast<cudaStream_t>(stream)));
+  return Status::Ok();
+}
+
+Result<std::vector<CudaSlotStats>> CudaStatsSlots::Read(size_t first, size_t count,
+                                                        void* stream) const {
+  if (first > capacity_ || count > capacity_ - first) {
+    return Status::InvalidArgument("CudaStatsSlots::Read: slots [" + std::to_string(first) + ", +" +
+                                   std::to_string(count) + ") of " + std::to_string(capacity_));
+  }
+  std::vector<CudaSlotStats> out(count);
+  if (count == 0) return out;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::vector<DeviceStats> host(count);
+  CPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), static_cast<DeviceStats*>(data_) + first,
+                                           count * sizeof(DeviceStats), cudaMemcpyDeviceToHost, s));
+  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  for (size_t i = 0; i < count; ++i) {
+    out[i].stats = ToQuantStats(host[i], host[i].count);
+    out[i].flips = host[i].flips;
+  }
+  return out;
 }
 
 Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,

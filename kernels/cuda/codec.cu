@@ -175,19 +175,19 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   CPD_LAUNCH_REQUIRE(in != nullptr && dst != nullptr, "null buffer");
   CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= kMaxCodeBits, "codes need 1 to 32 bits");
   CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(in) & 3u) == 0, "input must be 4-byte aligned");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
+  CPD_LAUNCH_REQUIRE(!stats.wanted() || stats.scratch != nullptr,
                      "statistics need a scratch buffer");
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
-  if (stats.result != nullptr) {
+  if (stats.wanted()) {
     CudaResult r = GridBlocks<encode_kernel<Op, true>>(units, kThreads, true, &blocks);
     if (!r.ok()) return r;
     encode_kernel<Op, true>
         <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, stats.scratch);
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return FinalizeStats(stats, blocks, n, stream);
   }
   CudaResult r = GridBlocks<encode_kernel<Op, false>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;

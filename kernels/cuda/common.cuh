@@ -125,6 +125,60 @@ __device__ __forceinline__ void BlockStatsToPartial(const Acc<true>& acc, Device
   }
 }
 
+// The destinations of a StatsTarget (quantize.h), as kernel parameters.
+struct StatsSinks {
+  DeviceStats* result;
+  DeviceStats* add_to;
+  unsigned long long* add_flips;
+};
+
+inline StatsSinks SinksOf(const StatsTarget& t) {
+  return StatsSinks{t.result, t.add_to, t.add_flips};
+}
+
+// A partial written by another block of the same launch: read from L2 (ld.cg), as the L1 of this
+// SM is not coherent with the other SMs' stores.
+__device__ __forceinline__ DeviceStats LoadPartial(const DeviceStats* p) {
+  DeviceStats s;
+  s.saturated = __ldcg(reinterpret_cast<const unsigned long long*>(&p->saturated));
+  s.flushed = __ldcg(reinterpret_cast<const unsigned long long*>(&p->flushed));
+  s.nonfinite = __ldcg(reinterpret_cast<const unsigned long long*>(&p->nonfinite));
+  s.flips = __ldcg(reinterpret_cast<const unsigned long long*>(&p->flips));
+  s.sq_error = __ldcg(&p->sq_error);
+  s.sq_input = __ldcg(&p->sq_input);
+  s.max_bits = __ldcg(&p->max_bits);
+  s.pad = 0;
+  s.count = 0;
+  return s;
+}
+
+// Merges one launch's statistics into a slot: counts and sums added, the largest max_bits (|x|
+// bits order as the floats do), flips left out (they have their own destination).
+__device__ __forceinline__ void MergeIntoSlot(DeviceStats* slot, const DeviceStats& s) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->saturated), s.saturated);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->flushed), s.flushed);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->nonfinite), s.nonfinite);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->count), s.count);
+  atomicAdd(&slot->sq_error, s.sq_error);
+  atomicAdd(&slot->sq_input, s.sq_input);
+  atomicMax(&slot->max_bits, s.max_bits);
+}
+
+// Sums `blocks` per-block partials in block order (lane l takes blocks l, l + 32, ...; then a
+// fixed shuffle tree, so the double sums do not depend on timing) and delivers the launch's
+// statistics of `count` elements to the sinks. Must be reached by all 32 lanes of one warp.
+__device__ __forceinline__ void DeliverStats(const DeviceStats* partials, int blocks,
+                                             uint64_t count, const StatsSinks& sinks) {
+  DeviceStats s{0, 0, 0, 0, 0.0, 0.0, 0u, 0u, 0};
+  for (int b = int(threadIdx.x % 32); b < blocks; b += 32) Accumulate(s, LoadPartial(partials + b));
+  WarpSum(s);
+  if (threadIdx.x % 32 != 0) return;
+  s.count = count;
+  if (sinks.result != nullptr) *sinks.result = s;
+  if (sinks.add_to != nullptr) MergeIntoSlot(sinks.add_to, s);
+  if (sinks.add_flips != nullptr && s.flips != 0) atomicAdd(sinks.add_flips, s.flips);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element operations: what one element becomes. Init() runs once per thread (caches the scale
 // of a single-group span in registers); Apply() maps x (and, for hysteresis, the previous
@@ -285,8 +339,8 @@ inline CudaResult CheckGroups(uint64_t n, const GroupLayout& groups, bool has_pa
   return CudaResult{};
 }
 
-// Queues the sum of `blocks` per-block partials (BlockStatsToPartial) into stats.result, in
-// block order (quantize.cu).
-CudaResult FinalizeStats(const StatsTarget& stats, int blocks, cudaStream_t stream);
+// Queues the delivery (DeliverStats) of `blocks` per-block partials (BlockStatsToPartial) of a
+// launch over `count` elements to the destinations of `stats` (quantize.cu).
+CudaResult FinalizeStats(const StatsTarget& stats, int blocks, uint64_t count, cudaStream_t stream);
 
 }  // namespace cpd::kernels::cuda

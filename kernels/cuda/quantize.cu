@@ -363,22 +363,22 @@ __global__ void __launch_bounds__(kThreads)
 // One thread copies the grid from the kernel's parameter space to device memory.
 __global__ void store_binade_grid_kernel(const BinadeGrid g, BinadeGrid* dst) { *dst = g; }
 
-// Sums the per-block partials in block order (lane l takes blocks l, l + 32, ...; then a fixed
-// shuffle tree). One warp.
-__global__ void stats_finalize_kernel(const DeviceStats* partials, int count, DeviceStats* result) {
-  DeviceStats s{0, 0, 0, 0, 0.0, 0.0, 0u, 0u};
-  for (int b = threadIdx.x; b < count; b += 32) Accumulate(s, partials[b]);
-  WarpSum(s);
-  if (threadIdx.x == 0) *result = s;
+// Delivers the per-block partials of a launch (DeliverStats). One warp.
+__global__ void stats_finalize_kernel(const DeviceStats* partials, int blocks, uint64_t count,
+                                      StatsSinks sinks) {
+  DeliverStats(partials, blocks, count, sinks);
 }
 
-// Grid-stride count of differing bit patterns; one atomic per warp.
+// Grid-stride count of differing bit patterns (and the copy of b, when asked); one atomic per
+// warp.
 __global__ void count_changed_bits_kernel(const float* a, const float* b, uint64_t n,
-                                          unsigned long long* count) {
+                                          float* copy_to, unsigned long long* count) {
   unsigned long long c = 0;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    c += FloatBits(a[i]) != FloatBits(b[i]);
+    const float bi = b[i];
+    c += FloatBits(a[i]) != FloatBits(bi);
+    if (copy_to != nullptr) copy_to[i] = bi;  // after this thread's read of a[i]
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) c += __shfl_down_sync(kFullMask, c, off);
@@ -407,20 +407,20 @@ CudaResult LaunchElementwise(const Op& op, const float* in, float* out, uint64_t
                              const StatsTarget& stats, cudaStream_t stream) {
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(in != nullptr && out != nullptr, "null buffer");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
+  CPD_LAUNCH_REQUIRE(!stats.wanted() || stats.scratch != nullptr,
                      "statistics need a scratch buffer");
   uint64_t head = 0, nvec = 0;
   VectorSplit(in, out, n, &head, &nvec);
   // Work in threads: each handles kUnroll vectors, or one element outside the vector part.
   const uint64_t work = CEIL_DIV(nvec, uint64_t(kUnroll)) + (n - 4 * nvec);
   int blocks = 0;
-  if (stats.result != nullptr) {
+  if (stats.wanted()) {
     CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, true>>(work, kThreads, true, &blocks);
     if (!r.ok()) return r;
     quantize_elementwise_kernel<Op, true>
         <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, stats.scratch);
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return FinalizeStats(stats, blocks, n, stream);
   }
   CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, false>>(work, kThreads, false, &blocks);
   if (!r.ok()) return r;
@@ -456,7 +456,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
   const uint64_t tiles = CEIL_DIV(n, uint64_t(128));
   const uint64_t work = CEIL_DIV(tiles, uint64_t(kUnroll));  // in warps
   int blocks = 0;
-  if (stats.result != nullptr) {
+  if (stats.wanted()) {
     CudaResult r =
         GridBlocks<quantize_blocks_fused_kernel<kMode, true>>(work, kWarpsPerBlock, true, &blocks);
     if (!r.ok()) return r;
@@ -464,7 +464,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
         <<<blocks, kThreads, 0, stream>>>(in, out, n, g, rule, lanes_per_block, vec_in, vec_out,
                                           rng.key, rng.index_base, stats.scratch);
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return FinalizeStats(stats, blocks, n, stream);
   }
   CudaResult r =
       GridBlocks<quantize_blocks_fused_kernel<kMode, false>>(work, kWarpsPerBlock, false, &blocks);
@@ -486,8 +486,9 @@ void ReduceItems(uint64_t n, const GroupLayout& groups, uint64_t* len, uint64_t*
 
 }  // namespace
 
-CudaResult FinalizeStats(const StatsTarget& stats, int blocks, cudaStream_t stream) {
-  stats_finalize_kernel<<<1, 32, 0, stream>>>(stats.scratch, blocks, stats.result);
+CudaResult FinalizeStats(const StatsTarget& stats, int blocks, uint64_t count,
+                         cudaStream_t stream) {
+  stats_finalize_kernel<<<1, 32, 0, stream>>>(stats.scratch, blocks, count, SinksOf(stats));
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -606,7 +607,7 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
   CPD_LAUNCH_REQUIRE(
       (reinterpret_cast<uintptr_t>(in) & 3u) == 0 && (reinterpret_cast<uintptr_t>(out) & 3u) == 0,
       "buffers must be 4-byte aligned");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
+  CPD_LAUNCH_REQUIRE(!stats.wanted() || stats.scratch != nullptr,
                      "statistics need a scratch buffer");
   const int lanes = int(block_size / 4);
   const cudaStream_t s = AsStream(stream);
@@ -671,14 +672,16 @@ CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const 
                            AsStream(stream));
 }
 
-CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n, float* copy_to,
                                   unsigned long long* count, void* stream) {
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(a != nullptr && b != nullptr && count != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(copy_to == nullptr || copy_to + n <= b || b + n <= copy_to,
+                     "the copy must not overlap its source");
   int blocks = 0;
   CudaResult r = GridBlocks<count_changed_bits_kernel>(n, kThreads, false, &blocks);
   if (!r.ok()) return r;
-  count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, count);
+  count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, copy_to, count);
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }

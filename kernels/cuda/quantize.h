@@ -29,7 +29,8 @@ struct CudaResult {
 // Device-side statistics of one launch (see ElementStats in kernels/quantize_cpu.h for the
 // meaning of each field). Partial sums are per block and are summed in block order, so the
 // result is deterministic for a given device, but the double sums may differ from the CPU in
-// the last bits (a different summation order).
+// the last bits (a different summation order). Also the layout of a statistics slot
+// (cpd::CudaStatsSlots), which merges launches: counts and sums added, max_bits the largest.
 struct DeviceStats {
   uint64_t saturated;
   uint64_t flushed;
@@ -39,18 +40,25 @@ struct DeviceStats {
   double sq_input;
   uint32_t max_bits;  // float32 bits of the largest |x| over non-NaN inputs (Inf included)
   uint32_t pad;
+  uint64_t count;  // elements (0 in per-block partials)
 };
 
 // Scratch a stats-producing launcher needs: one DeviceStats per block of the main kernel.
 constexpr size_t kMaxStatsBlocks = 2048;
 constexpr size_t kStatsScratchBytes = kMaxStatsBlocks * sizeof(DeviceStats);
 
-// Optional statistics of an element-wise launch: when `result` is non-null, `scratch` must hold
-// kStatsScratchBytes of device memory and the launch writes one DeviceStats to `result`
-// (device memory) once the stream reaches it.
+// Optional statistics of an element-wise launch, to any of three destinations in device memory,
+// written once the stream reaches them: `result` is overwritten with the launch's DeviceStats;
+// `add_to` (a statistics slot) has them merged in, flips excluded; `add_flips` has the flips
+// added. The merges are atomic, so no launch's contribution is lost, but launches that update
+// one slot concurrently (from different streams) add their double sums in an unspecified order.
+// When any destination is set, `scratch` must hold kStatsScratchBytes of device memory.
 struct StatsTarget {
   DeviceStats* result = nullptr;
+  DeviceStats* add_to = nullptr;
+  unsigned long long* add_flips = nullptr;
   DeviceStats* scratch = nullptr;
+  bool wanted() const { return result != nullptr || add_to != nullptr || add_flips != nullptr; }
 };
 
 // Where the scale of element i comes from. group_len == 0: one group (index 0) for the whole
@@ -137,10 +145,12 @@ CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const 
                                       const int32_t* shifts, GroupLayout groups, StatsTarget stats,
                                       void* stream);
 
-// kernels::CountChangedBits on the device: adds to *count (device memory, zeroed by the caller)
-// how many of a[i] and b[i] differ in their float32 bits. Integer atomics, so the count is exact
-// and independent of the launch geometry.
-CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+// kernels::CountChangedBits on the device: adds to *count (device memory) how many of a[i] and
+// b[i] differ in their float32 bits. Integer atomics, so the count is exact and independent of
+// the launch geometry. When `copy_to` is non-null, copy_to[i] = b[i] in the same pass (copy_to
+// may be a, not an overlap of b): the caller keeps the newest values for the next comparison
+// without a second pass.
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n, float* copy_to,
                                   unsigned long long* count, void* stream);
 
 }  // namespace cpd::kernels::cuda

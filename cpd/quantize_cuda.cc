@@ -106,10 +106,15 @@ struct Arena {
   cudaStream_t stream = nullptr;
   std::thread::id thread;  // cudaStreamPerThread only
   std::mutex mu;           // held by the call that queues work with this arena
+  // [0, zero_bytes): the block ticket (first kControlBytes) and the scale reductions' buffers,
+  // kept all zero between calls (the kernels clear what they use); then free_bytes of scratch
+  // that each call overwrites (statistics partials, per-group scales).
   void* ptr = nullptr;
-  size_t bytes = 0;
+  size_t zero_bytes = 0, free_bytes = 0;
   uint64_t last_use = 0;  // the registry's clock, for eviction
 };
+
+constexpr size_t kControlBytes = 256;  // the ticket of the last-block pattern, then padding
 
 // Every arena of the process. At most kMaxArenas are kept: a process that cycles through many
 // streams (tests create one per case) gives back the least recently used idle arena of the
@@ -164,7 +169,7 @@ class ArenaRegistry {
       CPD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
       CPD_CUDA_RETURN_IF_ERROR(cudaFree(a->ptr));
       a->ptr = nullptr;
-      a->bytes = 0;
+      a->zero_bytes = a->free_bytes = 0;
     }
     return Status::Ok();
   }
@@ -182,22 +187,38 @@ class ScratchLease {
   ScratchLease(const ScratchLease&) = delete;
   ScratchLease& operator=(const ScratchLease&) = delete;
 
-  Status Acquire(size_t bytes, cudaStream_t stream) {
+  // Locks the arena and makes it hold `reduce_bytes` of zeroed reduction buffers and
+  // `free_bytes` of scratch. Growing waits for the stream (queued work may still use the old
+  // buffer) and zeroes the new ticket and reduction buffers in stream order.
+  Status Acquire(size_t reduce_bytes, size_t free_bytes, cudaStream_t stream) {
     int device = 0;
     CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
     CPD_ASSIGN_OR_RETURN(arena_, ArenaRegistry::Get().Find(device, stream));
     lock_ = std::unique_lock<std::mutex>(arena_->mu);
-    if (arena_->bytes >= bytes) return Status::Ok();
+    const size_t zero_bytes = kControlBytes + ((reduce_bytes + 255) & ~size_t(255));
+    free_bytes = (free_bytes + 255) & ~size_t(255);
+    if (arena_->ptr != nullptr && arena_->zero_bytes >= zero_bytes &&
+        arena_->free_bytes >= free_bytes) {
+      return Status::Ok();
+    }
+    const size_t zero = std::max(zero_bytes, arena_->zero_bytes);
+    const size_t free = std::max({free_bytes, arena_->free_bytes, size_t(64) << 10});
     if (arena_->ptr != nullptr) {
-      // Work queued by earlier calls may still read the old buffer.
       CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       CPD_CUDA_RETURN_IF_ERROR(cudaFree(arena_->ptr));
       arena_->ptr = nullptr;
-      arena_->bytes = 0;
+      arena_->zero_bytes = arena_->free_bytes = 0;
     }
-    const size_t grown = std::max(bytes, size_t(64) << 10);
-    CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&arena_->ptr, grown));
-    arena_->bytes = grown;
+    void* grown = nullptr;
+    CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&grown, zero + free));
+    const cudaError_t err = cudaMemsetAsync(grown, 0, zero, stream);
+    if (err != cudaSuccess) {
+      (void)cudaFree(grown);
+      return CudaStatus(err, __FILE__, __LINE__, "cudaMemsetAsync(grown, 0, zero, stream)");
+    }
+    arena_->ptr = grown;
+    arena_->zero_bytes = zero;
+    arena_->free_bytes = free;
     return Status::Ok();
   }
 
@@ -206,9 +227,17 @@ class ScratchLease {
     if (lock_.owns_lock()) lock_.unlock();
   }
 
-  uint8_t* data() const { return arena_ ? static_cast<uint8_t*>(arena_->ptr) : nullptr; }
+  // The block ticket and the reduction buffers (zero between calls), and the free scratch; null
+  // before Acquire.
+  unsigned int* ticket() const {
+    return arena_ ? static_cast<unsigned int*>(arena_->ptr) : nullptr;
+  }
+  uint8_t* reduce() const { return arena_ ? base() + kControlBytes : nullptr; }
+  uint8_t* data() const { return arena_ ? base() + arena_->zero_bytes : nullptr; }
 
  private:
+  uint8_t* base() const { return static_cast<uint8_t*>(arena_->ptr); }
+
   std::shared_ptr<Arena> arena_;
   std::unique_lock<std::mutex> lock_;
 };
@@ -262,19 +291,33 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
   return plan;
 }
 
-// Offsets into one scratch allocation.
+// What a call needs of its stream's arena: offsets into the free scratch (ScratchLease::data),
+// and the bytes of zeroed reduction buffers (ScratchLease::reduce).
 struct ScratchLayout {
   size_t stats_result = 0, stats_partials = 0;  // DeviceStats, DeviceStats[kMaxStatsBlocks]
   size_t params = 0;                            // int32_t shifts[num] or LinearGrid grids[num]
-  size_t reduce = 0;   // uint32_t max_bits[num], or uint64_t lo_keys[num] then hi_ord
-  size_t reduce2 = 0;  // uint32_t hi_ord[num]
-  size_t binade = 0;   // kernels::BinadeGrid (binades formats)
-  size_t bytes = 0;
+  size_t binade = 0;                            // kernels::BinadeGrid (binades formats)
+  size_t bytes = 0;                             // of free scratch
+  size_t reduce_bytes = 0;                      // of the scale reduction (zero between calls)
+  bool needed() const { return bytes > 0 || reduce_bytes > 0; }
 };
 
 size_t Align(size_t x) { return (x + 255) & ~size_t(255); }
 
-ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
+// The reduction a path's scales come from.
+kernels::cuda::ScaleKind ScaleKindOf(Path path) {
+  switch (path) {
+    case Path::kInt:
+      return kernels::cuda::ScaleKind::kIntGrid;
+    case Path::kUint:
+      return kernels::cuda::ScaleKind::kUintGrid;
+    default:
+      return kernels::cuda::ScaleKind::kShift;
+  }
+}
+
+// `reduced`: whether the scales are computed from the data (the decoder reads them instead).
+ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table, bool reduced) {
   ScratchLayout l;
   size_t at = 0;
   if (want_stats) {
@@ -284,29 +327,10 @@ ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
     at = Align(at + kernels::cuda::kStatsScratchBytes);
   }
   const size_t num = plan.num_groups;
-  switch (plan.path) {
-    case Path::kShift:
-      l.params = at;
-      at = Align(at + num * sizeof(int32_t));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    case Path::kInt:
-      l.params = at;
-      at = Align(at + num * sizeof(LinearGrid));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    case Path::kUint:
-      l.params = at;
-      at = Align(at + num * sizeof(LinearGrid));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint64_t));
-      l.reduce2 = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    default:
-      break;
+  if (plan.path == Path::kShift || plan.path == Path::kInt || plan.path == Path::kUint) {
+    l.params = at;
+    at = Align(at + num * (plan.path == Path::kShift ? sizeof(int32_t) : sizeof(LinearGrid)));
+    if (reduced) l.reduce_bytes = kernels::cuda::ScaleReduceBytes(ScaleKindOf(plan.path), num);
   }
   if (binade_table) {
     l.binade = at;
@@ -343,43 +367,30 @@ Status StoreBinadeTable(const Format& format, const ScratchLayout& layout, uint8
 }
 
 // Step 1 of every quantiser and of the encoder: the scale of each group, chosen on the device
-// from the data with the CPU's formulas (cpd/quantize.cc ComputeGroups).
+// from the data with the CPU's formulas (cpd/quantize.cc ComputeGroups), in one launch (the
+// reduction's last block derives the scales). `meta` (the encoder): the packed tensor's scale
+// metadata, written by the same launch.
 Status ComputeScales(const Format& format, const float* in, size_t n, const Plan& plan,
-                     const ScratchLayout& layout, uint8_t* base, cudaStream_t stream,
-                     DeviceScales* scales) {
-  const size_t num = plan.num_groups;
-  switch (plan.path) {
-    case Path::kShift:
-    case Path::kInt: {
-      uint32_t* max_bits = reinterpret_cast<uint32_t*>(base + layout.reduce);
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(max_bits, 0, num * sizeof(uint32_t), stream));
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchGroupMaxAbs(in, n, plan.reduce, max_bits, stream));
-      if (plan.path == Path::kShift) {
-        scales->shifts = reinterpret_cast<int32_t*>(base + layout.params);
-        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchShiftsFromMaxAbs(
-            max_bits, num, format.shift_rule(), scales->shifts, stream));
-      } else {
-        scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
-        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchIntGridsFromMaxAbs(
-            max_bits, num, format.bits(), scales->grids, stream));
-      }
-      break;
+                     const ScratchLayout& layout, const ScratchLease& scratch, cudaStream_t stream,
+                     DeviceScales* scales, uint8_t* meta = nullptr) {
+  uint8_t* base = scratch.data();
+  if (plan.path == Path::kShift || plan.path == Path::kInt || plan.path == Path::kUint) {
+    kernels::cuda::ScaleRule rule;
+    rule.kind = ScaleKindOf(plan.path);
+    rule.shift = format.shift_rule();
+    rule.bits = format.bits();
+    rule.chunked = plan.chunked;
+    kernels::cuda::ScaleOutput out;
+    if (plan.path == Path::kShift) {
+      out.shifts = scales->shifts = reinterpret_cast<int32_t*>(base + layout.params);
+    } else {
+      out.grids = scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
     }
-    case Path::kUint: {
-      uint64_t* lo_keys = reinterpret_cast<uint64_t*>(base + layout.reduce);
-      uint32_t* hi_ord = reinterpret_cast<uint32_t*>(base + layout.reduce2);
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(lo_keys, 0xff, num * sizeof(uint64_t), stream));
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hi_ord, 0, num * sizeof(uint32_t), stream));
-      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchGroupMinMax(in, n, plan.reduce, plan.chunked,
-                                                                  lo_keys, hi_ord, stream));
-      scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
-      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchUintGridsFromMinMax(
-          lo_keys, hi_ord, num, format.bits(), scales->grids, stream));
-      break;
-    }
-    default:
-      break;
+    out.meta = meta;
+    out.e8m0 = internal::ShiftMetaIsE8M0(format);
+    out.minmax = internal::LinearMetaHasOffset(format);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchScalesFromData(
+        in, n, plan.reduce, rule, {scratch.reduce(), scratch.ticket()}, out, stream));
   }
   return StoreBinadeTable(format, layout, base, stream, scales);
 }
@@ -432,12 +443,16 @@ struct StatsRequest {
 };
 
 // Points `st` at the statistics' part of the scratch and at the caller's slots (when wanted).
-StatsTarget StatsIn(const ScratchLayout& layout, uint8_t* base, const StatsRequest& req) {
+StatsTarget StatsIn(const ScratchLayout& layout, const ScratchLease& scratch,
+                    const StatsRequest& req) {
   StatsTarget st;
+  if (!req.any()) return st;
+  uint8_t* base = scratch.data();
   if (req.immediate()) st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
   st.add_to = req.sinks.add_to;
   st.add_flips = req.sinks.add_flips;
-  if (req.any()) st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
+  st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
+  st.ticket = scratch.ticket();
   return st;
 }
 
@@ -472,16 +487,17 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/!hysteresis);
   const bool binades = format.family() == FormatFamily::kBinades;
-  const ScratchLayout layout = MakeLayout(plan, req.any(), binades);
+  const ScratchLayout layout = MakeLayout(plan, req.any(), binades, /*reduced=*/true);
 
   ScratchLease scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
-  uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, req);
+  if (layout.needed()) {
+    CPD_RETURN_IF_ERROR(scratch.Acquire(layout.reduce_bytes, layout.bytes, stream));
+  }
+  const StatsTarget st = StatsIn(layout, scratch, req);
 
   // 1. Scales, on the device.
   DeviceScales scales;
-  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, scratch, stream, &scales));
   int32_t* const shifts = scales.shifts;
   LinearGrid* const grids = scales.grids;
   kernels::BinadeGrid* const d_binade = scales.binade;
@@ -537,14 +553,18 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
   StatsRequest req;
   req.stats = stats;
   const ScratchLayout layout =
-      MakeLayout(plan, req.any(), format.family() == FormatFamily::kBinades);
+      MakeLayout(plan, req.any(), format.family() == FormatFamily::kBinades,
+                 /*reduced=*/true);
   ScratchLease scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
-  uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, req);
+  if (layout.needed()) {
+    CPD_RETURN_IF_ERROR(scratch.Acquire(layout.reduce_bytes, layout.bytes, stream));
+  }
+  const StatsTarget st = StatsIn(layout, scratch, req);
 
+  // The scales, and the metadata after the codes (cpd/quantize.cc WriteMeta), in one launch.
   DeviceScales scales;
-  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+  uint8_t* meta = dst + PackedCodeBytes(format, n);
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, scratch, stream, &scales, meta));
 
   const RoundMode mode = internal::RoundModeFor(opts.rounding);
   const RandomParams rng = RandomFor(opts);
@@ -569,14 +589,6 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
       return Status::Internal("EncodeCuda: the fused block path has no shifts to store");
   }
 
-  uint8_t* meta = dst + PackedCodeBytes(format, n);
-  if (scales.shifts != nullptr) {
-    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteShiftMeta(
-        scales.shifts, plan.num_groups, internal::ShiftMetaIsE8M0(format), meta, stream));
-  } else if (scales.grids != nullptr) {
-    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteLinearMeta(
-        scales.grids, plan.num_groups, internal::LinearMetaHasOffset(format), meta, stream));
-  }
   return CollectStats(st, n, &scratch, stats, nullptr, stream);
 }
 
@@ -587,9 +599,10 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
   const size_t n = packed.count;
   const Plan plan = MakePlan(format, n, packed.channels, /*fused_ok=*/false);
   const ScratchLayout layout =
-      MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades);
+      MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades,
+                 /*reduced=*/false);
   ScratchLease scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Acquire(layout.bytes, stream));
+  if (layout.needed()) CPD_RETURN_IF_ERROR(scratch.Acquire(0, layout.bytes, stream));
   uint8_t* base = scratch.data();
 
   DeviceScales scales;
@@ -706,7 +719,7 @@ Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsCuda: quantised weights"));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   ScratchLease scratch;
-  CPD_RETURN_IF_ERROR(scratch.Acquire(sizeof(unsigned long long), s));
+  CPD_RETURN_IF_ERROR(scratch.Acquire(0, sizeof(unsigned long long), s));
   auto* d_count = reinterpret_cast<unsigned long long*>(scratch.data());
   CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s));
   CPD_LAUNCH_RETURN_IF_ERROR(

@@ -179,6 +179,50 @@ __device__ __forceinline__ void DeliverStats(const DeviceStats* partials, int bl
   if (sinks.add_flips != nullptr && s.flips != 0) atomicAdd(sinks.add_flips, s.flips);
 }
 
+// The last block of a launch (threadFenceReduction in the CUDA samples; the fences as in
+// cooperative groups' grid sync): every thread fences its global stores and atomics, the
+// block's thread 0 fences again after the barrier (cumulatively covering the whole block's
+// writes) and takes a ticket; the block that takes the last ticket fences before its threads
+// read the other blocks' results (from L2: atomics or ld.cg), and resets the ticket for the next
+// launch on the stream. Must be reached by all threads of every block; all threads of a block
+// get the same answer. Why: a site's quantisation was three launches (reduction, scale kernel,
+// element pass) plus a finalize kernel for statistics; the small tail work now runs at the end
+// of the big launch.
+__device__ __forceinline__ bool LastBlockDone(unsigned int* ticket) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) {
+      atomicExch(ticket, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// The statistics part of an element-wise kernel's parameters (StatsTarget, device side).
+struct StatsArgs {
+  DeviceStats* partials;
+  unsigned int* ticket;
+  StatsSinks sinks;
+};
+
+inline StatsArgs ArgsOf(const StatsTarget& t) { return StatsArgs{t.scratch, t.ticket, SinksOf(t)}; }
+
+// The end of a statistics-keeping kernel over `count` elements: the block's partial, then, in
+// the last block, the delivery of the launch's statistics (DeliverStats sums the partials in
+// block order, as the separate finalize kernel did). All threads of every block.
+__device__ __forceinline__ void FinishStats(const Acc<true>& acc, const StatsArgs& args,
+                                            uint64_t count) {
+  BlockStatsToPartial(acc, args.partials);
+  if (!LastBlockDone(args.ticket)) return;
+  if (threadIdx.x < 32) DeliverStats(args.partials, int(gridDim.x), count, args.sinks);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element operations: what one element becomes. Init() runs once per thread (caches the scale
 // of a single-group span in registers); Apply() maps x (and, for hysteresis, the previous
@@ -339,8 +383,11 @@ inline CudaResult CheckGroups(uint64_t n, const GroupLayout& groups, bool has_pa
   return CudaResult{};
 }
 
-// Queues the delivery (DeliverStats) of `blocks` per-block partials (BlockStatsToPartial) of a
-// launch over `count` elements to the destinations of `stats` (quantize.cu).
-CudaResult FinalizeStats(const StatsTarget& stats, int blocks, uint64_t count, cudaStream_t stream);
+// The checks of a statistics-keeping launch.
+inline CudaResult CheckStats(const StatsTarget& stats) {
+  CPD_LAUNCH_REQUIRE(!stats.wanted() || (stats.scratch != nullptr && stats.ticket != nullptr),
+                     "statistics need a scratch buffer and a ticket");
+  return CudaResult{};
+}
 
 }  // namespace cpd::kernels::cuda

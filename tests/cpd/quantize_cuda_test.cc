@@ -378,6 +378,52 @@ INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeHysteresisCudaTest,
                          ::testing::Values("binades:5,5,4x5,3,2,1,0:ch", "binades:3,3,3:room=2"),
                          SpecName);
 
+// The scale reductions keep their buffers and the block ticket in per-stream scratch that stays
+// zero between calls (the kernels clear what they use): formats of every reduction (max |x| for
+// shifts and int grids, min/max for uint grids), with few groups (derived by the reduction's last
+// block) and many (a second launch), one after another on one stream, with and without
+// statistics (which take the ticket too), twice round. Any state left behind would change the
+// next call's scales.
+TEST(QuantizeCuda, ReductionScratchIsClearedForTheNextCall) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    const char* spec;
+    size_t n, channels;
+  };
+  const Case cases[] = {
+      {"uint8:minmax", 200003, 1},   {"int8:ch", 4000, 8},
+      {"fp134", 70001, 1},           {"bfp8:24", 24 * 5000, 1},
+      {"uint4:minmax:ch", 9216, 64}, {"log4:ch", 3000, 3000},
+      {"uint8:minmax", 1000, 1},     {"int4", 333, 1},
+      {"bfp6:24", 24 * 3, 1},
+  };
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (int round = 0; round < 2; ++round) {
+    for (const Case& c : cases) {
+      const std::string what =
+          std::string(c.spec) + " n=" + std::to_string(c.n) + " round " + std::to_string(round);
+      const Format f = *Format::Parse(c.spec);
+      const std::vector<float> in = MakeInput(c.n, 77u + uint32_t(c.n) + uint32_t(round));
+      QuantizeOptions opts;
+      opts.channels = c.channels;
+      std::vector<float> want(c.n);
+      QuantStats want_stats;
+      ASSERT_TRUE(cpd::Quantize(f, in.data(), want.data(), c.n, opts, &want_stats).ok()) << what;
+      DeviceBuffer d_in(c.n), d_out(c.n);
+      d_in.Upload(in);
+      QuantStats got_stats;
+      QuantStats* sp = (round == 0) == (c.n % 2 == 0) ? &got_stats : nullptr;
+      const cpd::Status s = cpd::QuantizeCuda(f, d_in.at(), d_out.at(), c.n, opts, sp, stream);
+      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      ExpectSameFloats(want, d_out.Download(c.n), in, what);
+      if (sp != nullptr) ExpectSameStats(want_stats, got_stats, what);
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 // ---- Statistics slots on the device ---------------------------------------------------------
 
 // QuantStats merged as CudaStatsSlots merges them: counts and sums added, the largest max_abs.

@@ -481,11 +481,17 @@ Result<DeviceSinks> SinksFor(const CudaStatsTarget& t, bool with_flips, const ch
   return sinks;
 }
 
-// The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
+// Where hysteresis reads the previous values (null: `out`, in place) and keeps the new ones.
+struct HysteresisState {
+  const float* prev = nullptr;
+  float* keep = nullptr;
+};
+
+// The shared driver of QuantizeCuda (hysteresis null) and QuantizeHysteresisCuda.
 Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
-           bool hysteresis, const StatsRequest& req, void* stream_ptr) {
+           const HysteresisState* hysteresis, const StatsRequest& req, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/!hysteresis);
+  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/hysteresis == nullptr);
   const bool binades = format.family() == FormatFamily::kBinades;
   const ScratchLayout layout = MakeLayout(plan, req.any(), binades, /*reduced=*/true);
 
@@ -504,16 +510,18 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
 
   // 2. The element-wise pass (statistics fused).
   const FloatGrid& g = format.grid();
-  if (hysteresis) {
+  if (hysteresis != nullptr) {
+    const float* prev = hysteresis->prev != nullptr ? hysteresis->prev : out;
+    float* keep = hysteresis->keep;
     if (binades) {
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisBinadeGrid(
-          in, out, n, d_binade, shifts, plan.apply, st, stream));
+          in, prev, out, keep, n, d_binade, shifts, plan.apply, st, stream));
     } else if (format.is_float_grid()) {
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchHysteresisFloatGrid(in, out, n, g, shifts, plan.apply, st, stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisFloatGrid(
+          in, prev, out, keep, n, g, shifts, plan.apply, st, stream));
     } else {
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchHysteresisLinearGrid(in, out, n, grids, plan.apply, st, stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisLinearGrid(
+          in, prev, out, keep, n, grids, plan.apply, st, stream));
     }
   } else {
     const RoundMode mode = internal::RoundModeFor(opts.rounding);
@@ -647,12 +655,15 @@ Status CheckedQuantize(const Format& format, const float* d_in, float* d_out, si
   }
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
-  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/false, req, stream);
+  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/nullptr, req, stream);
 }
 
-// The argument checks of QuantizeHysteresisCuda's overloads, then the driver.
-Status CheckedHysteresis(const Format& format, const float* d_w, float* d_q, size_t n,
-                         const QuantizeOptions& opts, const StatsRequest& req, void* stream) {
+// The argument checks of QuantizeHysteresisCuda's overloads, then the driver. d_prev null: the
+// previous values are d_q's (in place); else they are read from d_prev, which receives the new
+// values too.
+Status CheckedHysteresis(const Format& format, const float* d_w, float* d_prev, float* d_q,
+                         size_t n, const QuantizeOptions& opts, const StatsRequest& req,
+                         void* stream) {
   if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
     return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
   }
@@ -664,7 +675,18 @@ Status CheckedHysteresis(const Format& format, const float* d_w, float* d_q, siz
   }
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
-  return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, req, stream);
+  HysteresisState state;
+  if (d_prev != nullptr) {
+    CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "QuantizeHysteresisKeepCuda: previous weights"));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(d_prev), q = reinterpret_cast<uintptr_t>(d_q);
+    if (p < q + n * sizeof(float) && q < p + n * sizeof(float)) {
+      return Status::InvalidArgument(
+          "QuantizeHysteresisKeepCuda: previous and new weights overlap");
+    }
+    state.prev = d_prev;
+    state.keep = d_prev;
+  }
+  return Run(format, d_w, d_q, n, opts, &state, req, stream);
 }
 
 }  // namespace
@@ -699,7 +721,7 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
   StatsRequest req;
   req.stats = stats;
   req.flips = flips;
-  return CheckedHysteresis(format, d_w, d_q, n, opts, req, stream);
+  return CheckedHysteresis(format, d_w, /*d_prev=*/nullptr, d_q, n, opts, req, stream);
 }
 
 Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
@@ -707,7 +729,19 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
                               void* stream) {
   StatsRequest req;
   CPD_ASSIGN_OR_RETURN(req.sinks, SinksFor(target, /*with_flips=*/true, "QuantizeHysteresisCuda"));
-  return CheckedHysteresis(format, d_w, d_q, n, opts, req, stream);
+  return CheckedHysteresis(format, d_w, /*d_prev=*/nullptr, d_q, n, opts, req, stream);
+}
+
+Status QuantizeHysteresisKeepCuda(const Format& format, const float* d_w, float* d_prev, float* d_q,
+                                  size_t n, const QuantizeOptions& opts,
+                                  const CudaStatsTarget& target, void* stream) {
+  if (n > 0 && d_prev == nullptr) {
+    return Status::InvalidArgument("QuantizeHysteresisKeepCuda: null buffer");
+  }
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks,
+                       SinksFor(target, /*with_flips=*/true, "QuantizeHysteresisKeepCuda"));
+  return CheckedHysteresis(format, d_w, d_prev, d_q, n, opts, req, stream);
 }
 
 Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n, void* stream) {

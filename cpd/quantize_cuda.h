@@ -127,6 +127,14 @@ Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q
                               const QuantizeOptions& opts, const CudaStatsTarget& target,
                               void* stream);
 
+// QuantizeHysteresisCuda with the previous weights kept apart, as a training step holds them:
+// Q_{t-1} is read from d_prev, and Q_t is written to d_q and over d_prev in the same pass (the
+// state of the next step), so the caller copies nothing before or after the call. Statistics
+// and flips as the overload above; never waits. d_prev and d_q must not overlap.
+Status QuantizeHysteresisKeepCuda(const Format& format, const float* d_w, float* d_prev, float* d_q,
+                                  size_t n, const QuantizeOptions& opts,
+                                  const CudaStatsTarget& target, void* stream);
+
 // CountFlipsCuda without waiting, fused with keeping the newest weights: adds to slot
 // target.flips how many of d_q[i] differ from d_prev[i], bit for bit, and copies d_q over d_prev
 // in the same pass (the previous weights of the next comparison). d_prev and d_q must not overlap.

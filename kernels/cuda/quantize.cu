@@ -390,24 +390,33 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The element-wise pass. [0, head) and [head + 4 * nvec, n) are done element by element;
-// the middle as 16-byte vectors (in + head and out + head are 16-byte aligned), kUnroll
-// independent loads per thread before any store. in and out may alias: every element is read
-// and then written by the same thread only.
+// the middle as 16-byte vectors (in, out, prev and keep + head are 16-byte aligned), kUnroll
+// independent loads per thread before any store. Ops that read a previous value (hysteresis)
+// read it from `prev` and also store their result to `keep` when it is non-null. in, out, prev
+// and keep may alias as the launcher allows: every element is read and then written by the
+// same thread only.
 template <class Op, bool kStats>
 __global__ void __launch_bounds__(kThreads)
-    quantize_elementwise_kernel(const Op op, const float* in, float* out, uint64_t n, uint64_t head,
-                                uint64_t nvec, StatsArgs stats) {
+    quantize_elementwise_kernel(const Op op, const float* in, const float* prev, float* out,
+                                float* keep, uint64_t n, uint64_t head, uint64_t nvec,
+                                StatsArgs stats) {
   Op o = op;
   o.Init();
   Acc<kStats> acc;
   const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = tid; i < head; i += stride) {
-    const float prev = Op::kReadsOut ? out[i] : 0.0f;
-    out[i] = ApplyOne<Op, kStats>(o, in[i], prev, i, acc);
+    const float p = Op::kReadsOut ? prev[i] : 0.0f;
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    out[i] = z;
+    if constexpr (Op::kReadsOut) {
+      if (keep != nullptr) keep[i] = z;
+    }
   }
   const float4* in4 = reinterpret_cast<const float4*>(in + head);
+  const float4* prev4 = reinterpret_cast<const float4*>(prev + head);
   float4* out4 = reinterpret_cast<float4*>(out + head);
+  float4* keep4 = keep != nullptr ? reinterpret_cast<float4*>(keep + head) : nullptr;
   for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
     float4 x[kUnroll], p[kUnroll];
 #pragma unroll
@@ -415,7 +424,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t v = v0 + u * stride;
       if (v < nvec) {
         x[u] = in4[v];
-        if (Op::kReadsOut) p[u] = out4[v];
+        if (Op::kReadsOut) p[u] = prev4[v];
       }
     }
 #pragma unroll
@@ -423,13 +432,21 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t v = v0 + u * stride;
       if (v < nvec) {
         if (!Op::kReadsOut) p[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        out4[v] = ApplyFour<Op, kStats>(o, x[u], p[u], head + 4 * v, acc);
+        const float4 z = ApplyFour<Op, kStats>(o, x[u], p[u], head + 4 * v, acc);
+        out4[v] = z;
+        if constexpr (Op::kReadsOut) {
+          if (keep != nullptr) keep4[v] = z;
+        }
       }
     }
   }
   for (uint64_t i = head + 4 * nvec + tid; i < n; i += stride) {
-    const float prev = Op::kReadsOut ? out[i] : 0.0f;
-    out[i] = ApplyOne<Op, kStats>(o, in[i], prev, i, acc);
+    const float p = Op::kReadsOut ? prev[i] : 0.0f;
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    out[i] = z;
+    if constexpr (Op::kReadsOut) {
+      if (keep != nullptr) keep[i] = z;
+    }
   }
   if constexpr (kStats) FinishStats(acc, stats, n);
 }
@@ -542,15 +559,36 @@ void VectorSplit(const float* in, const float* out, uint64_t n, uint64_t* head, 
   *nvec = (n - h) / 4;
 }
 
+// Whether [a, a + n) and [b, b + n) share memory.
+bool Overlap(const float* a, const float* b, uint64_t n) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + n * sizeof(float) && y < x + n * sizeof(float);
+}
+
+// `prev` and `keep`: Op::kReadsOut ops only (hysteresis); prev null means out (in place).
 template <class Op>
 CudaResult LaunchElementwise(const Op& op, const float* in, float* out, uint64_t n,
-                             const StatsTarget& stats, cudaStream_t stream) {
+                             const StatsTarget& stats, cudaStream_t stream,
+                             const float* prev = nullptr, float* keep = nullptr) {
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(in != nullptr && out != nullptr, "null buffer");
   CudaResult checked = CheckStats(stats);
   if (!checked.ok()) return checked;
+  if (prev == nullptr) prev = out;
+  // keep may be prev itself (the state updated in place) but no other view of prev or out.
+  CPD_LAUNCH_REQUIRE(
+      keep == nullptr || ((keep == prev || !Overlap(keep, prev, n)) && !Overlap(keep, out, n)),
+      "the kept copy must be the previous values or apart from them and the output");
+  CPD_LAUNCH_REQUIRE(prev == out || !Overlap(prev, out, n),
+                     "the previous values must be the output or apart from it");
   uint64_t head = 0, nvec = 0;
   VectorSplit(in, out, n, &head, &nvec);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(in) & 15u;
+  if ((reinterpret_cast<uintptr_t>(prev) & 15u) != a ||
+      (keep != nullptr && (reinterpret_cast<uintptr_t>(keep) & 15u) != a)) {
+    head = n;  // no common 16-byte alignment: element by element
+    nvec = 0;
+  }
   // Work in threads: each handles kUnroll vectors, or one element outside the vector part.
   const uint64_t work = CEIL_DIV(nvec, uint64_t(kUnroll)) + (n - 4 * nvec);
   int blocks = 0;
@@ -558,14 +596,14 @@ CudaResult LaunchElementwise(const Op& op, const float* in, float* out, uint64_t
     CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, true>>(work, kThreads, true, &blocks);
     if (!r.ok()) return r;
     quantize_elementwise_kernel<Op, true>
-        <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, ArgsOf(stats));
+        <<<blocks, kThreads, 0, stream>>>(op, in, prev, out, keep, n, head, nvec, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
     return CudaResult{};
   }
   CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, false>>(work, kThreads, false, &blocks);
   if (!r.ok()) return r;
   quantize_elementwise_kernel<Op, false>
-      <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, StatsArgs{});
+      <<<blocks, kThreads, 0, stream>>>(op, in, prev, out, keep, n, head, nvec, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -761,22 +799,23 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
   return CudaResult{};
 }
 
-CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                     const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                     void* stream) {
+CudaResult LaunchHysteresisFloatGrid(const float* w, const float* prev, float* q, float* keep,
+                                     size_t n, const FloatGrid& g, const int32_t* shifts,
+                                     GroupLayout groups, StatsTarget stats, void* stream) {
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
   return LaunchElementwise(FloatHysteresisOp{g, shifts, groups.group_len, 0}, w, q, n, stats,
-                           AsStream(stream));
+                           AsStream(stream), prev, keep);
 }
 
-CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
-                                      GroupLayout groups, StatsTarget stats, void* stream) {
+CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const LinearGrid* grids, GroupLayout groups,
+                                      StatsTarget stats, void* stream) {
   CPD_LAUNCH_REQUIRE(n == 0 || grids != nullptr, "linear grids are required");
   CudaResult r = CheckGroups(n, groups, true);
   if (!r.ok()) return r;
   return LaunchElementwise(LinearHysteresisOp{grids, groups.group_len, LinearGrid{}}, w, q, n,
-                           stats, AsStream(stream));
+                           stats, AsStream(stream), prev, keep);
 }
 
 CudaResult LaunchStoreBinadeGrid(const BinadeGrid& g, BinadeGrid* d_grid, void* stream) {
@@ -797,15 +836,15 @@ CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const
                                     groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
 }
 
-CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
-                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                      void* stream) {
+CudaResult LaunchHysteresisBinadeGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const BinadeGrid* d_grid, const int32_t* shifts,
+                                      GroupLayout groups, StatsTarget stats, void* stream) {
   CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
                      "binade grids need the grid and the shifts");
   CudaResult r = CheckGroups(n, groups, true);
   if (!r.ok()) return r;
   return LaunchElementwise(BinadeHysteresisOp{d_grid, shifts, groups.group_len, 0}, w, q, n, stats,
-                           AsStream(stream));
+                           AsStream(stream), prev, keep);
 }
 
 CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n, float* copy_to,

@@ -151,13 +151,17 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
                                           ShiftRule rule, size_t block_size, RoundMode mode,
                                           RandomParams rng, StatsTarget stats, void* stream);
 
-// Hysteresis (kernels::HysteresisFloatGrid / HysteresisLinearGrid): q holds the previous
-// quantised values on entry, the new ones on return; flips are counted in stats.result->flips.
-CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                     const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                     void* stream);
-CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
-                                      GroupLayout groups, StatsTarget stats, void* stream);
+// Hysteresis (kernels::HysteresisFloatGrid / HysteresisLinearGrid): q receives the new
+// quantised values, decided against the previous ones in `prev` (which may be q itself: in
+// place); flips are counted in the statistics (against prev). `keep` (may be null) receives the
+// new values too: it may be prev itself, so that a caller's state for the next step is updated
+// in the same pass, but no other view of prev or q.
+CudaResult LaunchHysteresisFloatGrid(const float* w, const float* prev, float* q, float* keep,
+                                     size_t n, const FloatGrid& g, const int32_t* shifts,
+                                     GroupLayout groups, StatsTarget stats, void* stream);
+CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const LinearGrid* grids, GroupLayout groups,
+                                      StatsTarget stats, void* stream);
 
 // ---- Per-binade grids (binades:M0,M1,...) --------------------------------------------------
 
@@ -171,10 +175,10 @@ CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const
                                     const int32_t* shifts, GroupLayout groups, RoundMode mode,
                                     RandomParams rng, StatsTarget stats, void* stream);
 
-// kernels::HysteresisBinadeGrid: q holds the previous quantised values on entry.
-CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
-                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                      void* stream);
+// kernels::HysteresisBinadeGrid; prev, q and keep as in LaunchHysteresisFloatGrid.
+CudaResult LaunchHysteresisBinadeGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const BinadeGrid* d_grid, const int32_t* shifts,
+                                      GroupLayout groups, StatsTarget stats, void* stream);
 
 // kernels::CountChangedBits on the device: adds to *count (device memory) how many of a[i] and
 // b[i] differ in their float32 bits. Integer atomics, so the count is exact and independent of

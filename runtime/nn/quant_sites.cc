@@ -454,10 +454,10 @@ void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const
   target.flips = size_t(st.index);
   Status s;
   if (config_.hysteresis && continues) {
-    w_used->CopyFrom(st.prev_dev);
-    s = QuantizeHysteresisCuda(f, w_master.data(), w_used->data(), n, opts, target, cuda::Stream());
+    // Q_{t-1} read from prev_dev; Q_t written to w_used and over prev_dev in the same pass.
+    s = QuantizeHysteresisKeepCuda(f, w_master.data(), st.prev_dev.data(), w_used->data(), n, opts,
+                                   target, cuda::Stream());
     dev.flips_queued = true;
-    if (s.ok()) st.prev_dev.CopyFrom(*w_used);
   } else {
     s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, target, cuda::Stream());
     if (s.ok() && continues) {

@@ -332,6 +332,31 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
     ExpectSameFloats(want, dq.Download(n), w, what);
     ExpectSameStats(want_stats, got_stats, what);
     EXPECT_EQ(want_flips, got_flips) << what;
+
+    // The same step with the previous weights kept apart: read from dprev, the new ones written
+    // to dq2 and over dprev, statistics and flips into slots, no wait until the read.
+    DeviceBuffer dprev(n), dq2(n);
+    dprev.Upload(q);
+    auto slots = cpd::CudaStatsSlots::Create(2);
+    ASSERT_TRUE(slots.ok());
+    cpd::CudaStatsTarget target;
+    target.slots = slots->get();
+    target.stats = 0;
+    target.flips = 1;
+    const cpd::Status k = cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dprev.at(), dq2.at(), n,
+                                                          opts, target, nullptr);
+    ASSERT_TRUE(k.ok()) << what << " keep: " << k.ToString();
+    const auto read = (*slots)->Read(0, 2, nullptr);
+    ASSERT_TRUE(read.ok());
+    ExpectSameFloats(want, dq2.Download(n), w, what + " keep: output");
+    ExpectSameFloats(want, dprev.Download(n), w, what + " keep: kept state");
+    if (n > 0) ExpectSameStats(want_stats, (*read)[0].stats, what + " keep");
+    EXPECT_EQ(want_flips, (*read)[1].flips) << what << " keep";
+    EXPECT_EQ(cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dq2.at(), dq2.at(), n, opts, target,
+                                              nullptr)
+                  .code(),
+              n > 0 ? cpd::Status::Code::kInvalidArgument : cpd::Status::Code::kOk)
+        << what << ": overlapping previous and new weights";
   }
 }
 

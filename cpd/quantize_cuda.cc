@@ -2,8 +2,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cpd/quantize_internal.h"
 #include "kernels/cuda/codec.h"
@@ -86,50 +91,155 @@ Status CheckDeviceBuffer(const void* p, const char* what, size_t align = alignof
   return Status::Ok();
 }
 
-// Device scratch from the stream-ordered allocator (plain cudaMalloc where the device has no
-// memory pools), released in stream order.
-class DeviceScratch {
+// Scratch memory of the drivers (statistics partials, per-group scales), kept across calls: one
+// buffer per (device, stream), grown when a call needs more and never shrunk, so it settles at
+// what the largest call on that stream needed. Why not cudaMallocAsync + cudaFreeAsync per call:
+// those are two API calls, two stream operations and a pool attribute query for every
+// quantisation site of every training step. Work queued on one stream runs in order, so a call
+// may reuse the buffer as soon as the previous call's work is queued; a call holds its arena's
+// lock while it queues work, so host threads sharing a stream take turns.
+// cudaStreamPerThread is a different stream on each thread: its arenas are per thread as well.
+// A destroyed stream's handle may come back for a new stream; the driver keeps a stream object
+// until its queued work has run, so a recycled handle has no work of the old stream pending.
+struct Arena {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  std::thread::id thread;  // cudaStreamPerThread only
+  std::mutex mu;           // held by the call that queues work with this arena
+  // [0, zero_bytes): the block ticket (first kControlBytes) and the scale reductions' buffers,
+  // kept all zero between calls (the kernels clear what they use); then free_bytes of scratch
+  // that each call overwrites (statistics partials, per-group scales).
+  void* ptr = nullptr;
+  size_t zero_bytes = 0, free_bytes = 0;
+  uint64_t last_use = 0;  // the registry's clock, for eviction
+};
+
+constexpr size_t kControlBytes = 256;  // the ticket of the last-block pattern, then padding
+
+// Every arena of the process. At most kMaxArenas are kept: a process that cycles through many
+// streams (tests create one per case) gives back the least recently used idle arena of the
+// current device, after waiting for that device.
+class ArenaRegistry {
  public:
-  DeviceScratch() = default;
-  DeviceScratch(const DeviceScratch&) = delete;
-  DeviceScratch& operator=(const DeviceScratch&) = delete;
-  ~DeviceScratch() { (void)Release(); }
-
-  Status Allocate(size_t bytes, cudaStream_t stream) {
-    stream_ = stream;
-    int device = 0, pools = 0;
-    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    CPD_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
-    async_ = pools != 0;
-    if (async_) {
-      CPD_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&ptr_, bytes, stream));
-    } else {
-      CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes));
-    }
-    return Status::Ok();
+  static ArenaRegistry& Get() {
+    static ArenaRegistry* registry = new ArenaRegistry;  // never destroyed: the CUDA runtime
+    return *registry;                                    // may be torn down first at exit
   }
 
-  // Queues the release after the work already on the stream (or waits, without pools).
-  Status Release() {
-    if (ptr_ == nullptr) return Status::Ok();
-    void* p = ptr_;
-    ptr_ = nullptr;
-    if (async_) {
-      CPD_CUDA_RETURN_IF_ERROR(cudaFreeAsync(p, stream_));
-    } else {
-      CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-      CPD_CUDA_RETURN_IF_ERROR(cudaFree(p));
+  Result<std::shared_ptr<Arena>> Find(int device, cudaStream_t stream) {
+    const std::thread::id thread =
+        stream == cudaStreamPerThread ? std::this_thread::get_id() : std::thread::id();
+    std::lock_guard<std::mutex> lock(mu_);
+    ++clock_;
+    for (const auto& a : arenas_) {
+      if (a->device == device && a->stream == stream && a->thread == thread) {
+        a->last_use = clock_;
+        return a;
+      }
     }
-    return Status::Ok();
+    if (arenas_.size() >= kMaxArenas) CPD_RETURN_IF_ERROR(EvictOne(device));
+    auto a = std::make_shared<Arena>();
+    a->device = device;
+    a->stream = stream;
+    a->thread = thread;
+    a->last_use = clock_;
+    arenas_.push_back(a);
+    return a;
   }
-
-  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
 
  private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  bool async_ = true;
+  static constexpr size_t kMaxArenas = 16;
+
+  // Called with mu_ held. An arena another call holds, or one of another device, stays.
+  Status EvictOne(int device) {
+    size_t victim = arenas_.size();
+    for (size_t i = 0; i < arenas_.size(); ++i) {
+      if (arenas_[i]->device != device) continue;
+      if (victim == arenas_.size() || arenas_[i]->last_use < arenas_[victim]->last_use) {
+        victim = i;
+      }
+    }
+    if (victim == arenas_.size()) return Status::Ok();
+    std::shared_ptr<Arena> a = arenas_[victim];
+    std::unique_lock<std::mutex> held(a->mu, std::try_to_lock);
+    if (!held.owns_lock()) return Status::Ok();
+    arenas_.erase(arenas_.begin() + std::ptrdiff_t(victim));
+    if (a->ptr != nullptr) {
+      // Its stream may be gone, so wait for the whole device before freeing.
+      CPD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      CPD_CUDA_RETURN_IF_ERROR(cudaFree(a->ptr));
+      a->ptr = nullptr;
+      a->zero_bytes = a->free_bytes = 0;
+    }
+    return Status::Ok();
+  }
+
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Arena>> arenas_;
+  uint64_t clock_ = 0;
+};
+
+// One call's use of the arena of the current device and its stream: holds the arena's lock from
+// Acquire until Release (or destruction), i.e. while the call queues work that uses the memory.
+class ScratchLease {
+ public:
+  ScratchLease() = default;
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+
+  // Locks the arena and makes it hold `reduce_bytes` of zeroed reduction buffers and
+  // `free_bytes` of scratch. Growing waits for the stream (queued work may still use the old
+  // buffer) and zeroes the new ticket and reduction buffers in stream order.
+  Status Acquire(size_t reduce_bytes, size_t free_bytes, cudaStream_t stream) {
+    int device = 0;
+    CPD_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    CPD_ASSIGN_OR_RETURN(arena_, ArenaRegistry::Get().Find(device, stream));
+    lock_ = std::unique_lock<std::mutex>(arena_->mu);
+    const size_t zero_bytes = kControlBytes + ((reduce_bytes + 255) & ~size_t(255));
+    free_bytes = (free_bytes + 255) & ~size_t(255);
+    if (arena_->ptr != nullptr && arena_->zero_bytes >= zero_bytes &&
+        arena_->free_bytes >= free_bytes) {
+      return Status::Ok();
+    }
+    const size_t zero = std::max(zero_bytes, arena_->zero_bytes);
+    const size_t free = std::max({free_bytes, arena_->free_bytes, size_t(64) << 10});
+    if (arena_->ptr != nullptr) {
+      CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      CPD_CUDA_RETURN_IF_ERROR(cudaFree(arena_->ptr));
+      arena_->ptr = nullptr;
+      arena_->zero_bytes = arena_->free_bytes = 0;
+    }
+    void* grown = nullptr;
+    CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&grown, zero + free));
+    const cudaError_t err = cudaMemsetAsync(grown, 0, zero, stream);
+    if (err != cudaSuccess) {
+      (void)cudaFree(grown);
+      return CudaStatus(err, __FILE__, __LINE__, "cudaMemsetAsync(grown, 0, zero, stream)");
+    }
+    arena_->ptr = grown;
+    arena_->zero_bytes = zero;
+    arena_->free_bytes = free;
+    return Status::Ok();
+  }
+
+  // Lets other calls use the arena; the work already queued keeps its stream order.
+  void Release() {
+    if (lock_.owns_lock()) lock_.unlock();
+  }
+
+  // The block ticket and the reduction buffers (zero between calls), and the free scratch; null
+  // before Acquire.
+  unsigned int* ticket() const {
+    return arena_ ? static_cast<unsigned int*>(arena_->ptr) : nullptr;
+  }
+  uint8_t* reduce() const { return arena_ ? base() + kControlBytes : nullptr; }
+  uint8_t* data() const { return arena_ ? base() + arena_->zero_bytes : nullptr; }
+
+ private:
+  uint8_t* base() const { return static_cast<uint8_t*>(arena_->ptr); }
+
+  std::shared_ptr<Arena> arena_;
+  std::unique_lock<std::mutex> lock_;
 };
 
 // How a format is computed on the device.
@@ -181,19 +291,33 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
   return plan;
 }
 
-// Offsets into one scratch allocation.
+// What a call needs of its stream's arena: offsets into the free scratch (ScratchLease::data),
+// and the bytes of zeroed reduction buffers (ScratchLease::reduce).
 struct ScratchLayout {
   size_t stats_result = 0, stats_partials = 0;  // DeviceStats, DeviceStats[kMaxStatsBlocks]
   size_t params = 0;                            // int32_t shifts[num] or LinearGrid grids[num]
-  size_t reduce = 0;   // uint32_t max_bits[num], or uint64_t lo_keys[num] then hi_ord
-  size_t reduce2 = 0;  // uint32_t hi_ord[num]
-  size_t binade = 0;   // kernels::BinadeGrid (binades formats)
-  size_t bytes = 0;
+  size_t binade = 0;                            // kernels::BinadeGrid (binades formats)
+  size_t bytes = 0;                             // of free scratch
+  size_t reduce_bytes = 0;                      // of the scale reduction (zero between calls)
+  bool needed() const { return bytes > 0 || reduce_bytes > 0; }
 };
 
 size_t Align(size_t x) { return (x + 255) & ~size_t(255); }
 
-ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
+// The reduction a path's scales come from.
+kernels::cuda::ScaleKind ScaleKindOf(Path path) {
+  switch (path) {
+    case Path::kInt:
+      return kernels::cuda::ScaleKind::kIntGrid;
+    case Path::kUint:
+      return kernels::cuda::ScaleKind::kUintGrid;
+    default:
+      return kernels::cuda::ScaleKind::kShift;
+  }
+}
+
+// `reduced`: whether the scales are computed from the data (the decoder reads them instead).
+ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table, bool reduced) {
   ScratchLayout l;
   size_t at = 0;
   if (want_stats) {
@@ -203,29 +327,10 @@ ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table) {
     at = Align(at + kernels::cuda::kStatsScratchBytes);
   }
   const size_t num = plan.num_groups;
-  switch (plan.path) {
-    case Path::kShift:
-      l.params = at;
-      at = Align(at + num * sizeof(int32_t));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    case Path::kInt:
-      l.params = at;
-      at = Align(at + num * sizeof(LinearGrid));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    case Path::kUint:
-      l.params = at;
-      at = Align(at + num * sizeof(LinearGrid));
-      l.reduce = at;
-      at = Align(at + num * sizeof(uint64_t));
-      l.reduce2 = at;
-      at = Align(at + num * sizeof(uint32_t));
-      break;
-    default:
-      break;
+  if (plan.path == Path::kShift || plan.path == Path::kInt || plan.path == Path::kUint) {
+    l.params = at;
+    at = Align(at + num * (plan.path == Path::kShift ? sizeof(int32_t) : sizeof(LinearGrid)));
+    if (reduced) l.reduce_bytes = kernels::cuda::ScaleReduceBytes(ScaleKindOf(plan.path), num);
   }
   if (binade_table) {
     l.binade = at;
@@ -262,50 +367,51 @@ Status StoreBinadeTable(const Format& format, const ScratchLayout& layout, uint8
 }
 
 // Step 1 of every quantiser and of the encoder: the scale of each group, chosen on the device
-// from the data with the CPU's formulas (cpd/quantize.cc ComputeGroups).
+// from the data with the CPU's formulas (cpd/quantize.cc ComputeGroups), in one launch (the
+// reduction's last block derives the scales). `meta` (the encoder): the packed tensor's scale
+// metadata, written by the same launch.
 Status ComputeScales(const Format& format, const float* in, size_t n, const Plan& plan,
-                     const ScratchLayout& layout, uint8_t* base, cudaStream_t stream,
-                     DeviceScales* scales) {
-  const size_t num = plan.num_groups;
-  switch (plan.path) {
-    case Path::kShift:
-    case Path::kInt: {
-      uint32_t* max_bits = reinterpret_cast<uint32_t*>(base + layout.reduce);
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(max_bits, 0, num * sizeof(uint32_t), stream));
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchGroupMaxAbs(in, n, plan.reduce, max_bits, stream));
-      if (plan.path == Path::kShift) {
-        scales->shifts = reinterpret_cast<int32_t*>(base + layout.params);
-        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchShiftsFromMaxAbs(
-            max_bits, num, format.shift_rule(), scales->shifts, stream));
-      } else {
-        scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
-        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchIntGridsFromMaxAbs(
-            max_bits, num, format.bits(), scales->grids, stream));
-      }
-      break;
+                     const ScratchLayout& layout, const ScratchLease& scratch, cudaStream_t stream,
+                     DeviceScales* scales, uint8_t* meta = nullptr) {
+  uint8_t* base = scratch.data();
+  if (plan.path == Path::kShift || plan.path == Path::kInt || plan.path == Path::kUint) {
+    kernels::cuda::ScaleRule rule;
+    rule.kind = ScaleKindOf(plan.path);
+    rule.shift = format.shift_rule();
+    rule.bits = format.bits();
+    rule.chunked = plan.chunked;
+    kernels::cuda::ScaleOutput out;
+    if (plan.path == Path::kShift) {
+      out.shifts = scales->shifts = reinterpret_cast<int32_t*>(base + layout.params);
+    } else {
+      out.grids = scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
     }
-    case Path::kUint: {
-      uint64_t* lo_keys = reinterpret_cast<uint64_t*>(base + layout.reduce);
-      uint32_t* hi_ord = reinterpret_cast<uint32_t*>(base + layout.reduce2);
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(lo_keys, 0xff, num * sizeof(uint64_t), stream));
-      CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(hi_ord, 0, num * sizeof(uint32_t), stream));
-      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchGroupMinMax(in, n, plan.reduce, plan.chunked,
-                                                                  lo_keys, hi_ord, stream));
-      scales->grids = reinterpret_cast<LinearGrid*>(base + layout.params);
-      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchUintGridsFromMinMax(
-          lo_keys, hi_ord, num, format.bits(), scales->grids, stream));
-      break;
-    }
-    default:
-      break;
+    out.meta = meta;
+    out.e8m0 = internal::ShiftMetaIsE8M0(format);
+    out.minmax = internal::LinearMetaHasOffset(format);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchScalesFromData(
+        in, n, plan.reduce, rule, {scratch.reduce(), scratch.ticket()}, out, stream));
   }
   return StoreBinadeTable(format, layout, base, stream, scales);
 }
 
-// The last step of every driver: queues the statistics' copy to the host and the scratch's
-// release, then (only when statistics are wanted) waits for the stream and fills them in.
-Status CollectStats(const StatsTarget& st, size_t n, DeviceScratch* scratch, QuantStats* stats,
+// A DeviceStats as the QuantStats of `count` elements.
+QuantStats ToQuantStats(const DeviceStats& ds, uint64_t count) {
+  QuantStats stats;
+  stats.count = count;
+  std::memcpy(&stats.max_abs, &ds.max_bits, sizeof(stats.max_abs));
+  stats.saturated = ds.saturated;
+  stats.flushed = ds.flushed;
+  stats.nonfinite = ds.nonfinite;
+  stats.sq_error = ds.sq_error;
+  stats.sq_input = ds.sq_input;
+  return stats;
+}
+
+// The last step of every driver: queues the statistics' copy to the host (when the caller asked
+// for host values), lets other calls use the scratch, then waits for the stream and fills the
+// values in; slots on the device need neither.
+Status CollectStats(const StatsTarget& st, size_t n, ScratchLease* scratch, QuantStats* stats,
                     uint64_t* flips, cudaStream_t stream) {
   const bool want_stats = st.result != nullptr;
   DeviceStats ds{};
@@ -313,68 +419,109 @@ Status CollectStats(const StatsTarget& st, size_t n, DeviceScratch* scratch, Qua
     CPD_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(&ds, st.result, sizeof(DeviceStats), cudaMemcpyDeviceToHost, stream));
   }
-  CPD_RETURN_IF_ERROR(scratch->Release());
+  scratch->Release();
   if (!want_stats) return Status::Ok();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
-  if (stats != nullptr) {
-    *stats = QuantStats{};
-    stats->count = n;
-    float max_abs;
-    std::memcpy(&max_abs, &ds.max_bits, sizeof(max_abs));
-    stats->max_abs = max_abs;
-    stats->saturated = ds.saturated;
-    stats->flushed = ds.flushed;
-    stats->nonfinite = ds.nonfinite;
-    stats->sq_error = ds.sq_error;
-    stats->sq_input = ds.sq_input;
-  }
+  if (stats != nullptr) *stats = ToQuantStats(ds, n);
   if (flips != nullptr) *flips = ds.flips;
   return Status::Ok();
 }
 
-// Points `st` at the statistics' part of the scratch (when wanted).
-StatsTarget StatsIn(const ScratchLayout& layout, uint8_t* base, bool want_stats) {
+// Statistics destinations in a caller's CudaStatsSlots (cpd::CudaStatsTarget, resolved).
+struct DeviceSinks {
+  DeviceStats* add_to = nullptr;
+  unsigned long long* add_flips = nullptr;
+};
+
+// What a call wants: values returned to the host (waits) and/or slots updated on the device.
+struct StatsRequest {
+  QuantStats* stats = nullptr;
+  uint64_t* flips = nullptr;
+  DeviceSinks sinks;
+  bool immediate() const { return stats != nullptr || flips != nullptr; }
+  bool any() const { return immediate() || sinks.add_to != nullptr || sinks.add_flips != nullptr; }
+};
+
+// Points `st` at the statistics' part of the scratch and at the caller's slots (when wanted).
+StatsTarget StatsIn(const ScratchLayout& layout, const ScratchLease& scratch,
+                    const StatsRequest& req) {
   StatsTarget st;
-  if (want_stats) {
-    st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
-    st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
-  }
+  if (!req.any()) return st;
+  uint8_t* base = scratch.data();
+  if (req.immediate()) st.result = reinterpret_cast<DeviceStats*>(base + layout.stats_result);
+  st.add_to = req.sinks.add_to;
+  st.add_flips = req.sinks.add_flips;
+  st.scratch = reinterpret_cast<DeviceStats*>(base + layout.stats_partials);
+  st.ticket = scratch.ticket();
   return st;
 }
 
-// The shared driver of QuantizeCuda (q == null) and QuantizeHysteresisCuda.
-Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
-           bool hysteresis, QuantStats* stats, uint64_t* flips, void* stream_ptr) {
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/!hysteresis);
-  const bool want_stats = stats != nullptr || flips != nullptr;
-  const bool binades = format.family() == FormatFamily::kBinades;
-  const ScratchLayout layout = MakeLayout(plan, want_stats, binades);
+// The slots a CudaStatsTarget names; `with_flips`: whether the call counts flips at all.
+Result<DeviceSinks> SinksFor(const CudaStatsTarget& t, bool with_flips, const char* who) {
+  DeviceSinks sinks;
+  const bool want_stats = t.stats != CudaStatsTarget::kNone;
+  const bool want_flips = with_flips && t.flips != CudaStatsTarget::kNone;
+  if (!want_stats && !want_flips) return sinks;
+  if (t.slots == nullptr) {
+    return Status::InvalidArgument(std::string(who) + ": a statistics slot without CudaStatsSlots");
+  }
+  for (const size_t slot : {want_stats ? t.stats : 0, want_flips ? t.flips : 0}) {
+    if (slot >= t.slots->capacity()) {
+      return Status::InvalidArgument(std::string(who) + ": statistics slot " +
+                                     std::to_string(slot) + " of " +
+                                     std::to_string(t.slots->capacity()));
+    }
+  }
+  auto* base = static_cast<DeviceStats*>(t.slots->device_data());
+  if (want_stats) sinks.add_to = base + t.stats;
+  if (want_flips) {
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+    sinks.add_flips = reinterpret_cast<unsigned long long*>(&base[t.flips].flips);
+  }
+  return sinks;
+}
 
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
-  uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, want_stats);
+// Where hysteresis reads the previous values (null: `out`, in place) and keeps the new ones.
+struct HysteresisState {
+  const float* prev = nullptr;
+  float* keep = nullptr;
+};
+
+// The shared driver of QuantizeCuda (hysteresis null) and QuantizeHysteresisCuda.
+Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
+           const HysteresisState* hysteresis, const StatsRequest& req, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/hysteresis == nullptr);
+  const bool binades = format.family() == FormatFamily::kBinades;
+  const ScratchLayout layout = MakeLayout(plan, req.any(), binades, /*reduced=*/true);
+
+  ScratchLease scratch;
+  if (layout.needed()) {
+    CPD_RETURN_IF_ERROR(scratch.Acquire(layout.reduce_bytes, layout.bytes, stream));
+  }
+  const StatsTarget st = StatsIn(layout, scratch, req);
 
   // 1. Scales, on the device.
   DeviceScales scales;
-  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, scratch, stream, &scales));
   int32_t* const shifts = scales.shifts;
   LinearGrid* const grids = scales.grids;
   kernels::BinadeGrid* const d_binade = scales.binade;
 
   // 2. The element-wise pass (statistics fused).
   const FloatGrid& g = format.grid();
-  if (hysteresis) {
+  if (hysteresis != nullptr) {
+    const float* prev = hysteresis->prev != nullptr ? hysteresis->prev : out;
+    float* keep = hysteresis->keep;
     if (binades) {
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisBinadeGrid(
-          in, out, n, d_binade, shifts, plan.apply, st, stream));
+          in, prev, out, keep, n, d_binade, shifts, plan.apply, st, stream));
     } else if (format.is_float_grid()) {
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchHysteresisFloatGrid(in, out, n, g, shifts, plan.apply, st, stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisFloatGrid(
+          in, prev, out, keep, n, g, shifts, plan.apply, st, stream));
     } else {
-      CPD_LAUNCH_RETURN_IF_ERROR(
-          kernels::cuda::LaunchHysteresisLinearGrid(in, out, n, grids, plan.apply, st, stream));
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisLinearGrid(
+          in, prev, out, keep, n, grids, plan.apply, st, stream));
     }
   } else {
     const RoundMode mode = internal::RoundModeFor(opts.rounding);
@@ -402,8 +549,8 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
     }
   }
 
-  // 3. Statistics: copy back and wait.
-  return CollectStats(st, n, &scratch, stats, flips, stream);
+  // 3. Statistics: copy back and wait (only when the caller asked for host values).
+  return CollectStats(st, n, &scratch, req.stats, req.flips, stream);
 }
 
 // The encoder: QuantizeCuda's scales (never the fused block path: the shifts are metadata), one
@@ -411,16 +558,21 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
 Status EncodeRun(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
                  uint8_t* dst, QuantStats* stats, cudaStream_t stream) {
   const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/false);
-  const bool want_stats = stats != nullptr;
+  StatsRequest req;
+  req.stats = stats;
   const ScratchLayout layout =
-      MakeLayout(plan, want_stats, format.family() == FormatFamily::kBinades);
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
-  uint8_t* base = scratch.data();
-  const StatsTarget st = StatsIn(layout, base, want_stats);
+      MakeLayout(plan, req.any(), format.family() == FormatFamily::kBinades,
+                 /*reduced=*/true);
+  ScratchLease scratch;
+  if (layout.needed()) {
+    CPD_RETURN_IF_ERROR(scratch.Acquire(layout.reduce_bytes, layout.bytes, stream));
+  }
+  const StatsTarget st = StatsIn(layout, scratch, req);
 
+  // The scales, and the metadata after the codes (cpd/quantize.cc WriteMeta), in one launch.
   DeviceScales scales;
-  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, base, stream, &scales));
+  uint8_t* meta = dst + PackedCodeBytes(format, n);
+  CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, scratch, stream, &scales, meta));
 
   const RoundMode mode = internal::RoundModeFor(opts.rounding);
   const RandomParams rng = RandomFor(opts);
@@ -445,14 +597,6 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
       return Status::Internal("EncodeCuda: the fused block path has no shifts to store");
   }
 
-  uint8_t* meta = dst + PackedCodeBytes(format, n);
-  if (scales.shifts != nullptr) {
-    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteShiftMeta(
-        scales.shifts, plan.num_groups, internal::ShiftMetaIsE8M0(format), meta, stream));
-  } else if (scales.grids != nullptr) {
-    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchWriteLinearMeta(
-        scales.grids, plan.num_groups, internal::LinearMetaHasOffset(format), meta, stream));
-  }
   return CollectStats(st, n, &scratch, stats, nullptr, stream);
 }
 
@@ -463,9 +607,10 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
   const size_t n = packed.count;
   const Plan plan = MakePlan(format, n, packed.channels, /*fused_ok=*/false);
   const ScratchLayout layout =
-      MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades);
-  DeviceScratch scratch;
-  if (layout.bytes > 0) CPD_RETURN_IF_ERROR(scratch.Allocate(layout.bytes, stream));
+      MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades,
+                 /*reduced=*/false);
+  ScratchLease scratch;
+  if (layout.needed()) CPD_RETURN_IF_ERROR(scratch.Acquire(0, layout.bytes, stream));
   uint8_t* base = scratch.data();
 
   DeviceScales scales;
@@ -493,7 +638,55 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
     CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeLinearGrid(
         packed.bytes, n, bits, scales.grids, plan.apply, out, stream));
   }
-  return scratch.Release();
+  scratch.Release();
+  return Status::Ok();
+}
+
+// The argument checks of QuantizeCuda's overloads, then the driver.
+Status CheckedQuantize(const Format& format, const float* d_in, float* d_out, size_t n,
+                       const QuantizeOptions& opts, const StatsRequest& req, void* stream) {
+  if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
+    return Status::InvalidArgument("QuantizeCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  if (n == 0) {
+    if (req.stats != nullptr) *req.stats = QuantStats{};
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
+  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/nullptr, req, stream);
+}
+
+// The argument checks of QuantizeHysteresisCuda's overloads, then the driver. d_prev null: the
+// previous values are d_q's (in place); else they are read from d_prev, which receives the new
+// values too.
+Status CheckedHysteresis(const Format& format, const float* d_w, float* d_prev, float* d_q,
+                         size_t n, const QuantizeOptions& opts, const StatsRequest& req,
+                         void* stream) {
+  if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
+  }
+  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  if (n == 0) {
+    if (req.stats != nullptr) *req.stats = QuantStats{};
+    if (req.flips != nullptr) *req.flips = 0;
+    return Status::Ok();
+  }
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
+  HysteresisState state;
+  if (d_prev != nullptr) {
+    CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "QuantizeHysteresisKeepCuda: previous weights"));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(d_prev), q = reinterpret_cast<uintptr_t>(d_q);
+    if (p < q + n * sizeof(float) && q < p + n * sizeof(float)) {
+      return Status::InvalidArgument(
+          "QuantizeHysteresisKeepCuda: previous and new weights overlap");
+    }
+    state.prev = d_prev;
+    state.keep = d_prev;
+  }
+  return Run(format, d_w, d_q, n, opts, &state, req, stream);
 }
 
 }  // namespace
@@ -510,34 +703,45 @@ bool CudaDeviceAvailable() {
 
 Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_t n,
                     const QuantizeOptions& opts, QuantStats* stats, void* stream) {
-  if (n > 0 && (d_in == nullptr || d_out == nullptr)) {
-    return Status::InvalidArgument("QuantizeCuda: null buffer");
-  }
-  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  if (n == 0) {
-    if (stats != nullptr) *stats = QuantStats{};
-    return Status::Ok();
-  }
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_in, "QuantizeCuda: input"));
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_out, "QuantizeCuda: output"));
-  return Run(format, d_in, d_out, n, opts, /*hysteresis=*/false, stats, nullptr, stream);
+  StatsRequest req;
+  req.stats = stats;
+  return CheckedQuantize(format, d_in, d_out, n, opts, req, stream);
+}
+
+Status QuantizeCuda(const Format& format, const float* d_in, float* d_out, size_t n,
+                    const QuantizeOptions& opts, const CudaStatsTarget& target, void* stream) {
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks, SinksFor(target, /*with_flips=*/false, "QuantizeCuda"));
+  return CheckedQuantize(format, d_in, d_out, n, opts, req, stream);
 }
 
 Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
                               const QuantizeOptions& opts, QuantStats* stats, uint64_t* flips,
                               void* stream) {
-  if (n > 0 && (d_w == nullptr || d_q == nullptr)) {
-    return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
+  StatsRequest req;
+  req.stats = stats;
+  req.flips = flips;
+  return CheckedHysteresis(format, d_w, /*d_prev=*/nullptr, d_q, n, opts, req, stream);
+}
+
+Status QuantizeHysteresisCuda(const Format& format, const float* d_w, float* d_q, size_t n,
+                              const QuantizeOptions& opts, const CudaStatsTarget& target,
+                              void* stream) {
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks, SinksFor(target, /*with_flips=*/true, "QuantizeHysteresisCuda"));
+  return CheckedHysteresis(format, d_w, /*d_prev=*/nullptr, d_q, n, opts, req, stream);
+}
+
+Status QuantizeHysteresisKeepCuda(const Format& format, const float* d_w, float* d_prev, float* d_q,
+                                  size_t n, const QuantizeOptions& opts,
+                                  const CudaStatsTarget& target, void* stream) {
+  if (n > 0 && d_prev == nullptr) {
+    return Status::InvalidArgument("QuantizeHysteresisKeepCuda: null buffer");
   }
-  CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  if (n == 0) {
-    if (stats != nullptr) *stats = QuantStats{};
-    if (flips != nullptr) *flips = 0;
-    return Status::Ok();
-  }
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_w, "QuantizeHysteresisCuda: weights"));
-  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "QuantizeHysteresisCuda: quantised weights"));
-  return Run(format, d_w, d_q, n, opts, /*hysteresis=*/true, stats, flips, stream);
+  StatsRequest req;
+  CPD_ASSIGN_OR_RETURN(req.sinks,
+                       SinksFor(target, /*with_flips=*/true, "QuantizeHysteresisKeepCuda"));
+  return CheckedHysteresis(format, d_w, d_prev, d_q, n, opts, req, stream);
 }
 
 Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n, void* stream) {
@@ -548,17 +752,114 @@ Result<uint64_t> CountFlipsCuda(const float* d_prev, const float* d_q, size_t n,
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "CountFlipsCuda: previous weights"));
   CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsCuda: quantised weights"));
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  DeviceScratch scratch;
-  CPD_RETURN_IF_ERROR(scratch.Allocate(sizeof(unsigned long long), s));
+  ScratchLease scratch;
+  CPD_RETURN_IF_ERROR(scratch.Acquire(0, sizeof(unsigned long long), s));
   auto* d_count = reinterpret_cast<unsigned long long*>(scratch.data());
   CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d_count, 0, sizeof(unsigned long long), s));
-  CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_count, s));
+  CPD_LAUNCH_RETURN_IF_ERROR(
+      kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, /*copy_to=*/nullptr, d_count, s));
   unsigned long long count = 0;
   CPD_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&count, d_count, sizeof(count), cudaMemcpyDeviceToHost, s));
-  CPD_RETURN_IF_ERROR(scratch.Release());
+  scratch.Release();
   CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return uint64_t(count);
+}
+
+Status CountFlipsAndKeepCuda(float* d_prev, const float* d_q, size_t n,
+                             const CudaStatsTarget& target, void* stream) {
+  if (n > 0 && (d_prev == nullptr || d_q == nullptr)) {
+    return Status::InvalidArgument("CountFlipsAndKeepCuda: null buffer");
+  }
+  const uintptr_t prev = reinterpret_cast<uintptr_t>(d_prev), q = reinterpret_cast<uintptr_t>(d_q);
+  if (n > 0 && prev < q + n * sizeof(float) && q < prev + n * sizeof(float)) {
+    return Status::InvalidArgument("CountFlipsAndKeepCuda: previous and new weights overlap");
+  }
+  CPD_ASSIGN_OR_RETURN(const DeviceSinks sinks,
+                       SinksFor(target, /*with_flips=*/true, "CountFlipsAndKeepCuda"));
+  if (n == 0) return Status::Ok();
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_prev, "CountFlipsAndKeepCuda: previous weights"));
+  CPD_RETURN_IF_ERROR(CheckDeviceBuffer(d_q, "CountFlipsAndKeepCuda: quantised weights"));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (sinks.add_flips == nullptr) {  // nothing to count: only keep the weights
+    CPD_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(d_prev, d_q, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    return Status::Ok();
+  }
+  CPD_LAUNCH_RETURN_IF_ERROR(
+      kernels::cuda::LaunchCountChangedBits(d_prev, d_q, n, d_prev, sinks.add_flips, s));
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<CudaStatsSlots>> CudaStatsSlots::Create(size_t capacity) {
+  std::unique_ptr<CudaStatsSlots> slots(new CudaStatsSlots());
+  CPD_RETURN_IF_ERROR(slots->Reserve(capacity, nullptr));
+  return slots;
+}
+
+CudaStatsSlots::~CudaStatsSlots() {
+  // Queued work may still update the slots; cudaFree waits for the device.
+  if (data_ != nullptr) (void)cudaFree(data_);
+}
+
+Status CudaStatsSlots::Reserve(size_t capacity, void* stream) {
+  if (capacity <= capacity_ && data_ != nullptr) return Status::Ok();
+  capacity = std::max<size_t>(capacity, 1);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  void* grown = nullptr;
+  CPD_CUDA_RETURN_IF_ERROR(cudaMalloc(&grown, capacity * sizeof(DeviceStats)));
+  Status st = [&]() -> Status {
+    CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(grown, 0, capacity * sizeof(DeviceStats), s));
+    if (data_ != nullptr) {
+      CPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(grown, data_, capacity_ * sizeof(DeviceStats),
+                                               cudaMemcpyDeviceToDevice, s));
+    }
+    // Work queued on other streams before this call is the caller's to order; ours is done when
+    // the stream is.
+    CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    (void)cudaFree(grown);
+    return st;
+  }
+  if (data_ != nullptr) CPD_CUDA_RETURN_IF_ERROR(cudaFree(data_));
+  data_ = grown;
+  capacity_ = capacity;
+  return Status::Ok();
+}
+
+Status CudaStatsSlots::Clear(size_t first, size_t count, void* stream) {
+  if (first > capacity_ || count > capacity_ - first) {
+    return Status::InvalidArgument("CudaStatsSlots::Clear: slots [" + std::to_string(first) +
+                                   ", +" + std::to_string(count) + ") of " +
+                                   std::to_string(capacity_));
+  }
+  if (count == 0) return Status::Ok();
+  CPD_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<DeviceStats*>(data_) + first, 0,
+                                           count * sizeof(DeviceStats),
+                                           static_cast<cudaStream_t>(stream)));
+  return Status::Ok();
+}
+
+Result<std::vector<CudaSlotStats>> CudaStatsSlots::Read(size_t first, size_t count,
+                                                        void* stream) const {
+  if (first > capacity_ || count > capacity_ - first) {
+    return Status::InvalidArgument("CudaStatsSlots::Read: slots [" + std::to_string(first) + ", +" +
+                                   std::to_string(count) + ") of " + std::to_string(capacity_));
+  }
+  std::vector<CudaSlotStats> out(count);
+  if (count == 0) return out;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  std::vector<DeviceStats> host(count);
+  CPD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.data(), static_cast<DeviceStats*>(data_) + first,
+                                           count * sizeof(DeviceStats), cudaMemcpyDeviceToHost, s));
+  CPD_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  for (size_t i = 0; i < count; ++i) {
+    out[i].stats = ToQuantStats(host[i], host[i].count);
+    out[i].flips = host[i].flips;
+  }
+  return out;
 }
 
 Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,

@@ -74,7 +74,7 @@ struct LinearDecodeOp {
 template <class Op, bool kStats>
 __global__ void __launch_bounds__(kThreads)
     encode_kernel(const Op op, const float* in, uint64_t n, int bits, bool vec_in, bool words,
-                  uint8_t* dst, DeviceStats* partials) {
+                  uint8_t* dst, StatsArgs stats) {
   Op o = op;
   o.Init();
   Acc<kStats> acc;
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     StoreCodeUnit(codes, len, bits, words, dst + u * uint64_t(bits));
   }
-  if constexpr (kStats) BlockStatsToPartial(acc, partials);
+  if constexpr (kStats) FinishStats(acc, stats, n);
 }
 
 // The inverse: unpack a unit, decode, store (two 16-byte stores when `vec_out`).
@@ -141,22 +141,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-__global__ void write_shift_meta_kernel(const int32_t* shifts, uint64_t num, bool e8m0,
-                                        uint8_t* dst) {
-  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g < num) dst[g] = ShiftMetaByte(shifts[g], e8m0);
-}
-
 __global__ void read_shift_meta_kernel(const uint8_t* src, uint64_t num, bool e8m0,
                                        int32_t* shifts) {
   const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g < num) shifts[g] = ShiftFromMetaByte(src[g], e8m0);
-}
-
-__global__ void write_linear_meta_kernel(const LinearGrid* grids, uint64_t num, bool minmax,
-                                         uint8_t* dst) {
-  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g < num) StoreLinearMeta(grids[g], minmax, dst + g * (minmax ? 8u : 4u));
 }
 
 __global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool minmax, int bits,
@@ -175,24 +163,24 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   CPD_LAUNCH_REQUIRE(in != nullptr && dst != nullptr, "null buffer");
   CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= kMaxCodeBits, "codes need 1 to 32 bits");
   CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(in) & 3u) == 0, "input must be 4-byte aligned");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
-                     "statistics need a scratch buffer");
+  CudaResult checked = CheckStats(stats);
+  if (!checked.ok()) return checked;
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
-  if (stats.result != nullptr) {
-    CudaResult r = GridBlocks(encode_kernel<Op, true>, units, kThreads, true, &blocks);
+  if (stats.wanted()) {
+    CudaResult r = GridBlocks<encode_kernel<Op, true>>(units, kThreads, true, &blocks);
     if (!r.ok()) return r;
     encode_kernel<Op, true>
-        <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, stats.scratch);
+        <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return CudaResult{};
   }
-  CudaResult r = GridBlocks(encode_kernel<Op, false>, units, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<encode_kernel<Op, false>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   encode_kernel<Op, false>
-      <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, nullptr);
+      <<<blocks, kThreads, 0, stream>>>(op, in, n, bits, vec_in, words, dst, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -226,7 +214,7 @@ CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, 
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
-  CudaResult r = GridBlocks(decode_kernel<Op>, units, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<decode_kernel<Op>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   decode_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, bits, words, vec_out, out);
   CPD_CUDA_CHECK(cudaGetLastError());
@@ -310,18 +298,6 @@ CudaResult LaunchDecodeLinearGrid(const uint8_t* src, size_t n, int bits, const 
                       AsStream(stream));
 }
 
-CudaResult LaunchWriteShiftMeta(const int32_t* shifts, size_t num_groups, bool e8m0, uint8_t* dst,
-                                void* stream) {
-  if (num_groups == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(shifts != nullptr && dst != nullptr, "null buffer");
-  unsigned blocks = 0;
-  CudaResult r = GroupBlocks(num_groups, &blocks);
-  if (!r.ok()) return r;
-  write_shift_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(shifts, num_groups, e8m0, dst);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
 CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0, int32_t* shifts,
                                void* stream) {
   if (num_groups == 0) return CudaResult{};
@@ -330,19 +306,6 @@ CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0,
   CudaResult r = GroupBlocks(num_groups, &blocks);
   if (!r.ok()) return r;
   read_shift_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(src, num_groups, e8m0, shifts);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
-CudaResult LaunchWriteLinearMeta(const LinearGrid* grids, size_t num_groups, bool minmax,
-                                 uint8_t* dst, void* stream) {
-  if (num_groups == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(grids != nullptr && dst != nullptr, "null buffer");
-  unsigned blocks = 0;
-  CudaResult r = GroupBlocks(num_groups, &blocks);
-  if (!r.ok()) return r;
-  write_linear_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(grids, num_groups, minmax,
-                                                                      dst);
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }

@@ -57,16 +57,12 @@ CudaResult LaunchDecodeLinearGrid(const uint8_t* src, size_t n, int bits, const 
                                   GroupLayout groups, float* out, void* stream);
 
 // ---- Scale metadata (kernels::ShiftMetaByte, StoreLinearMeta; any alignment of dst/src) -------
+// The encoder's metadata is written with the scales themselves (LaunchScalesFromData's
+// ScaleOutput::meta); the decoder reads it back here.
 
-// dst[g] = ShiftMetaByte(shifts[g], e8m0).
-CudaResult LaunchWriteShiftMeta(const int32_t* shifts, size_t num_groups, bool e8m0, uint8_t* dst,
-                                void* stream);
 // shifts[g] = ShiftFromMetaByte(src[g], e8m0).
 CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0, int32_t* shifts,
                                void* stream);
-// Group g's grid at dst + g * (minmax ? 8 : 4).
-CudaResult LaunchWriteLinearMeta(const LinearGrid* grids, size_t num_groups, bool minmax,
-                                 uint8_t* dst, void* stream);
 // grids[g] = LoadLinearMeta(src + g * (minmax ? 8 : 4), minmax, bits).
 CudaResult LaunchReadLinearMeta(const uint8_t* src, size_t num_groups, bool minmax, int bits,
                                 LinearGrid* grids, void* stream);

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/quantize.h"
@@ -124,6 +125,104 @@ __device__ __forceinline__ void BlockStatsToPartial(const Acc<true>& acc, Device
   }
 }
 
+// The destinations of a StatsTarget (quantize.h), as kernel parameters.
+struct StatsSinks {
+  DeviceStats* result;
+  DeviceStats* add_to;
+  unsigned long long* add_flips;
+};
+
+inline StatsSinks SinksOf(const StatsTarget& t) {
+  return StatsSinks{t.result, t.add_to, t.add_flips};
+}
+
+// A partial written by another block of the same launch: read from L2 (ld.cg), as the L1 of this
+// SM is not coherent with the other SMs' stores.
+__device__ __forceinline__ DeviceStats LoadPartial(const DeviceStats* p) {
+  DeviceStats s;
+  s.saturated = __ldcg(reinterpret_cast<const unsigned long long*>(&p->saturated));
+  s.flushed = __ldcg(reinterpret_cast<const unsigned long long*>(&p->flushed));
+  s.nonfinite = __ldcg(reinterpret_cast<const unsigned long long*>(&p->nonfinite));
+  s.flips = __ldcg(reinterpret_cast<const unsigned long long*>(&p->flips));
+  s.sq_error = __ldcg(&p->sq_error);
+  s.sq_input = __ldcg(&p->sq_input);
+  s.max_bits = __ldcg(&p->max_bits);
+  s.pad = 0;
+  s.count = 0;
+  return s;
+}
+
+// Merges one launch's statistics into a slot: counts and sums added, the largest max_bits (|x|
+// bits order as the floats do), flips left out (they have their own destination).
+__device__ __forceinline__ void MergeIntoSlot(DeviceStats* slot, const DeviceStats& s) {
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->saturated), s.saturated);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->flushed), s.flushed);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->nonfinite), s.nonfinite);
+  atomicAdd(reinterpret_cast<unsigned long long*>(&slot->count), s.count);
+  atomicAdd(&slot->sq_error, s.sq_error);
+  atomicAdd(&slot->sq_input, s.sq_input);
+  atomicMax(&slot->max_bits, s.max_bits);
+}
+
+// Sums `blocks` per-block partials in block order (lane l takes blocks l, l + 32, ...; then a
+// fixed shuffle tree, so the double sums do not depend on timing) and delivers the launch's
+// statistics of `count` elements to the sinks. Must be reached by all 32 lanes of one warp.
+__device__ __forceinline__ void DeliverStats(const DeviceStats* partials, int blocks,
+                                             uint64_t count, const StatsSinks& sinks) {
+  DeviceStats s{0, 0, 0, 0, 0.0, 0.0, 0u, 0u, 0};
+  for (int b = int(threadIdx.x % 32); b < blocks; b += 32) Accumulate(s, LoadPartial(partials + b));
+  WarpSum(s);
+  if (threadIdx.x % 32 != 0) return;
+  s.count = count;
+  if (sinks.result != nullptr) *sinks.result = s;
+  if (sinks.add_to != nullptr) MergeIntoSlot(sinks.add_to, s);
+  if (sinks.add_flips != nullptr && s.flips != 0) atomicAdd(sinks.add_flips, s.flips);
+}
+
+// The last block of a launch (threadFenceReduction in the CUDA samples; the fences as in
+// cooperative groups' grid sync): every thread fences its global stores and atomics, the
+// block's thread 0 fences again after the barrier (cumulatively covering the whole block's
+// writes) and takes a ticket; the block that takes the last ticket fences before its threads
+// read the other blocks' results (from L2: atomics or ld.cg), and resets the ticket for the next
+// launch on the stream. Must be reached by all threads of every block; all threads of a block
+// get the same answer. Why: a site's quantisation was three launches (reduction, scale kernel,
+// element pass) plus a finalize kernel for statistics; the small tail work now runs at the end
+// of the big launch.
+__device__ __forceinline__ bool LastBlockDone(unsigned int* ticket) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) {
+      atomicExch(ticket, 0u);
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// The statistics part of an element-wise kernel's parameters (StatsTarget, device side).
+struct StatsArgs {
+  DeviceStats* partials;
+  unsigned int* ticket;
+  StatsSinks sinks;
+};
+
+inline StatsArgs ArgsOf(const StatsTarget& t) { return StatsArgs{t.scratch, t.ticket, SinksOf(t)}; }
+
+// The end of a statistics-keeping kernel over `count` elements: the block's partial, then, in
+// the last block, the delivery of the launch's statistics (DeliverStats sums the partials in
+// block order, as the separate finalize kernel did). All threads of every block.
+__device__ __forceinline__ void FinishStats(const Acc<true>& acc, const StatsArgs& args,
+                                            uint64_t count) {
+  BlockStatsToPartial(acc, args.partials);
+  if (!LastBlockDone(args.ticket)) return;
+  if (threadIdx.x < 32) DeliverStats(args.partials, int(gridDim.x), count, args.sinks);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Element operations: what one element becomes. Init() runs once per thread (caches the scale
 // of a single-group span in registers); Apply() maps x (and, for hysteresis, the previous
@@ -233,15 +332,42 @@ struct LinearGridOp {
 
 inline cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
+// How many blocks of kKernel (kThreads threads, no dynamic shared memory) the current device
+// holds at once: SMs x resident blocks per SM. The attribute and occupancy queries cost
+// microseconds each and a training step launches hundreds of kernels, so they run once per
+// kernel and device; cudaGetDevice stays per launch because it is what keeps the cache right
+// when a thread switches devices, and it only reads the runtime's thread-local state.
+template <auto kKernel>
+CudaResult ResidentBlocks(int* cap) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: not known yet
+  int device = 0;
+  CPD_CUDA_CHECK(cudaGetDevice(&device));
+  const bool cached = device >= 0 && device < kCachedDevices;
+  if (cached) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) {
+      *cap = known;
+      return CudaResult{};
+    }
+  }
+  int sms = 0, per_sm = 0;
+  CPD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CPD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+  *cap = (sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  // Racing threads store the same value.
+  if (cached) cache[device].store(*cap, std::memory_order_relaxed);
+  return CudaResult{};
+}
+
 // Blocks for a grid-stride kernel: enough for `work` items of `per_block` each, at most the
 // number that fit on the device at once (and kMaxStatsBlocks when per-block stats are kept).
-template <class Kernel>
-CudaResult GridBlocks(Kernel kernel, uint64_t work, uint64_t per_block, bool stats, int* blocks) {
-  int device = 0, sms = 0, per_sm = 0;
-  CPD_CUDA_CHECK(cudaGetDevice(&device));
-  CPD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CPD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-  uint64_t cap = uint64_t(sms > 0 ? sms : 1) * uint64_t(per_sm > 0 ? per_sm : 1);
+template <auto kKernel>
+CudaResult GridBlocks(uint64_t work, uint64_t per_block, bool stats, int* blocks) {
+  int resident = 0;
+  CudaResult r = ResidentBlocks<kKernel>(&resident);
+  if (!r.ok()) return r;
+  uint64_t cap = uint64_t(resident);
   if (stats && cap > kMaxStatsBlocks) cap = kMaxStatsBlocks;
   uint64_t b = CEIL_DIV(work, per_block);
   b = b < cap ? b : cap;
@@ -257,8 +383,11 @@ inline CudaResult CheckGroups(uint64_t n, const GroupLayout& groups, bool has_pa
   return CudaResult{};
 }
 
-// Queues the sum of `blocks` per-block partials (BlockStatsToPartial) into stats.result, in
-// block order (quantize.cu).
-CudaResult FinalizeStats(const StatsTarget& stats, int blocks, cudaStream_t stream);
+// The checks of a statistics-keeping launch.
+inline CudaResult CheckStats(const StatsTarget& stats) {
+  CPD_LAUNCH_REQUIRE(!stats.wanted() || (stats.scratch != nullptr && stats.ticket != nullptr),
+                     "statistics need a scratch buffer and a ticket");
+  return CudaResult{};
+}
 
 }  // namespace cpd::kernels::cuda

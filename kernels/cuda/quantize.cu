@@ -134,11 +134,124 @@ __device__ __forceinline__ Segment SegmentOf(uint64_t w, uint64_t n, uint64_t gr
   return {g, begin, begin + kReduceSegment < group_end ? begin + kReduceSegment : group_end};
 }
 
-// Max of |finite x| per group. One warp per work item (a segment of at most kReduceSegment
-// elements of one group), grid-stride over work items; one atomicMax per work item.
+// The job of a scale reduction (LaunchScalesFromData), as kernel parameters. The reduction
+// buffers (max_bits, or lo_keys and hi_ord) are zero when no element was seen: lo_keys holds the
+// complement of the smallest key (atomicMax of ~key), so that every buffer starts from zero.
+struct ScaleJob {
+  ScaleKind kind;
+  ShiftRule shift;
+  int32_t qmax;
+  uint64_t num_groups;
+  uint32_t* max_bits;           // kShift, kIntGrid
+  unsigned long long* lo_keys;  // kUintGrid: ~(smallest key)
+  uint32_t* hi_ord;             // kUintGrid: OrderedBits(largest finite x)
+  ScaleOutput out;
+  unsigned int* ticket;  // null: derive_scales_kernel derives them (many groups)
+};
+
+// Group g's scale (and metadata) from its reduced values, which are cleared for the next call
+// on the stream. Atomic exchanges: the values come from other blocks' atomics, held in L2.
+__device__ __forceinline__ void DeriveScale(const ScaleJob& job, uint64_t g) {
+  const ScaleOutput& out = job.out;
+  if (job.kind == ScaleKind::kUintGrid) {
+    const unsigned long long key = ~atomicExch(&job.lo_keys[g], 0ull);
+    const uint32_t hi_ord = atomicExch(&job.hi_ord[g], 0u);
+    float lo = INFINITY, hi = -INFINITY;  // no finite element
+    if (key != ~0ull) {
+      lo = BitsFloat(UnorderedBits(uint32_t(key >> 32)));
+      if (lo == 0.0f) lo = (key & 1u) != 0 ? 0.0f : -0.0f;  // the zero the CPU picks
+      hi = BitsFloat(UnorderedBits(hi_ord));
+    }
+    // uint<b>:minmax: MinMaxGrid (grid.h), as cpd/quantize.cc.
+    const LinearGrid grid = MinMaxGrid(lo, hi, job.qmax);
+    out.grids[g] = grid;
+    if (out.meta != nullptr) StoreLinearMeta(grid, out.minmax, out.meta + g * (out.minmax ? 8 : 4));
+    return;
+  }
+  const float max_abs = BitsFloat(atomicExch(&job.max_bits[g], 0u));
+  if (job.kind == ScaleKind::kShift) {
+    const int32_t s = ShiftForMax(max_abs, job.shift);
+    out.shifts[g] = s;
+    if (out.meta != nullptr) out.meta[g] = ShiftMetaByte(s, out.e8m0);
+    return;
+  }
+  // int<b>: SymmetricIntGrid (grid.h), as cpd/quantize.cc.
+  const LinearGrid grid = SymmetricIntGrid(max_abs, job.qmax);
+  out.grids[g] = grid;
+  if (out.meta != nullptr) StoreLinearMeta(grid, out.minmax, out.meta + g * (out.minmax ? 8 : 4));
+}
+
+// The end of every reduction kernel: the last block to finish derives every group's scale,
+// unless derive_scales_kernel does (job.ticket null, the same for every block).
+__device__ __forceinline__ void DeriveInLastBlock(const ScaleJob& job) {
+  if (job.ticket == nullptr || !LastBlockDone(job.ticket)) return;
+  for (uint64_t g = threadIdx.x; g < job.num_groups; g += blockDim.x) DeriveScale(job, g);
+}
+
+// Spans with more than kLastBlockGroups groups: one thread per group.
+__global__ void derive_scales_kernel(ScaleJob job) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < job.num_groups) DeriveScale(job, g);
+}
+
+// The running finite minimum key and maximum of a min/max reduction. Key: OrderedBits(x, zeros
+// as +0) << 32 | (for a zero: chunk << 1 | 1 for +0, 0 for -0). kernels::MinMaxFinite orders -0
+// below +0 within a span; the CPU combines its 65536-element chunks with std::min, which keeps
+// the earlier chunk on a tie. So among zeros the earliest chunk wins, and within it -0 wins.
+struct MinMax {
+  unsigned long long lo = ~0ull;
+  uint32_t hi = 0;  // 0: no finite element (every finite x maps to a nonzero OrderedBits)
+
+  __device__ __forceinline__ void Add(float x, unsigned long long zero_rank) {
+    uint32_t u = FloatBits(x);
+    if ((u & 0x7fffffffu) >= 0x7f800000u) return;  // NaN and Inf are ignored
+    unsigned long long low = 0;
+    if ((u & 0x7fffffffu) == 0) {
+      low = zero_rank | (u >> 31 ? 0u : 1u);
+      u = 0;
+    }
+    const uint32_t o = OrderedBits(u);
+    const unsigned long long key = (static_cast<unsigned long long>(o) << 32) | low;
+    lo = key < lo ? key : lo;
+    hi = o > hi ? o : hi;
+  }
+  __device__ __forceinline__ void Merge(unsigned long long olo, uint32_t ohi) {
+    lo = olo < lo ? olo : lo;
+    hi = ohi > hi ? ohi : hi;
+  }
+  __device__ __forceinline__ void WarpReduce() {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      Merge(__shfl_xor_sync(kFullMask, lo, off), __shfl_xor_sync(kFullMask, hi, off));
+    }
+  }
+  // Into the reduction buffers of group g (one lane).
+  __device__ __forceinline__ void Publish(const ScaleJob& job, uint64_t g) const {
+    if (hi == 0) return;
+    atomicMax(&job.lo_keys[g], ~lo);
+    atomicMax(&job.hi_ord[g], hi);
+  }
+};
+
+// The zero rank of a chunk (see MinMax).
+__device__ __forceinline__ unsigned long long ZeroRank(uint64_t chunk) {
+  return (chunk < 0x7fffffffu ? chunk : 0x7fffffffu) << 1;
+}
+
+__device__ __forceinline__ uint32_t WarpMax(uint32_t m) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(kFullMask, m, off);
+    m = o > m ? o : m;
+  }
+  return m;
+}
+
+// Max of |finite x| per group of a grouped span. One warp per work item (a segment of at most
+// kReduceSegment elements of one group), grid-stride over work items; one atomicMax per item.
 __global__ void __launch_bounds__(kThreads)
-    group_max_abs_kernel(const float* in, uint64_t n, uint64_t group_len, uint64_t segs_per_group,
-                         uint64_t items, uint32_t* max_bits) {
+    max_abs_groups_kernel(const float* in, uint64_t n, uint64_t group_len, uint64_t segs_per_group,
+                          uint64_t items, ScaleJob job) {
   const int lane = threadIdx.x % 32;
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
@@ -156,112 +269,154 @@ __global__ void __launch_bounds__(kThreads)
       const uint32_t a = FiniteAbsBits(in[i]);
       m0 = a > m0 ? a : m0;
     }
-    uint32_t m = m0 > m1 ? m0 : m1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const uint32_t o = __shfl_xor_sync(kFullMask, m, off);
-      m = o > m ? o : m;
-    }
-    if (lane == 0 && m != 0) atomicMax(&max_bits[g], m);
+    const uint32_t m = WarpMax(m0 > m1 ? m0 : m1);
+    if (lane == 0 && m != 0) atomicMax(&job.max_bits[g], m);
   }
+  DeriveInLastBlock(job);
 }
 
-// Finite min (with the CPU's choice of zero) and max per group; same work split as above.
-// lo key: OrderedBits(min, zeros as +0) << 32 | (for a zero: chunk << 1 | 1 for +0, 0 for -0).
-// A segment never straddles a 65536-element chunk (kReduceSegment divides 65536).
+// Finite min (with the CPU's choice of zero) and max per group of a grouped span; the work split
+// of max_abs_groups_kernel. A segment never straddles a 65536-element chunk (kReduceSegment
+// divides 65536), so its zeros share one chunk.
 __global__ void __launch_bounds__(kThreads)
-    group_min_max_kernel(const float* in, uint64_t n, uint64_t group_len, uint64_t segs_per_group,
-                         uint64_t items, bool chunked, unsigned long long* lo_keys,
-                         uint32_t* hi_ord) {
+    min_max_groups_kernel(const float* in, uint64_t n, uint64_t group_len, uint64_t segs_per_group,
+                          uint64_t items, bool chunked, ScaleJob job) {
   const int lane = threadIdx.x % 32;
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
   for (uint64_t w = warp; w < items; w += warps) {
     const Segment sg = SegmentOf(w, n, group_len, segs_per_group);
     const uint64_t g = sg.group, begin = sg.begin, end = sg.end;
-    unsigned long long lo = ~0ull;
-    uint32_t hi = 0;
-    // kernels::MinMaxFinite orders -0 below +0 within a span; the CPU combines chunks with
-    // std::min, which keeps the earlier chunk on a tie. So among zeros, the earliest chunk
-    // wins, and within it -0 wins.
-    const uint64_t chunk = chunked ? (begin - g * group_len) >> 16 : 0;
-    const unsigned long long zero_rank = (chunk < 0x7fffffffu ? chunk : 0x7fffffffu) << 1;
-    for (uint64_t i = begin + lane; i < end; i += 32) {
-      uint32_t u = FloatBits(in[i]);
-      if ((u & 0x7fffffffu) >= 0x7f800000u) continue;  // NaN and Inf are ignored
-      unsigned long long low = 0;
-      if ((u & 0x7fffffffu) == 0) {
-        low = zero_rank | (u >> 31 ? 0u : 1u);
-        u = 0;
-      }
-      const uint32_t o = OrderedBits(u);
-      const unsigned long long key = (static_cast<unsigned long long>(o) << 32) | low;
-      lo = key < lo ? key : lo;
-      hi = o > hi ? o : hi;
+    const unsigned long long zero_rank = ZeroRank(chunked ? (begin - g * group_len) >> 16 : 0);
+    MinMax mm;
+    for (uint64_t i = begin + lane; i < end; i += 32) mm.Add(in[i], zero_rank);
+    mm.WarpReduce();
+    if (lane == 0) mm.Publish(job, g);
+  }
+  DeriveInLastBlock(job);
+}
+
+// One group (a per-tensor scale, the large activations and errors): grid-stride over 16-byte
+// vectors (in + head is 16-byte aligned; [0, head) and the tail element by element), kUnroll
+// loads in flight per thread, then a block reduction and one atomic per block. The segment
+// kernels above give a 2 Mi-element tensor only 1024 warps with one load in flight each.
+__global__ void __launch_bounds__(kThreads)
+    max_abs_one_group_kernel(const float* in, uint64_t n, uint64_t head, uint64_t nvec,
+                             ScaleJob job) {
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  uint32_t m = 0;
+  for (uint64_t i = tid; i < head; i += stride) {
+    const uint32_t a = FiniteAbsBits(in[i]);
+    m = a > m ? a : m;
+  }
+  const float4* in4 = reinterpret_cast<const float4*>(in + head);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      x[u] = v < nvec ? in4[v] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // 0 leaves the max
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const unsigned long long ol = __shfl_xor_sync(kFullMask, lo, off);
-      const uint32_t oh = __shfl_xor_sync(kFullMask, hi, off);
-      lo = ol < lo ? ol : lo;
-      hi = oh > hi ? oh : hi;
-    }
-    if (lane == 0 && hi != 0) {
-      atomicMin(&lo_keys[g], lo);
-      atomicMax(&hi_ord[g], hi);
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t a = FiniteAbsBits(x[u].x), b = FiniteAbsBits(x[u].y);
+      const uint32_t c = FiniteAbsBits(x[u].z), d = FiniteAbsBits(x[u].w);
+      const uint32_t ab = a > b ? a : b, cd = c > d ? c : d;
+      const uint32_t abcd = ab > cd ? ab : cd;
+      m = abcd > m ? abcd : m;
     }
   }
-}
-
-__global__ void shifts_from_max_abs_kernel(const uint32_t* max_bits, uint64_t num, ShiftRule rule,
-                                           int32_t* shifts) {
-  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g < num) shifts[g] = ShiftForMax(BitsFloat(max_bits[g]), rule);
-}
-
-// int<b>: SymmetricIntGrid (grid.h), as cpd/quantize.cc.
-__global__ void int_grids_from_max_abs_kernel(const uint32_t* max_bits, uint64_t num, int qmax,
-                                              LinearGrid* grids) {
-  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= num) return;
-  grids[g] = SymmetricIntGrid(BitsFloat(max_bits[g]), qmax);
-}
-
-// uint<b>:minmax: MinMaxGrid (grid.h), as cpd/quantize.cc.
-__global__ void uint_grids_from_min_max_kernel(const unsigned long long* lo_keys,
-                                               const uint32_t* hi_ord, uint64_t num, int qmax,
-                                               LinearGrid* grids) {
-  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= num) return;
-  const unsigned long long key = lo_keys[g];
-  float lo = INFINITY, hi = -INFINITY;  // no finite element
-  if (key != ~0ull) {
-    lo = BitsFloat(UnorderedBits(uint32_t(key >> 32)));
-    if (lo == 0.0f) lo = (key & 1u) != 0 ? 0.0f : -0.0f;  // the zero the CPU picks
-    hi = BitsFloat(UnorderedBits(hi_ord[g]));
+  for (uint64_t i = head + 4 * nvec + tid; i < n; i += stride) {
+    const uint32_t a = FiniteAbsBits(in[i]);
+    m = a > m ? a : m;
   }
-  grids[g] = MinMaxGrid(lo, hi, qmax);
+  __shared__ uint32_t warp_max[kWarpsPerBlock];
+  m = WarpMax(m);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarpsPerBlock; ++w) m = warp_max[w] > m ? warp_max[w] : m;
+    if (m != 0) atomicMax(&job.max_bits[0], m);
+  }
+  DeriveInLastBlock(job);
+}
+
+// The same split for the finite min and max of one group; a zero's chunk is its index >> 16
+// when the CPU reduced the span in chunks.
+__global__ void __launch_bounds__(kThreads)
+    min_max_one_group_kernel(const float* in, uint64_t n, uint64_t head, uint64_t nvec,
+                             bool chunked, ScaleJob job) {
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  MinMax mm;
+  for (uint64_t i = tid; i < head; i += stride) mm.Add(in[i], ZeroRank(chunked ? i >> 16 : 0));
+  const float4* in4 = reinterpret_cast<const float4*>(in + head);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v < nvec) x[u] = in4[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v >= nvec) break;
+      // Each element its own chunk: with head = 1..3 a vector may straddle a chunk boundary.
+      const uint64_t i = head + 4 * v;
+      mm.Add(x[u].x, ZeroRank(chunked ? i >> 16 : 0));
+      mm.Add(x[u].y, ZeroRank(chunked ? (i + 1) >> 16 : 0));
+      mm.Add(x[u].z, ZeroRank(chunked ? (i + 2) >> 16 : 0));
+      mm.Add(x[u].w, ZeroRank(chunked ? (i + 3) >> 16 : 0));
+    }
+  }
+  for (uint64_t i = head + 4 * nvec + tid; i < n; i += stride) {
+    mm.Add(in[i], ZeroRank(chunked ? i >> 16 : 0));
+  }
+  __shared__ unsigned long long warp_lo[kWarpsPerBlock];
+  __shared__ uint32_t warp_hi[kWarpsPerBlock];
+  mm.WarpReduce();
+  if (threadIdx.x % 32 == 0) {
+    warp_lo[threadIdx.x / 32] = mm.lo;
+    warp_hi[threadIdx.x / 32] = mm.hi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarpsPerBlock; ++w) mm.Merge(warp_lo[w], warp_hi[w]);
+    mm.Publish(job, 0);
+  }
+  DeriveInLastBlock(job);
 }
 
 // The element-wise pass. [0, head) and [head + 4 * nvec, n) are done element by element;
-// the middle as 16-byte vectors (in + head and out + head are 16-byte aligned), kUnroll
-// independent loads per thread before any store. in and out may alias: every element is read
-// and then written by the same thread only.
+// the middle as 16-byte vectors (in, out, prev and keep + head are 16-byte aligned), kUnroll
+// independent loads per thread before any store. Ops that read a previous value (hysteresis)
+// read it from `prev` and also store their result to `keep` when it is non-null. in, out, prev
+// and keep may alias as the launcher allows: every element is read and then written by the
+// same thread only.
 template <class Op, bool kStats>
 __global__ void __launch_bounds__(kThreads)
-    quantize_elementwise_kernel(const Op op, const float* in, float* out, uint64_t n, uint64_t head,
-                                uint64_t nvec, DeviceStats* partials) {
+    quantize_elementwise_kernel(const Op op, const float* in, const float* prev, float* out,
+                                float* keep, uint64_t n, uint64_t head, uint64_t nvec,
+                                StatsArgs stats) {
   Op o = op;
   o.Init();
   Acc<kStats> acc;
   const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = tid; i < head; i += stride) {
-    const float prev = Op::kReadsOut ? out[i] : 0.0f;
-    out[i] = ApplyOne<Op, kStats>(o, in[i], prev, i, acc);
+    const float p = Op::kReadsOut ? prev[i] : 0.0f;
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    out[i] = z;
+    if constexpr (Op::kReadsOut) {
+      if (keep != nullptr) keep[i] = z;
+    }
   }
   const float4* in4 = reinterpret_cast<const float4*>(in + head);
+  const float4* prev4 = reinterpret_cast<const float4*>(prev + head);
   float4* out4 = reinterpret_cast<float4*>(out + head);
+  float4* keep4 = keep != nullptr ? reinterpret_cast<float4*>(keep + head) : nullptr;
   for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
     float4 x[kUnroll], p[kUnroll];
 #pragma unroll
@@ -269,7 +424,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t v = v0 + u * stride;
       if (v < nvec) {
         x[u] = in4[v];
-        if (Op::kReadsOut) p[u] = out4[v];
+        if (Op::kReadsOut) p[u] = prev4[v];
       }
     }
 #pragma unroll
@@ -277,15 +432,23 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t v = v0 + u * stride;
       if (v < nvec) {
         if (!Op::kReadsOut) p[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        out4[v] = ApplyFour<Op, kStats>(o, x[u], p[u], head + 4 * v, acc);
+        const float4 z = ApplyFour<Op, kStats>(o, x[u], p[u], head + 4 * v, acc);
+        out4[v] = z;
+        if constexpr (Op::kReadsOut) {
+          if (keep != nullptr) keep4[v] = z;
+        }
       }
     }
   }
   for (uint64_t i = head + 4 * nvec + tid; i < n; i += stride) {
-    const float prev = Op::kReadsOut ? out[i] : 0.0f;
-    out[i] = ApplyOne<Op, kStats>(o, in[i], prev, i, acc);
+    const float p = Op::kReadsOut ? prev[i] : 0.0f;
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    out[i] = z;
+    if constexpr (Op::kReadsOut) {
+      if (keep != nullptr) keep[i] = z;
+    }
   }
-  if constexpr (kStats) BlockStatsToPartial(acc, partials);
+  if constexpr (kStats) FinishStats(acc, stats, n);
 }
 
 // Block formats in one pass (block_size = 4 * lanes_per_block, a power of two <= 128). A warp
@@ -296,7 +459,7 @@ template <RoundMode kMode, bool kStats>
 __global__ void __launch_bounds__(kThreads)
     quantize_blocks_fused_kernel(const float* in, float* out, uint64_t n, const FloatGrid g,
                                  ShiftRule rule, int lanes_per_block, bool vec_in, bool vec_out,
-                                 uint64_t key, uint64_t index_base, DeviceStats* partials) {
+                                 uint64_t key, uint64_t index_base, StatsArgs stats) {
   Acc<kStats> acc;
   const int lane = threadIdx.x % 32;
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -357,28 +520,22 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if constexpr (kStats) BlockStatsToPartial(acc, partials);
+  if constexpr (kStats) FinishStats(acc, stats, n);
 }
 
 // One thread copies the grid from the kernel's parameter space to device memory.
 __global__ void store_binade_grid_kernel(const BinadeGrid g, BinadeGrid* dst) { *dst = g; }
 
-// Sums the per-block partials in block order (lane l takes blocks l, l + 32, ...; then a fixed
-// shuffle tree). One warp.
-__global__ void stats_finalize_kernel(const DeviceStats* partials, int count, DeviceStats* result) {
-  DeviceStats s{0, 0, 0, 0, 0.0, 0.0, 0u, 0u};
-  for (int b = threadIdx.x; b < count; b += 32) Accumulate(s, partials[b]);
-  WarpSum(s);
-  if (threadIdx.x == 0) *result = s;
-}
-
-// Grid-stride count of differing bit patterns; one atomic per warp.
+// Grid-stride count of differing bit patterns (and the copy of b, when asked); one atomic per
+// warp.
 __global__ void count_changed_bits_kernel(const float* a, const float* b, uint64_t n,
-                                          unsigned long long* count) {
+                                          float* copy_to, unsigned long long* count) {
   unsigned long long c = 0;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    c += FloatBits(a[i]) != FloatBits(b[i]);
+    const float bi = b[i];
+    c += FloatBits(a[i]) != FloatBits(bi);
+    if (copy_to != nullptr) copy_to[i] = bi;  // after this thread's read of a[i]
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) c += __shfl_down_sync(kFullMask, c, off);
@@ -402,30 +559,51 @@ void VectorSplit(const float* in, const float* out, uint64_t n, uint64_t* head, 
   *nvec = (n - h) / 4;
 }
 
+// Whether [a, a + n) and [b, b + n) share memory.
+bool Overlap(const float* a, const float* b, uint64_t n) {
+  const uintptr_t x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + n * sizeof(float) && y < x + n * sizeof(float);
+}
+
+// `prev` and `keep`: Op::kReadsOut ops only (hysteresis); prev null means out (in place).
 template <class Op>
 CudaResult LaunchElementwise(const Op& op, const float* in, float* out, uint64_t n,
-                             const StatsTarget& stats, cudaStream_t stream) {
+                             const StatsTarget& stats, cudaStream_t stream,
+                             const float* prev = nullptr, float* keep = nullptr) {
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(in != nullptr && out != nullptr, "null buffer");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
-                     "statistics need a scratch buffer");
+  CudaResult checked = CheckStats(stats);
+  if (!checked.ok()) return checked;
+  if (prev == nullptr) prev = out;
+  // keep may be prev itself (the state updated in place) but no other view of prev or out.
+  CPD_LAUNCH_REQUIRE(
+      keep == nullptr || ((keep == prev || !Overlap(keep, prev, n)) && !Overlap(keep, out, n)),
+      "the kept copy must be the previous values or apart from them and the output");
+  CPD_LAUNCH_REQUIRE(prev == out || !Overlap(prev, out, n),
+                     "the previous values must be the output or apart from it");
   uint64_t head = 0, nvec = 0;
   VectorSplit(in, out, n, &head, &nvec);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(in) & 15u;
+  if ((reinterpret_cast<uintptr_t>(prev) & 15u) != a ||
+      (keep != nullptr && (reinterpret_cast<uintptr_t>(keep) & 15u) != a)) {
+    head = n;  // no common 16-byte alignment: element by element
+    nvec = 0;
+  }
   // Work in threads: each handles kUnroll vectors, or one element outside the vector part.
   const uint64_t work = CEIL_DIV(nvec, uint64_t(kUnroll)) + (n - 4 * nvec);
   int blocks = 0;
-  if (stats.result != nullptr) {
-    CudaResult r = GridBlocks(quantize_elementwise_kernel<Op, true>, work, kThreads, true, &blocks);
+  if (stats.wanted()) {
+    CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, true>>(work, kThreads, true, &blocks);
     if (!r.ok()) return r;
     quantize_elementwise_kernel<Op, true>
-        <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, stats.scratch);
+        <<<blocks, kThreads, 0, stream>>>(op, in, prev, out, keep, n, head, nvec, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return CudaResult{};
   }
-  CudaResult r = GridBlocks(quantize_elementwise_kernel<Op, false>, work, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<quantize_elementwise_kernel<Op, false>>(work, kThreads, false, &blocks);
   if (!r.ok()) return r;
   quantize_elementwise_kernel<Op, false>
-      <<<blocks, kThreads, 0, stream>>>(op, in, out, n, head, nvec, nullptr);
+      <<<blocks, kThreads, 0, stream>>>(op, in, prev, out, keep, n, head, nvec, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -456,21 +634,21 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
   const uint64_t tiles = CEIL_DIV(n, uint64_t(128));
   const uint64_t work = CEIL_DIV(tiles, uint64_t(kUnroll));  // in warps
   int blocks = 0;
-  if (stats.result != nullptr) {
+  if (stats.wanted()) {
     CudaResult r =
-        GridBlocks(quantize_blocks_fused_kernel<kMode, true>, work, kWarpsPerBlock, true, &blocks);
+        GridBlocks<quantize_blocks_fused_kernel<kMode, true>>(work, kWarpsPerBlock, true, &blocks);
     if (!r.ok()) return r;
     quantize_blocks_fused_kernel<kMode, true>
         <<<blocks, kThreads, 0, stream>>>(in, out, n, g, rule, lanes_per_block, vec_in, vec_out,
-                                          rng.key, rng.index_base, stats.scratch);
+                                          rng.key, rng.index_base, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
-    return FinalizeStats(stats, blocks, stream);
+    return CudaResult{};
   }
   CudaResult r =
-      GridBlocks(quantize_blocks_fused_kernel<kMode, false>, work, kWarpsPerBlock, false, &blocks);
+      GridBlocks<quantize_blocks_fused_kernel<kMode, false>>(work, kWarpsPerBlock, false, &blocks);
   if (!r.ok()) return r;
   quantize_blocks_fused_kernel<kMode, false><<<blocks, kThreads, 0, stream>>>(
-      in, out, n, g, rule, lanes_per_block, vec_in, vec_out, rng.key, rng.index_base, nullptr);
+      in, out, n, g, rule, lanes_per_block, vec_in, vec_out, rng.key, rng.index_base, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -486,85 +664,82 @@ void ReduceItems(uint64_t n, const GroupLayout& groups, uint64_t* len, uint64_t*
 
 }  // namespace
 
-CudaResult FinalizeStats(const StatsTarget& stats, int blocks, cudaStream_t stream) {
-  stats_finalize_kernel<<<1, 32, 0, stream>>>(stats.scratch, blocks, stats.result);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
 // ---------------------------------------------------------------------------------------------
 // Launchers
 
-CudaResult LaunchGroupMaxAbs(const float* in, size_t n, GroupLayout groups, uint32_t* max_bits,
-                             void* stream) {
-  if (n == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(in != nullptr && max_bits != nullptr, "null buffer");
+size_t ScaleReduceBytes(ScaleKind kind, size_t num_groups) {
+  return kind == ScaleKind::kUintGrid
+             ? num_groups * (sizeof(unsigned long long) + sizeof(uint32_t))  // lo_keys, hi_ord
+             : num_groups * sizeof(uint32_t);                                // max_bits
+}
+
+CudaResult LaunchScalesFromData(const float* in, size_t n, GroupLayout groups,
+                                const ScaleRule& rule, ScaleScratch scratch, ScaleOutput out,
+                                void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || in != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(scratch.reduce != nullptr && scratch.ticket != nullptr,
+                     "scale reductions need their zeroed scratch and ticket");
+  CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(scratch.reduce) & 7u) == 0,
+                     "the reduction scratch must be 8-byte aligned");
+  CPD_LAUNCH_REQUIRE(groups.num_groups >= 1, "no group");
   CPD_LAUNCH_REQUIRE(groups.group_len == 0 || groups.num_groups >= CEIL_DIV(n, groups.group_len),
                      "fewer groups than the span needs");
-  uint64_t len = 0, segs = 0, items = 0;
-  ReduceItems(n, groups, &len, &segs, &items);
+  const bool shifts = rule.kind == ScaleKind::kShift;
+  CPD_LAUNCH_REQUIRE(shifts ? out.shifts != nullptr : out.grids != nullptr, "no output");
+  ScaleJob job{};
+  job.kind = rule.kind;
+  job.shift = rule.shift;
+  job.num_groups = groups.num_groups;
+  job.out = out;
+  const uint64_t num = groups.num_groups;
+  if (rule.kind == ScaleKind::kUintGrid) {
+    CPD_LAUNCH_REQUIRE(rule.bits >= 1 && rule.bits <= 30, "uint<b> needs 1 <= b <= 30");
+    job.qmax = (1 << rule.bits) - 1;
+    job.lo_keys = static_cast<unsigned long long*>(scratch.reduce);
+    job.hi_ord = reinterpret_cast<uint32_t*>(job.lo_keys + num);
+  } else {
+    if (rule.kind == ScaleKind::kIntGrid) {
+      CPD_LAUNCH_REQUIRE(rule.bits >= 2 && rule.bits <= 31, "int<b> needs 2 <= b <= 31");
+      job.qmax = (1 << (rule.bits - 1)) - 1;
+    }
+    job.max_bits = static_cast<uint32_t*>(scratch.reduce);
+  }
+  const bool derive_here = num <= kLastBlockGroups;
+  job.ticket = derive_here ? scratch.ticket : nullptr;
+  const cudaStream_t s = AsStream(stream);
   int blocks = 0;
-  CudaResult r = GridBlocks(group_max_abs_kernel, items, kWarpsPerBlock, false, &blocks);
-  if (!r.ok()) return r;
-  group_max_abs_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(in, n, len, segs, items,
-                                                                  max_bits);
+  if (groups.group_len == 0 || n <= groups.group_len) {  // one group touched (n == 0 too)
+    uint64_t head = 0, nvec = 0;
+    VectorSplit(in, in, n, &head, &nvec);
+    const uint64_t work = CEIL_DIV(nvec, uint64_t(kUnroll)) + (n - 4 * nvec);
+    if (rule.kind == ScaleKind::kUintGrid) {
+      const bool chunked = rule.chunked;
+      CudaResult r = GridBlocks<min_max_one_group_kernel>(work, kThreads, false, &blocks);
+      if (!r.ok()) return r;
+      min_max_one_group_kernel<<<blocks, kThreads, 0, s>>>(in, n, head, nvec, chunked, job);
+    } else {
+      CudaResult r = GridBlocks<max_abs_one_group_kernel>(work, kThreads, false, &blocks);
+      if (!r.ok()) return r;
+      max_abs_one_group_kernel<<<blocks, kThreads, 0, s>>>(in, n, head, nvec, job);
+    }
+  } else {
+    uint64_t len = 0, segs = 0, items = 0;
+    ReduceItems(n, groups, &len, &segs, &items);
+    if (rule.kind == ScaleKind::kUintGrid) {
+      CudaResult r = GridBlocks<min_max_groups_kernel>(items, kWarpsPerBlock, false, &blocks);
+      if (!r.ok()) return r;
+      min_max_groups_kernel<<<blocks, kThreads, 0, s>>>(in, n, len, segs, items, rule.chunked, job);
+    } else {
+      CudaResult r = GridBlocks<max_abs_groups_kernel>(items, kWarpsPerBlock, false, &blocks);
+      if (!r.ok()) return r;
+      max_abs_groups_kernel<<<blocks, kThreads, 0, s>>>(in, n, len, segs, items, job);
+    }
+  }
   CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
-CudaResult LaunchGroupMinMax(const float* in, size_t n, GroupLayout groups, bool chunked,
-                             uint64_t* lo_keys, uint32_t* hi_ord, void* stream) {
-  if (n == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(in != nullptr && lo_keys != nullptr && hi_ord != nullptr, "null buffer");
-  CPD_LAUNCH_REQUIRE(groups.group_len == 0 || groups.num_groups >= CEIL_DIV(n, groups.group_len),
-                     "fewer groups than the span needs");
-  uint64_t len = 0, segs = 0, items = 0;
-  ReduceItems(n, groups, &len, &segs, &items);
-  int blocks = 0;
-  CudaResult r = GridBlocks(group_min_max_kernel, items, kWarpsPerBlock, false, &blocks);
-  if (!r.ok()) return r;
-  static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
-  group_min_max_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(
-      in, n, len, segs, items, chunked, reinterpret_cast<unsigned long long*>(lo_keys), hi_ord);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
-CudaResult LaunchShiftsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, ShiftRule rule,
-                                  int32_t* shifts, void* stream) {
-  if (num_groups == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(max_bits != nullptr && shifts != nullptr, "null buffer");
-  const uint64_t blocks = CEIL_DIV(uint64_t(num_groups), uint64_t(kThreads));
-  CPD_LAUNCH_REQUIRE(blocks <= 0x7fffffffu, "too many groups");
-  shifts_from_max_abs_kernel<<<unsigned(blocks), kThreads, 0, AsStream(stream)>>>(
-      max_bits, num_groups, rule, shifts);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
-CudaResult LaunchIntGridsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, int bits,
-                                    LinearGrid* grids, void* stream) {
-  if (num_groups == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(max_bits != nullptr && grids != nullptr, "null buffer");
-  CPD_LAUNCH_REQUIRE(bits >= 2 && bits <= 31, "int<b> needs 2 <= b <= 31");
-  const uint64_t blocks = CEIL_DIV(uint64_t(num_groups), uint64_t(kThreads));
-  CPD_LAUNCH_REQUIRE(blocks <= 0x7fffffffu, "too many groups");
-  int_grids_from_max_abs_kernel<<<unsigned(blocks), kThreads, 0, AsStream(stream)>>>(
-      max_bits, num_groups, (1 << (bits - 1)) - 1, grids);
-  CPD_CUDA_CHECK(cudaGetLastError());
-  return CudaResult{};
-}
-
-CudaResult LaunchUintGridsFromMinMax(const uint64_t* lo_keys, const uint32_t* hi_ord,
-                                     size_t num_groups, int bits, LinearGrid* grids, void* stream) {
-  if (num_groups == 0) return CudaResult{};
-  CPD_LAUNCH_REQUIRE(lo_keys != nullptr && hi_ord != nullptr && grids != nullptr, "null buffer");
-  CPD_LAUNCH_REQUIRE(bits >= 1 && bits <= 30, "uint<b> needs 1 <= b <= 30");
-  const uint64_t blocks = CEIL_DIV(uint64_t(num_groups), uint64_t(kThreads));
-  CPD_LAUNCH_REQUIRE(blocks <= 0x7fffffffu, "too many groups");
-  uint_grids_from_min_max_kernel<<<unsigned(blocks), kThreads, 0, AsStream(stream)>>>(
-      reinterpret_cast<const unsigned long long*>(lo_keys), hi_ord, num_groups, (1 << bits) - 1,
-      grids);
+  if (derive_here) return CudaResult{};
+  const uint64_t derive_blocks = CEIL_DIV(num, uint64_t(kThreads));
+  CPD_LAUNCH_REQUIRE(derive_blocks <= 0x7fffffffu, "too many groups");
+  derive_scales_kernel<<<unsigned(derive_blocks), kThreads, 0, s>>>(job);
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -606,8 +781,8 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
   CPD_LAUNCH_REQUIRE(
       (reinterpret_cast<uintptr_t>(in) & 3u) == 0 && (reinterpret_cast<uintptr_t>(out) & 3u) == 0,
       "buffers must be 4-byte aligned");
-  CPD_LAUNCH_REQUIRE(stats.result == nullptr || stats.scratch != nullptr,
-                     "statistics need a scratch buffer");
+  CudaResult checked = CheckStats(stats);
+  if (!checked.ok()) return checked;
   const int lanes = int(block_size / 4);
   const cudaStream_t s = AsStream(stream);
   switch (mode) {
@@ -624,22 +799,23 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
   return CudaResult{};
 }
 
-CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                     const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                     void* stream) {
+CudaResult LaunchHysteresisFloatGrid(const float* w, const float* prev, float* q, float* keep,
+                                     size_t n, const FloatGrid& g, const int32_t* shifts,
+                                     GroupLayout groups, StatsTarget stats, void* stream) {
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
   return LaunchElementwise(FloatHysteresisOp{g, shifts, groups.group_len, 0}, w, q, n, stats,
-                           AsStream(stream));
+                           AsStream(stream), prev, keep);
 }
 
-CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
-                                      GroupLayout groups, StatsTarget stats, void* stream) {
+CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const LinearGrid* grids, GroupLayout groups,
+                                      StatsTarget stats, void* stream) {
   CPD_LAUNCH_REQUIRE(n == 0 || grids != nullptr, "linear grids are required");
   CudaResult r = CheckGroups(n, groups, true);
   if (!r.ok()) return r;
   return LaunchElementwise(LinearHysteresisOp{grids, groups.group_len, LinearGrid{}}, w, q, n,
-                           stats, AsStream(stream));
+                           stats, AsStream(stream), prev, keep);
 }
 
 CudaResult LaunchStoreBinadeGrid(const BinadeGrid& g, BinadeGrid* d_grid, void* stream) {
@@ -660,25 +836,27 @@ CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const
                                     groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
 }
 
-CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
-                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                      void* stream) {
+CudaResult LaunchHysteresisBinadeGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const BinadeGrid* d_grid, const int32_t* shifts,
+                                      GroupLayout groups, StatsTarget stats, void* stream) {
   CPD_LAUNCH_REQUIRE(n == 0 || (d_grid != nullptr && shifts != nullptr),
                      "binade grids need the grid and the shifts");
   CudaResult r = CheckGroups(n, groups, true);
   if (!r.ok()) return r;
   return LaunchElementwise(BinadeHysteresisOp{d_grid, shifts, groups.group_len, 0}, w, q, n, stats,
-                           AsStream(stream));
+                           AsStream(stream), prev, keep);
 }
 
-CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n, float* copy_to,
                                   unsigned long long* count, void* stream) {
   if (n == 0) return CudaResult{};
   CPD_LAUNCH_REQUIRE(a != nullptr && b != nullptr && count != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(copy_to == nullptr || copy_to + n <= b || b + n <= copy_to,
+                     "the copy must not overlap its source");
   int blocks = 0;
-  CudaResult r = GridBlocks(count_changed_bits_kernel, n, kThreads, false, &blocks);
+  CudaResult r = GridBlocks<count_changed_bits_kernel>(n, kThreads, false, &blocks);
   if (!r.ok()) return r;
-  count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, count);
+  count_changed_bits_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(a, b, n, copy_to, count);
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }

@@ -29,7 +29,8 @@ struct CudaResult {
 // Device-side statistics of one launch (see ElementStats in kernels/quantize_cpu.h for the
 // meaning of each field). Partial sums are per block and are summed in block order, so the
 // result is deterministic for a given device, but the double sums may differ from the CPU in
-// the last bits (a different summation order).
+// the last bits (a different summation order). Also the layout of a statistics slot
+// (cpd::CudaStatsSlots), which merges launches: counts and sums added, max_bits the largest.
 struct DeviceStats {
   uint64_t saturated;
   uint64_t flushed;
@@ -39,18 +40,27 @@ struct DeviceStats {
   double sq_input;
   uint32_t max_bits;  // float32 bits of the largest |x| over non-NaN inputs (Inf included)
   uint32_t pad;
+  uint64_t count;  // elements (0 in per-block partials)
 };
 
 // Scratch a stats-producing launcher needs: one DeviceStats per block of the main kernel.
 constexpr size_t kMaxStatsBlocks = 2048;
 constexpr size_t kStatsScratchBytes = kMaxStatsBlocks * sizeof(DeviceStats);
 
-// Optional statistics of an element-wise launch: when `result` is non-null, `scratch` must hold
-// kStatsScratchBytes of device memory and the launch writes one DeviceStats to `result`
-// (device memory) once the stream reaches it.
+// Optional statistics of an element-wise launch, to any of three destinations in device memory,
+// written by the launch's last block to finish: `result` is overwritten with the launch's
+// DeviceStats; `add_to` (a statistics slot) has them merged in, flips excluded; `add_flips` has
+// the flips added. The merges are atomic, so no launch's contribution is lost, but launches that
+// update one slot concurrently (from different streams) add their double sums in an unspecified
+// order. When any destination is set, `scratch` must hold kStatsScratchBytes of device memory
+// and `ticket` one unsigned int that is zero on entry (the launch leaves it zero).
 struct StatsTarget {
   DeviceStats* result = nullptr;
+  DeviceStats* add_to = nullptr;
+  unsigned long long* add_flips = nullptr;
   DeviceStats* scratch = nullptr;
+  unsigned int* ticket = nullptr;
+  bool wanted() const { return result != nullptr || add_to != nullptr || add_flips != nullptr; }
 };
 
 // Where the scale of element i comes from. group_len == 0: one group (index 0) for the whole
@@ -60,31 +70,60 @@ struct GroupLayout {
   uint64_t num_groups = 1;
 };
 
-// ---- Scale reductions (two-pass formats: per tensor, per channel, bfp blocks) ----------------
+// ---- Scales from the data (two-pass formats: per tensor, per channel, bfp blocks) ------------
+//
+// One launch reduces every group of the span and, in its last block to finish, turns each
+// group's result into its scale (a second launch does that when the span has more than
+// kLastBlockGroups groups), where a memset, a reduction and a scale kernel ran before. The
+// reductions: the float32 bits of max |x| over finite elements (exactly kernels::MaxAbsFinite),
+// or the finite minimum and maximum, where the minimum also records which zero the CPU picks
+// (+0 or -0) when it is zero, so that MinMaxGrid sees the same `lo`: kernels::MinMaxFinite
+// prefers -0, and `chunked` (cpd/quantize.cc reduced the single group in 65536-element chunks,
+// num == 1 && n > 65536) the earliest chunk's zero. The scales: ShiftForMax, SymmetricIntGrid
+// or MinMaxGrid (grid.h), the CPU's formulas. An empty span (n == 0) gets the scales of
+// all-zero groups (the encoder still writes a per-tensor span's metadata).
 
-// max_bits[g] = max over group g of the float32 bits of |x|, finite elements only (0 when the
-// group has none), exactly kernels::MaxAbsFinite. max_bits must be zeroed first (atomics).
-CudaResult LaunchGroupMaxAbs(const float* in, size_t n, GroupLayout groups, uint32_t* max_bits,
-                             void* stream);
+constexpr size_t kLastBlockGroups = 2048;
 
-// The finite minimum and maximum of each group, in an order-preserving encoding (see
-// quantize.cu): lo_keys must be filled with 0xff bytes first, hi_ord with zeros. When the finite
-// minimum is zero, lo_keys also records which zero the CPU picks (+0 or -0), so LinearGridFor
-// sees the same `lo`: kernels::MinMaxFinite prefers -0, and `chunked` (cpd/quantize.cc reduced
-// the single group in 65536-element chunks, num == 1 && n > 65536) the earliest chunk's zero.
-CudaResult LaunchGroupMinMax(const float* in, size_t n, GroupLayout groups, bool chunked,
-                             uint64_t* lo_keys, uint32_t* hi_ord, void* stream);
+enum class ScaleKind {
+  kShift,     // shifts[g] = ShiftForMax(max |x|, shift_rule)
+  kIntGrid,   // int<bits>: grids[g] = SymmetricIntGrid(max |x|, 2^(bits-1) - 1)
+  kUintGrid,  // uint<bits>:minmax: grids[g] = MinMaxGrid(min, max, 2^bits - 1)
+};
 
-// shifts[g] = ShiftForMax(max of group g, rule).
-CudaResult LaunchShiftsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, ShiftRule rule,
-                                  int32_t* shifts, void* stream);
-// int<bits>: grids[g] = {max / qmax, 0, -qmax, qmax}, qmax = 2^(bits-1) - 1 (float division).
-CudaResult LaunchIntGridsFromMaxAbs(const uint32_t* max_bits, size_t num_groups, int bits,
-                                    LinearGrid* grids, void* stream);
-// uint<bits>:minmax: grids[g] = {(hi - lo) / qmax, lo, 0, qmax}, with the CPU's fallbacks
-// (no finite element: lo = hi = 0; a non-finite float scale is recomputed in double).
-CudaResult LaunchUintGridsFromMinMax(const uint64_t* lo_keys, const uint32_t* hi_ord,
-                                     size_t num_groups, int bits, LinearGrid* grids, void* stream);
+struct ScaleRule {
+  ScaleKind kind = ScaleKind::kShift;
+  ShiftRule shift{};     // kShift
+  int bits = 0;          // kIntGrid: 2..31; kUintGrid: 1..30
+  bool chunked = false;  // kUintGrid: see above
+};
+
+// Where the scales go: shifts (kShift) or grids (the others), one per group; and, when `meta`
+// is non-null (the encoder), the packed tensor's scale metadata too: ShiftMetaByte(shift, e8m0)
+// per group, or StoreLinearMeta(grid, minmax) at meta + g * (minmax ? 8 : 4).
+struct ScaleOutput {
+  int32_t* shifts = nullptr;
+  LinearGrid* grids = nullptr;
+  uint8_t* meta = nullptr;
+  bool e8m0 = false;
+  bool minmax = false;
+};
+
+// Scratch a caller keeps between calls (cpd/quantize_cuda.cc keeps it per stream): `reduce`
+// holds ScaleReduceBytes(kind, num_groups) bytes and `ticket` one unsigned int, both REQUIRED
+// to be all zero on entry; the launch leaves them all zero again (the derivation reads and
+// clears each group), so no memset is needed between calls. Calls queued on one stream never
+// overlap, so one scratch serves all of them.
+struct ScaleScratch {
+  void* reduce = nullptr;
+  unsigned int* ticket = nullptr;
+};
+
+size_t ScaleReduceBytes(ScaleKind kind, size_t num_groups);
+
+CudaResult LaunchScalesFromData(const float* in, size_t n, GroupLayout groups,
+                                const ScaleRule& rule, ScaleScratch scratch, ScaleOutput out,
+                                void* stream);
 
 // ---- Element-wise quantisation ---------------------------------------------------------------
 
@@ -112,13 +151,17 @@ CudaResult LaunchQuantizeFloatBlocksFused(const float* in, float* out, size_t n,
                                           ShiftRule rule, size_t block_size, RoundMode mode,
                                           RandomParams rng, StatsTarget stats, void* stream);
 
-// Hysteresis (kernels::HysteresisFloatGrid / HysteresisLinearGrid): q holds the previous
-// quantised values on entry, the new ones on return; flips are counted in stats.result->flips.
-CudaResult LaunchHysteresisFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                     const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                     void* stream);
-CudaResult LaunchHysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid* grids,
-                                      GroupLayout groups, StatsTarget stats, void* stream);
+// Hysteresis (kernels::HysteresisFloatGrid / HysteresisLinearGrid): q receives the new
+// quantised values, decided against the previous ones in `prev` (which may be q itself: in
+// place); flips are counted in the statistics (against prev). `keep` (may be null) receives the
+// new values too: it may be prev itself, so that a caller's state for the next step is updated
+// in the same pass, but no other view of prev or q.
+CudaResult LaunchHysteresisFloatGrid(const float* w, const float* prev, float* q, float* keep,
+                                     size_t n, const FloatGrid& g, const int32_t* shifts,
+                                     GroupLayout groups, StatsTarget stats, void* stream);
+CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const LinearGrid* grids, GroupLayout groups,
+                                      StatsTarget stats, void* stream);
 
 // ---- Per-binade grids (binades:M0,M1,...) --------------------------------------------------
 
@@ -132,15 +175,17 @@ CudaResult LaunchQuantizeBinadeGrid(const float* in, float* out, size_t n, const
                                     const int32_t* shifts, GroupLayout groups, RoundMode mode,
                                     RandomParams rng, StatsTarget stats, void* stream);
 
-// kernels::HysteresisBinadeGrid: q holds the previous quantised values on entry.
-CudaResult LaunchHysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGrid* d_grid,
-                                      const int32_t* shifts, GroupLayout groups, StatsTarget stats,
-                                      void* stream);
+// kernels::HysteresisBinadeGrid; prev, q and keep as in LaunchHysteresisFloatGrid.
+CudaResult LaunchHysteresisBinadeGrid(const float* w, const float* prev, float* q, float* keep,
+                                      size_t n, const BinadeGrid* d_grid, const int32_t* shifts,
+                                      GroupLayout groups, StatsTarget stats, void* stream);
 
-// kernels::CountChangedBits on the device: adds to *count (device memory, zeroed by the caller)
-// how many of a[i] and b[i] differ in their float32 bits. Integer atomics, so the count is exact
-// and independent of the launch geometry.
-CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n,
+// kernels::CountChangedBits on the device: adds to *count (device memory) how many of a[i] and
+// b[i] differ in their float32 bits. Integer atomics, so the count is exact and independent of
+// the launch geometry. When `copy_to` is non-null, copy_to[i] = b[i] in the same pass (copy_to
+// may be a, not an overlap of b): the caller keeps the newest values for the next comparison
+// without a second pass.
+CudaResult LaunchCountChangedBits(const float* a, const float* b, size_t n, float* copy_to,
                                   unsigned long long* count, void* stream);
 
 }  // namespace cpd::kernels::cuda

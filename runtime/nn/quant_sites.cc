@@ -182,6 +182,24 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
   return c;
 }
 
+#if CPD_WITH_CUDA
+// The statistics of the sites that run on a GPU, in one cpd::CudaStatsSlots: slot L (a layer's
+// index) counts that layer's flips since the last TakeFlips; slots layers + i hold the i-th
+// record taken on the device since the last TakeRecords.
+struct SiteQuantizer::DeviceStatistics {
+  std::unique_ptr<CudaStatsSlots> slots;
+  size_t layers = 0;
+  size_t records = 0;                // record slots in use: [layers, layers + records)
+  bool flips_queued = false;         // work that counts flips was queued since the last read
+  std::vector<uint64_t> flips_read;  // per layer index: the device's count at the last read
+};
+#else
+struct SiteQuantizer::DeviceStatistics {};
+#endif
+
+SiteQuantizer::SiteQuantizer() = default;
+SiteQuantizer::~SiteQuantizer() = default;
+
 Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig config,
                                                              const std::vector<Layer*>& layers) {
   std::unique_ptr<SiteQuantizer> q(new SiteQuantizer());
@@ -334,21 +352,27 @@ void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tenso
                            DeviceName(in.device()) + ", output on " + DeviceName(out->device()));
   }
   const LayerState& st = layers_.at(layer.name());
-  QuantStats stats;
+  PendingRecord pending{{layer.name(), site, f->spec(), QuantStats{}}};
   const QuantizeOptions opts = OptionsFor(st, site, r, channels);
   Status s;
 #if CPD_WITH_CUDA
   if (in.device() == Device::kCuda) {
-    s = QuantizeCuda(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr,
-                     cuda::Stream());
+    CudaStatsTarget target;  // the statistics stay on the device until TakeRecords
+    if (collect_) {
+      target.slots = GpuStats().slots.get();
+      target.stats = pending.slot = NextRecordSlot();
+    }
+    s = QuantizeCuda(*f, in.data(), out->data(), in.numel(), opts, target, cuda::Stream());
   } else {
-    s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+    s = Quantize(*f, in.data(), out->data(), in.numel(), opts,
+                 collect_ ? &pending.record.stats : nullptr);
   }
 #else
-  s = Quantize(*f, in.data(), out->data(), in.numel(), opts, collect_ ? &stats : nullptr);
+  s = Quantize(*f, in.data(), out->data(), in.numel(), opts,
+               collect_ ? &pending.record.stats : nullptr);
 #endif
   if (!s.ok()) throw std::runtime_error(layer.name() + "." + SiteName(site) + ": " + s.message());
-  if (collect_) records_.push_back({layer.name(), site, f->spec(), stats});
+  if (collect_) records_.push_back(std::move(pending));
 }
 
 void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, Tensor* w_used) {
@@ -393,7 +417,7 @@ void SiteQuantizer::QuantizeWeight(const Layer& layer, const Tensor& w_master, T
   if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
   st.prev.assign(w_used->data(), w_used->data() + n);
   st.prev_spec = f->spec();
-  if (collect_) records_.push_back({layer.name(), Site::kWeight, f->spec(), stats});
+  if (collect_) records_.push_back({{layer.name(), Site::kWeight, f->spec(), stats}});
 }
 
 void SiteQuantizer::DropPrevious(LayerState& st) {
@@ -414,8 +438,6 @@ void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const
   const size_t n = w_master.numel();
   const size_t channels = w_master.ndim() > 0 ? size_t(w_master.dim(0)) : 1;
   const QuantizeOptions opts = OptionsFor(st, Site::kWeight, r, channels);
-  QuantStats stats;
-  QuantStats* sp = collect_ ? &stats : nullptr;
   if (!st.prev_on_device && st.prev.size() == n) {
     // State from a CPU run or a checkpoint: continue from it on the GPU.
     ResizeOn(&st.prev_dev, w_master.shape(), w_master.device());
@@ -423,27 +445,34 @@ void SiteQuantizer::QuantizeWeightCuda(const Layer& layer, LayerState& st, const
     st.prev_on_device = true;
   }
   const bool continues = st.prev_on_device && st.prev_dev.numel() == n && st.prev_spec == f.spec();
+  // Statistics and flips stay on the device (slots of GpuStats()) until they are read.
+  DeviceStatistics& dev = GpuStats();
+  PendingRecord pending{{layer.name(), Site::kWeight, f.spec(), QuantStats{}}};
+  CudaStatsTarget target;
+  target.slots = dev.slots.get();
+  if (collect_) target.stats = pending.slot = NextRecordSlot();
+  target.flips = size_t(st.index);
   Status s;
   if (config_.hysteresis && continues) {
-    w_used->CopyFrom(st.prev_dev);
-    uint64_t flips = 0;
-    s = QuantizeHysteresisCuda(f, w_master.data(), w_used->data(), n, opts, sp, &flips,
-                               cuda::Stream());
-    st.flips += flips;
+    // Q_{t-1} read from prev_dev; Q_t written to w_used and over prev_dev in the same pass.
+    s = QuantizeHysteresisKeepCuda(f, w_master.data(), st.prev_dev.data(), w_used->data(), n, opts,
+                                   target, cuda::Stream());
+    dev.flips_queued = true;
   } else {
-    s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, sp, cuda::Stream());
-    if (s.ok() && continues) {  // waits for the stream, as the hysteresis count does
-      auto flips = CountFlipsCuda(st.prev_dev.data(), w_used->data(), n, cuda::Stream());
-      s = flips.status();
-      if (flips.ok()) st.flips += *flips;
+    s = QuantizeCuda(f, w_master.data(), w_used->data(), n, opts, target, cuda::Stream());
+    if (s.ok() && continues) {
+      // Counts against the previous weights and keeps the new ones in one pass.
+      s = CountFlipsAndKeepCuda(st.prev_dev.data(), w_used->data(), n, target, cuda::Stream());
+      dev.flips_queued = true;
+    } else if (s.ok()) {
+      ResizeOn(&st.prev_dev, w_master.shape(), w_master.device());
+      st.prev_dev.CopyFrom(*w_used);
     }
   }
   if (!s.ok()) throw std::runtime_error(layer.name() + ".W: " + s.message());
-  ResizeOn(&st.prev_dev, w_master.shape(), w_master.device());
-  st.prev_dev.CopyFrom(*w_used);
   st.prev_on_device = true;
   st.prev_spec = f.spec();
-  if (collect_) records_.push_back({layer.name(), Site::kWeight, f.spec(), stats});
+  if (collect_) records_.push_back(std::move(pending));
 #else
   (void)st;
   (void)f;
@@ -466,24 +495,107 @@ void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {
   Apply(layer, Site::kWeightGrad, *dw, dw, dw->ndim() > 0 ? size_t(dw->dim(0)) : 1);
 }
 
+#if CPD_WITH_CUDA
+SiteQuantizer::DeviceStatistics& SiteQuantizer::GpuStats() {
+  if (device_ == nullptr) device_ = std::make_unique<DeviceStatistics>();
+  DeviceStatistics& d = *device_;
+  if (d.slots == nullptr) {
+    d.layers = layers_.size();
+    d.flips_read.assign(d.layers, 0);
+    // The flips of every layer and, to start with, four records per layer (W, A, E, G).
+    auto slots = CudaStatsSlots::Create(5 * d.layers + 4);
+    if (!slots.ok()) {
+      throw std::runtime_error("quantisation statistics on the GPU: " + slots.status().message());
+    }
+    d.slots = std::move(slots).value();
+  }
+  return d;
+}
+
+size_t SiteQuantizer::NextRecordSlot() {
+  DeviceStatistics& d = GpuStats();
+  const size_t slot = d.layers + d.records;
+  if (slot >= d.slots->capacity()) {  // more sites than one pass of every layer: grow (waits)
+    const Status s = d.slots->Reserve(2 * d.slots->capacity(), cuda::Stream());
+    if (!s.ok()) throw std::runtime_error("quantisation statistics on the GPU: " + s.message());
+  }
+  ++d.records;
+  return slot;
+}
+
+std::vector<uint64_t> SiteQuantizer::DeviceFlips() const {
+  if (device_ == nullptr || device_->slots == nullptr) return std::vector<uint64_t>(layers_.size());
+  DeviceStatistics& d = *device_;
+  if (d.flips_queued) {
+    auto read = d.slots->Read(0, d.layers, cuda::Stream());
+    if (!read.ok()) {
+      throw std::runtime_error("weight flips on the GPU: " + read.status().message());
+    }
+    for (size_t i = 0; i < d.layers; ++i) d.flips_read[i] = (*read)[i].flips;
+    d.flips_queued = false;
+  }
+  return d.flips_read;
+}
+#else
+SiteQuantizer::DeviceStatistics& SiteQuantizer::GpuStats() {
+  throw std::logic_error("GPU statistics in a build without CUDA");
+}
+size_t SiteQuantizer::NextRecordSlot() {
+  throw std::logic_error("GPU statistics in a build without CUDA");
+}
+std::vector<uint64_t> SiteQuantizer::DeviceFlips() const {
+  return std::vector<uint64_t>(layers_.size());
+}
+#endif
+
 std::vector<SiteRecord> SiteQuantizer::TakeRecords() {
   std::vector<SiteRecord> out;
-  out.swap(records_);
+  out.reserve(records_.size());
+#if CPD_WITH_CUDA
+  if (device_ != nullptr && device_->records > 0) {
+    // Every record of the device in one copy; the flips come along when some are pending, so
+    // that a report's Flips() needs no second wait.
+    DeviceStatistics& d = *device_;
+    const size_t first = d.flips_queued ? 0 : d.layers;
+    auto read = d.slots->Read(first, d.layers + d.records - first, cuda::Stream());
+    if (!read.ok()) {
+      throw std::runtime_error("quantisation statistics on the GPU: " + read.status().message());
+    }
+    if (first == 0) {
+      for (size_t i = 0; i < d.layers; ++i) d.flips_read[i] = (*read)[i].flips;
+      d.flips_queued = false;
+    }
+    for (PendingRecord& p : records_) {
+      if (p.slot != PendingRecord::kHostSlot) p.record.stats = (*read)[p.slot - first].stats;
+    }
+    const Status s = d.slots->Clear(d.layers, d.records, cuda::Stream());
+    if (!s.ok()) throw std::runtime_error("quantisation statistics on the GPU: " + s.message());
+    d.records = 0;
+  }
+#endif
+  for (PendingRecord& p : records_) out.push_back(std::move(p.record));
+  records_.clear();
   return out;
 }
 
 std::map<std::string, uint64_t> SiteQuantizer::TakeFlips() {
-  std::map<std::string, uint64_t> out;
-  for (auto& [name, st] : layers_) {
-    out[name] = st.flips;
-    st.flips = 0;
+  std::map<std::string, uint64_t> out = Flips();
+  for (auto& [name, st] : layers_) st.flips = 0;
+#if CPD_WITH_CUDA
+  if (device_ != nullptr && device_->slots != nullptr) {
+    DeviceStatistics& d = *device_;
+    const Status s = d.slots->Clear(0, d.layers, cuda::Stream());
+    if (!s.ok()) throw std::runtime_error("weight flips on the GPU: " + s.message());
+    d.flips_read.assign(d.layers, 0);
   }
+#endif
   return out;
 }
 
 std::map<std::string, uint64_t> SiteQuantizer::Flips() const {
+  const std::vector<uint64_t> device = DeviceFlips();
   std::map<std::string, uint64_t> out;
-  for (const auto& [name, st] : layers_) out[name] = st.flips;
+  for (const auto& [name, st] : layers_) out[name] = st.flips + device[size_t(st.index)];
   return out;
 }
 

@@ -78,8 +78,10 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text);
 // cpd::QuantizeHysteresis for CPU tensors, cpd::QuantizeCuda / cpd::QuantizeHysteresisCuda
 // (cpd/quantize_cuda.h: bit-identical results and statistics counts) for CUDA tensors, queued
 // on the runtime's CUDA stream (runtime/engine/cuda_ops.h); flips are counted there too
-// (cpd::CountFlipsCuda, or the hysteresis kernel's own count). Collecting statistics, or counting
-// flips, waits for that stream.
+// (the hysteresis kernel's own count, or cpd::CountFlipsAndKeepCuda). On the GPU the statistics
+// and flip counts stay in device memory (cpd::CudaStatsSlots) as the steps run: no hook waits for
+// the stream. TakeRecords, Flips and TakeFlips read them back, each with at most one copy and one
+// wait (TakeRecords also refreshes the flips, so a report that asks for both waits once).
 
 // Statistics of one site of one layer at one step.
 struct SiteRecord {
@@ -91,6 +93,7 @@ struct SiteRecord {
 
 class SiteQuantizer : public QuantHooks {
  public:
+  ~SiteQuantizer() override;
   // `layers`: every quantisable layer of the model, in model order (the first and last of them
   // are "first" and "last"). Fails on unknown layer names in overrides or keep_fp32, or on bad
   // specs.
@@ -110,6 +113,9 @@ class SiteQuantizer : public QuantHooks {
   void SetWorker(uint64_t worker) { worker_ = worker; }
   // While on, every site records its statistics (TakeRecords() hands them over).
   void SetCollectStats(bool on) { collect_ = on; }
+  // The records since the last call, in the order the sites ran. Statistics of GPU sites come
+  // back from the device here (one copy, one wait for the runtime's stream); CUDA failures throw
+  // std::runtime_error, as the hooks do.
   std::vector<SiteRecord> TakeRecords();
   // Weight flips per layer since the last call (every layer; 0 where W is not quantised).
   std::map<std::string, uint64_t> TakeFlips();
@@ -160,7 +166,16 @@ class SiteQuantizer : public QuantHooks {
     uint64_t flips = 0;
   };
 
-  SiteQuantizer() = default;
+  // A record whose statistics may still be on the device: slot `slot` of the device's slots
+  // (kHostSlot: `record.stats` already holds them).
+  struct PendingRecord {
+    static constexpr size_t kHostSlot = ~size_t(0);
+    SiteRecord record;
+    size_t slot = kHostSlot;
+  };
+  struct DeviceStatistics;  // the slots of GPU sites (quant_sites.cc; empty without CUDA)
+
+  SiteQuantizer();
   // Resolves keep_fp32 and checks overrides and specs against this model's layers; fills
   // `keep` with the layers kept fp32.
   Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
@@ -175,6 +190,12 @@ class SiteQuantizer : public QuantHooks {
   void QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f, Rounding r,
                           const Tensor& w_master, Tensor* w_used);
   QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
+  // GPU statistics: the slots (created on first use, GpuStats), the slot of the next record, and
+  // the flips counted on the device per layer index (read when some were queued since the last
+  // read).
+  DeviceStatistics& GpuStats();
+  size_t NextRecordSlot();
+  std::vector<uint64_t> DeviceFlips() const;
 
   PrecisionConfig config_;
   std::map<std::string, LayerState> layers_;
@@ -184,7 +205,8 @@ class SiteQuantizer : public QuantHooks {
   uint64_t worker_ = 0;
   bool collect_ = false;
   bool eval_ = false;
-  std::vector<SiteRecord> records_;
+  std::vector<PendingRecord> records_;
+  std::unique_ptr<DeviceStatistics> device_;
 };
 
 }  // namespace cpd::runtime

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -331,6 +332,31 @@ TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
     ExpectSameFloats(want, dq.Download(n), w, what);
     ExpectSameStats(want_stats, got_stats, what);
     EXPECT_EQ(want_flips, got_flips) << what;
+
+    // The same step with the previous weights kept apart: read from dprev, the new ones written
+    // to dq2 and over dprev, statistics and flips into slots, no wait until the read.
+    DeviceBuffer dprev(n), dq2(n);
+    dprev.Upload(q);
+    auto slots = cpd::CudaStatsSlots::Create(2);
+    ASSERT_TRUE(slots.ok());
+    cpd::CudaStatsTarget target;
+    target.slots = slots->get();
+    target.stats = 0;
+    target.flips = 1;
+    const cpd::Status k = cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dprev.at(), dq2.at(), n,
+                                                          opts, target, nullptr);
+    ASSERT_TRUE(k.ok()) << what << " keep: " << k.ToString();
+    const auto read = (*slots)->Read(0, 2, nullptr);
+    ASSERT_TRUE(read.ok());
+    ExpectSameFloats(want, dq2.Download(n), w, what + " keep: output");
+    ExpectSameFloats(want, dprev.Download(n), w, what + " keep: kept state");
+    if (n > 0) ExpectSameStats(want_stats, (*read)[0].stats, what + " keep");
+    EXPECT_EQ(want_flips, (*read)[1].flips) << what << " keep";
+    EXPECT_EQ(cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dq2.at(), dq2.at(), n, opts, target,
+                                              nullptr)
+                  .code(),
+              n > 0 ? cpd::Status::Code::kInvalidArgument : cpd::Status::Code::kOk)
+        << what << ": overlapping previous and new weights";
   }
 }
 
@@ -376,6 +402,218 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeHysteresisCudaTest,
                          ::testing::Values("binades:5,5,4x5,3,2,1,0:ch", "binades:3,3,3:room=2"),
                          SpecName);
+
+// The scale reductions keep their buffers and the block ticket in per-stream scratch that stays
+// zero between calls (the kernels clear what they use): formats of every reduction (max |x| for
+// shifts and int grids, min/max for uint grids), with few groups (derived by the reduction's last
+// block) and many (a second launch), one after another on one stream, with and without
+// statistics (which take the ticket too), twice round. Any state left behind would change the
+// next call's scales.
+TEST(QuantizeCuda, ReductionScratchIsClearedForTheNextCall) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    const char* spec;
+    size_t n, channels;
+  };
+  const Case cases[] = {
+      {"uint8:minmax", 200003, 1},   {"int8:ch", 4000, 8},
+      {"fp134", 70001, 1},           {"bfp8:24", 24 * 5000, 1},
+      {"uint4:minmax:ch", 9216, 64}, {"log4:ch", 3000, 3000},
+      {"uint8:minmax", 1000, 1},     {"int4", 333, 1},
+      {"bfp6:24", 24 * 3, 1},
+  };
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (int round = 0; round < 2; ++round) {
+    for (const Case& c : cases) {
+      const std::string what =
+          std::string(c.spec) + " n=" + std::to_string(c.n) + " round " + std::to_string(round);
+      const Format f = *Format::Parse(c.spec);
+      const std::vector<float> in = MakeInput(c.n, 77u + uint32_t(c.n) + uint32_t(round));
+      QuantizeOptions opts;
+      opts.channels = c.channels;
+      std::vector<float> want(c.n);
+      QuantStats want_stats;
+      ASSERT_TRUE(cpd::Quantize(f, in.data(), want.data(), c.n, opts, &want_stats).ok()) << what;
+      DeviceBuffer d_in(c.n), d_out(c.n);
+      d_in.Upload(in);
+      QuantStats got_stats;
+      QuantStats* sp = (round == 0) == (c.n % 2 == 0) ? &got_stats : nullptr;
+      const cpd::Status s = cpd::QuantizeCuda(f, d_in.at(), d_out.at(), c.n, opts, sp, stream);
+      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      ExpectSameFloats(want, d_out.Download(c.n), in, what);
+      if (sp != nullptr) ExpectSameStats(want_stats, got_stats, what);
+    }
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// ---- Statistics slots on the device ---------------------------------------------------------
+
+// QuantStats merged as CudaStatsSlots merges them: counts and sums added, the largest max_abs.
+void Merge(QuantStats* into, const QuantStats& s) {
+  into->count += s.count;
+  into->max_abs = std::max(into->max_abs, s.max_abs);
+  into->saturated += s.saturated;
+  into->flushed += s.flushed;
+  into->nonfinite += s.nonfinite;
+  into->sq_error += s.sq_error;
+  into->sq_input += s.sq_input;
+}
+
+// Several sites (plain, per channel, min/max, fused blocks, stochastic, hysteresis with flips,
+// nearest with CountFlipsAndKeepCuda) over several steps, queued without a wait: slot `site`
+// accumulates the site over the steps, one slot per (step, site) holds each call alone, and
+// both equal the CPU's QuantStats (merged over the steps for the first) after ONE read.
+TEST(CudaStatsSlots, AccumulateSitesAndStepsAsTheCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  struct SiteCase {
+    const char* spec;
+    Rounding rounding;
+    size_t n, channels;
+    bool hysteresis;
+  };
+  const SiteCase sites[] = {
+      {"e4m3", Rounding::kNearest, 5000, 1, false},
+      {"uint8:minmax:ch", Rounding::kNearest, 64 * 9 * 16, 64, false},
+      {"uint8:minmax", Rounding::kStochastic, 100003, 1, false},
+      {"fp134", Rounding::kNearest, 70001, 1, false},
+      {"mxfp8", Rounding::kNearest, 4096, 1, false},
+      {"int8:ch", Rounding::kNearest, 3000, 8, false},
+      {"log4:ch", Rounding::kNearest, 16 * 27, 16, true},
+  };
+  constexpr size_t kSites = sizeof(sites) / sizeof(sites[0]);
+  constexpr int kSteps = 3;
+  // Slots: [0, kSites) per site over the steps; then kSites per step; then the flips of the
+  // hysteresis site and of the nearest-rounded site 0 (CountFlipsAndKeepCuda).
+  const size_t flips_hyst = kSites * (kSteps + 1), flips_keep = flips_hyst + 1;
+  auto slots = cpd::CudaStatsSlots::Create(flips_keep + 1);
+  ASSERT_TRUE(slots.ok()) << slots.status().ToString();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+
+  std::vector<QuantStats> want_site(kSites), want_call(kSites * kSteps);
+  uint64_t want_hyst_flips = 0, want_keep_flips = 0;
+  std::vector<std::unique_ptr<DeviceBuffer>> d_in, d_out, d_prev;
+  std::vector<std::vector<float>> cpu_q(kSites), cpu_prev(kSites), want_out(kSites * kSteps);
+  for (size_t i = 0; i < kSites; ++i) {
+    d_in.push_back(std::make_unique<DeviceBuffer>(sites[i].n));
+    d_out.push_back(std::make_unique<DeviceBuffer>(sites[i].n));
+    d_prev.push_back(std::make_unique<DeviceBuffer>(sites[i].n));
+  }
+  std::vector<std::vector<float>> got_out(kSites * kSteps);
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t i = 0; i < kSites; ++i) {
+      const SiteCase& c = sites[i];
+      const std::string what = std::string(c.spec) + " step " + std::to_string(step);
+      const Format f = *Format::Parse(c.spec);
+      std::vector<float> in = MakeInput(c.n, 500u + uint32_t(step * 31 + i));
+      if (c.hysteresis) {
+        for (float& v : in) v = std::isfinite(v) ? std::clamp(v, -4.0f, 4.0f) : 0.5f;
+      }
+      QuantizeOptions opts;
+      opts.rounding = c.rounding;
+      opts.seed = 9 + i;
+      opts.step = uint64_t(step);
+      opts.channels = c.channels;
+      QuantStats want;
+      std::vector<float>& q = cpu_q[i];
+      d_in[i]->Upload(in);
+      cpd::CudaStatsTarget target;
+      target.slots = slots->get();
+      target.stats = i;  // accumulated over the steps
+      if (c.hysteresis && step > 0) {
+        uint64_t flips = 0;
+        ASSERT_TRUE(cpd::QuantizeHysteresis(f, in.data(), q.data(), c.n, opts, &want, &flips).ok());
+        want_hyst_flips += flips;
+        target.flips = flips_hyst;
+        ASSERT_TRUE(
+            cpd::QuantizeHysteresisCuda(f, d_in[i]->at(), d_out[i]->at(), c.n, opts, target, stream)
+                .ok())
+            << what;
+        // (No per-call slot: the call updates d_out in place, so it cannot run twice.)
+      } else {
+        q.resize(c.n);
+        ASSERT_TRUE(cpd::Quantize(f, in.data(), q.data(), c.n, opts, &want).ok());
+        ASSERT_TRUE(
+            cpd::QuantizeCuda(f, d_in[i]->at(), d_out[i]->at(), c.n, opts, target, stream).ok())
+            << what;
+        target.stats = kSites * size_t(step + 1) + i;  // the same call alone
+        ASSERT_TRUE(
+            cpd::QuantizeCuda(f, d_in[i]->at(), d_out[i]->at(), c.n, opts, target, stream).ok())
+            << what;
+      }
+      want_out[size_t(step) * kSites + i] = q;
+      Merge(&want_site[i], want);
+      want_call[size_t(step) * kSites + i] = want;
+      if (i == 0) {  // flips of nearest rounding, counted against the previous step's weights
+        if (step > 0) {
+          want_keep_flips += *cpd::CountFlips(cpu_prev[i].data(), q.data(), c.n);
+          cpd::CudaStatsTarget keep;
+          keep.slots = slots->get();
+          keep.flips = flips_keep;
+          ASSERT_TRUE(
+              cpd::CountFlipsAndKeepCuda(d_prev[i]->at(), d_out[i]->at(), c.n, keep, stream).ok());
+        } else {
+          ASSERT_EQ(cudaMemcpyAsync(d_prev[i]->at(), d_out[i]->at(), c.n * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream),
+                    cudaSuccess);
+        }
+        cpu_prev[i] = q;
+      }
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);  // for the downloads only
+      got_out[size_t(step) * kSites + i] = d_out[i]->Download(c.n);
+      if (i == 0) {
+        ExpectSameFloats(q, d_prev[i]->Download(c.n), in, what + ": kept weights");
+      }
+    }
+  }
+  const auto read = (*slots)->Read(0, flips_keep + 1, stream);
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  for (size_t i = 0; i < kSites; ++i) {
+    const std::string site = sites[i].spec;
+    ExpectSameStats(want_site[i], (*read)[i].stats, site + " over the steps");
+    for (int step = 0; step < kSteps; ++step) {
+      const size_t k = size_t(step) * kSites + i;
+      const std::string what = site + " step " + std::to_string(step);
+      ExpectSameFloats(want_out[k], got_out[k], want_out[k], what);
+      if (sites[i].hysteresis && step > 0) continue;  // only the accumulated slot
+      ExpectSameStats(want_call[k], (*read)[kSites * size_t(step + 1) + i].stats, what);
+    }
+  }
+  EXPECT_EQ((*read)[flips_hyst].flips, want_hyst_flips);
+  EXPECT_GT(want_hyst_flips + want_keep_flips, 0u);
+  EXPECT_EQ((*read)[flips_keep].flips, want_keep_flips);
+  EXPECT_EQ((*read)[flips_hyst].stats.count, 0u);  // a flips slot receives flips only
+
+  // Growing keeps every value; Clear zeroes a range and nothing else.
+  ASSERT_TRUE((*slots)->Reserve(3 * (flips_keep + 1), stream).ok());
+  ASSERT_TRUE((*slots)->Clear(1, 2, stream).ok());
+  const auto after = (*slots)->Read(0, 3 * (flips_keep + 1), stream);
+  ASSERT_TRUE(after.ok());
+  ExpectSameStats(want_site[0], (*after)[0].stats, "slot 0 after Reserve");
+  EXPECT_EQ((*after)[1].stats.count, 0u);
+  EXPECT_EQ((*after)[2].stats.sq_error, 0.0);
+  ExpectSameStats(want_site[3], (*after)[3].stats, "slot 3 after Clear(1, 2)");
+  EXPECT_EQ((*after)[flips_keep].flips, want_keep_flips);
+  EXPECT_EQ((*after)[flips_keep + 1].stats.count, 0u);
+
+  // Slots that do not exist are refused before any work is queued.
+  cpd::CudaStatsTarget bad;
+  bad.slots = slots->get();
+  bad.stats = (*slots)->capacity();
+  const Format e4m3 = *Format::Parse("e4m3");
+  EXPECT_EQ(cpd::QuantizeCuda(e4m3, d_in[0]->at(), d_out[0]->at(), 16, {}, bad, stream).code(),
+            cpd::Status::Code::kInvalidArgument);
+  bad.slots = nullptr;
+  bad.stats = 0;
+  EXPECT_EQ(cpd::QuantizeCuda(e4m3, d_in[0]->at(), d_out[0]->at(), 16, {}, bad, stream).code(),
+            cpd::Status::Code::kInvalidArgument);
+  EXPECT_EQ((*slots)->Read(0, (*slots)->capacity() + 1, stream).status().code(),
+            cpd::Status::Code::kInvalidArgument);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
 
 class QuantizeCudaArgumentsTest : public ::testing::TestWithParam<const char*> {};
 

@@ -31,8 +31,8 @@
 # (2 epochs on each device: 1.2 ms a step on the GPU). About 310 s in all.
 # Each executable runs under its own `timeout` (limits below: about 3x its first-run time, at
 # least 30 s); a timeout counts as a failure and says so on one line. `all` also stops starting
-# new steps once ALL_BUDGET_S (480) seconds have passed (each is then reported as a SKIP), so
-# that a hang costs at most 8 minutes.
+# new steps once ALL_BUDGET_S (480) seconds have passed (each is then reported as a SKIP) and
+# cuts every limit to what is left of that budget, so that a hang costs at most about 8 minutes.
 #
 # Environment: BUNDLE_DIR (.gpu), CPD_GPU_HOME (where it unpacks; /tmp/cpd-gpu), OUT (logs;
 # $CPD_GPU_HOME/out when unset), TORCH_PYTHON (a python whose torch has CUDA; found otherwise),
@@ -150,9 +150,20 @@ setup_env() {
 over_budget() {
   if [ -n "$DEADLINE" ] && [ "$SECONDS" -ge "$DEADLINE" ]; then
     echo "SKIP: $1: the budget of 'all' (ALL_BUDGET_S=$ALL_BUDGET_S s) is spent"
+    touch "$OUT/budget_spent"  # a file: bench_body runs in a pipeline's subshell
     return 0
   fi
   return 1
+}
+
+# within LIMIT: LIMIT seconds, or what is left of `all`'s budget when less (at least 10), so that
+# a step started near the end cannot run far past it.
+within() {
+  local limit=$1
+  if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS)) -lt "$limit" ]; then
+    limit=$((DEADLINE - SECONDS > 10 ? DEADLINE - SECONDS : 10))
+  fi
+  echo "$limit"
 }
 
 check_libraries() {
@@ -203,9 +214,7 @@ run_one() {
     printf "%s\t0\t0\t0\t0\tnot run (budget)\n" "$name" >>"$RESULTS"
     return 0
   fi
-  if [ -n "$DEADLINE" ] && [ $((DEADLINE - SECONDS)) -lt "$limit" ]; then
-    limit=$((DEADLINE - SECONDS > 10 ? DEADLINE - SECONDS : 10))
-  fi
+  limit=$(within "$limit")
   start=$(date +%s.%N)
   set +e
   out=$(cd "$HOME_DIR" && timeout -k 10 "$limit" "$@" --gtest_color=no 2>&1)
@@ -291,9 +300,11 @@ cmd_mpi() {
     echo "# mpirun -np $np ${bench[*]}" | tee -a "$OUT/allreduce_bench.txt"
     over_budget "cpd-allreduce-bench -np $np" && continue
     mpi_cmd "$np"
-    timeout -k 10 90 "${MPI_CMD[@]}" "$HOME_DIR/bin/${bench[0]}" "${bench[@]:1}" 2>&1 |
+    local limit
+    limit=$(within 90)
+    timeout -k 10 "$limit" "${MPI_CMD[@]}" "$HOME_DIR/bin/${bench[0]}" "${bench[@]:1}" 2>&1 |
       tee -a "$OUT/allreduce_bench.txt" || {
-      echo "gpu_run: cpd-allreduce-bench -np $np failed or ran past 90 s" |
+      echo "gpu_run: cpd-allreduce-bench -np $np failed or ran past its $limit s limit" |
         tee -a "$OUT/allreduce_bench.txt" >&2
       status=1
     }
@@ -314,15 +325,18 @@ cmd_mpi() {
       continue
     fi
     over_budget "cpd-train on 2 ranks ($name)" && { echo "SKIP: budget" >"$log"; continue; }
+    local limit
+    limit=$(within 180)
     set +e
-    timeout -k 10 180 "${MPI_CMD[@]}" "$HOME_DIR/bin/cpd-train" --device cuda \
+    timeout -k 10 "$limit" "${MPI_CMD[@]}" "$HOME_DIR/bin/cpd-train" --device cuda \
       --arch lenet5 --dataset fashion-mnist --data-dir "$HOME_DIR/data/fashion-mnist" \
       --epochs 1 --global-batch 128 --threads "$threads" --no-progress "${args[@]}" \
       --metrics-out "$OUT/train_mpi2_$name.jsonl" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     set -e
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-      echo "gpu_run: TIMEOUT: cpd-train on 2 ranks ($name) ran past its 180 s limit" | tee -a "$log" >&2
+      echo "gpu_run: TIMEOUT: cpd-train on 2 ranks ($name) ran past its $limit s limit" |
+        tee -a "$log" >&2
       status=1
     elif [ "$rc" -ne 0 ]; then
       echo "gpu_run: cpd-train on 2 ranks ($name) exited $rc" | tee -a "$log" >&2
@@ -343,18 +357,26 @@ bench_body() {
     if over_budget bench_quantize_cuda; then
       :
     else
-      timeout -k 10 120 "$HOME_DIR/bin/bench_quantize_cuda" || {
-        echo "gpu_run: bench_quantize_cuda failed or ran past 120 s (exit $?)"; status=1; }
+      local limit
+      limit=$(within 120)
+      timeout -k 10 "$limit" "$HOME_DIR/bin/bench_quantize_cuda" || {
+        echo "gpu_run: bench_quantize_cuda failed or ran past its $limit s limit (exit $?)"
+        status=1
+      }
     fi
     echo
     echo "# benchmarks/bench_train_vs_torch.sh lenet5 resnet20 resnet56 (DEVICES=cuda, STEPS=$STEPS)"
     if over_budget bench_train_vs_torch.sh; then
       :
     else
+      local limit
+      limit=$(within 300)
       DEVICES=cuda BUILD_DIR=$HOME_DIR TORCH_PYTHON=${TORCH_PY:-} TORCH_INSTALL=0 STEPS=$STEPS \
-        THREADS=$(nproc) timeout -k 10 300 bash "$REPO/benchmarks/bench_train_vs_torch.sh" \
+        THREADS=$(nproc) timeout -k 10 "$limit" bash "$REPO/benchmarks/bench_train_vs_torch.sh" \
         lenet5 resnet20 resnet56 || {
-        echo "gpu_run: bench_train_vs_torch.sh failed or ran past 300 s (exit $?)"; status=1; }
+        echo "gpu_run: bench_train_vs_torch.sh failed or ran past its $limit s limit (exit $?)"
+        status=1
+      }
     fi
   return $status
 }
@@ -369,16 +391,18 @@ cmd_train() {
       continue
     fi
     over_budget "cpd-train --device $device" && { echo "SKIP: budget" >"$log"; continue; }
+    local limit
+    limit=$(within $((60 + 60 * EPOCHS)))
     set +e
-    timeout -k 10 $((60 + 60 * EPOCHS)) "$HOME_DIR/bin/cpd-train" --device "$device" \
+    timeout -k 10 "$limit" "$HOME_DIR/bin/cpd-train" --device "$device" \
       --arch lenet5 --dataset fashion-mnist --data-dir "$HOME_DIR/data/fashion-mnist" \
       --epochs "$EPOCHS" --no-progress --threads "$(nproc)" \
       --metrics-out "$OUT/train_$device.jsonl" 2>&1 | tee "$log"
     local rc=${PIPESTATUS[0]}
     set -e
     if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-      echo "gpu_run: TIMEOUT: cpd-train --device $device ran past its $((60 + 60 * EPOCHS)) s" \
-        "limit" | tee -a "$log" >&2
+      echo "gpu_run: TIMEOUT: cpd-train --device $device ran past its $limit s limit" |
+        tee -a "$log" >&2
       status=1
     elif [ "$rc" -ne 0 ]; then
       echo "gpu_run: cpd-train --device $device exited $rc" | tee -a "$log" >&2
@@ -449,9 +473,12 @@ cmd_summary() {
   fi
   if [ -f "$OUT/allreduce_bench.txt" ]; then
     # Rows: size count format algo time algbw busbw fp32-busbw x_base relerr #wrong.
-    awk '/^# mpirun -np / { np = $4; next }
-         /^(SKIP|gpu_run)/ { printf "all-reduce -np %s: %s\n", np, $0; next }
+    awk 'function none() { if (np != "" && !said) printf "all-reduce -np %s: no result\n", np }
+         /^# mpirun -np / { none(); np = $4; said = 0; next }
+         /^(SKIP|gpu_run)/ { printf "all-reduce -np %s: %s\n", np, $0; said = 1; next }
+         END { none() }
          $3 == "e4m3" && $4 == "packed" {
+           said = 1
            printf "%-44s %11.3f x staged  target <= 1.0  %-6s (%.0f us, relerr %s)\n",
              "all-reduce -np " np " packed e4m3 + APS, 64M", $9, $9 <= 1.0 ? "met" : "MISSED", $5, $10
          }' "$OUT/allreduce_bench.txt"
@@ -495,7 +522,8 @@ case $action in
     DEADLINE=$((SECONDS + ALL_BUDGET_S))
     status=0
     : >"$RESULTS"; : >"$OUT/tests.log"
-    rm -f "$OUT"/bench.txt "$OUT"/train_*.log "$OUT"/train_*.jsonl
+    rm -f "$OUT"/bench.txt "$OUT"/allreduce_bench.txt "$OUT"/train_*.log "$OUT"/train_*.jsonl \
+      "$OUT/budget_spent"
     echo "gpu_run: [1/6] env"
     cmd_env | tee "$OUT/env.txt" || status=1
     echo "gpu_run: [2/6] tests, each under its own limit (about 130 s)"
@@ -506,6 +534,11 @@ case $action in
     cmd_bench || status=1
     echo "gpu_run: [5/6] train, $EPOCHS epochs on each device (about 20 s)"
     cmd_train || status=1
+    if [ -f "$OUT/budget_spent" ]; then
+      echo "gpu_run: the budget of 'all' ran out (ALL_BUDGET_S=$ALL_BUDGET_S s): steps were" \
+        "skipped (their SKIP lines above); counted as a failure" >&2
+      status=1
+    fi
     echo "gpu_run: [6/6] summary (after $SECONDS s; also $OUT/summary.txt)"
     echo
     { cmd_summary; echo "wall time of 'all': $SECONDS s; exit status $status"; } |

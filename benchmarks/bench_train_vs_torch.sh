@@ -3,6 +3,8 @@
 # for the same model, batch and thread count. Prints the ratios the issue targets: CPD fp32 /
 # PyTorch fp32 (<= 1.0) and CPD quantised / CPD fp32 (<= 1.25).
 #   benchmarks/bench_train_vs_torch.sh [ARCH ...]      default: lenet5 resnet20
+#   (ARCH: lenet5, mlp or a CIFAR ResNet resnet<6n+2> such as resnet20, resnet56; the GPU
+#   machine's table, scripts/gpu_run.sh bench, is lenet5 resnet20 resnet56)
 # Environment: THREADS (2), BATCH (128), STEPS (30; resnet uses STEPS/3 on the CPU),
 #   DEVICES ("cpu cuda"): which tables to print. The CPU table compares with Debian's
 #   python3-torch (installed when missing). The GPU table (bench_train_step --device cuda against

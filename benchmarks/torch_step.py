@@ -4,7 +4,9 @@ CPD's: forward + cross-entropy + backward + SGD (momentum 0.9, weight decay 5e-4
 random batch, median over --steps after --warmup. Prints one line: `torch <arch> <batch>
 <threads> <ms/step>`.
 
-    torch_step.py --arch lenet5|resnet20|mlp --batch 128 --threads 2 [--steps 30] [--device cuda]
+    torch_step.py --arch lenet5|mlp|resnet<6n+2> --batch 128 --threads 2 [--steps 30] [--device cuda]
+
+(resnet<6n+2>: the CIFAR ResNets of cpd-train, e.g. resnet20, resnet56.)
 
 Debian's python3-torch (PyTorch 1.13, CPU) is the CPU reference. With --device cuda the step runs
 on the GPU in float32 with TF32 off (as CPD's CUDA path computes), timed until the GPU has

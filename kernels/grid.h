@@ -18,8 +18,10 @@
 
 #if defined(__CUDACC__)
 #define CPD_HD __host__ __device__ __forceinline__
+#define CPD_UNROLL _Pragma("unroll")
 #else
 #define CPD_HD inline __attribute__((always_inline))
+#define CPD_UNROLL _Pragma("GCC unroll 8")
 #endif
 
 namespace cpd::kernels {
@@ -180,9 +182,45 @@ CPD_HD uint64_t MakeRandomKey(uint64_t seed, uint64_t step) {
   return SplitMix64(SplitMix64(seed) ^ step);
 }
 
+// The 64 random bits of pair p: elements 2p (low half) and 2p + 1 (high half). Kernels that
+// round both elements of a pair hash once (the hash is most of stochastic rounding's work).
+CPD_HD uint64_t RandomPairBits(uint64_t key, uint64_t pair) {
+  return Mix64(key + pair * kGolden64);
+}
+
 CPD_HD uint32_t RandomBits(uint64_t key, uint64_t index) {
-  const uint64_t z = Mix64(key + (index >> 1) * kGolden64);
+  const uint64_t z = RandomPairBits(key, index >> 1);
   return uint32_t(z >> ((index & 1u) * 32u));
+}
+
+// out[k] = RandomBits(key, first + k) for a run of kCount (even) elements, hashing each pair the
+// run touches once: kCount / 2 hashes from an even `first`, kCount / 2 + 1 from an odd one (its
+// first and last elements are halves of pairs it shares with its neighbours). Successive pairs'
+// counters differ by kGolden64, so one multiply serves the run.
+template <int kCount>
+CPD_HD void RandomBitsRun(uint64_t key, uint64_t first, uint32_t (&out)[kCount]) {
+  static_assert(kCount >= 2 && kCount % 2 == 0, "runs of whole pairs");
+  uint64_t counter = key + (first >> 1) * kGolden64;
+  if ((first & 1u) == 0) {
+    CPD_UNROLL
+    for (int k = 0; k < kCount; k += 2) {
+      const uint64_t z = Mix64(counter);
+      out[k] = uint32_t(z);
+      out[k + 1] = uint32_t(z >> 32);
+      counter += kGolden64;
+    }
+    return;
+  }
+  uint64_t z = Mix64(counter);
+  out[0] = uint32_t(z >> 32);
+  CPD_UNROLL
+  for (int k = 1; k + 1 < kCount; k += 2) {
+    counter += kGolden64;
+    z = Mix64(counter);
+    out[k] = uint32_t(z);
+    out[k + 1] = uint32_t(z >> 32);
+  }
+  out[kCount - 1] = uint32_t(Mix64(counter + kGolden64));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -300,6 +338,83 @@ CPD_HD float DecodeFloatGrid(uint32_t code, const FloatGrid& g) {
     bits = (mag << (23 - m)) + (uint32_t(g.emin + 127 - 1) << 23);
   }
   return BitsFloat(bits > 0x7f800000u ? bits : bits | (sign << 31));
+}
+
+// RoundToFloatGrid<kStochastic>'s per-grid quantities, derived once: the CPU's vector lanes
+// (kernels/stochastic_lanes.inc) and the CUDA kernels round with these instead of deriving them
+// per element.
+struct StochasticGridConsts {
+  FloatGrid grid;  // for the elements before and after whole vectors
+  int32_t r0, emin_field, inc_shift, code_offset, sign_shift;
+  uint32_t keep_mask, flush_below, max_bits, overflow_bits, nan_bits, overflow_code, nan_code;
+  uint32_t quantum_exp_bits;  // (emin - mbits) << 23: multiplies a float by the quantum
+  uint32_t subnormal_shift;   // emin - mbits + 149: kq << it = bits of kq quanta below 2^-126
+  uint32_t normal_from_kq;    // the least kq >= 1 whose kq quanta are a normal float32
+
+  StochasticGridConsts() = default;
+  CPD_HD explicit StochasticGridConsts(const FloatGrid& g)
+      : grid(g),
+        r0(23 - g.mbits),
+        emin_field(g.emin + 127),
+        inc_shift(31 - r0),
+        code_offset((emin_field - 1) << g.mbits),
+        sign_shift(g.ebits + g.mbits),
+        keep_mask(~((1u << r0) - 1u)),
+        flush_below(g.subnormals ? 0u : uint32_t(emin_field) << 23),
+        max_bits(g.max_bits),
+        overflow_bits(g.overflow_bits),
+        nan_bits(g.nan_bits),
+        overflow_code(g.overflow_code),
+        nan_code(g.nan_code),
+        quantum_exp_bits(uint32_t(g.emin - g.mbits) << 23),
+        subnormal_shift(uint32_t(g.emin - g.mbits + 149)),
+        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))) {}
+};
+
+// RoundToFloatGrid<kStochastic>(y, c.grid, rnd, code), bit for bit, in the vector lanes' form
+// (stochastic_lanes.inc, which says why each step is exact): the normal region adds the top r0
+// random bits and clears them with one mask, and the subnormal region's kq quanta become float
+// bits by integer arithmetic. About half the GPU instructions of the general function, whose
+// per-element derivations (the region's shift counts, a float multiply by the quantum) cost as
+// much as the random stream (tests/kernels/grid_test.cc holds the two to each other).
+CPD_HD uint32_t RoundToFloatGridStochastic(float y, const StochasticGridConsts& c, uint32_t rnd,
+                                           uint32_t* code) {
+  const uint32_t u = FloatBits(y);
+  const uint32_t sign = u & 0x80000000u;
+  const uint32_t a = u & 0x7fffffffu;
+  const int32_t exp_field = int32_t(a >> 23);
+  const bool normal = exp_field >= c.emin_field;
+  const uint32_t rnd1 = rnd >> 1;
+  const uint32_t res_normal = (a + (rnd1 >> c.inc_shift)) & c.keep_mask;
+  const int32_t r = c.r0 + c.emin_field - (exp_field > 1 ? exp_field : 1);
+  const int32_t r_nonneg = r > 0 ? r : 0;
+  const uint32_t rc = uint32_t(r_nonneg < 31 ? r_nonneg : 31);
+  const uint32_t sig = exp_field > 0 ? ((a & 0x7fffffu) | 0x800000u) : a;
+  const uint32_t kq_near = (sig + (rnd1 >> (31u - rc))) >> rc;
+  const uint32_t beyond_32 = uint32_t(r - 32);  // wraps to a huge count where r < 32
+  const uint32_t far_shift = beyond_32 < 31u ? beyond_32 : 31u;
+  const uint32_t kq_far = rnd < (sig >> far_shift) ? 1u : 0u;
+  const uint32_t kq = r >= 32 ? kq_far : kq_near;
+  const uint32_t kq_float = FloatBits(float(int32_t(kq)));
+  // A subnormal_shift of 32 or more comes with normal_from_kq == 1, where only kq == 0 shifts.
+  const uint32_t res_sub =
+      kq >= c.normal_from_kq ? kq_float + c.quantum_exp_bits : kq << (c.subnormal_shift & 31u);
+  uint32_t res = normal ? res_normal : res_sub;
+  const bool flush = res < c.flush_below;
+  const bool overflow = res > c.max_bits;
+  const bool is_nan = a > 0x7f800000u;
+  const uint32_t code_sign = is_nan ? 0u : sign;
+  if (code != nullptr) {
+    uint32_t mag = normal ? uint32_t(int32_t(res >> c.r0) - c.code_offset) : kq;
+    mag = flush ? 0u : mag;
+    mag = overflow ? c.overflow_code : mag;
+    mag = is_nan ? c.nan_code : mag;
+    *code = mag | (code_sign >> 31 << c.sign_shift);
+  }
+  res = flush ? 0u : res;
+  res = overflow ? c.overflow_bits : res;
+  res = is_nan ? c.nan_bits : res;
+  return res | (res > 0x7f800000u ? 0u : code_sign);
 }
 
 // Builds a grid of 1 sign, `ebits` exponent and `mbits` mantissa bits with exponent bias `bias`.

@@ -14,12 +14,6 @@ namespace cpd::kernels {
 
 constexpr int kUnitCodes = 8;
 
-#if defined(__CUDACC__)
-#define CPD_UNROLL _Pragma("unroll")
-#else
-#define CPD_UNROLL _Pragma("GCC unroll 8")
-#endif
-
 // One aligned 32-bit word of the stream: a single store on the device; memcpy on the host,
 // where the buffer's objects are bytes (strict aliasing).
 CPD_HD void StoreStreamWord(uint8_t* dst, uint32_t w) {

@@ -94,6 +94,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kUnitCodes; ++k) x[k] = k < len ? in[first + k] : 0.0f;
     }
+    uint32_t rnd[kUnitCodes];
+    RandomRun(o, first, rnd);  // four or five hashes for the unit's eight elements
     uint32_t codes[kUnitCodes];
 #pragma unroll
     for (int k = 0; k < kUnitCodes; ++k) {
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(kThreads)
       if (k < len) {
         GridRange range;
         uint32_t code = 0;
-        const float z = o.Apply(x[k], 0.0f, first + k, &code, kStats ? &range : nullptr);
+        const float z = o.Apply(x[k], 0.0f, first + k, rnd[k], &code, kStats ? &range : nullptr);
         codes[k] = code & mask;
         if constexpr (kStats) acc.Add(x[k], z, range);
       }
@@ -240,11 +242,12 @@ CudaResult LaunchEncodeFloatGrid(const float* in, size_t n, int bits, const Floa
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
   if (shifts == nullptr) {
-    return DispatchEncodeMode<FixedFloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g,
-                                                rng.key, rng.index_base);
+    return DispatchEncodeMode<FixedFloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream),
+                                                StochasticGridConsts(g), rng.key, rng.index_base);
   }
-  return DispatchEncodeMode<FloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g, shifts,
-                                         groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
+  return DispatchEncodeMode<FloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream),
+                                         StochasticGridConsts(g), shifts, groups.group_len, rng.key,
+                                         rng.index_base, 0.0f, 0.0f);
 }
 
 CudaResult LaunchEncodeBinadeGrid(const float* in, size_t n, int bits, const BinadeGrid* d_grid,

@@ -143,6 +143,133 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Codes of 8, 16 or 32 bits are whole bytes, so PackCodes' stream is an array of uint8, uint16
+// or uint32 codes (code_bytes = bits / 8). Such spans take these kernels, shaped as the
+// quantiser's element pass: grid-stride over 4-element vectors with kUnroll loads in flight per
+// thread, each lane's four floats one 16-byte access and its four codes one 4-, 8- or 16-byte
+// access, so that a warp moves contiguous runs of 512 bytes of floats and 128 to 512 bytes of
+// codes per instruction. (The 8-code units above put adjacent lanes 32 bytes apart on the float
+// side and pack with shifts by a runtime width.) The last n % 4 elements go one by one.
+// REQUIRED: the floats 16-byte aligned and the codes aligned to 4 * code_bytes.
+__device__ __forceinline__ void StoreFourCodes(uint8_t* dst, uint64_t v, int code_bytes,
+                                               const uint32_t (&c)[4]) {
+  if (code_bytes == 1) {
+    reinterpret_cast<uint32_t*>(dst)[v] = c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24;
+  } else if (code_bytes == 2) {
+    reinterpret_cast<uint2*>(dst)[v] = make_uint2(c[0] | c[1] << 16, c[2] | c[3] << 16);
+  } else {
+    reinterpret_cast<uint4*>(dst)[v] = make_uint4(c[0], c[1], c[2], c[3]);
+  }
+}
+
+__device__ __forceinline__ void LoadFourCodes(const uint8_t* src, uint64_t v, int code_bytes,
+                                              uint32_t (&c)[4]) {
+  if (code_bytes == 1) {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(src)[v];
+    c[0] = w & 0xffu, c[1] = (w >> 8) & 0xffu, c[2] = (w >> 16) & 0xffu, c[3] = w >> 24;
+  } else if (code_bytes == 2) {
+    const uint2 w = reinterpret_cast<const uint2*>(src)[v];
+    c[0] = w.x & 0xffffu, c[1] = w.x >> 16, c[2] = w.y & 0xffffu, c[3] = w.y >> 16;
+  } else {
+    const uint4 w = reinterpret_cast<const uint4*>(src)[v];
+    c[0] = w.x, c[1] = w.y, c[2] = w.z, c[3] = w.w;
+  }
+}
+
+__device__ __forceinline__ void StoreOneCode(uint8_t* dst, uint64_t i, int code_bytes, uint32_t c) {
+  if (code_bytes == 1) {
+    dst[i] = uint8_t(c);
+  } else if (code_bytes == 2) {
+    reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(c);
+  } else {
+    reinterpret_cast<uint32_t*>(dst)[i] = c;
+  }
+}
+
+__device__ __forceinline__ uint32_t LoadOneCode(const uint8_t* src, uint64_t i, int code_bytes) {
+  if (code_bytes == 1) return src[i];
+  if (code_bytes == 2) return reinterpret_cast<const uint16_t*>(src)[i];
+  return reinterpret_cast<const uint32_t*>(src)[i];
+}
+
+template <class Op, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    encode_bytes_kernel(const Op op, const float* in, uint64_t n, int code_bytes, uint8_t* dst,
+                        StatsArgs stats) {
+  Op o = op;
+  o.Init();
+  Acc<kStats> acc;
+  const uint32_t mask = CodeMask(8 * code_bytes);
+  const uint64_t nvec = n / 4;
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const float4* in4 = reinterpret_cast<const float4*>(in);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v < nvec) x[u] = in4[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v >= nvec) break;
+      uint32_t rnd[4];
+      RandomRun(o, 4 * v, rnd);
+      const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+      uint32_t codes[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        GridRange range;
+        uint32_t code = 0;
+        const float z = o.Apply(xs[k], 0.0f, 4 * v + k, rnd[k], &code, kStats ? &range : nullptr);
+        codes[k] = code & mask;
+        if constexpr (kStats) acc.Add(xs[k], z, range);
+      }
+      StoreFourCodes(dst, v, code_bytes, codes);
+    }
+  }
+  for (uint64_t i = 4 * nvec + tid; i < n; i += stride) {
+    GridRange range;
+    uint32_t code = 0;
+    const float z = o.Apply(in[i], 0.0f, i, RandomOne(o, i), &code, kStats ? &range : nullptr);
+    StoreOneCode(dst, i, code_bytes, code & mask);
+    if constexpr (kStats) acc.Add(in[i], z, range);
+  }
+  if constexpr (kStats) FinishStats(acc, stats, n);
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads)
+    decode_bytes_kernel(const Op op, const uint8_t* src, uint64_t n, int code_bytes, float* out) {
+  Op o = op;
+  o.Init();
+  const uint64_t nvec = n / 4;
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  float4* out4 = reinterpret_cast<float4*>(out);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    uint32_t c[kUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v < nvec) LoadFourCodes(src, v, code_bytes, c[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v >= nvec) break;
+      const uint64_t i = 4 * v;
+      out4[v] = make_float4(o.Decode(c[u][0], i), o.Decode(c[u][1], i + 1),
+                            o.Decode(c[u][2], i + 2), o.Decode(c[u][3], i + 3));
+    }
+  }
+  for (uint64_t i = 4 * nvec + tid; i < n; i += stride) {
+    out[i] = o.Decode(LoadOneCode(src, i, code_bytes), i);
+  }
+}
+
 __global__ void read_shift_meta_kernel(const uint8_t* src, uint64_t num, bool e8m0,
                                        int32_t* shifts) {
   const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -158,6 +285,39 @@ __global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool m
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
+// The width of a whole-byte code (1, 2 or 4 bytes) when the codes at p suit the whole-byte
+// kernels (aligned to four codes), else 0.
+int WholeByteCodes(int bits, const void* p) {
+  if (bits != 8 && bits != 16 && bits != 32) return 0;
+  const int code_bytes = bits / 8;
+  return reinterpret_cast<uintptr_t>(p) % uintptr_t(4 * code_bytes) == 0 ? code_bytes : 0;
+}
+
+// Work in threads of the whole-byte kernels: kUnroll vectors each, or one tail element.
+uint64_t WholeByteWork(uint64_t n) { return CEIL_DIV(n / 4, uint64_t(kUnroll)) + n % 4; }
+
+template <class Op>
+CudaResult LaunchEncodeBytes(const Op& op, const float* in, uint64_t n, int code_bytes,
+                             const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
+  int blocks = 0;
+  if (stats.wanted()) {
+    CudaResult r =
+        GridBlocks<encode_bytes_kernel<Op, true>>(WholeByteWork(n), kThreads, true, &blocks);
+    if (!r.ok()) return r;
+    encode_bytes_kernel<Op, true>
+        <<<blocks, kThreads, 0, stream>>>(op, in, n, code_bytes, dst, ArgsOf(stats));
+    CPD_CUDA_CHECK(cudaGetLastError());
+    return CudaResult{};
+  }
+  CudaResult r =
+      GridBlocks<encode_bytes_kernel<Op, false>>(WholeByteWork(n), kThreads, false, &blocks);
+  if (!r.ok()) return r;
+  encode_bytes_kernel<Op, false>
+      <<<blocks, kThreads, 0, stream>>>(op, in, n, code_bytes, dst, StatsArgs{});
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
 template <class Op>
 CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
                         const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
@@ -169,6 +329,10 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   if (!checked.ok()) return checked;
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
+  const int code_bytes = WholeByteCodes(bits, dst);
+  if (vec_in && code_bytes != 0) {
+    return LaunchEncodeBytes(op, in, n, code_bytes, stats, dst, stream);
+  }
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
   if (stats.wanted()) {
@@ -214,8 +378,16 @@ CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, 
   CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(out) & 3u) == 0, "output must be 4-byte aligned");
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  const int code_bytes = WholeByteCodes(bits, src);
   int blocks = 0;
+  if (vec_out && code_bytes != 0) {
+    CudaResult r = GridBlocks<decode_bytes_kernel<Op>>(WholeByteWork(n), kThreads, false, &blocks);
+    if (!r.ok()) return r;
+    decode_bytes_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, code_bytes, out);
+    CPD_CUDA_CHECK(cudaGetLastError());
+    return CudaResult{};
+  }
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   CudaResult r = GridBlocks<decode_kernel<Op>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   decode_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, bits, words, vec_out, out);

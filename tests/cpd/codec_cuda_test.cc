@@ -225,7 +225,9 @@ class CodecCudaTest : public ::testing::TestWithParam<Param> {};
 
 // Each size through buffers at several alignments: input 16-byte aligned or one float off
 // (the scalar load path), packed bytes 4-byte aligned or one byte off (the byte store/load path
-// instead of 32-bit words), output aligned or one float off.
+// instead of 32-bit words), output aligned or one float off. Codes of 8, 16 or 32 bits between
+// aligned buffers take the whole-byte kernels (encode in "aligned", decode in "aligned" and
+// "mixed"), the others the 8-code units.
 TEST_P(CodecCudaTest, MatchesCpuCodec) {
   if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const std::string spec = std::get<0>(GetParam());

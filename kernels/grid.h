@@ -350,6 +350,7 @@ struct StochasticGridConsts {
   uint32_t quantum_exp_bits;  // (emin - mbits) << 23: multiplies a float by the quantum
   uint32_t subnormal_shift;   // emin - mbits + 149: kq << it = bits of kq quanta below 2^-126
   uint32_t normal_from_kq;    // the least kq >= 1 whose kq quanta are a normal float32
+  uint32_t overflow_sign;     // the sign bit's mask on an overflow: 0 where it becomes NaN
 
   StochasticGridConsts() = default;
   CPD_HD explicit StochasticGridConsts(const FloatGrid& g)
@@ -368,53 +369,68 @@ struct StochasticGridConsts {
         nan_code(g.nan_code),
         quantum_exp_bits(uint32_t(g.emin - g.mbits) << 23),
         subnormal_shift(uint32_t(g.emin - g.mbits + 149)),
-        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))) {}
+        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))),
+        overflow_sign(g.overflow_bits > 0x7f800000u ? 0u : 0x80000000u) {}
 };
 
-// RoundToFloatGrid<kStochastic>(y, c.grid, rnd, code), bit for bit, in the vector lanes' form
-// (stochastic_lanes.inc, which says why each step is exact): the normal region adds the top r0
-// random bits and clears them with one mask, and the subnormal region's kq quanta become float
-// bits by integer arithmetic. About half the GPU instructions of the general function, whose
-// per-element derivations (the region's shift counts, a float multiply by the quantum) cost as
-// much as the random stream (tests/kernels/grid_test.cc holds the two to each other).
+// The top k bits of x as an integer, x >> (32 - k), for 0 <= k <= 31 (0 for k = 0): one funnel
+// shift on a GPU.
+CPD_HD uint32_t TopBits(uint32_t x, uint32_t k) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(x, 0u, k);
+#else
+  return uint32_t((uint64_t(x) << k) >> 32);
+#endif
+}
+
+// RoundToFloatGrid<kStochastic>(y, c.grid, rnd, code), bit for bit, for the CUDA kernels, whose
+// stochastic rounding is bound by the GPU's half-rate integer pipe: the vector lanes' form
+// (stochastic_lanes.inc says why each step is exact) with its integer instructions counted. The
+// normal region adds the top r0 random bits and clears them with one mask; the subnormal
+// region's kq quanta are kq's float times the quantum, as in the general function (a float-pipe
+// multiply, exact: a multiple of 2^-149 below 2^24 quanta; the lanes build those bits with
+// integers because x86 takes a microcode assist per subnormal product); the sign is or'ed in
+// once. About 26 integer instructions per element in an sm_90 loop where the general function
+// takes about 39. tests/kernels/grid_test.cc holds this to the general function.
 CPD_HD uint32_t RoundToFloatGridStochastic(float y, const StochasticGridConsts& c, uint32_t rnd,
                                            uint32_t* code) {
   const uint32_t u = FloatBits(y);
-  const uint32_t sign = u & 0x80000000u;
   const uint32_t a = u & 0x7fffffffu;
+  const uint32_t sign = u ^ a;
   const int32_t exp_field = int32_t(a >> 23);
   const bool normal = exp_field >= c.emin_field;
-  const uint32_t rnd1 = rnd >> 1;
-  const uint32_t res_normal = (a + (rnd1 >> c.inc_shift)) & c.keep_mask;
-  const int32_t r = c.r0 + c.emin_field - (exp_field > 1 ? exp_field : 1);
-  const int32_t r_nonneg = r > 0 ? r : 0;
-  const uint32_t rc = uint32_t(r_nonneg < 31 ? r_nonneg : 31);
-  const uint32_t sig = exp_field > 0 ? ((a & 0x7fffffu) | 0x800000u) : a;
-  const uint32_t kq_near = (sig + (rnd1 >> (31u - rc))) >> rc;
+  // The top k bits of rnd >> 1 are the top k bits of rnd: (rnd >> 1) >> (31 - k).
+  const uint32_t res_normal = (a + TopBits(rnd, uint32_t(c.r0))) & c.keep_mask;
+  const int32_t exp_eff = exp_field > 1 ? exp_field : 1;
+  const int32_t r = c.r0 + c.emin_field - exp_eff;
+  // r >= 0 wherever kq is used (the subnormal region); a normal element's negative r clamps to
+  // 31 as an unsigned count, which keeps its unused shifts in range.
+  const uint32_t rc = uint32_t(r) < 31u ? uint32_t(r) : 31u;
+  // The significand with its implicit bit, a - (exp_eff - 1) * 2^23: a multiply-add and an add
+  // where the mask, or and select took three integer instructions and a compare.
+  const uint32_t sig = a - (uint32_t(exp_eff - 1) << 23);
+  const uint32_t kq_near = (sig + TopBits(rnd, rc)) >> rc;
   const uint32_t beyond_32 = uint32_t(r - 32);  // wraps to a huge count where r < 32
   const uint32_t far_shift = beyond_32 < 31u ? beyond_32 : 31u;
   const uint32_t kq_far = rnd < (sig >> far_shift) ? 1u : 0u;
   const uint32_t kq = r >= 32 ? kq_far : kq_near;
-  const uint32_t kq_float = FloatBits(float(int32_t(kq)));
-  // A subnormal_shift of 32 or more comes with normal_from_kq == 1, where only kq == 0 shifts.
-  const uint32_t res_sub =
-      kq >= c.normal_from_kq ? kq_float + c.quantum_exp_bits : kq << (c.subnormal_shift & 31u);
-  uint32_t res = normal ? res_normal : res_sub;
+  const uint32_t res_sub = FloatBits(float(int32_t(kq)) * c.grid.quantum);
+  const uint32_t res = normal ? res_normal : res_sub;
   const bool flush = res < c.flush_below;
   const bool overflow = res > c.max_bits;
   const bool is_nan = a > 0x7f800000u;
-  const uint32_t code_sign = is_nan ? 0u : sign;
   if (code != nullptr) {
     uint32_t mag = normal ? uint32_t(int32_t(res >> c.r0) - c.code_offset) : kq;
     mag = flush ? 0u : mag;
     mag = overflow ? c.overflow_code : mag;
     mag = is_nan ? c.nan_code : mag;
-    *code = mag | (code_sign >> 31 << c.sign_shift);
+    *code = mag | ((is_nan ? 0u : sign) >> 31 << c.sign_shift);
   }
-  res = flush ? 0u : res;
-  res = overflow ? c.overflow_bits : res;
-  res = is_nan ? c.nan_bits : res;
-  return res | (res > 0x7f800000u ? 0u : code_sign);
+  // The sign goes with every result but a NaN: a NaN input's (nan_bits, unsigned even where it is
+  // a number) and an overflow that becomes NaN. A rounded or flushed value is finite.
+  uint32_t out = flush ? sign : (res | sign);
+  out = overflow ? (c.overflow_bits | (sign & c.overflow_sign)) : out;
+  return is_nan ? c.nan_bits : out;
 }
 
 // Builds a grid of 1 sign, `ebits` exponent and `mbits` mantissa bits with exponent bias `bias`.

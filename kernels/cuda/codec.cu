@@ -143,63 +143,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Codes of 8, 16 or 32 bits are whole bytes, so PackCodes' stream is an array of uint8, uint16
-// or uint32 codes (code_bytes = bits / 8). Such spans take these kernels, shaped as the
-// quantiser's element pass: grid-stride over 4-element vectors with kUnroll loads in flight per
-// thread, each lane's four floats one 16-byte access and its four codes one 4-, 8- or 16-byte
-// access, so that a warp moves contiguous runs of 512 bytes of floats and 128 to 512 bytes of
-// codes per instruction. (The 8-code units above put adjacent lanes 32 bytes apart on the float
-// side and pack with shifts by a runtime width.) The last n % 4 elements go one by one.
-// REQUIRED: the floats 16-byte aligned and the codes aligned to 4 * code_bytes.
-__device__ __forceinline__ void StoreFourCodes(uint8_t* dst, uint64_t v, int code_bytes,
-                                               const uint32_t (&c)[4]) {
-  if (code_bytes == 1) {
-    reinterpret_cast<uint32_t*>(dst)[v] = c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24;
-  } else if (code_bytes == 2) {
-    reinterpret_cast<uint2*>(dst)[v] = make_uint2(c[0] | c[1] << 16, c[2] | c[3] << 16);
-  } else {
-    reinterpret_cast<uint4*>(dst)[v] = make_uint4(c[0], c[1], c[2], c[3]);
-  }
-}
-
-__device__ __forceinline__ void LoadFourCodes(const uint8_t* src, uint64_t v, int code_bytes,
-                                              uint32_t (&c)[4]) {
-  if (code_bytes == 1) {
-    const uint32_t w = reinterpret_cast<const uint32_t*>(src)[v];
-    c[0] = w & 0xffu, c[1] = (w >> 8) & 0xffu, c[2] = (w >> 16) & 0xffu, c[3] = w >> 24;
-  } else if (code_bytes == 2) {
-    const uint2 w = reinterpret_cast<const uint2*>(src)[v];
-    c[0] = w.x & 0xffffu, c[1] = w.x >> 16, c[2] = w.y & 0xffffu, c[3] = w.y >> 16;
-  } else {
-    const uint4 w = reinterpret_cast<const uint4*>(src)[v];
-    c[0] = w.x, c[1] = w.y, c[2] = w.z, c[3] = w.w;
-  }
-}
-
-__device__ __forceinline__ void StoreOneCode(uint8_t* dst, uint64_t i, int code_bytes, uint32_t c) {
-  if (code_bytes == 1) {
-    dst[i] = uint8_t(c);
-  } else if (code_bytes == 2) {
-    reinterpret_cast<uint16_t*>(dst)[i] = uint16_t(c);
-  } else {
-    reinterpret_cast<uint32_t*>(dst)[i] = c;
-  }
-}
-
-__device__ __forceinline__ uint32_t LoadOneCode(const uint8_t* src, uint64_t i, int code_bytes) {
-  if (code_bytes == 1) return src[i];
-  if (code_bytes == 2) return reinterpret_cast<const uint16_t*>(src)[i];
-  return reinterpret_cast<const uint32_t*>(src)[i];
-}
-
+// Codes of 4, 8, 16 or 32 bits: four of them fill bits / 2 whole bytes (quad_bytes), so lane v
+// can own elements 4v..4v+3 and bytes [v * quad_bytes, (v + 1) * quad_bytes) of PackCodes'
+// stream. Such spans take these kernels, shaped as the quantiser's element pass: grid-stride
+// over 4-element vectors with kUnroll loads in flight per thread, each lane's floats one 16-byte
+// access and its four codes one 2-, 4-, 8- or 16-byte access, so that a warp moves contiguous
+// runs of 512 bytes of floats and 64 to 512 bytes of codes per instruction. (The 8-code units
+// put adjacent lanes 32 bytes apart on the float side and pack with shifts by a runtime width.)
+// The last n % 4 elements, whose codes may share a byte, are one thread's.
+// REQUIRED: the floats 16-byte aligned and the codes aligned to quad_bytes (kernels/pack.h).
 template <class Op, bool kStats>
 __global__ void __launch_bounds__(kThreads)
-    encode_bytes_kernel(const Op op, const float* in, uint64_t n, int code_bytes, uint8_t* dst,
+    encode_quads_kernel(const Op op, const float* in, uint64_t n, int quad_bytes, uint8_t* dst,
                         StatsArgs stats) {
   Op o = op;
   o.Init();
   Acc<kStats> acc;
-  const uint32_t mask = CodeMask(8 * code_bytes);
+  const int bits = QuadCodeBits(quad_bytes);
+  const uint32_t mask = CodeMask(bits);
   const uint64_t nvec = n / 4;
   const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
@@ -227,22 +188,28 @@ __global__ void __launch_bounds__(kThreads)
         codes[k] = code & mask;
         if constexpr (kStats) acc.Add(xs[k], z, range);
       }
-      StoreFourCodes(dst, v, code_bytes, codes);
+      StoreCodeQuad(codes, quad_bytes, dst + v * quad_bytes);
     }
   }
-  for (uint64_t i = 4 * nvec + tid; i < n; i += stride) {
-    GridRange range;
-    uint32_t code = 0;
-    const float z = o.Apply(in[i], 0.0f, i, RandomOne(o, i), &code, kStats ? &range : nullptr);
-    StoreOneCode(dst, i, code_bytes, code & mask);
-    if constexpr (kStats) acc.Add(in[i], z, range);
+  const int len = int(n - 4 * nvec);
+  if (tid == 0 && len > 0) {  // the tail's 1..3 codes, then the last byte's spare bits zero
+    uint32_t codes[kUnitCodes] = {};
+    for (int k = 0; k < len; ++k) {
+      const uint64_t i = 4 * nvec + k;
+      GridRange range;
+      uint32_t code = 0;
+      const float z = o.Apply(in[i], 0.0f, i, RandomOne(o, i), &code, kStats ? &range : nullptr);
+      codes[k] = code & mask;
+      if constexpr (kStats) acc.Add(in[i], z, range);
+    }
+    StoreCodeUnit(codes, len, bits, /*words=*/false, dst + nvec * quad_bytes);
   }
   if constexpr (kStats) FinishStats(acc, stats, n);
 }
 
 template <class Op>
 __global__ void __launch_bounds__(kThreads)
-    decode_bytes_kernel(const Op op, const uint8_t* src, uint64_t n, int code_bytes, float* out) {
+    decode_quads_kernel(const Op op, const uint8_t* src, uint64_t n, int quad_bytes, float* out) {
   Op o = op;
   o.Init();
   const uint64_t nvec = n / 4;
@@ -254,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * stride;
-      if (v < nvec) LoadFourCodes(src, v, code_bytes, c[u]);
+      if (v < nvec) LoadCodeQuad(src + v * quad_bytes, quad_bytes, c[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -265,8 +232,11 @@ __global__ void __launch_bounds__(kThreads)
                             o.Decode(c[u][2], i + 2), o.Decode(c[u][3], i + 3));
     }
   }
-  for (uint64_t i = 4 * nvec + tid; i < n; i += stride) {
-    out[i] = o.Decode(LoadOneCode(src, i, code_bytes), i);
+  const int len = int(n - 4 * nvec);
+  if (tid == 0 && len > 0) {
+    uint32_t codes[kUnitCodes];
+    LoadCodeUnit(src + nvec * quad_bytes, len, QuadCodeBits(quad_bytes), /*words=*/false, codes);
+    for (int k = 0; k < len; ++k) out[4 * nvec + k] = o.Decode(codes[k], 4 * nvec + k);
   }
 }
 
@@ -285,35 +255,33 @@ __global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool m
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
-// The width of a whole-byte code (1, 2 or 4 bytes) when the codes at p suit the whole-byte
-// kernels (aligned to four codes), else 0.
-int WholeByteCodes(int bits, const void* p) {
-  if (bits != 8 && bits != 16 && bits != 32) return 0;
-  const int code_bytes = bits / 8;
-  return reinterpret_cast<uintptr_t>(p) % uintptr_t(4 * code_bytes) == 0 ? code_bytes : 0;
+// The bytes of four codes (2, 4, 8 or 16) when the codes at p suit the quad kernels (4-, 8-, 16-
+// or 32-bit codes, p aligned to four of them), else 0.
+int QuadBytes(int bits, const void* p) {
+  if (bits != 4 && bits != 8 && bits != 16 && bits != 32) return 0;
+  const int quad_bytes = bits / 2;
+  return reinterpret_cast<uintptr_t>(p) % uintptr_t(quad_bytes) == 0 ? quad_bytes : 0;
 }
 
-// Work in threads of the whole-byte kernels: kUnroll vectors each, or one tail element.
-uint64_t WholeByteWork(uint64_t n) { return CEIL_DIV(n / 4, uint64_t(kUnroll)) + n % 4; }
+// Work in threads of the quad kernels: kUnroll vectors each, and one for the tail.
+uint64_t QuadWork(uint64_t n) { return CEIL_DIV(n / 4, uint64_t(kUnroll)) + (n % 4 != 0); }
 
 template <class Op>
-CudaResult LaunchEncodeBytes(const Op& op, const float* in, uint64_t n, int code_bytes,
+CudaResult LaunchEncodeQuads(const Op& op, const float* in, uint64_t n, int quad_bytes,
                              const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
   int blocks = 0;
   if (stats.wanted()) {
-    CudaResult r =
-        GridBlocks<encode_bytes_kernel<Op, true>>(WholeByteWork(n), kThreads, true, &blocks);
+    CudaResult r = GridBlocks<encode_quads_kernel<Op, true>>(QuadWork(n), kThreads, true, &blocks);
     if (!r.ok()) return r;
-    encode_bytes_kernel<Op, true>
-        <<<blocks, kThreads, 0, stream>>>(op, in, n, code_bytes, dst, ArgsOf(stats));
+    encode_quads_kernel<Op, true>
+        <<<blocks, kThreads, 0, stream>>>(op, in, n, quad_bytes, dst, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
     return CudaResult{};
   }
-  CudaResult r =
-      GridBlocks<encode_bytes_kernel<Op, false>>(WholeByteWork(n), kThreads, false, &blocks);
+  CudaResult r = GridBlocks<encode_quads_kernel<Op, false>>(QuadWork(n), kThreads, false, &blocks);
   if (!r.ok()) return r;
-  encode_bytes_kernel<Op, false>
-      <<<blocks, kThreads, 0, stream>>>(op, in, n, code_bytes, dst, StatsArgs{});
+  encode_quads_kernel<Op, false>
+      <<<blocks, kThreads, 0, stream>>>(op, in, n, quad_bytes, dst, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -329,10 +297,9 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   if (!checked.ok()) return checked;
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
-  const int code_bytes = WholeByteCodes(bits, dst);
-  if (vec_in && code_bytes != 0) {
-    return LaunchEncodeBytes(op, in, n, code_bytes, stats, dst, stream);
-  }
+  const int quad_bytes = QuadBytes(bits, dst);
+  if (vec_in && quad_bytes != 0)
+    return LaunchEncodeQuads(op, in, n, quad_bytes, stats, dst, stream);
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
   if (stats.wanted()) {
@@ -378,12 +345,12 @@ CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, 
   CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(out) & 3u) == 0, "output must be 4-byte aligned");
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const int code_bytes = WholeByteCodes(bits, src);
+  const int quad_bytes = QuadBytes(bits, src);
   int blocks = 0;
-  if (vec_out && code_bytes != 0) {
-    CudaResult r = GridBlocks<decode_bytes_kernel<Op>>(WholeByteWork(n), kThreads, false, &blocks);
+  if (vec_out && quad_bytes != 0) {
+    CudaResult r = GridBlocks<decode_quads_kernel<Op>>(QuadWork(n), kThreads, false, &blocks);
     if (!r.ok()) return r;
-    decode_bytes_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, code_bytes, out);
+    decode_quads_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, quad_bytes, out);
     CPD_CUDA_CHECK(cudaGetLastError());
     return CudaResult{};
   }

@@ -23,29 +23,47 @@ namespace cpd::kernels::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Decode operations: the value of global element i with code `code`. Init() caches the scale of
-// a single-group span.
+// Decode operations: the value of global element i with code `code`. Init(table) runs once in
+// every thread, all threads of the block together: it caches the scale of a single-group span
+// and fills the op's table (kTableSize entries of the kernel's shared memory) if it has one.
 
+// kTable (codes of at most 8 bits): a 256-entry table of DecodeFloatGrid's bits in shared
+// memory, filled by each block, so an element costs one shared load where the grid's style
+// branches and a subnormal code's conversion and multiply took about 20 integer instructions.
+template <bool kTable>
 struct FloatDecodeOp {
+  static constexpr int kTableSize = kTable ? 256 : 0;
   FloatGrid g;
   const int32_t* shifts;  // null: shift 0
   uint64_t group_len;     // 0: one group
   float up0;
+  const uint32_t* table;
 
-  __device__ __forceinline__ void Init() { up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f; }
+  __device__ __forceinline__ void Init(uint32_t* shared) {
+    up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f;
+    if constexpr (kTable) {
+      for (uint32_t c = threadIdx.x; c < uint32_t(kTableSize); c += blockDim.x) {
+        shared[c] = FloatBits(DecodeFloatGrid(c, g));
+      }
+      __syncthreads();
+      table = shared;
+    }
+  }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
+    if constexpr (kTable) return ScaleBack(table[code], up);  // code < 2^bits <= 256
     return ScaleBack(FloatBits(DecodeFloatGrid(code, g)), up);
   }
 };
 
 struct BinadeDecodeOp {
+  static constexpr int kTableSize = 0;
   const BinadeGrid* g;
   const int32_t* shifts;
   uint64_t group_len;
   float up0;
 
-  __device__ __forceinline__ void Init() { up0 = Pow2(shifts[0]); }
+  __device__ __forceinline__ void Init(uint32_t*) { up0 = Pow2(shifts[0]); }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
     return ScaleBack(FloatBits(DecodeBinadeGrid(code, *g)), up);
@@ -53,11 +71,12 @@ struct BinadeDecodeOp {
 };
 
 struct LinearDecodeOp {
+  static constexpr int kTableSize = 0;
   const LinearGrid* grids;
   uint64_t group_len;
   LinearGrid grid0;
 
-  __device__ __forceinline__ void Init() { grid0 = grids[0]; }
+  __device__ __forceinline__ void Init(uint32_t*) { grid0 = grids[0]; }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
     return LinearValue(int32_t(code) + lg.qmin, lg);
@@ -118,8 +137,9 @@ template <class Op>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const Op op, const uint8_t* src, uint64_t n, int bits, bool words, bool vec_out,
                   float* out) {
+  __shared__ uint32_t table[Op::kTableSize > 0 ? Op::kTableSize : 1];
   Op o = op;
-  o.Init();
+  o.Init(table);
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
@@ -210,8 +230,9 @@ __global__ void __launch_bounds__(kThreads)
 template <class Op>
 __global__ void __launch_bounds__(kThreads)
     decode_quads_kernel(const Op op, const uint8_t* src, uint64_t n, int quad_bytes, float* out) {
+  __shared__ uint32_t table[Op::kTableSize > 0 ? Op::kTableSize : 1];
   Op o = op;
-  o.Init();
+  o.Init(table);
   const uint64_t nvec = n / 4;
   const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
@@ -298,8 +319,9 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
   const int quad_bytes = QuadBytes(bits, dst);
-  if (vec_in && quad_bytes != 0)
+  if (vec_in && quad_bytes != 0) {
     return LaunchEncodeQuads(op, in, n, quad_bytes, stats, dst, stream);
+  }
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
   if (stats.wanted()) {
@@ -416,8 +438,12 @@ CudaResult LaunchDecodeFloatGrid(const uint8_t* src, size_t n, int bits, const F
                                  void* stream) {
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
-  return LaunchDecode(FloatDecodeOp{g, shifts, groups.group_len, 1.0f}, src, n, bits, out,
-                      AsStream(stream));
+  if (bits <= 8) {
+    return LaunchDecode(FloatDecodeOp<true>{g, shifts, groups.group_len, 1.0f, nullptr}, src, n,
+                        bits, out, AsStream(stream));
+  }
+  return LaunchDecode(FloatDecodeOp<false>{g, shifts, groups.group_len, 1.0f, nullptr}, src, n,
+                      bits, out, AsStream(stream));
 }
 
 CudaResult LaunchDecodeBinadeGrid(const uint8_t* src, size_t n, int bits, const BinadeGrid* d_grid,

@@ -18,8 +18,10 @@
 
 #if defined(__CUDACC__)
 #define CPD_HD __host__ __device__ __forceinline__
+#define CPD_UNROLL _Pragma("unroll")
 #else
 #define CPD_HD inline __attribute__((always_inline))
+#define CPD_UNROLL _Pragma("GCC unroll 8")
 #endif
 
 namespace cpd::kernels {
@@ -180,9 +182,45 @@ CPD_HD uint64_t MakeRandomKey(uint64_t seed, uint64_t step) {
   return SplitMix64(SplitMix64(seed) ^ step);
 }
 
+// The 64 random bits of pair p: elements 2p (low half) and 2p + 1 (high half). Kernels that
+// round both elements of a pair hash once (the hash is most of stochastic rounding's work).
+CPD_HD uint64_t RandomPairBits(uint64_t key, uint64_t pair) {
+  return Mix64(key + pair * kGolden64);
+}
+
 CPD_HD uint32_t RandomBits(uint64_t key, uint64_t index) {
-  const uint64_t z = Mix64(key + (index >> 1) * kGolden64);
+  const uint64_t z = RandomPairBits(key, index >> 1);
   return uint32_t(z >> ((index & 1u) * 32u));
+}
+
+// out[k] = RandomBits(key, first + k) for a run of kCount (even) elements, hashing each pair the
+// run touches once: kCount / 2 hashes from an even `first`, kCount / 2 + 1 from an odd one (its
+// first and last elements are halves of pairs it shares with its neighbours). Successive pairs'
+// counters differ by kGolden64, so one multiply serves the run.
+template <int kCount>
+CPD_HD void RandomBitsRun(uint64_t key, uint64_t first, uint32_t (&out)[kCount]) {
+  static_assert(kCount >= 2 && kCount % 2 == 0, "runs of whole pairs");
+  uint64_t counter = key + (first >> 1) * kGolden64;
+  if ((first & 1u) == 0) {
+    CPD_UNROLL
+    for (int k = 0; k < kCount; k += 2) {
+      const uint64_t z = Mix64(counter);
+      out[k] = uint32_t(z);
+      out[k + 1] = uint32_t(z >> 32);
+      counter += kGolden64;
+    }
+    return;
+  }
+  uint64_t z = Mix64(counter);
+  out[0] = uint32_t(z >> 32);
+  CPD_UNROLL
+  for (int k = 1; k + 1 < kCount; k += 2) {
+    counter += kGolden64;
+    z = Mix64(counter);
+    out[k] = uint32_t(z);
+    out[k + 1] = uint32_t(z >> 32);
+  }
+  out[kCount - 1] = uint32_t(Mix64(counter + kGolden64));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -300,6 +338,99 @@ CPD_HD float DecodeFloatGrid(uint32_t code, const FloatGrid& g) {
     bits = (mag << (23 - m)) + (uint32_t(g.emin + 127 - 1) << 23);
   }
   return BitsFloat(bits > 0x7f800000u ? bits : bits | (sign << 31));
+}
+
+// RoundToFloatGrid<kStochastic>'s per-grid quantities, derived once: the CPU's vector lanes
+// (kernels/stochastic_lanes.inc) and the CUDA kernels round with these instead of deriving them
+// per element.
+struct StochasticGridConsts {
+  FloatGrid grid;  // for the elements before and after whole vectors
+  int32_t r0, emin_field, inc_shift, code_offset, sign_shift;
+  uint32_t keep_mask, flush_below, max_bits, overflow_bits, nan_bits, overflow_code, nan_code;
+  uint32_t quantum_exp_bits;  // (emin - mbits) << 23: multiplies a float by the quantum
+  uint32_t subnormal_shift;   // emin - mbits + 149: kq << it = bits of kq quanta below 2^-126
+  uint32_t normal_from_kq;    // the least kq >= 1 whose kq quanta are a normal float32
+  uint32_t overflow_sign;     // the sign bit's mask on an overflow: 0 where it becomes NaN
+
+  StochasticGridConsts() = default;
+  CPD_HD explicit StochasticGridConsts(const FloatGrid& g)
+      : grid(g),
+        r0(23 - g.mbits),
+        emin_field(g.emin + 127),
+        inc_shift(31 - r0),
+        code_offset((emin_field - 1) << g.mbits),
+        sign_shift(g.ebits + g.mbits),
+        keep_mask(~((1u << r0) - 1u)),
+        flush_below(g.subnormals ? 0u : uint32_t(emin_field) << 23),
+        max_bits(g.max_bits),
+        overflow_bits(g.overflow_bits),
+        nan_bits(g.nan_bits),
+        overflow_code(g.overflow_code),
+        nan_code(g.nan_code),
+        quantum_exp_bits(uint32_t(g.emin - g.mbits) << 23),
+        subnormal_shift(uint32_t(g.emin - g.mbits + 149)),
+        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))),
+        overflow_sign(g.overflow_bits > 0x7f800000u ? 0u : 0x80000000u) {}
+};
+
+// The top k bits of x as an integer, x >> (32 - k), for 0 <= k <= 31 (0 for k = 0): one funnel
+// shift on a GPU.
+CPD_HD uint32_t TopBits(uint32_t x, uint32_t k) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(x, 0u, k);
+#else
+  return uint32_t((uint64_t(x) << k) >> 32);
+#endif
+}
+
+// RoundToFloatGrid<kStochastic>(y, c.grid, rnd, code), bit for bit, for the CUDA kernels, whose
+// stochastic rounding is bound by the GPU's half-rate integer pipe: the vector lanes' form
+// (stochastic_lanes.inc says why each step is exact) with its integer instructions counted. The
+// normal region adds the top r0 random bits and clears them with one mask; the subnormal
+// region's kq quanta are kq's float times the quantum, as in the general function (a float-pipe
+// multiply, exact: a multiple of 2^-149 below 2^24 quanta; the lanes build those bits with
+// integers because x86 takes a microcode assist per subnormal product); the sign is or'ed in
+// once. About 26 integer instructions per element in an sm_90 loop where the general function
+// takes about 39. tests/kernels/grid_test.cc holds this to the general function.
+CPD_HD uint32_t RoundToFloatGridStochastic(float y, const StochasticGridConsts& c, uint32_t rnd,
+                                           uint32_t* code) {
+  const uint32_t u = FloatBits(y);
+  const uint32_t a = u & 0x7fffffffu;
+  const uint32_t sign = u ^ a;
+  const int32_t exp_field = int32_t(a >> 23);
+  const bool normal = exp_field >= c.emin_field;
+  // The top k bits of rnd >> 1 are the top k bits of rnd: (rnd >> 1) >> (31 - k).
+  const uint32_t res_normal = (a + TopBits(rnd, uint32_t(c.r0))) & c.keep_mask;
+  const int32_t exp_eff = exp_field > 1 ? exp_field : 1;
+  const int32_t r = c.r0 + c.emin_field - exp_eff;
+  // r >= 0 wherever kq is used (the subnormal region); a normal element's negative r clamps to
+  // 31 as an unsigned count, which keeps its unused shifts in range.
+  const uint32_t rc = uint32_t(r) < 31u ? uint32_t(r) : 31u;
+  // The significand with its implicit bit, a - (exp_eff - 1) * 2^23: a multiply-add and an add
+  // where the mask, or and select took three integer instructions and a compare.
+  const uint32_t sig = a - (uint32_t(exp_eff - 1) << 23);
+  const uint32_t kq_near = (sig + TopBits(rnd, rc)) >> rc;
+  const uint32_t beyond_32 = uint32_t(r - 32);  // wraps to a huge count where r < 32
+  const uint32_t far_shift = beyond_32 < 31u ? beyond_32 : 31u;
+  const uint32_t kq_far = rnd < (sig >> far_shift) ? 1u : 0u;
+  const uint32_t kq = r >= 32 ? kq_far : kq_near;
+  const uint32_t res_sub = FloatBits(float(int32_t(kq)) * c.grid.quantum);
+  const uint32_t res = normal ? res_normal : res_sub;
+  const bool flush = res < c.flush_below;
+  const bool overflow = res > c.max_bits;
+  const bool is_nan = a > 0x7f800000u;
+  if (code != nullptr) {
+    uint32_t mag = normal ? uint32_t(int32_t(res >> c.r0) - c.code_offset) : kq;
+    mag = flush ? 0u : mag;
+    mag = overflow ? c.overflow_code : mag;
+    mag = is_nan ? c.nan_code : mag;
+    *code = mag | ((is_nan ? 0u : sign) >> 31 << c.sign_shift);
+  }
+  // The sign goes with every result but a NaN: a NaN input's (nan_bits, unsigned even where it is
+  // a number) and an overflow that becomes NaN. A rounded or flushed value is finite.
+  uint32_t out = flush ? sign : (res | sign);
+  out = overflow ? (c.overflow_bits | (sign & c.overflow_sign)) : out;
+  return is_nan ? c.nan_bits : out;
 }
 
 // Builds a grid of 1 sign, `ebits` exponent and `mbits` mantissa bits with exponent bias `bias`.

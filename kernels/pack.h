@@ -1,7 +1,8 @@
 // The packing unit of the device codec (kernels/cuda/codec.cu): 8 codes of `bits` bits, which
 // fill exactly `bits` whole bytes of the packed stream, in cpd::PackCodes' layout (code i at
 // bits [i*bits, (i+1)*bits), little-endian; the last byte's spare bits zero). One GPU thread
-// packs or unpacks one unit, so threads never share a byte. Host/device, so that the CPU tests
+// packs or unpacks one unit, so threads never share a byte; codes of 4, 8, 16 or 32 bits also go
+// four to a lane (StoreCodeQuad, LoadCodeQuad, below). Host/device, so that the CPU tests
 // (tests/cpd/codec_test.cc) check these very functions against PackCodes / UnpackCodes on a
 // machine without a GPU.
 #pragma once
@@ -13,12 +14,6 @@
 namespace cpd::kernels {
 
 constexpr int kUnitCodes = 8;
-
-#if defined(__CUDACC__)
-#define CPD_UNROLL _Pragma("unroll")
-#else
-#define CPD_UNROLL _Pragma("GCC unroll 8")
-#endif
 
 // One aligned 32-bit word of the stream: a single store on the device; memcpy on the host,
 // where the buffer's objects are bytes (strict aliasing).
@@ -111,6 +106,66 @@ CPD_HD void LoadCodeUnit(const uint8_t* src, int len, int bits, bool words,
       acc >>= bits;
       filled -= bits;
     }
+  }
+}
+
+// Four codes of 4, 8, 16 or 32 bits fill quad_bytes = bits / 2 whole bytes of the stream, so
+// the device codec's quad kernels give each lane four consecutive codes: quad q at byte
+// q * quad_bytes. `dst` / `src` REQUIRED aligned to quad_bytes (one 2-, 4-, 8- or 16-byte access
+// on the device); codes each < 2^bits.
+CPD_HD int QuadCodeBits(int quad_bytes) { return 2 * quad_bytes; }
+
+CPD_HD void StoreCodeQuad(const uint32_t (&c)[4], int quad_bytes, uint8_t* dst) {
+  uint32_t w[4] = {c[0], c[1], c[2], c[3]};  // quad_bytes 16: the codes themselves
+  if (quad_bytes == 2) {
+    w[0] = c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12;
+  } else if (quad_bytes == 4) {
+    w[0] = c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24;
+  } else if (quad_bytes == 8) {
+    w[0] = c[0] | c[1] << 16;
+    w[1] = c[2] | c[3] << 16;
+  }
+#if defined(__CUDA_ARCH__)
+  if (quad_bytes == 2) {
+    *reinterpret_cast<uint16_t*>(dst) = uint16_t(w[0]);
+  } else if (quad_bytes == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+  } else if (quad_bytes == 8) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+#else
+  memcpy(dst, w, size_t(quad_bytes));  // little-endian, as the stream
+#endif
+}
+
+CPD_HD void LoadCodeQuad(const uint8_t* src, int quad_bytes, uint32_t (&c)[4]) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#if defined(__CUDA_ARCH__)
+  if (quad_bytes == 2) {
+    w[0] = *reinterpret_cast<const uint16_t*>(src);
+  } else if (quad_bytes == 4) {
+    w[0] = *reinterpret_cast<const uint32_t*>(src);
+  } else if (quad_bytes == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  }
+#else
+  memcpy(w, src, size_t(quad_bytes));
+#endif
+  if (quad_bytes == 2) {
+    c[0] = w[0] & 0xfu, c[1] = (w[0] >> 4) & 0xfu, c[2] = (w[0] >> 8) & 0xfu, c[3] = w[0] >> 12;
+  } else if (quad_bytes == 4) {
+    c[0] = w[0] & 0xffu, c[1] = (w[0] >> 8) & 0xffu, c[2] = (w[0] >> 16) & 0xffu;
+    c[3] = w[0] >> 24;
+  } else if (quad_bytes == 8) {
+    c[0] = w[0] & 0xffffu, c[1] = w[0] >> 16, c[2] = w[1] & 0xffffu, c[3] = w[1] >> 16;
+  } else {
+    c[0] = w[0], c[1] = w[1], c[2] = w[2], c[3] = w[3];
   }
 }
 

@@ -168,34 +168,6 @@ CPD_INLINE void DispatchOutputs(const Span& span, const float* in, float* out, u
 // file is included once per instruction set under `#pragma GCC target`, and the spans pick one
 // by the CPU they run on.
 
-// The grid's constants as RoundToFloatGrid derives them.
-struct StochasticGridConsts {
-  FloatGrid grid;  // for the elements before and after whole vectors
-  int32_t r0, emin_field, inc_shift, code_offset, sign_shift;
-  uint32_t keep_mask, flush_below, max_bits, overflow_bits, nan_bits, overflow_code, nan_code;
-  uint32_t quantum_exp_bits;  // (emin - mbits) << 23: multiplies a float by the quantum
-  uint32_t subnormal_shift;   // emin - mbits + 149: kq << it = bits of kq quanta below 2^-126
-  uint32_t normal_from_kq;    // the least kq >= 1 whose kq quanta are a normal float32
-
-  explicit StochasticGridConsts(const FloatGrid& g)
-      : grid(g),
-        r0(23 - g.mbits),
-        emin_field(g.emin + 127),
-        inc_shift(31 - r0),
-        code_offset((emin_field - 1) << g.mbits),
-        sign_shift(g.ebits + g.mbits),
-        keep_mask(~((1u << r0) - 1u)),
-        flush_below(g.subnormals ? 0u : uint32_t(emin_field) << 23),
-        max_bits(g.max_bits),
-        overflow_bits(g.overflow_bits),
-        nan_bits(g.nan_bits),
-        overflow_code(g.overflow_code),
-        nan_code(g.nan_code),
-        quantum_exp_bits(uint32_t(g.emin - g.mbits) << 23),
-        subnormal_shift(uint32_t(g.emin - g.mbits + 149)),
-        normal_from_kq(g.emin - g.mbits >= -126 ? 1u : 1u << (-126 - (g.emin - g.mbits))) {}
-};
-
 // The entry points of one instruction set's lanes (out and codes may each be null).
 struct StochasticLanes {
   void (*float_grid)(const float* in, float* out, uint32_t* codes, size_t n,

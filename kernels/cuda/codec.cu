@@ -23,29 +23,47 @@ namespace cpd::kernels::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Decode operations: the value of global element i with code `code`. Init() caches the scale of
-// a single-group span.
+// Decode operations: the value of global element i with code `code`. Init(table) runs once in
+// every thread, all threads of the block together: it caches the scale of a single-group span
+// and fills the op's table (kTableSize entries of the kernel's shared memory) if it has one.
 
+// kTable (codes of at most 8 bits): a 256-entry table of DecodeFloatGrid's bits in shared
+// memory, filled by each block, so an element costs one shared load where the grid's style
+// branches and a subnormal code's conversion and multiply took about 20 integer instructions.
+template <bool kTable>
 struct FloatDecodeOp {
+  static constexpr int kTableSize = kTable ? 256 : 0;
   FloatGrid g;
   const int32_t* shifts;  // null: shift 0
   uint64_t group_len;     // 0: one group
   float up0;
+  const uint32_t* table;
 
-  __device__ __forceinline__ void Init() { up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f; }
+  __device__ __forceinline__ void Init(uint32_t* shared) {
+    up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f;
+    if constexpr (kTable) {
+      for (uint32_t c = threadIdx.x; c < uint32_t(kTableSize); c += blockDim.x) {
+        shared[c] = FloatBits(DecodeFloatGrid(c, g));
+      }
+      __syncthreads();
+      table = shared;
+    }
+  }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
+    if constexpr (kTable) return ScaleBack(table[code], up);  // code < 2^bits <= 256
     return ScaleBack(FloatBits(DecodeFloatGrid(code, g)), up);
   }
 };
 
 struct BinadeDecodeOp {
+  static constexpr int kTableSize = 0;
   const BinadeGrid* g;
   const int32_t* shifts;
   uint64_t group_len;
   float up0;
 
-  __device__ __forceinline__ void Init() { up0 = Pow2(shifts[0]); }
+  __device__ __forceinline__ void Init(uint32_t*) { up0 = Pow2(shifts[0]); }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
     return ScaleBack(FloatBits(DecodeBinadeGrid(code, *g)), up);
@@ -53,11 +71,12 @@ struct BinadeDecodeOp {
 };
 
 struct LinearDecodeOp {
+  static constexpr int kTableSize = 0;
   const LinearGrid* grids;
   uint64_t group_len;
   LinearGrid grid0;
 
-  __device__ __forceinline__ void Init() { grid0 = grids[0]; }
+  __device__ __forceinline__ void Init(uint32_t*) { grid0 = grids[0]; }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
     return LinearValue(int32_t(code) + lg.qmin, lg);
@@ -94,6 +113,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < kUnitCodes; ++k) x[k] = k < len ? in[first + k] : 0.0f;
     }
+    uint32_t rnd[kUnitCodes];
+    RandomRun(o, first, rnd);  // four or five hashes for the unit's eight elements
     uint32_t codes[kUnitCodes];
 #pragma unroll
     for (int k = 0; k < kUnitCodes; ++k) {
@@ -101,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
       if (k < len) {
         GridRange range;
         uint32_t code = 0;
-        const float z = o.Apply(x[k], 0.0f, first + k, &code, kStats ? &range : nullptr);
+        const float z = o.Apply(x[k], 0.0f, first + k, rnd[k], &code, kStats ? &range : nullptr);
         codes[k] = code & mask;
         if constexpr (kStats) acc.Add(x[k], z, range);
       }
@@ -116,8 +137,9 @@ template <class Op>
 __global__ void __launch_bounds__(kThreads)
     decode_kernel(const Op op, const uint8_t* src, uint64_t n, int bits, bool words, bool vec_out,
                   float* out) {
+  __shared__ uint32_t table[Op::kTableSize > 0 ? Op::kTableSize : 1];
   Op o = op;
-  o.Init();
+  o.Init(table);
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
@@ -141,6 +163,104 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Codes of 4, 8, 16 or 32 bits: four of them fill bits / 2 whole bytes (quad_bytes), so lane v
+// can own elements 4v..4v+3 and bytes [v * quad_bytes, (v + 1) * quad_bytes) of PackCodes'
+// stream. Such spans take these kernels, shaped as the quantiser's element pass: grid-stride
+// over 4-element vectors with kUnroll loads in flight per thread, each lane's floats one 16-byte
+// access and its four codes one 2-, 4-, 8- or 16-byte access, so that a warp moves contiguous
+// runs of 512 bytes of floats and 64 to 512 bytes of codes per instruction. (The 8-code units
+// put adjacent lanes 32 bytes apart on the float side and pack with shifts by a runtime width.)
+// The last n % 4 elements, whose codes may share a byte, are one thread's.
+// REQUIRED: the floats 16-byte aligned and the codes aligned to quad_bytes (kernels/pack.h).
+template <class Op, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    encode_quads_kernel(const Op op, const float* in, uint64_t n, int quad_bytes, uint8_t* dst,
+                        StatsArgs stats) {
+  Op o = op;
+  o.Init();
+  Acc<kStats> acc;
+  const int bits = QuadCodeBits(quad_bytes);
+  const uint32_t mask = CodeMask(bits);
+  const uint64_t nvec = n / 4;
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const float4* in4 = reinterpret_cast<const float4*>(in);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v < nvec) x[u] = in4[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v >= nvec) break;
+      uint32_t rnd[4];
+      RandomRun(o, 4 * v, rnd);
+      const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+      uint32_t codes[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        GridRange range;
+        uint32_t code = 0;
+        const float z = o.Apply(xs[k], 0.0f, 4 * v + k, rnd[k], &code, kStats ? &range : nullptr);
+        codes[k] = code & mask;
+        if constexpr (kStats) acc.Add(xs[k], z, range);
+      }
+      StoreCodeQuad(codes, quad_bytes, dst + v * quad_bytes);
+    }
+  }
+  const int len = int(n - 4 * nvec);
+  if (tid == 0 && len > 0) {  // the tail's 1..3 codes, then the last byte's spare bits zero
+    uint32_t codes[kUnitCodes] = {};
+    for (int k = 0; k < len; ++k) {
+      const uint64_t i = 4 * nvec + k;
+      GridRange range;
+      uint32_t code = 0;
+      const float z = o.Apply(in[i], 0.0f, i, RandomOne(o, i), &code, kStats ? &range : nullptr);
+      codes[k] = code & mask;
+      if constexpr (kStats) acc.Add(in[i], z, range);
+    }
+    StoreCodeUnit(codes, len, bits, /*words=*/false, dst + nvec * quad_bytes);
+  }
+  if constexpr (kStats) FinishStats(acc, stats, n);
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads)
+    decode_quads_kernel(const Op op, const uint8_t* src, uint64_t n, int quad_bytes, float* out) {
+  __shared__ uint32_t table[Op::kTableSize > 0 ? Op::kTableSize : 1];
+  Op o = op;
+  o.Init(table);
+  const uint64_t nvec = n / 4;
+  const uint64_t tid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  float4* out4 = reinterpret_cast<float4*>(out);
+  for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
+    uint32_t c[kUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v < nvec) LoadCodeQuad(src + v * quad_bytes, quad_bytes, c[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * stride;
+      if (v >= nvec) break;
+      const uint64_t i = 4 * v;
+      out4[v] = make_float4(o.Decode(c[u][0], i), o.Decode(c[u][1], i + 1),
+                            o.Decode(c[u][2], i + 2), o.Decode(c[u][3], i + 3));
+    }
+  }
+  const int len = int(n - 4 * nvec);
+  if (tid == 0 && len > 0) {
+    uint32_t codes[kUnitCodes];
+    LoadCodeUnit(src + nvec * quad_bytes, len, QuadCodeBits(quad_bytes), /*words=*/false, codes);
+    for (int k = 0; k < len; ++k) out[4 * nvec + k] = o.Decode(codes[k], 4 * nvec + k);
+  }
+}
+
 __global__ void read_shift_meta_kernel(const uint8_t* src, uint64_t num, bool e8m0,
                                        int32_t* shifts) {
   const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -156,6 +276,37 @@ __global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool m
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
+// The bytes of four codes (2, 4, 8 or 16) when the codes at p suit the quad kernels (4-, 8-, 16-
+// or 32-bit codes, p aligned to four of them), else 0.
+int QuadBytes(int bits, const void* p) {
+  if (bits != 4 && bits != 8 && bits != 16 && bits != 32) return 0;
+  const int quad_bytes = bits / 2;
+  return reinterpret_cast<uintptr_t>(p) % uintptr_t(quad_bytes) == 0 ? quad_bytes : 0;
+}
+
+// Work in threads of the quad kernels: kUnroll vectors each, and one for the tail.
+uint64_t QuadWork(uint64_t n) { return CEIL_DIV(n / 4, uint64_t(kUnroll)) + (n % 4 != 0); }
+
+template <class Op>
+CudaResult LaunchEncodeQuads(const Op& op, const float* in, uint64_t n, int quad_bytes,
+                             const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
+  int blocks = 0;
+  if (stats.wanted()) {
+    CudaResult r = GridBlocks<encode_quads_kernel<Op, true>>(QuadWork(n), kThreads, true, &blocks);
+    if (!r.ok()) return r;
+    encode_quads_kernel<Op, true>
+        <<<blocks, kThreads, 0, stream>>>(op, in, n, quad_bytes, dst, ArgsOf(stats));
+    CPD_CUDA_CHECK(cudaGetLastError());
+    return CudaResult{};
+  }
+  CudaResult r = GridBlocks<encode_quads_kernel<Op, false>>(QuadWork(n), kThreads, false, &blocks);
+  if (!r.ok()) return r;
+  encode_quads_kernel<Op, false>
+      <<<blocks, kThreads, 0, stream>>>(op, in, n, quad_bytes, dst, StatsArgs{});
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
 template <class Op>
 CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
                         const StatsTarget& stats, uint8_t* dst, cudaStream_t stream) {
@@ -167,6 +318,10 @@ CudaResult LaunchEncode(const Op& op, const float* in, uint64_t n, int bits,
   if (!checked.ok()) return checked;
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(dst) & 3u) == 0;
+  const int quad_bytes = QuadBytes(bits, dst);
+  if (vec_in && quad_bytes != 0) {
+    return LaunchEncodeQuads(op, in, n, quad_bytes, stats, dst, stream);
+  }
   const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   int blocks = 0;
   if (stats.wanted()) {
@@ -212,8 +367,16 @@ CudaResult LaunchDecode(const Op& op, const uint8_t* src, uint64_t n, int bits, 
   CPD_LAUNCH_REQUIRE((reinterpret_cast<uintptr_t>(out) & 3u) == 0, "output must be 4-byte aligned");
   const bool words = bits % 4 == 0 && (reinterpret_cast<uintptr_t>(src) & 3u) == 0;
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
-  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
+  const int quad_bytes = QuadBytes(bits, src);
   int blocks = 0;
+  if (vec_out && quad_bytes != 0) {
+    CudaResult r = GridBlocks<decode_quads_kernel<Op>>(QuadWork(n), kThreads, false, &blocks);
+    if (!r.ok()) return r;
+    decode_quads_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, quad_bytes, out);
+    CPD_CUDA_CHECK(cudaGetLastError());
+    return CudaResult{};
+  }
+  const uint64_t units = CEIL_DIV(n, uint64_t(kUnitCodes));
   CudaResult r = GridBlocks<decode_kernel<Op>>(units, kThreads, false, &blocks);
   if (!r.ok()) return r;
   decode_kernel<Op><<<blocks, kThreads, 0, stream>>>(op, src, n, bits, words, vec_out, out);
@@ -240,11 +403,12 @@ CudaResult LaunchEncodeFloatGrid(const float* in, size_t n, int bits, const Floa
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
   if (shifts == nullptr) {
-    return DispatchEncodeMode<FixedFloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g,
-                                                rng.key, rng.index_base);
+    return DispatchEncodeMode<FixedFloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream),
+                                                StochasticGridConsts(g), rng.key, rng.index_base);
   }
-  return DispatchEncodeMode<FloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream), g, shifts,
-                                         groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
+  return DispatchEncodeMode<FloatGridOp>(mode, in, n, bits, stats, dst, AsStream(stream),
+                                         StochasticGridConsts(g), shifts, groups.group_len, rng.key,
+                                         rng.index_base, 0.0f, 0.0f);
 }
 
 CudaResult LaunchEncodeBinadeGrid(const float* in, size_t n, int bits, const BinadeGrid* d_grid,
@@ -274,8 +438,12 @@ CudaResult LaunchDecodeFloatGrid(const uint8_t* src, size_t n, int bits, const F
                                  void* stream) {
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
-  return LaunchDecode(FloatDecodeOp{g, shifts, groups.group_len, 1.0f}, src, n, bits, out,
-                      AsStream(stream));
+  if (bits <= 8) {
+    return LaunchDecode(FloatDecodeOp<true>{g, shifts, groups.group_len, 1.0f, nullptr}, src, n,
+                        bits, out, AsStream(stream));
+  }
+  return LaunchDecode(FloatDecodeOp<false>{g, shifts, groups.group_len, 1.0f, nullptr}, src, n,
+                      bits, out, AsStream(stream));
 }
 
 CudaResult LaunchDecodeBinadeGrid(const uint8_t* src, size_t n, int bits, const BinadeGrid* d_grid,

@@ -9,6 +9,9 @@
 // Layout, as the CPU's PackCodes: code i occupies bits [i*bits, (i+1)*bits) of the byte stream,
 // little-endian; the last byte's unused high bits are zero. One thread packs 8 consecutive codes,
 // which fill exactly `bits` whole bytes, so threads never share a byte and no atomics are needed.
+// Four codes of 4, 8, 16 or 32 bits fill whole bytes: between a 16-byte aligned float buffer and
+// codes aligned to four of them, a thread takes four elements, one 16-byte float access and one
+// 2- to 16-byte code access, so each warp's accesses are contiguous.
 // The rounding is the quantiser's element operations (kernels/cuda/common.cuh), so a code's value
 // is what QuantizeCuda writes for the element, bit for bit.
 #pragma once

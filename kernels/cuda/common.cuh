@@ -59,6 +59,19 @@ __device__ __forceinline__ uint32_t FiniteAbsBits(float x) {
   return a < 0x7f800000u ? a : 0u;
 }
 
+// The largest FiniteAbsBits of four elements. fmaxf of the magnitudes (the absolute value is an
+// operand modifier, so one instruction per element instead of three) orders non-negative floats
+// as their bits do and drops a NaN operand; only an Inf, or four NaNs, makes the result
+// non-finite, and then the exact per-element form decides.
+__device__ __forceinline__ uint32_t MaxFiniteAbsBits(const float4& v) {
+  const float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  if (FloatBits(m) < 0x7f800000u) return FloatBits(m);
+  const uint32_t a = FiniteAbsBits(v.x), b = FiniteAbsBits(v.y);
+  const uint32_t c = FiniteAbsBits(v.z), d = FiniteAbsBits(v.w);
+  const uint32_t ab = a > b ? a : b, cd = c > d ? c : d;
+  return ab > cd ? ab : cd;
+}
+
 // The per-element statistics (kernels::StatOf, the CPU loops' definition), per thread.
 template <bool kStats>
 struct Acc {
@@ -231,20 +244,36 @@ __device__ __forceinline__ void FinishStats(const Acc<true>& acc, const StatsArg
 // non-null (statistics), the finite range of the element's grid after its scaling, the bounds
 // kernels::StatOf counts saturation against. Shared by quantize.cu and codec.cu, so that
 // QuantizeCuda and EncodeCuda round with the same code.
+//
+// Ops whose kRandom is true (stochastic rounding) take the element's random bits as `rnd`,
+// RandomBits(key, index_base + i): the kernels draw them for a run of elements at once
+// (RandomBitsRun, one hash per pair of the stream), which halves the hashing. Other ops ignore
+// rnd. The float grids round stochastically with RoundToFloatGridStochastic on constants the
+// launcher derives once (StochasticGridConsts, held in the kernel's parameters).
+
+template <RoundMode kMode>
+__device__ __forceinline__ uint32_t RoundFloat(float y, const StochasticGridConsts& c, uint32_t rnd,
+                                               uint32_t* code) {
+  if constexpr (kMode == RoundMode::kStochastic) {
+    return RoundToFloatGridStochastic(y, c, rnd, code);
+  } else {
+    return RoundToFloatGrid<kMode>(y, c.grid, rnd, code);
+  }
+}
 
 // A fixed float grid (shift 0): x * 2^0 and z * 2^0 are identities, so they are left out.
 template <RoundMode kMode>
 struct FixedFloatGridOp {
   static constexpr bool kReadsOut = false;
-  FloatGrid g;
+  static constexpr bool kRandom = kMode == RoundMode::kStochastic;
+  StochasticGridConsts c;
   uint64_t key, index_base;
 
   __device__ __forceinline__ void Init() {}
-  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+  __device__ __forceinline__ float Apply(float x, float, uint64_t, uint32_t rnd, uint32_t* code,
                                          GridRange* range) const {
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-    if (range != nullptr) *range = ShiftedGridRange(g.max_bits, 1.0f);
-    return BitsFloat(RoundToFloatGrid<kMode>(x, g, rnd, code));
+    if (range != nullptr) *range = ShiftedGridRange(c.max_bits, 1.0f);
+    return BitsFloat(RoundFloat<kMode>(x, c, rnd, code));
   }
 };
 
@@ -252,7 +281,8 @@ struct FixedFloatGridOp {
 template <RoundMode kMode>
 struct FloatGridOp {
   static constexpr bool kReadsOut = false;
-  FloatGrid g;
+  static constexpr bool kRandom = kMode == RoundMode::kStochastic;
+  StochasticGridConsts c;
   const int32_t* shifts;
   uint64_t group_len;  // 0: one group
   uint64_t key, index_base;
@@ -262,7 +292,7 @@ struct FloatGridOp {
     down0 = Pow2(-shifts[0]);
     up0 = Pow2(shifts[0]);
   }
-  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t rnd, uint32_t* code,
                                          GridRange* range) const {
     float down = down0, up = up0;
     if (group_len != 0) {
@@ -270,9 +300,8 @@ struct FloatGridOp {
       down = Pow2(-s);
       up = Pow2(s);
     }
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-    if (range != nullptr) *range = ShiftedGridRange(g.max_bits, up);
-    const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(x, down), g, rnd, code);
+    if (range != nullptr) *range = ShiftedGridRange(c.max_bits, up);
+    const uint32_t zb = RoundFloat<kMode>(__fmul_rn(x, down), c, rnd, code);
     return ScaleBack(zb, up);
   }
 };
@@ -281,6 +310,7 @@ struct FloatGridOp {
 template <RoundMode kMode>
 struct BinadeGridOp {
   static constexpr bool kReadsOut = false;
+  static constexpr bool kRandom = kMode == RoundMode::kStochastic;
   const BinadeGrid* g;
   const int32_t* shifts;
   uint64_t group_len;  // 0: one group
@@ -291,7 +321,7 @@ struct BinadeGridOp {
     down0 = Pow2(-shifts[0]);
     up0 = Pow2(shifts[0]);
   }
-  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t rnd, uint32_t* code,
                                          GridRange* range) const {
     float down = down0, up = up0;
     if (group_len != 0) {
@@ -299,7 +329,6 @@ struct BinadeGridOp {
       down = Pow2(-s);
       up = Pow2(s);
     }
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
     if (range != nullptr) *range = ShiftedGridRange(g->max_bits, up);
     const uint32_t zb = RoundToBinadeGrid<kMode>(__fmul_rn(x, down), *g, rnd, code);
     return ScaleBack(zb, up);
@@ -309,16 +338,16 @@ struct BinadeGridOp {
 template <RoundMode kMode>
 struct LinearGridOp {
   static constexpr bool kReadsOut = false;
+  static constexpr bool kRandom = kMode == RoundMode::kStochastic;
   const LinearGrid* grids;
   uint64_t group_len;
   uint64_t key, index_base;
   LinearGrid grid0;
 
   __device__ __forceinline__ void Init() { grid0 = grids[0]; }
-  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t* code,
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t rnd, uint32_t* code,
                                          GridRange* range) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
-    const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
     if (range != nullptr) *range = LinearGridRange(lg);
     int32_t q;
     const float value = RoundToLinearGrid<kMode>(x, lg, rnd, &q);
@@ -326,6 +355,27 @@ struct LinearGridOp {
     return value;
   }
 };
+
+// The random bits of elements [i, i + kCount) of an op's span (zeros for ops without kRandom).
+template <class Op, int kCount>
+__device__ __forceinline__ void RandomRun(const Op& op, uint64_t i, uint32_t (&rnd)[kCount]) {
+  if constexpr (Op::kRandom) {
+    RandomBitsRun<kCount>(op.key, op.index_base + i, rnd);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kCount; ++k) rnd[k] = 0u;
+  }
+}
+
+// The random bits of element i alone.
+template <class Op>
+__device__ __forceinline__ uint32_t RandomOne(const Op& op, uint64_t i) {
+  if constexpr (Op::kRandom) {
+    return RandomBits(op.key, op.index_base + i);
+  } else {
+    return 0u;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Launch helpers

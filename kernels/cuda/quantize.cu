@@ -9,7 +9,9 @@
 //    and int<b>, and for uint<b>:minmax the finite min/max, where the CPU's choice between +0
 //    and -0 as the minimum (which decides the output sign of a zero-scale group) is reproduced
 //    by ranking zeros in the CPU's lane order;
-//  * stochastic rounding draws RandomBits(key, index_base + i) for element i, as the CPU does;
+//  * stochastic rounding draws RandomBits(key, index_base + i) for element i, as the CPU does
+//    (RandomBitsRun: one hash per pair of elements), and rounds onto float grids with
+//    RoundToFloatGridStochastic, RoundToFloatGrid<kStochastic> on precomputed constants;
 //  * x * 2^-s and z * 2^s are single multiplications by powers of two; a NaN result is stored
 //    with the bits the CPU's x86 multiply would keep (the GPU would canonicalise its payload).
 // Statistics: counts and max are exact; the double sums are accumulated per thread, reduced
@@ -41,14 +43,15 @@ CPD_HD uint32_t UnorderedBits(uint32_t o) {
 // kernels::HysteresisFloatGrid: up onto the grid if w < q_prev, else down.
 struct FloatHysteresisOp {
   static constexpr bool kReadsOut = true;
+  static constexpr bool kRandom = false;
   FloatGrid g;
   const int32_t* shifts;
   uint64_t group_len;
   int32_t shift0;
 
   __device__ __forceinline__ void Init() { shift0 = shifts != nullptr ? shifts[0] : 0; }
-  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         GridRange* range) const {
+  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t /*rnd*/,
+                                         uint32_t* /*code*/, GridRange* range) const {
     const int32_t s = group_len == 0 ? shift0 : shifts[GroupOf(i, group_len)];
     const float y = __fmul_rn(x, Pow2(-s));
     if (range != nullptr) *range = ShiftedGridRange(g.max_bits, Pow2(s));
@@ -61,14 +64,15 @@ struct FloatHysteresisOp {
 // kernels::HysteresisBinadeGrid.
 struct BinadeHysteresisOp {
   static constexpr bool kReadsOut = true;
+  static constexpr bool kRandom = false;
   const BinadeGrid* g;
   const int32_t* shifts;
   uint64_t group_len;
   int32_t shift0;
 
   __device__ __forceinline__ void Init() { shift0 = shifts[0]; }
-  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         GridRange* range) const {
+  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t /*rnd*/,
+                                         uint32_t* /*code*/, GridRange* range) const {
     const int32_t s = group_len == 0 ? shift0 : shifts[GroupOf(i, group_len)];
     const float y = __fmul_rn(x, Pow2(-s));
     if (range != nullptr) *range = ShiftedGridRange(g->max_bits, Pow2(s));
@@ -80,13 +84,14 @@ struct BinadeHysteresisOp {
 
 struct LinearHysteresisOp {
   static constexpr bool kReadsOut = true;
+  static constexpr bool kRandom = false;
   const LinearGrid* grids;
   uint64_t group_len;
   LinearGrid grid0;
 
   __device__ __forceinline__ void Init() { grid0 = grids[0]; }
-  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t* /*code*/,
-                                         GridRange* range) const {
+  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t /*rnd*/,
+                                         uint32_t* /*code*/, GridRange* range) const {
     const LinearGrid lg = group_len == 0 ? grid0 : grids[GroupOf(i, group_len)];
     if (range != nullptr) *range = LinearGridRange(lg);
     return x < prev ? RoundToLinearGrid<RoundMode::kUp>(x, lg, 0u, nullptr)
@@ -96,9 +101,9 @@ struct LinearHysteresisOp {
 
 template <class Op, bool kStats>
 __device__ __forceinline__ float ApplyOne(const Op& op, float x, float prev, uint64_t i,
-                                          Acc<kStats>& acc) {
+                                          uint32_t rnd, Acc<kStats>& acc) {
   GridRange range;
-  const float z = op.Apply(x, prev, i, /*code=*/nullptr, kStats ? &range : nullptr);
+  const float z = op.Apply(x, prev, i, rnd, /*code=*/nullptr, kStats ? &range : nullptr);
   if constexpr (kStats) {
     acc.Add(x, z, range);
     if (Op::kReadsOut) acc.Flip(FloatBits(z) != FloatBits(prev));
@@ -106,14 +111,17 @@ __device__ __forceinline__ float ApplyOne(const Op& op, float x, float prev, uin
   return z;
 }
 
+// Elements i..i+3, whose random bits come from one run (two or three hashes, not four).
 template <class Op, bool kStats>
 __device__ __forceinline__ float4 ApplyFour(const Op& op, float4 x, float4 p, uint64_t i,
                                             Acc<kStats>& acc) {
+  uint32_t rnd[4];
+  RandomRun(op, i, rnd);
   float4 z;
-  z.x = ApplyOne<Op, kStats>(op, x.x, p.x, i, acc);
-  z.y = ApplyOne<Op, kStats>(op, x.y, p.y, i + 1, acc);
-  z.z = ApplyOne<Op, kStats>(op, x.z, p.z, i + 2, acc);
-  z.w = ApplyOne<Op, kStats>(op, x.w, p.w, i + 3, acc);
+  z.x = ApplyOne<Op, kStats>(op, x.x, p.x, i, rnd[0], acc);
+  z.y = ApplyOne<Op, kStats>(op, x.y, p.y, i + 1, rnd[1], acc);
+  z.z = ApplyOne<Op, kStats>(op, x.z, p.z, i + 2, rnd[2], acc);
+  z.w = ApplyOne<Op, kStats>(op, x.w, p.w, i + 3, rnd[3], acc);
   return z;
 }
 
@@ -256,7 +264,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
   for (uint64_t w = warp; w < items; w += warps) {
-    const Segment sg = SegmentOf(w, n, group_len, segs_per_group);
+    // Last item first, so the element pass finds the start of the span in L2.
+    const Segment sg = SegmentOf(items - 1 - w, n, group_len, segs_per_group);
     const uint64_t g = sg.group, begin = sg.begin, end = sg.end;
     uint32_t m0 = 0, m1 = 0;
     uint64_t i = begin + lane;
@@ -285,7 +294,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
   for (uint64_t w = warp; w < items; w += warps) {
-    const Segment sg = SegmentOf(w, n, group_len, segs_per_group);
+    const Segment sg = SegmentOf(items - 1 - w, n, group_len, segs_per_group);  // last first
     const uint64_t g = sg.group, begin = sg.begin, end = sg.end;
     const unsigned long long zero_rank = ZeroRank(chunked ? (begin - g * group_len) >> 16 : 0);
     MinMax mm;
@@ -310,20 +319,19 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t a = FiniteAbsBits(in[i]);
     m = a > m ? a : m;
   }
+  // Backwards (vector nvec - 1 - v): the element pass that follows reads forwards, so it first
+  // meets what this pass read last, which is still in L2 (tens of MB on an H100/H200).
   const float4* in4 = reinterpret_cast<const float4*>(in + head);
   for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
     float4 x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * stride;
-      x[u] = v < nvec ? in4[v] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // 0 leaves the max
+      x[u] = v < nvec ? in4[nvec - 1 - v] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // 0: no max
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t a = FiniteAbsBits(x[u].x), b = FiniteAbsBits(x[u].y);
-      const uint32_t c = FiniteAbsBits(x[u].z), d = FiniteAbsBits(x[u].w);
-      const uint32_t ab = a > b ? a : b, cd = c > d ? c : d;
-      const uint32_t abcd = ab > cd ? ab : cd;
+      const uint32_t abcd = MaxFiniteAbsBits(x[u]);
       m = abcd > m ? abcd : m;
     }
   }
@@ -351,20 +359,21 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   MinMax mm;
   for (uint64_t i = tid; i < head; i += stride) mm.Add(in[i], ZeroRank(chunked ? i >> 16 : 0));
+  // Backwards, as max_abs_one_group_kernel (L2 reuse by the element pass).
   const float4* in4 = reinterpret_cast<const float4*>(in + head);
   for (uint64_t v0 = tid; v0 < nvec; v0 += kUnroll * stride) {
     float4 x[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * stride;
-      if (v < nvec) x[u] = in4[v];
+      if (v < nvec) x[u] = in4[nvec - 1 - v];
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * stride;
       if (v >= nvec) break;
       // Each element its own chunk: with head = 1..3 a vector may straddle a chunk boundary.
-      const uint64_t i = head + 4 * v;
+      const uint64_t i = head + 4 * (nvec - 1 - v);
       mm.Add(x[u].x, ZeroRank(chunked ? i >> 16 : 0));
       mm.Add(x[u].y, ZeroRank(chunked ? (i + 1) >> 16 : 0));
       mm.Add(x[u].z, ZeroRank(chunked ? (i + 2) >> 16 : 0));
@@ -407,7 +416,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = tid; i < head; i += stride) {
     const float p = Op::kReadsOut ? prev[i] : 0.0f;
-    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, RandomOne(o, i), acc);
     out[i] = z;
     if constexpr (Op::kReadsOut) {
       if (keep != nullptr) keep[i] = z;
@@ -442,7 +451,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (uint64_t i = head + 4 * nvec + tid; i < n; i += stride) {
     const float p = Op::kReadsOut ? prev[i] : 0.0f;
-    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, acc);
+    const float z = ApplyOne<Op, kStats>(o, in[i], p, i, RandomOne(o, i), acc);
     out[i] = z;
     if constexpr (Op::kReadsOut) {
       if (keep != nullptr) keep[i] = z;
@@ -452,14 +461,16 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Block formats in one pass (block_size = 4 * lanes_per_block, a power of two <= 128). A warp
-// takes 128 consecutive elements (a tile), 4 per lane; a block is lanes_per_block adjacent
-// lanes, whose max is found by xor shuffles, so the shift is known without a second read.
-// Tiles are distributed grid-stride over warps (warp-uniform, so every shuffle is full).
+// takes 128 consecutive elements (a tile), 4 per lane: one 16-byte load and one 16-byte store
+// per lane, 512 contiguous bytes per warp, kUnroll tiles in flight. A block is lanes_per_block
+// adjacent lanes, whose max is found by xor shuffles, so the shift is known without a second
+// read. Tiles are distributed grid-stride over warps (warp-uniform, so every shuffle is full).
 template <RoundMode kMode, bool kStats>
 __global__ void __launch_bounds__(kThreads)
-    quantize_blocks_fused_kernel(const float* in, float* out, uint64_t n, const FloatGrid g,
-                                 ShiftRule rule, int lanes_per_block, bool vec_in, bool vec_out,
-                                 uint64_t key, uint64_t index_base, StatsArgs stats) {
+    quantize_blocks_fused_kernel(const float* in, float* out, uint64_t n,
+                                 const StochasticGridConsts c, ShiftRule rule, int lanes_per_block,
+                                 bool vec_in, bool vec_out, uint64_t key, uint64_t index_base,
+                                 StatsArgs stats) {
   Acc<kStats> acc;
   const int lane = threadIdx.x % 32;
   const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -487,35 +498,36 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t t = t0 + u * warps;
       if (t >= tiles) break;  // warp-uniform
       const uint64_t e = t * 128 + 4 * lane;
-      const uint32_t a0 = FiniteAbsBits(x[u].x), a1 = FiniteAbsBits(x[u].y);
-      const uint32_t a2 = FiniteAbsBits(x[u].z), a3 = FiniteAbsBits(x[u].w);
-      uint32_t m = a0 > a1 ? a0 : a1;
-      m = a2 > m ? a2 : m;
-      m = a3 > m ? a3 : m;
-      for (int off = lanes_per_block / 2; off > 0; off >>= 1) {
-        const uint32_t other = __shfl_xor_sync(kFullMask, m, off);
-        m = other > m ? other : m;
+      uint32_t m = MaxFiniteAbsBits(x[u]);
+      // Unrolled, with a uniform condition per step: a loop over lanes_per_block cost a
+      // compare and a branch per step of every tile.
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        if (off < lanes_per_block) {
+          const uint32_t other = __shfl_xor_sync(kFullMask, m, off);
+          m = other > m ? other : m;
+        }
       }
       const int32_t s = ShiftForMax(BitsFloat(m), rule);
       const float down = Pow2(-s), up = Pow2(s);
+      uint32_t rnd[4] = {0u, 0u, 0u, 0u};
+      if constexpr (kMode == RoundMode::kStochastic) RandomBitsRun<4>(key, index_base + e, rnd);
       float z[4];
       const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const uint64_t i = e + c;
-        const uint32_t rnd = kMode == RoundMode::kStochastic ? RandomBits(key, index_base + i) : 0u;
-        const uint32_t zb = RoundToFloatGrid<kMode>(__fmul_rn(xs[c], down), g, rnd, nullptr);
-        z[c] = ScaleBack(zb, up);
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t zb = RoundFloat<kMode>(__fmul_rn(xs[k], down), c, rnd[k], nullptr);
+        z[k] = ScaleBack(zb, up);
         if constexpr (kStats) {
-          if (i < n) acc.Add(xs[c], z[c], ShiftedGridRange(g.max_bits, up));
+          if (e + k < n) acc.Add(xs[k], z[k], ShiftedGridRange(c.max_bits, up));
         }
       }
       if (vec_out && e + 4 <= n) {
         *reinterpret_cast<float4*>(out + e) = make_float4(z[0], z[1], z[2], z[3]);
       } else {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if (e + c < n) out[e + c] = z[c];
+        for (int k = 0; k < 4; ++k) {
+          if (e + k < n) out[e + k] = z[k];
         }
       }
     }
@@ -629,6 +641,7 @@ template <RoundMode kMode>
 CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid& g, ShiftRule rule,
                        int lanes_per_block, const RandomParams& rng, const StatsTarget& stats,
                        cudaStream_t stream) {
+  const StochasticGridConsts c(g);
   const bool vec_in = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
   const bool vec_out = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
   const uint64_t tiles = CEIL_DIV(n, uint64_t(128));
@@ -639,7 +652,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
         GridBlocks<quantize_blocks_fused_kernel<kMode, true>>(work, kWarpsPerBlock, true, &blocks);
     if (!r.ok()) return r;
     quantize_blocks_fused_kernel<kMode, true>
-        <<<blocks, kThreads, 0, stream>>>(in, out, n, g, rule, lanes_per_block, vec_in, vec_out,
+        <<<blocks, kThreads, 0, stream>>>(in, out, n, c, rule, lanes_per_block, vec_in, vec_out,
                                           rng.key, rng.index_base, ArgsOf(stats));
     CPD_CUDA_CHECK(cudaGetLastError());
     return CudaResult{};
@@ -648,7 +661,7 @@ CudaResult LaunchFused(const float* in, float* out, uint64_t n, const FloatGrid&
       GridBlocks<quantize_blocks_fused_kernel<kMode, false>>(work, kWarpsPerBlock, false, &blocks);
   if (!r.ok()) return r;
   quantize_blocks_fused_kernel<kMode, false><<<blocks, kThreads, 0, stream>>>(
-      in, out, n, g, rule, lanes_per_block, vec_in, vec_out, rng.key, rng.index_base, StatsArgs{});
+      in, out, n, c, rule, lanes_per_block, vec_in, vec_out, rng.key, rng.index_base, StatsArgs{});
   CPD_CUDA_CHECK(cudaGetLastError());
   return CudaResult{};
 }
@@ -750,11 +763,12 @@ CudaResult LaunchQuantizeFloatGrid(const float* in, float* out, size_t n, const 
   CudaResult r = CheckGroups(n, groups, shifts != nullptr);
   if (!r.ok()) return r;
   if (shifts == nullptr) {
-    return DispatchMode<FixedFloatGridOp>(mode, in, out, n, stats, AsStream(stream), g, rng.key,
-                                          rng.index_base);
+    return DispatchMode<FixedFloatGridOp>(mode, in, out, n, stats, AsStream(stream),
+                                          StochasticGridConsts(g), rng.key, rng.index_base);
   }
-  return DispatchMode<FloatGridOp>(mode, in, out, n, stats, AsStream(stream), g, shifts,
-                                   groups.group_len, rng.key, rng.index_base, 0.0f, 0.0f);
+  return DispatchMode<FloatGridOp>(mode, in, out, n, stats, AsStream(stream),
+                                   StochasticGridConsts(g), shifts, groups.group_len, rng.key,
+                                   rng.index_base, 0.0f, 0.0f);
 }
 
 CudaResult LaunchQuantizeLinearGrid(const float* in, float* out, size_t n, const LinearGrid* grids,

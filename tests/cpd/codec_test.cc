@@ -416,5 +416,53 @@ TEST(PackCodes, DeviceUnitsMatchPackCodes) {
   }
 }
 
+// The device codec's quads (kernels/pack.h): four codes of 4, 8, 16 or 32 bits per lane at byte
+// q * bits / 2, the rest of the stream (n % 4 codes) as the last, short unit; packed quad by
+// quad the stream equals PackCodes' bytes, and unpacked quad by quad it gives the codes back.
+TEST(PackCodes, DeviceQuadsMatchPackCodes) {
+  std::mt19937_64 rng(11);
+  for (int bits : {4, 8, 16, 32}) {
+    const int quad_bytes = bits / 2;
+    ASSERT_EQ(kernels::QuadCodeBits(quad_bytes), bits);
+    const uint32_t mask = kernels::CodeMask(bits);
+    for (size_t n : {1, 2, 3, 4, 5, 6, 7, 8, 29, 64, 78}) {
+      std::vector<uint32_t> codes(n);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t r = rng();
+        codes[i] = (r % 7 == 0) ? mask : (r % 7 == 1) ? 0u : uint32_t(r >> 20) & mask;
+      }
+      const std::vector<uint8_t> ref = ReferencePack(codes, bits);
+      const std::string what = "bits " + std::to_string(bits) + " n " + std::to_string(n);
+      std::vector<uint32_t> storage(ref.size() / 4 + 8);  // 16-byte quads need no more
+      uint8_t* dst = reinterpret_cast<uint8_t*>(storage.data());
+      std::memset(dst, 0xab, storage.size() * 4);
+      const size_t quads = n / 4;
+      std::vector<uint32_t> back(n, 0xdeadbeefu);
+      for (size_t q = 0; q < quads; ++q) {
+        const uint32_t four[4] = {codes[4 * q], codes[4 * q + 1], codes[4 * q + 2],
+                                  codes[4 * q + 3]};
+        kernels::StoreCodeQuad(four, quad_bytes, dst + q * size_t(quad_bytes));
+        uint32_t got[4];
+        kernels::LoadCodeQuad(ref.data() + q * size_t(quad_bytes), quad_bytes, got);
+        for (int k = 0; k < 4; ++k) back[4 * q + size_t(k)] = got[k];
+      }
+      const int len = int(n - 4 * quads);
+      if (len > 0) {
+        uint32_t tail[kernels::kUnitCodes] = {};
+        for (int k = 0; k < len; ++k) tail[k] = codes[4 * quads + size_t(k)];
+        kernels::StoreCodeUnit(tail, len, bits, /*words=*/false, dst + quads * size_t(quad_bytes));
+        uint32_t got[kernels::kUnitCodes];
+        kernels::LoadCodeUnit(ref.data() + quads * size_t(quad_bytes), len, bits, false, got);
+        for (int k = 0; k < len; ++k) back[4 * quads + size_t(k)] = got[k];
+      }
+      EXPECT_TRUE(std::equal(ref.begin(), ref.end(), dst)) << what;
+      for (size_t i = ref.size(); i < storage.size() * 4; ++i) {
+        ASSERT_EQ(dst[i], 0xab) << what << ": wrote past the end";
+      }
+      EXPECT_EQ(back, codes) << what;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cpd::test

@@ -26,6 +26,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -41,6 +42,8 @@
 #include "comm/mpi_communicator.h"
 #include "comm/perf_model.h"
 #include "cpd/config.h"
+#include "launcher/cli.h"
+#include "launcher/world.h"
 #if CPD_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -59,8 +62,9 @@ using cpd::comm::GradientAllReducer;
 using cpd::comm::GradientLayout;
 
 // "8", "64K", "64M", "1G" (powers of 1024) -> bytes; 0 on a malformed value.
+// Bytes of "N", "NK", "NM" or "NG"; 0 for anything else, or a size past 2^62.
 size_t ParseSize(const std::string& s) {
-  if (s.empty()) return 0;
+  if (s.empty() || s.size() > 19) return 0;
   size_t mult = 1;
   std::string digits = s;
   const char last = char(std::toupper(static_cast<unsigned char>(s.back())));
@@ -69,7 +73,28 @@ size_t ParseSize(const std::string& s) {
     digits = s.substr(0, s.size() - 1);
   }
   if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) return 0;
-  return size_t(std::stoull(digits)) * mult;
+  const unsigned long long n = std::stoull(digits);  // at most 19 digits: no overflow
+  if (n > (1ull << 62) / mult) return 0;
+  return size_t(n) * mult;
+}
+
+// The largest -e: a rank holds several buffers of this size (inputs, sums, staging copies), and
+// ranks share a node, so a size past an eighth of the memory (or 4 GiB) would only end in
+// allocation failure or swapping.
+size_t MaxBenchBytes() {
+  const size_t memory = size_t(sysconf(_SC_PHYS_PAGES)) * size_t(sysconf(_SC_PAGE_SIZE));
+  return std::min(size_t(1) << 32, memory / 8);
+}
+
+// A usage error: said once, by rank 0 (before MPI starts every rank finds it), exit status 2.
+[[gnu::format(printf, 1, 2)]] int Usage(const char* fmt, ...) {
+  if (cpd::launcher::LaunchRank() == 0) {
+    va_list args;
+    va_start(args, fmt);
+    std::vfprintf(stderr, fmt, args);
+    va_end(args);
+  }
+  return 2;
 }
 
 std::string FormatSize(size_t bytes) {
@@ -395,6 +420,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "Untimed iterations first")->capture_default_str();
   app.add_option("--threads", threads,
                  "Quantisation threads per rank; 0 = cores / ranks on this node")
+      ->check(cpd::launcher::ThreadCount())
       ->capture_default_str();
   app.add_option("--pipeline-kb", pipeline_kb,
                  "KiB of codes per round of the pipelined emulate/packed schedule; 0 = "
@@ -423,7 +449,13 @@ int main(int argc, char** argv) {
   app.add_option("--project-mem-gbs", project_mem_gbs,
                  "Memory bandwidth the element loops run at (GPU kernels), GB/s")
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return Usage("cpd-allreduce-bench: %s\n", e.what());
+  }
   if (project) {
     const std::vector<ProjectionModel> models = ParseProjectionModels(project_models);
     std::vector<double> gbits;
@@ -440,11 +472,9 @@ int main(int argc, char** argv) {
                           std::all_of(gbits.begin(), gbits.end(), [](double g) { return g > 0; }) &&
                           std::all_of(ranks.begin(), ranks.end(), [](int p) { return p >= 2; });
     if (!ok_lists || !(project_alpha_us >= 0) || !(project_mem_gbs > 0) || !(bucket_mb > 0)) {
-      std::fprintf(stderr,
-                   "cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
+      return Usage("cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
                    "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
                    "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
-      return 2;
     }
     PrintProjection(models, gbits, ranks, project_alpha_us, project_mem_gbs, bucket_mb);
     return 0;
@@ -452,55 +482,58 @@ int main(int argc, char** argv) {
 
   const size_t min_b = ParseSize(minbytes), max_b = ParseSize(maxbytes);
   if (min_b < 4 || max_b < min_b) {
-    std::fprintf(stderr,
-                 "cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
+    return Usage("cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
                  "-b 8 -e 64M)\n",
                  minbytes.c_str(), maxbytes.c_str());
-    return 2;
+  }
+  if (max_b > MaxBenchBytes()) {
+    return Usage("cpd-allreduce-bench: -e %s is not accepted: at most %s (4 GiB, or an eighth of "
+                 "this machine's memory: each rank holds several buffers of this size)\n",
+                 maxbytes.c_str(), FormatSize(MaxBenchBytes()).c_str());
+  }
+  if (!(bucket_mb > 0) || !(bucket_mb <= cpd::comm::kMaxBucketMb)) {
+    return Usage("cpd-allreduce-bench: --bucket-mb %g is not accepted: a number of MiB > 0 and "
+                 "<= %g\n",
+                 bucket_mb, cpd::comm::kMaxBucketMb);
+  }
+  if (app.count("--pipeline-kb") > 0 && (pipeline_kb < 0 || pipeline_kb > cpd::comm::kMaxPipelineKb)) {
+    return Usage("cpd-allreduce-bench: --pipeline-kb %d is not accepted: 0 (sequential) or "
+                 "1..%d KiB of codes per round\n",
+                 pipeline_kb, cpd::comm::kMaxPipelineKb);
   }
   if (!(stepfactor > 1.0)) {
-    std::fprintf(stderr, "cpd-allreduce-bench: -f must be > 1, got %g\n", stepfactor);
-    return 2;
+    return Usage("cpd-allreduce-bench: -f must be > 1, got %g\n", stepfactor);
   }
   if (aps != "on" && aps != "off") {
-    std::fprintf(stderr, "cpd-allreduce-bench: --aps must be on or off, got '%s'\n", aps.c_str());
-    return 2;
+    return Usage("cpd-allreduce-bench: --aps must be on or off, got '%s'\n", aps.c_str());
   }
   if (pipeline_kb < 0) pipeline_kb = GradientAllReduceOptions{}.pipeline_kb;
   if (iters < 1 || warmup < 0 || threads < 0 || !(scale > 0.0) || !std::isfinite(scale)) {
-    std::fprintf(stderr,
-                 "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
+    return Usage("cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
                  "--scale > 0\n");
-    return 2;
   }
   if (device != "cpu" && device != "cuda") {
-    std::fprintf(stderr, "cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n",
+    return Usage("cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n",
                  device.c_str());
-    return 2;
   }
   if (comm_kind != "mpi" && comm_kind != "nccl") {
-    std::fprintf(stderr, "cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n",
+    return Usage("cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n",
                  comm_kind.c_str());
-    return 2;
   }
   if (comm_kind == "nccl" && device != "cuda") {
-    std::fprintf(stderr, "cpd-allreduce-bench: --comm nccl needs --device cuda\n");
-    return 2;
+    return Usage("cpd-allreduce-bench: --comm nccl needs --device cuda\n");
   }
   const bool on_gpu = device == "cuda";
   if (model && on_gpu) {
-    std::fprintf(stderr,
-                 "cpd-allreduce-bench: --model predicts host gradients only (not "
+    return Usage("cpd-allreduce-bench: --model predicts host gradients only (not "
                  "--device cuda)\n");
-    return 2;
   }
   std::vector<AllReduceAlgo> algos;
   for (const std::string& a : cpd::bench::SplitList(algos_list)) {
     auto parsed = cpd::comm::ParseAllReduceAlgo(a);
     if (!parsed.ok()) {
-      std::fprintf(stderr, "cpd-allreduce-bench: --algos: %s\n",
+      return Usage("cpd-allreduce-bench: --algos: %s\n",
                    parsed.status().ToString().c_str());
-      return 2;
     }
     algos.push_back(parsed.value());
   }
@@ -508,9 +541,8 @@ int main(int argc, char** argv) {
   for (const std::string& f : formats) {
     auto parsed = cpd::Format::Parse(f);
     if (!parsed.ok()) {
-      std::fprintf(stderr, "cpd-allreduce-bench: --formats: %s\n",
+      return Usage("cpd-allreduce-bench: --formats: %s\n",
                    parsed.status().ToString().c_str());
-      return 2;
     }
   }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <utility>
 
 #include "comm/allreduce/backend.h"
@@ -194,18 +195,21 @@ Status GradientAllReduceOptions::Validate() const {
                                      AllReduceAlgoName(algo) + ": " + f.status().message());
     }
   }
-  if (!(bucket_mb > 0.0) || !std::isfinite(bucket_mb)) {
-    return Status::InvalidArgument("bucket_mb must be a positive number of MiB, got " +
-                                   std::to_string(bucket_mb));
+  if (!(bucket_mb > 0.0) || !(bucket_mb <= kMaxBucketMb)) {
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", bucket_mb);
+    return Status::InvalidArgument("--bucket-mb " + std::string(got) +
+                                   " is not accepted: a number of MiB > 0 and <= " +
+                                   std::to_string(int(kMaxBucketMb)));
   }
   if (threads < 0) {
     return Status::InvalidArgument("threads must be >= 0 (0 = all cores), got " +
                                    std::to_string(threads));
   }
-  if (pipeline_kb < 0) {
-    return Status::InvalidArgument(
-        "pipeline_kb must be >= 0 (KiB of codes per round; 0 = sequential), got " +
-        std::to_string(pipeline_kb));
+  if (pipeline_kb < 0 || pipeline_kb > kMaxPipelineKb) {
+    return Status::InvalidArgument("--pipeline-kb " + std::to_string(pipeline_kb) +
+                                   " is not accepted: 0 (sequential) or 1.." +
+                                   std::to_string(kMaxPipelineKb) + " KiB of codes per round");
   }
   if (kahan && algo != AllReduceAlgo::kEmulate) {
     return Status::InvalidArgument(std::string("kahan summation applies to all-reduce emulate "

@@ -132,9 +132,14 @@ struct GradientAllReduceOptions;
 bool UsesApsSumScaling(const GradientAllReduceOptions& o);
 
 // Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
-// is accepted, for: a format that does not parse (emulate and packed only), bucket_mb <= 0 or not
-// finite, threads < 0, pipeline_kb < 0, kahan with an algorithm other than emulate, aps_scaling
+// is accepted, for: a format that does not parse (emulate and packed only), bucket_mb outside
+// (0, kMaxBucketMb], threads < 0, pipeline_kb outside [0, kMaxPipelineKb], kahan with an algorithm other than emulate, aps_scaling
 // kSum with emulate, layer_formats with the fp32 algorithm or with a spec that does not parse.
+// The bounds on the sizes users give (cpd-train's and cpd-allreduce-bench's --bucket-mb and
+// --pipeline-kb, whose names Validate's messages use): a bucket's buffers and a round's slices
+// are allocated at these sizes, so a mistyped value must not reach an allocation.
+inline constexpr double kMaxBucketMb = 4096;        // 4 GiB of float32 gradients per bucket
+inline constexpr int kMaxPipelineKb = 1024 * 1024;  // 1 GiB of codes per round
 struct GradientAllReduceOptions {
   AllReduceAlgo algo = AllReduceAlgo::kFp32;
   std::string format = "e4m3";  // the gradient format (ignored by fp32)

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cpd/status.h"
+#include "cpd/threads.h"
 
 namespace cpd::launcher {
 
@@ -50,6 +51,27 @@ inline CLI::Validator IntegerAtLeast(long long lo) {
 inline CLI::Validator IntegerIn(long long lo, long long hi) {
   return NumberValidator("a whole number from " + std::to_string(lo) + " to " + std::to_string(hi),
                          true, lo, hi);
+}
+// A seed or a step: a whole number 0..2^64-1 in decimal digits. CLI11's own conversion wraps -1 to 2^64-1
+// and saturates 2^64 and 1e23 to it, so three different seeds gave one stream.
+inline CLI::Validator Uint64Number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const char* what = "' is not accepted: a whole number from 0 to 18446744073709551615";
+        if (text.empty() || text.size() > 20 ||
+            text.find_first_not_of("0123456789") != std::string::npos) {
+          return "'" + text.substr(0, 40) + what;
+        }
+        errno = 0;
+        std::strtoull(text.c_str(), nullptr, 10);
+        if (errno == ERANGE) return "'" + text + what;
+        return std::string();
+      },
+      "a whole number from 0 to 2^64-1");
+}
+// The count of threads a tool runs (0: all cores), bounded by cpd::MaxThreads.
+inline CLI::Validator ThreadCount() {
+  return NumberValidator(ThreadsAccepted(), true, 0, MaxThreads());
 }
 // A number > 0 (seconds, rates).
 inline CLI::Validator PositiveNumber() {

@@ -169,8 +169,10 @@ int main(int argc, char** argv) {
   quant->add_option("--rounding", rounding, "nearest (ties to even) | stochastic | zero")
       ->capture_default_str();
   quant->add_option("--seed", seed, "Seed of the stochastic-rounding stream")
+      ->check(cpd::launcher::Uint64Number())
       ->capture_default_str();
   quant->add_option("--step", step, "Step number mixed into the stochastic stream")
+      ->check(cpd::launcher::Uint64Number())
       ->capture_default_str();
   quant
       ->add_option("--channels", channels,
@@ -179,7 +181,7 @@ int main(int argc, char** argv) {
       ->check(cpd::launcher::IntegerAtLeast(1));
   quant->add_option("--threads", threads, "Worker threads (0 = all cores)")
       ->capture_default_str()
-      ->check(cpd::launcher::IntegerIn(0, 4096));
+      ->check(cpd::launcher::ThreadCount());
   quant->add_flag("--stats", stats,
                   "Print statistics (max|x|, saturated, flushed, error) to stderr");
 

@@ -22,8 +22,9 @@ namespace {
 
 using cpd::launcher::kUsageError;
 
+// Before MPI starts every rank finds the same error: rank 0 says it.
 [[noreturn]] void Fail(const std::string& msg, int code = kUsageError) {
-  cpd::launcher::FailWith("cpd-train", msg, code);
+  cpd::launcher::FailBeforeWorld("cpd-train", msg, code);
 }
 
 }  // namespace
@@ -54,6 +55,7 @@ int main(int argc, char** argv) {
   if (const cpd::Status s = cpd::launcher::ApplyTrainFlags(app, &f, &o); !s.ok()) {
     Fail(s.message());
   }
+  if (f.check) return 0;
   std::unique_ptr<cpd::comm::Communicator> comm =
       cpd::launcher::MakeWorldOrExit("cpd-train", cpd::launcher::WorldKind(f));
   auto result = cpd::runtime::Train(o, comm.get());

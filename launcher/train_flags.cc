@@ -153,8 +153,11 @@ void AddOptimisationOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--lr-gamma", o->lr_gamma, "Factor of the 'step' schedule")
       ->capture_default_str();
   app->add_option("--seed", o->seed, "Seed of initialisation, shuffling and rounding")
+      ->check(Uint64Number())
       ->capture_default_str();
-  app->add_option("--threads", o->threads, "Threads (0: all cores)")->capture_default_str();
+  app->add_option("--threads", o->threads, "Threads (0: all cores)")
+      ->check(ThreadCount())
+      ->capture_default_str();
 }
 
 void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
@@ -284,6 +287,10 @@ void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "step)")
       ->capture_default_str();
   app->add_flag("--quiet", o->quiet, "Print nothing but errors");
+  app->add_flag("--check", f->check,
+                "Check the flags and --config, then exit: 0 and nothing printed where a run "
+                "would start, else the one-line error and 2 (no data is read; for batch "
+                "scripts, before mpirun or sbatch)");
 }
 
 }  // namespace
@@ -437,10 +444,6 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto r = cpd::ParseRounding(f->ar_rounding);
   if (!r.ok()) return bad("--allreduce-rounding: " + r.status().message());
   o->allreduce.rounding = *r;
-  if (o->allreduce.pipeline_kb < 0) {
-    return bad("--pipeline-kb must be >= 0 (KiB of codes per round; 0 = sequential), got " +
-               std::to_string(o->allreduce.pipeline_kb));
-  }
   auto scaling = cpd::comm::ParseApsScaling(f->aps_scaling);
   if (!scaling.ok()) return bad("--aps-scaling: " + scaling.status().message());
   o->allreduce.aps_scaling = *scaling;
@@ -449,7 +452,7 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
     return bad("--aps-scaling sum applies to --allreduce packed only; emulate keeps the paper's "
                "scaling (accepted with emulate: auto, paper)");
   }
-  return Status::Ok();
+  return runtime::ValidateTrainOptions(*o);
 }
 
 std::string WorldKind(const TrainFlags& f) { return f.comm_kind == "nccl" ? "auto" : f.comm_kind; }

@@ -35,6 +35,7 @@ struct TrainFlags {
   std::vector<std::string> ar_layer_formats;  // --allreduce-layer-format NAME=SPEC
   std::string token_file, tls_ca;
   bool no_progress = false;
+  bool check = false;  // --check: validate and exit
   std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
   std::string lars_exclude = "bias-bn", lr_scaling = "none";
 };
@@ -67,7 +68,9 @@ Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string
 Status ApplyConfigFile(CLI::App& app, const std::string& path);
 
 // Everything the flags say beyond the options they set directly: presets, formats, enums, the
-// coordinator's address, token and certificates (read here).
+// coordinator's address, token and certificates (read here); then the whole of the options
+// through runtime::ValidateTrainOptions, so that a bad value is found before MPI starts and
+// cpd-study's plan refuses what the run would.
 Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, runtime::TrainOptions* o);
 
 // The kind of the run's own communicator for launcher/world.h's MakeWorld: --comm, with nccl

@@ -13,11 +13,22 @@ namespace cpd::launcher {
 // Whether a parallel launcher (Open MPI's mpirun, Slurm's srun with PMIx or PMI-2) started us.
 bool LaunchedByMpi();
 
+// This process's rank and the number of processes, as the launcher's environment says before
+// MPI starts (0 and 1 without a launcher, or where it does not say): so that an error found
+// before MPI is printed once, by rank 0, and a one-process communicator is refused under a
+// parallel launch.
+int LaunchRank();
+int LaunchSize();
+
 // `kind`: "auto" (MPI when a launcher started us, else one process), "self" or "mpi".
-// InvalidArgument for another kind or "mpi" in a build without MPI; Unavailable when MPI cannot
-// start.
+// InvalidArgument for another kind, "mpi" in a build without MPI, or "self" when a launcher
+// started several processes; Unavailable when MPI cannot start.
 Result<std::unique_ptr<comm::Communicator>> MakeWorld(const std::string& kind);
-// MakeWorld, or exit with "<tool>: message": 2 for a bad kind, 1 when MPI cannot start.
+// Exits `code` after "<tool>: msg" on stderr, printed by rank 0 only: every rank of a launch
+// finds the same error in its flags, and one line says it.
+[[noreturn]] void FailBeforeWorld(const char* tool, const std::string& msg, int code);
+
+// MakeWorld, or exit with "<tool>: message" (rank 0): 2 for a bad kind, 1 when MPI cannot start.
 std::unique_ptr<comm::Communicator> MakeWorldOrExit(const char* tool, const std::string& kind);
 
 // The exit code of a run that diverged (a Status of code OutOfRange from training).

@@ -24,6 +24,9 @@ has --global-batch "$@" || has --batch-size "$@" || defaults+=(--global-batch 12
 has --allreduce "$@" || defaults+=(--allreduce packed --allreduce-format e4m3 --aps)
 cores=$(nproc)
 has --threads "$@" || defaults+=(--threads $(( cores / RANKS > 0 ? cores / RANKS : 1 )))
+# A mistyped flag is one line here, before mpirun (which adds eight lines of its own about the
+# rank that exited).
+"$BIN/cpd-train" --check "${defaults[@]}" "$@"
 if [ "$RANKS" -eq 1 ]; then
   exec "$BIN/cpd-train" "${defaults[@]}" "$@"
 fi

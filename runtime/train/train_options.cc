@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "cpd/threads.h"
 #include "runtime/train/trainer.h"
 
 namespace cpd::runtime {
@@ -20,6 +21,17 @@ Status CheckGlobalBatchSplit(int64_t global_batch, int ranks, int emulate_ranks)
                                  std::to_string(emulate_ranks) + " emulated)");
 }
 
+namespace {
+
+// A number as a user would write it (%g: -1, 0.5, 1e+30, nan).
+std::string Number(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+
+}  // namespace
+
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
@@ -30,8 +42,9 @@ Status ValidateTrainOptions(const TrainOptions& o) {
     return bad("--max-skipped-steps must be >= 0 (0: never stop for skipped steps), got " +
                std::to_string(o.max_skipped_steps));
   }
-  if (o.threads < 0) {
-    return bad("--threads must be >= 0 (0: all cores), got " + std::to_string(o.threads));
+  if (o.threads < 0 || o.threads > MaxThreads()) {
+    return bad("--threads " + std::to_string(o.threads) + " is not accepted: " +
+               ThreadsAccepted());
   }
   for (const auto& [flag, v] : {std::pair<const char*, int>{"--in-channels", o.in_channels},
                                 {"--image-size", o.image_size},
@@ -43,7 +56,9 @@ Status ValidateTrainOptions(const TrainOptions& o) {
                  std::to_string(v));
     }
   }
-  if (o.batch_size < 1) return bad("--batch-size must be >= 1");
+  if (o.batch_size < 1) {
+    return bad("--batch-size " + std::to_string(o.batch_size) + " is not accepted: >= 1");
+  }
   if (o.global_batch < 0) return bad("--global-batch must be >= 1 (or 0: batch-size x workers)");
   if (o.emulate_ranks < 1 || o.emulate_ranks > 4096) {
     return bad("--emulate-ranks must be in 1..4096, got " + std::to_string(o.emulate_ranks));
@@ -51,7 +66,9 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (o.measure_error_every < 0) return bad("--measure-error must be >= 0");
   if (o.debug_step_sleep_ms < 0) return bad("--debug-step-sleep-ms must be >= 0");
   CPD_RETURN_IF_ERROR(o.allreduce.Validate());
-  if (o.lr <= 0 || !std::isfinite(o.lr)) return bad("--lr must be a positive number");
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) {
+    return bad("--lr " + Number(o.lr) + " is not accepted: a number > 0");
+  }
   if (o.lr_base_batch < 1) {
     return bad("--lr-base-batch must be >= 1, got " + std::to_string(o.lr_base_batch));
   }
@@ -72,8 +89,12 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (!(o.lars_excluded_lr_ratio > 0) || !std::isfinite(o.lars_excluded_lr_ratio)) {
     return bad("--lars-excluded-lr-ratio must be a positive number (default 0.024)");
   }
-  if (o.momentum < 0 || o.momentum >= 1) return bad("--momentum must be in [0, 1)");
-  if (o.weight_decay < 0) return bad("--weight-decay must be >= 0");
+  if (!(o.momentum >= 0 && o.momentum < 1)) {
+    return bad("--momentum " + Number(o.momentum) + " is not accepted: a number in [0, 1)");
+  }
+  if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
+    return bad("--weight-decay " + Number(o.weight_decay) + " is not accepted: a number >= 0");
+  }
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
   if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {
     return bad("--progress-interval must be a number of seconds >= 0 (0: every step)");

@@ -1176,14 +1176,18 @@ TEST(GradientAllReduceTest, BadOptionsGiveClearStatus) {
   expect_invalid(o, layout, 1, "e9m3");
   o.format = "e4m3";
   o.bucket_mb = 0;
-  expect_invalid(o, layout, 1, "bucket_mb");
+  expect_invalid(o, layout, 1, "--bucket-mb 0 is not accepted");
   o.bucket_mb = -1;
-  expect_invalid(o, layout, 1, "bucket_mb");
+  expect_invalid(o, layout, 1, "--bucket-mb -1 is not accepted");
   o.bucket_mb = std::numeric_limits<double>::quiet_NaN();
-  expect_invalid(o, layout, 1, "bucket_mb");
+  expect_invalid(o, layout, 1, "--bucket-mb nan is not accepted");
+  o.bucket_mb = 1e30;  // bounded before a bucket is allocated
+  expect_invalid(o, layout, 1, "--bucket-mb 1e+30 is not accepted");
   o.bucket_mb = 25;
   o.pipeline_kb = -1;
-  expect_invalid(o, layout, 1, "pipeline_kb must be >= 0");
+  expect_invalid(o, layout, 1, "--pipeline-kb -1 is not accepted");
+  o.pipeline_kb = kMaxPipelineKb + 1;
+  expect_invalid(o, layout, 1, "is not accepted: 0 (sequential) or 1..1048576");
   o.pipeline_kb = 256;
   o.kahan = true;
   expect_invalid(o, layout, 1, "kahan");

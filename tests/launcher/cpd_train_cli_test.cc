@@ -215,6 +215,60 @@ TEST(CpdTrainCli, OutOfRangeFlagsAreRefused) {
   }
 }
 
+// Issue 26: sizes and seeds a user gives are bounded before anything is allocated or started
+// (--threads 99999 crashed, 50000 ended in libgomp errors), and seeds outside 0..2^64-1 are
+// refused rather than wrapped into one stream (-1, 2^64 and 1e23 all gave 2^64-1).
+TEST(CpdTrainCli, ThreadCountsSeedsAndBucketsAreBounded) {
+  for (const char* threads : {"99999", "50000", "2147483647", "2147483648"}) {
+    ExpectUsageError(Train({"--threads", threads}), "--threads");
+  }
+  const RunResult r = Train({"--threads", "99999"});
+  EXPECT_NE(r.err.find("is not accepted: 0 (all cores) or 1.."), std::string::npos) << r.err;
+  for (const char* seed : {"-1", "18446744073709551616", "1e23", "100000000000000000000000", ""}) {
+    ExpectUsageError(Train({"--seed", seed}), "--seed");
+  }
+  EXPECT_EQ(Train({"--seed", "18446744073709551615", "--check"}).exit_code, 0);
+  ExpectUsageError(Train({"--bucket-mb", "0"}), "--bucket-mb 0 is not accepted");
+  ExpectUsageError(Train({"--bucket-mb", "1e30"}), "--bucket-mb 1e+30 is not accepted");
+  ExpectUsageError(Train({"--pipeline-kb", "2000000"}), "--pipeline-kb 2000000 is not accepted");
+}
+
+// --check runs every check of a run's options (those of ValidateTrainOptions included, which
+// used to run only after MPI started) and exits: silent 0 or the one line.
+TEST(CpdTrainCli, CheckValidatesWithoutTraining) {
+  RunResult r = Train({"--check", "--epochs", "3"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  ExpectUsageError(Train({"--check", "--lr", "-1"}), "--lr -1 is not accepted: a number > 0");
+  ExpectUsageError(Train({"--check", "--momentum", "-5"}), "--momentum -5 is not accepted");
+  ExpectUsageError(Train({"--check", "--weight-decay", "nan"}), "--weight-decay nan");
+}
+
+#ifdef CPD_MPIEXEC
+// --comm self under a parallel launcher: every process would train alone into the same
+// checkpoint folder and metrics file (records doubled). Refused once, by rank 0.
+TEST(CpdTrainCli, CommSelfUnderAParallelLaunchIsRefused) {
+  const std::string metrics = "/tmp/cpd_train_cli_" + std::to_string(getpid()) + "_self.jsonl";
+  std::vector<std::string> args = {"-np", "2"};
+  if (getuid() == 0) args.push_back("--allow-run-as-root");
+  for (const char* a : {"--oversubscribe", "-q"}) args.push_back(a);
+  args.push_back(cpd::test::BuiltProgram(CPD_TRAIN_PATH));
+  for (const char* a : {"--comm", "self", "--dataset", "synthetic", "--arch", "mlp",
+                        "--max-steps", "1", "--no-progress"}) {
+    args.push_back(a);
+  }
+  args.insert(args.end(), {"--metrics-out", metrics});
+  const RunResult r = RunProgram(CPD_MPIEXEC, args);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(Lines(r.err), 1u) << r.err;
+  EXPECT_NE(r.err.find("--comm self, but a launcher started 2 processes"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(metrics));
+  std::remove(metrics.c_str());
+}
+#endif
+
 // Hybrid precision: a bad --allreduce-layer-format (no '=', a bad spec, a layer the model does
 // not have, bn in a model without BatchNorm, the fp32 all-reduce) is one line naming the flag,
 // exit 2; a good one trains and reports each layer's all-reduce format.
@@ -337,7 +391,7 @@ TEST(CpdTrainCli, ApsScalingFlagAndConfigKey) {
                    "--aps-scaling: unknown APS scaling 'headroom' (accepted: auto, paper, sum)");
   ExpectUsageError(Train({"--allreduce", "emulate", "--aps", "--aps-scaling", "sum"}),
                    "--aps-scaling sum applies to --allreduce packed only");
-  ExpectUsageError(Train({"--pipeline-kb", "-1"}), "--pipeline-kb must be >= 0");
+  ExpectUsageError(Train({"--pipeline-kb", "-1"}), "--pipeline-kb -1 is not accepted");
   const std::vector<std::string> packed = {"--emulate-ranks", "4",      "--allreduce", "packed",
                                            "--allreduce-format", "e3m0", "--aps", "--max-steps",
                                            "1"};

@@ -60,6 +60,13 @@ Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string
       if (!kv.first.IsScalar()) return bad("every key must be a flag name");
       ConfigEntry e;
       e.key = kv.first.as<std::string>();
+      // yaml-cpp keeps every pair of a mapping; the first would silently win.
+      for (const ConfigEntry& seen : entries) {
+        if (seen.key == e.key) {
+          return bad("line " + std::to_string(kv.first.Mark().line + 1) + ": key '" + e.key +
+                     "' is given twice (each key once)");
+        }
+      }
       auto values = FlagValuesOf(kv.second);
       if (!values.ok()) return bad("key '" + e.key + "': " + values.status().message());
       e.values = std::move(values).value();

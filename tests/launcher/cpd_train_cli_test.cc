@@ -97,6 +97,10 @@ TEST(CpdTrainCli, BadInputIsOneLineAndExitTwo) {
   const std::string bad_key = WriteTemp("bad.yaml", "epoch: 3\n");
   ExpectUsageError(Train({"--config", bad_key}), "'epoch'");
   std::remove(bad_key.c_str());
+  // A repeated key was resolved to its first value without a word (issue 26 item 6).
+  const std::string twice = WriteTemp("twice.yaml", "epochs: 3\nlr: 0.1\n# again\nepochs: 5\n");
+  ExpectUsageError(Train({"--config", twice}), "line 4: key 'epochs' is given twice");
+  std::remove(twice.c_str());
   const std::string nested = WriteTemp("nested.yaml", "epochs: {a: 1}\nlr: [0.1, [0.2]]\n");
   ExpectUsageError(Train({"--config", nested}),
                    "key 'epochs': expected a scalar or a list of scalars");

@@ -38,7 +38,7 @@ Checkpointer::Checkpointer(const TrainOptions& options, int64_t global_batch,
       state_(state),
       replicas_(replicas) {}
 
-Status Checkpointer::Write(int64_t step, int epoch) const {
+Status Checkpointer::Write(int64_t step, int epoch, const EpochSums& sums) const {
   Checkpoint ck;
   json meta;
   meta["version"] = kCheckpointVersion;
@@ -51,6 +51,8 @@ Status Checkpointer::Write(int64_t step, int epoch) const {
   meta["global_batch"] = global_batch_;
   meta["seed"] = o_.seed;
   meta["random_stream"] = kernels::kRandomStreamVersion;
+  meta["epoch_sums"] = {
+      {"loss", sums.loss}, {"correct", sums.correct}, {"seen", sums.seen}, {"steps", sums.steps}};
   if (state_.control != nullptr) meta["schedule"] = json::parse(state_.control->ScheduleJson());
   ck.meta_json = meta.dump();
   // Tensors on the GPU are copied to the host first.
@@ -68,28 +70,28 @@ Status Checkpointer::Write(int64_t step, int epoch) const {
   return WriteCheckpoint(CheckpointPath(o_.checkpoint_dir, step), ck);
 }
 
-Status Checkpointer::SaveEverywhere(int64_t step, int epoch) {
-  const Status written = replicas_->lead() ? Write(step, epoch) : Status::Ok();
+Status Checkpointer::SaveEverywhere(int64_t step, int epoch, const EpochSums& sums) {
+  const Status written = replicas_->lead() ? Write(step, epoch, sums) : Status::Ok();
   last_saved_step_ = step;
   return replicas_->AgreeOn(written, "writing the checkpoint failed on rank 0");
 }
 
-Status Checkpointer::AfterStep(int64_t step, int epoch) {
+Status Checkpointer::AfterStep(int64_t step, int epoch, const EpochSums& sums) {
   if (!enabled() || o_.checkpoint_every <= 0 || step % o_.checkpoint_every != 0) {
     return Status::Ok();
   }
-  return SaveEverywhere(step, epoch);
+  return SaveEverywhere(step, epoch, sums);
 }
 
 Status Checkpointer::AfterEpoch(int64_t step, int epochs_done) {
   if (!enabled() || o_.checkpoint_every != 0) return Status::Ok();
-  return SaveEverywhere(step, epochs_done);
+  return SaveEverywhere(step, epochs_done, EpochSums{});  // the next epoch starts from zero
 }
 
-Status Checkpointer::AtEnd(int64_t step) {
+Status Checkpointer::AtEnd(int64_t step, const EpochSums& sums) {
   if (!enabled() || step == last_saved_step_) return Status::Ok();
   const IteratorState it = state_.iterator->state();
-  return SaveEverywhere(step, int(it.epoch) + (it.next_batch >= batches_per_epoch_));
+  return SaveEverywhere(step, int(it.epoch) + (it.next_batch >= batches_per_epoch_), sums);
 }
 
 Status Checkpointer::CheckDirectory() const {
@@ -244,6 +246,30 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
       return corrupt("meta.random_stream is not a version number");
     }
     point.random_stream = int(rs->get<int64_t>());
+  }
+  // The sums of a mid-epoch checkpoint, consistent with its position in the epoch (absent from
+  // checkpoints written before they were kept: the resumed epoch then reports its later steps).
+  if (const auto sums = meta.find("epoch_sums"); sums != meta.end()) {
+    if (!sums->is_object()) return corrupt("meta.epoch_sums is not an object");
+    auto correct = IntField(*sums, "correct", "meta.epoch_sums.");
+    auto seen = IntField(*sums, "seen", "meta.epoch_sums.");
+    auto steps = IntField(*sums, "steps", "meta.epoch_sums.");
+    for (const Status& s : {correct.status(), seen.status(), steps.status()}) {
+      CPD_RETURN_IF_ERROR(corrupt_if(s));
+    }
+    const auto loss = sums->find("loss");
+    if (loss == sums->end() || !loss->is_number() || !std::isfinite(loss->get<double>()) ||
+        loss->get<double>() < 0) {
+      return corrupt("meta.epoch_sums.loss is not a finite number >= 0");
+    }
+    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
+    CPD_RETURN_IF_ERROR(corrupt_if(
+        CheckInRange(*seen, 0, *steps * global_batch_, "meta.epoch_sums.seen")));
+    CPD_RETURN_IF_ERROR(
+        corrupt_if(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
+    if (it.next_batch > 0 && it.next_batch < batches_per_epoch_) {
+      point.epoch_sums = {loss->get<double>(), *correct, *seen, *steps};
+    }
   }
 
   // Tensors: the model's parameters and buffers with their shapes, the optimiser's state and

@@ -21,6 +21,7 @@
 #include "runtime/nn/quant_sites.h"
 #include "runtime/train/data.h"
 #include "runtime/train/replicas.h"
+#include "runtime/train/reporter.h"
 #include "runtime/train/trainer.h"
 
 namespace cpd::runtime {
@@ -41,6 +42,9 @@ struct ResumePoint {
   std::string schedule_json;  // the schedule in force then ("" if none was recorded)
   int random_stream = 1;      // kernels::kRandomStreamVersion of the run that wrote it (1 if
                               // not recorded: written before versions were)
+  // The resumed epoch's sums before the checkpoint: zero unless it was taken mid-epoch (and
+  // by a build that recorded them).
+  EpochSums epoch_sums;
 };
 
 class Checkpointer {
@@ -61,19 +65,19 @@ class Checkpointer {
   // is the one the checkpoint recorded. That checkpoint counts as this run's latest.
   Result<ResumePoint> Restore(const std::string& path);
 
-  // After step `step` (steps done) of 0-based epoch `epoch`: a checkpoint every
-  // --checkpoint-every steps.
-  Status AfterStep(int64_t step, int epoch);
+  // After step `step` (steps done) of 0-based epoch `epoch`, whose sums so far are `sums`: a
+  // checkpoint every --checkpoint-every steps.
+  Status AfterStep(int64_t step, int epoch, const EpochSums& sums);
   // After a complete epoch (`epochs_done` of them), with --checkpoint-every 0.
   Status AfterEpoch(int64_t step, int epochs_done);
   // At the end of the run: one more when the last step is not saved yet.
-  Status AtEnd(int64_t step);
+  Status AtEnd(int64_t step, const EpochSums& sums);
 
  private:
   bool enabled() const { return !o_.checkpoint_dir.empty(); }
   // Rank 0 writes, every rank learns the outcome.
-  Status SaveEverywhere(int64_t step, int epoch);
-  Status Write(int64_t step, int epoch) const;
+  Status SaveEverywhere(int64_t step, int epoch, const EpochSums& sums);
+  Status Write(int64_t step, int epoch, const EpochSums& sums) const;
 
   const TrainOptions& o_;
   int64_t global_batch_, batches_per_epoch_;

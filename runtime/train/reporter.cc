@@ -181,10 +181,9 @@ void Reporter::Started(const RunStart& run) {
   Log(j);
 }
 
-void Reporter::BeginEpoch() {
+void Reporter::BeginEpoch(const EpochSums& carried) {
   epoch_start_ = Clock::now();
-  loss_sum_ = 0;
-  correct_ = seen_ = epoch_steps_ = 0;
+  sums_ = carried_ = carried;
 }
 
 void Reporter::StepSkipped(int64_t step) {
@@ -225,10 +224,10 @@ StepReport Reporter::MakeStepReport(int epoch, int64_t step, double loss, double
 }
 
 Status Reporter::AfterStep(const StepDone& s) {
-  loss_sum_ += double(s.batch.loss) * double(s.batch.count);
-  correct_ += s.batch.correct;
-  seen_ += s.batch.count;
-  ++epoch_steps_;
+  sums_.loss += double(s.batch.loss) * double(s.batch.count);
+  sums_.correct += s.batch.correct;
+  sums_.seen += s.batch.count;
+  ++sums_.steps;
   const bool comm_stats = setup_.workers > 1 && !s.skipped;
   std::vector<SiteRecord> records;
   if (s.statistics) {
@@ -243,7 +242,7 @@ Status Reporter::AfterStep(const StepDone& s) {
     Log(j);
   }
   const double elapsed = SecondsSince(epoch_start_);
-  const double ips = elapsed > 0 ? double(seen_) / elapsed : 0.0;
+  const double ips = elapsed > 0 ? double(sums_.seen - carried_.seen) / elapsed : 0.0;
   const double eta =
       ips > 0 ? double((setup_.batches_per_epoch - s.next_batch) * setup_.global_batch) / ips : 0.0;
   progress_.Update(s.epoch, o_.epochs, s.next_batch, setup_.batches_per_epoch, s.batch.loss, ips,
@@ -267,11 +266,13 @@ Status Reporter::AfterStep(const StepDone& s) {
 EpochTotals Reporter::Totals() const {
   EpochTotals t;
   const double seconds = SecondsSince(epoch_start_);
-  t.steps = epoch_steps_;
-  t.train_accuracy = seen_ > 0 ? double(correct_) / double(seen_) : 0.0;
-  t.train_loss = seen_ > 0 ? loss_sum_ / double(seen_) : 0.0;
-  t.images_per_s = seconds > 0 ? double(seen_) / seconds : 0.0;
-  t.ms_per_step = epoch_steps_ > 0 ? 1e3 * seconds / double(epoch_steps_) : 0.0;
+  const EpochSums& s = sums_;
+  const int64_t steps_here = s.steps - carried_.steps;
+  t.steps = s.steps;
+  t.train_accuracy = s.seen > 0 ? double(s.correct) / double(s.seen) : 0.0;
+  t.train_loss = s.seen > 0 ? s.loss / double(s.seen) : 0.0;
+  t.images_per_s = seconds > 0 ? double(s.seen - carried_.seen) / seconds : 0.0;
+  t.ms_per_step = steps_here > 0 ? 1e3 * seconds / double(steps_here) : 0.0;
   return t;
 }
 

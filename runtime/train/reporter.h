@@ -57,6 +57,13 @@ struct StepDone {
   int64_t skipped_steps = 0;  // in the run so far
 };
 
+// The running sums of an epoch's training loss and accuracy. A checkpoint keeps them, so that
+// an epoch resumed mid-way reports all of its steps and not only those after the resume.
+struct EpochSums {
+  double loss = 0;  // loss x images, summed over the global batches
+  int64_t correct = 0, seen = 0, steps = 0;
+};
+
 // The epoch's totals over the global batches it ran.
 struct EpochTotals {
   double train_loss = 0, train_accuracy = 0, images_per_s = 0, ms_per_step = 0;
@@ -99,7 +106,11 @@ class Reporter {
   // to).
   void Started(const RunStart& run);
 
-  void BeginEpoch();
+  // `carried`: the sums of the epoch's steps before a resume (none for a fresh epoch); the rates
+  // (images/s, ms/step) count only the steps this process runs.
+  void BeginEpoch(const EpochSums& carried = {});
+  // The epoch's sums so far (what a checkpoint keeps).
+  EpochSums Sums() const { return sums_; }
   // The step's gradient held NaN/Inf on some rank: a "skip" record, and a console line for the
   // first kSkipLinesInFull skips of the run and every kSkipLineEvery-th after them.
   void StepSkipped(int64_t step);
@@ -128,8 +139,8 @@ class Reporter {
   Progress progress_;
   std::map<std::string, uint64_t> flips_reported_;  // weight flips already reported
   std::chrono::steady_clock::time_point epoch_start_;
-  double loss_sum_ = 0;
-  int64_t correct_ = 0, seen_ = 0, epoch_steps_ = 0;
+  EpochSums sums_;     // of the whole epoch
+  EpochSums carried_;  // the part of sums_ from before a resume
   int64_t skips_ = 0;  // in this run
 };
 

@@ -160,6 +160,7 @@ class Trainer {
   std::unique_ptr<CostPlan> cost_;
   std::unique_ptr<JobControl> control_;
   std::string resumed_schedule_;  // the schedule a checkpoint recorded ("" if none)
+  EpochSums resumed_sums_;        // the resumed epoch's sums before the checkpoint
   int64_t step_ = 0;
   int start_epoch_ = 0;
   int64_t steps_this_run_ = 0;
@@ -511,6 +512,7 @@ Status Trainer::ResumeOrStart() {
   step_ = point.step;
   quant_->SetStep(step_);
   resumed_schedule_ = point.schedule_json;
+  resumed_sums_ = point.epoch_sums;
   start_epoch_ = point.epoch;
   // A checkpoint taken after the last batch of an epoch continues with the next epoch.
   const IteratorState it = iterator_->state();
@@ -619,7 +621,7 @@ Result<TrainResult> Trainer::Run() {
   for (int epoch = start_epoch_; epoch < o_.epochs && !stop_; ++epoch) {
     CPD_RETURN_IF_ERROR(RunEpoch(epoch));
   }
-  CPD_RETURN_IF_ERROR(checkpointer_->AtEnd(step_));
+  CPD_RETURN_IF_ERROR(checkpointer_->AtEnd(step_, reporter_->Sums()));
   if (control_) control_->Finish(/*max_wait_ms=*/3000);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   result_.ms_per_step = steps_this_run_ > 0 ? 1e3 * seconds / double(steps_this_run_) : 0.0;
@@ -628,7 +630,8 @@ Result<TrainResult> Trainer::Run() {
 
 Status Trainer::RunEpoch(int epoch) {
   if (iterator_->state().epoch != epoch) iterator_->StartEpoch(epoch);
-  reporter_->BeginEpoch();
+  // The epoch a checkpoint resumed mid-way carries the sums of its steps before the resume.
+  reporter_->BeginEpoch(epoch == start_epoch_ ? resumed_sums_ : EpochSums{});
   Tensor x;
   std::vector<int32_t> y;
   while (!stop_ && iterator_->Next(&x, &y)) CPD_RETURN_IF_ERROR(Step(epoch, x, y));
@@ -667,7 +670,7 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   if (o_.debug_step_sleep_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(o_.debug_step_sleep_ms));
   }
-  CPD_RETURN_IF_ERROR(checkpointer_->AfterStep(step_, epoch));
+  CPD_RETURN_IF_ERROR(checkpointer_->AfterStep(step_, epoch, reporter_->Sums()));
   if (o_.max_steps > 0 && step_ >= o_.max_steps) stop_ = true;
   return Status::Ok();
 }

@@ -88,11 +88,21 @@ void ExpectBitIdenticalResume(TrainOptions o, int64_t first, int64_t total) {
   }
   ExpectSameTensors(CheckpointPath(straight_dir.path(), total),
                     CheckpointPath(resumed_dir.path(), total));
+  // The last epoch's training loss and accuracy cover all of its steps, those before the
+  // resume included.
+  EXPECT_EQ(straight->final_loss, part2->final_loss);
+  EXPECT_EQ(straight->train_accuracy, part2->train_accuracy);
 }
 
 TEST(TrainerResume, Fp32MidEpochIsBitIdentical) {
   // 8192 / 64 = 128 steps per epoch: resume at 50, run to 180 (across the epoch boundary).
   ExpectBitIdenticalResume(SmallRun(), 50, 180);
+}
+
+// Issue 26 item 5: an epoch resumed mid-way reported only the steps after the resume (0.1611 /
+// 94.60 % against 0.9601 / 75.11 % uninterrupted). Resume at 50 of 128 and end with the epoch.
+TEST(TrainerResume, MidEpochResumeReportsTheWholeEpoch) {
+  ExpectBitIdenticalResume(SmallRun(), 50, 128);
 }
 
 TEST(TrainerResume, CptWithStochasticErrorsIsBitIdentical) {

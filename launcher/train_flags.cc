@@ -187,6 +187,20 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_flag("--hysteresis", o->precision.hysteresis,
                 "Hysteresis rounding of W (Lee et al.) instead of the W rounding");
+  app->add_option("--loss-scale", f->loss_scale,
+                  "Loss scaling of the backward pass: off | dynamic | S (static). Every error "
+                  "(E) and weight gradient (G) is S times larger at its site, and the gradient "
+                  "is divided by S before the update: E in a format without a scale of its own "
+                  "(e4m3, e2m1, fp16) otherwise flushes gradients of about 1e-3 to zero. "
+                  "dynamic: S halves after a step with NaN/Inf gradients (skipped) and doubles "
+                  "after --loss-scale-growth-interval finite steps (a saturating format clips "
+                  "instead of overflowing: use a static S, or its :inf variant)")
+      ->capture_default_str();
+  app->add_option("--loss-scale-init", f->loss_scale_init, "dynamic: the first S")
+      ->capture_default_str();
+  app->add_option("--loss-scale-growth-interval", f->loss_scale_growth_interval,
+                  "dynamic: finite steps in a row before S doubles")
+      ->capture_default_str();
   app->add_option("--cost-reference", f->cost_reference,
                   "FWD/BWD bits of the static training that relative costs (CPT's cost model) "
                   "are measured against")
@@ -360,6 +374,9 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
     o->precision.cpt = c;
   }
+  CPD_ASSIGN_OR_RETURN(o->loss_scale, cpd::runtime::ParseLossScale(f.loss_scale,
+                                                                    f.loss_scale_init,
+                                                                    f.loss_scale_growth_interval));
   auto ref = cpd::ParseStepBits(f.cost_reference);
   if (!ref.ok()) return Status::InvalidArgument("--cost-reference: " + ref.status().message());
   o->cost_reference = *ref;

@@ -38,6 +38,9 @@ struct TrainFlags {
   bool check = false;  // --check: validate and exit
   std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
   std::string lars_exclude = "bias-bn", lr_scaling = "none";
+  std::string loss_scale = "off";
+  double loss_scale_init = 65536;
+  int64_t loss_scale_growth_interval = 2000;
 };
 
 // Adds every cpd-train flag to `app`, bound to *o and *f (which must outlive it).

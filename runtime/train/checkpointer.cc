@@ -51,6 +51,10 @@ Status Checkpointer::Write(int64_t step, int epoch, const EpochSums& sums) const
   meta["global_batch"] = global_batch_;
   meta["seed"] = o_.seed;
   meta["random_stream"] = kernels::kRandomStreamVersion;
+  if (state_.scaler != nullptr && state_.scaler->enabled()) {
+    const LossScaler::State ls = state_.scaler->state();
+    meta["loss_scale"] = {{"scale", ls.scale}, {"finite_in_a_row", ls.finite_in_a_row}};
+  }
   meta["epoch_sums"] = {
       {"loss", sums.loss}, {"correct", sums.correct}, {"seen", sums.seen}, {"steps", sums.steps}};
   if (state_.control != nullptr) meta["schedule"] = json::parse(state_.control->ScheduleJson());
@@ -247,6 +251,19 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
     }
     point.random_stream = int(rs->get<int64_t>());
   }
+  // The dynamic loss scale where it stood (a static one, or none, is the command line's).
+  LossScaler scaler = state_.scaler != nullptr ? *state_.scaler : LossScaler(LossScaleOptions{});
+  if (const auto ls = meta.find("loss_scale"); ls != meta.end()) {
+    if (!ls->is_object()) return corrupt("meta.loss_scale is not an object");
+    auto in_a_row = IntField(*ls, "finite_in_a_row", "meta.loss_scale.");
+    CPD_RETURN_IF_ERROR(corrupt_if(in_a_row.status()));
+    const auto scale = ls->find("scale");
+    if (scale == ls->end() || !scale->is_number()) {
+      return corrupt("meta.loss_scale.scale is not a number");
+    }
+    const Status s = scaler.Restore({scale->get<double>(), *in_a_row});
+    if (!s.ok()) return corrupt("meta.loss_scale: " + s.message());
+  }
   // The sums of a mid-epoch checkpoint, consistent with its position in the epoch (absent from
   // checkpoints written before they were kept: the resumed epoch then reports its later steps).
   if (const auto sums = meta.find("epoch_sums"); sums != meta.end()) {
@@ -320,6 +337,7 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
   CPD_RETURN_IF_ERROR(corrupt_if(state_.iterator->Restore(it)));
   for (const auto& [name, t] : targets) t->CopyFromHost(ck.data.at(name).data());  // any device
   for (const auto& [layer, q] : hysteresis) state_.quant->RestoreHysteresisState(layer, *q);
+  if (state_.scaler != nullptr) *state_.scaler = scaler;
   // The file resumed from is this step's checkpoint: the end of the run must not write it again.
   last_saved_step_ = point.step;
   return point;

@@ -26,13 +26,14 @@
 
 namespace cpd::runtime {
 
-// What a checkpoint saves and restores. REQUIRED: all but `control` (null: no schedule).
+// What a checkpoint saves and restores. REQUIRED: all but `control` and `scaler`.
 struct TrainingState {
   Sequential* model = nullptr;
   Optimizer* optimizer = nullptr;
   SiteQuantizer* quant = nullptr;
   BatchIterator* iterator = nullptr;
   const JobControl* control = nullptr;
+  LossScaler* scaler = nullptr;  // null: the run has no loss scale to keep
 };
 
 // Where a resumed run continues.

@@ -33,11 +33,16 @@ class GradientPass {
   BatchTotals Forward(const Tensor& x, const std::vector<int32_t>& y);
   void Backward();
 
+  // The backward pass starts from `scale` x dL/dlogits (loss scaling, runtime/train/loss_scale.h;
+  // 1: none), so every gradient it computes is `scale` times the batch's.
+  void set_loss_scale(float scale) { loss_scale_ = scale; }
+
  private:
   Sequential* model_;
   std::vector<Param*> params_;
   SoftmaxCrossEntropy loss_;
   Tensor dlogits_;
+  float loss_scale_ = 1;
 };
 
 }  // namespace cpd::runtime

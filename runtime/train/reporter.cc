@@ -178,6 +178,9 @@ void Reporter::Started(const RunStart& run) {
       j["lars_excluded_lr_ratio"] = o_.lars_excluded_lr_ratio;
     }
   }
+  if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) {
+    j["loss_scale"] = DescribeLossScale(o_.loss_scale);
+  }
   Log(j);
 }
 
@@ -186,7 +189,7 @@ void Reporter::BeginEpoch(const EpochSums& carried) {
   sums_ = carried_ = carried;
 }
 
-void Reporter::StepSkipped(int64_t step) {
+void Reporter::StepSkipped(int64_t step, double scale_before, double scale_after) {
   ++skips_;
   const bool in_full = skips_ <= kSkipLinesInFull;
   if (!quiet_ && (in_full || skips_ % kSkipLineEvery == 0)) {
@@ -197,11 +200,19 @@ void Reporter::StepSkipped(int64_t step) {
       note = " (" + std::to_string(skips_) + " skipped so far)";
     }
     progress_.EndLine();
-    std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks%s\n",
-                static_cast<long long>(step), note.c_str());
+    if (scale_after != scale_before) {
+      std::printf("step %lld: NaN/Inf in a gradient at loss scale %g on some rank; step skipped "
+                  "on all ranks, loss scale now %g%s\n",
+                  static_cast<long long>(step), scale_before, scale_after, note.c_str());
+    } else {
+      std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks%s\n",
+                  static_cast<long long>(step), note.c_str());
+    }
     std::fflush(stdout);
   }
-  Log({{"type", "skip"}, {"step", step}, {"reason", "nonfinite gradient"}});
+  json record = {{"type", "skip"}, {"step", step}, {"reason", "nonfinite gradient"}};
+  if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) record["loss_scale"] = scale_before;
+  Log(record);
 }
 
 void Reporter::Stopped(int64_t step, const std::string& why) {
@@ -238,6 +249,7 @@ Status Reporter::AfterStep(const StepDone& s) {
               {"epoch", s.epoch},     {"loss", s.batch.loss},
               {"lr", s.lr},           {"bits", setup_.quant->CurrentBits()},
               {"skipped", s.skipped}, {"layers", StatsJson(records)}};
+    if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) j["loss_scale"] = s.loss_scale;
     if (comm_stats) j["comm"] = CommStatsJson(setup_.reducer->last_stats());
     Log(j);
   }
@@ -302,12 +314,16 @@ void Reporter::AfterEpoch(const EpochDone& e) {
     extra += buf;
     if (show_flips) extra += " flips " + std::to_string(total_flips);
     if (e.skipped_steps > 0) extra += " skipped " + std::to_string(e.skipped_steps);
+    if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) {
+      std::snprintf(buf, sizeof(buf), " loss-scale %g", e.loss_scale);
+      extra += buf;
+    }
     std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
                 e.epoch, o_.epochs, e.totals.train_loss, 100 * e.totals.train_accuracy,
                 100 * e.test_accuracy, e.totals.images_per_s, e.totals.ms_per_step, extra.c_str());
     std::fflush(stdout);
   }
-  Log({{"type", "epoch"},
+  json record = {{"type", "epoch"},
        {"epoch", e.epoch},
        {"step", e.step},
        {"loss", e.totals.train_loss},
@@ -319,7 +335,9 @@ void Reporter::AfterEpoch(const EpochDone& e) {
        {"relative_cost", e.relative_cost},
        {"cost_reference", StepBitsText(o_.cost_reference)},
        {"skipped_steps", e.skipped_steps},
-       {"flips", flips_json}});
+       {"flips", flips_json}};
+  if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) record["loss_scale"] = e.loss_scale;
+  Log(record);
   if (control_) {
     StepReport r = MakeStepReport(e.epoch, e.step - 1, e.totals.train_loss, e.lr,
                                   e.totals.images_per_s, e.skipped_steps);

@@ -55,6 +55,7 @@ struct StepDone {
   bool statistics = false;    // its site statistics were recorded (or the error measured)
   int64_t next_batch = 0;     // the iterator's position in the epoch
   int64_t skipped_steps = 0;  // in the run so far
+  double loss_scale = 1;      // the step's (runtime/train/loss_scale.h)
 };
 
 // The running sums of an epoch's training loss and accuracy. A checkpoint keeps them, so that
@@ -80,6 +81,7 @@ struct EpochDone {
   double relative_cost = 0;
   int64_t skipped_steps = 0;
   double lr = 0;          // of the epoch's last step
+  double loss_scale = 1;  // in force after the epoch's last step
   bool finished = false;  // the run's last epoch
 };
 
@@ -113,7 +115,9 @@ class Reporter {
   EpochSums Sums() const { return sums_; }
   // The step's gradient held NaN/Inf on some rank: a "skip" record, and a console line for the
   // first kSkipLinesInFull skips of the run and every kSkipLineEvery-th after them.
-  void StepSkipped(int64_t step);
+  // `scale_before` / `scale_after`: the loss scale of the step and the one after it (dynamic
+  // loss scaling halves it after an overflow); 1 and 1 without loss scaling.
+  void StepSkipped(int64_t step, double scale_before = 1, double scale_after = 1);
   static constexpr int64_t kSkipLinesInFull = 5, kSkipLineEvery = 100;
   // The run stops because it cannot recover: a "stop" record and the console line.
   void Stopped(int64_t step, const std::string& why);

@@ -155,6 +155,7 @@ class Trainer {
   std::unique_ptr<comm::Communicator> nccl_;  // the all-reduce's, when it runs over NCCL
   std::unique_ptr<comm::GradientAllReducer> reducer_;
   std::unique_ptr<LocalWorkers> workers_;
+  LossScaler scaler_{LossScaleOptions{}};  // --loss-scale, set in BuildOutputs
   std::unique_ptr<Reporter> reporter_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<CostPlan> cost_;
@@ -490,7 +491,9 @@ Status Trainer::BuildOutputs() {
   rs.replicas = &replicas_;
   rs.reducer = reducer_.get();
   CPD_ASSIGN_OR_RETURN(reporter_, Reporter::Create(rs));
+  scaler_ = LossScaler(o_.loss_scale);
   TrainingState state;
+  state.scaler = &scaler_;
   state.model = model_.get();
   state.optimizer = optimizer_.get();
   state.quant = quant_.get();
@@ -554,6 +557,7 @@ void Trainer::Announce() {
                 static_cast<long long>(batches_per_epoch_));
   reporter_->Say(line);
   reporter_->Say(DescribeLr());
+  if (scaler_.enabled()) reporter_->Say("loss scale " + DescribeLossScale(o_.loss_scale));
   RunStart run;
   run.step = step_;
   run.classes = train_.classes;
@@ -644,13 +648,16 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   quant_->SetStep(step_);
   const bool collect = o_.stats_every > 0 && step_ % o_.stats_every == 0;
   const bool measure = o_.measure_error_every > 0 && step_ % o_.measure_error_every == 0;
+  workers_->set_loss_scale(scaler_.scale());
   const BatchTotals local = workers_->ForwardBackward(x, y, step_, collect);
   CPD_RETURN_IF_ERROR(reducer_->Reduce(workers_->gradients(), workers_->sum(), step_, measure));
   const double lr = lr_.At(step_);
   const bool skipped = reducer_->last_nonfinite();  // NaN/Inf on some rank: skip everywhere
+  const float scale = scaler_.scale();
+  scaler_.AfterStep(skipped);  // dynamic loss scaling: halve after an overflow, grow after a run
   if (skipped) {
     ++result_.skipped_steps;
-    reporter_->StepSkipped(step_);
+    reporter_->StepSkipped(step_, scale, scaler_.scale());
   } else {
     workers_->LoadAveragedGradients();
     optimizer_->Step(lr);
@@ -665,7 +672,7 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   ++steps_this_run_;
   CPD_RETURN_IF_ERROR(
       reporter_->AfterStep({epoch + 1, step_ - 1, batch, lr, skipped, collect || measure,
-                            iterator_->state().next_batch, result_.skipped_steps}));
+                            iterator_->state().next_batch, result_.skipped_steps, scale}));
   CPD_RETURN_IF_ERROR(StopIfUnrecoverable(batch.loss, skipped));
   if (o_.debug_step_sleep_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(o_.debug_step_sleep_ms));
@@ -732,6 +739,7 @@ Status Trainer::EndEpoch(int epoch) {
   done.relative_cost = result_.relative_cost;
   done.skipped_steps = result_.skipped_steps;
   done.lr = lr_.At(std::max<int64_t>(step_ - 1, 0));
+  done.loss_scale = scaler_.scale();
   done.finished = stop_ || epoch + 1 == o_.epochs;
   reporter_->AfterEpoch(done);
   result_.final_loss = totals.train_loss;
@@ -745,6 +753,7 @@ Status Trainer::EndEpoch(int epoch) {
 // Replicas must have stayed bit-identical: the ranks compare their parameter hashes.
 Result<TrainResult> Trainer::Finish() {
   result_.steps = step_;
+  result_.loss_scale = scaler_.scale();
   result_.param_hash = Replicas::HashParams(model_->Params());
   CPD_RETURN_IF_ERROR(replicas_.CheckIdentical(result_.param_hash));
   if (group_.workers > 1) {

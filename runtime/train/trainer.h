@@ -26,6 +26,7 @@
 #include "runtime/engine/tensor.h"
 #include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/loss_scale.h"
 
 namespace cpd::runtime {
 
@@ -81,6 +82,8 @@ struct TrainOptions {
   int threads = 0;  // 0: all cores
   // Precision.
   PrecisionConfig precision;
+  // Loss scaling of the backward pass (runtime/train/loss_scale.h); off by default.
+  LossScaleOptions loss_scale;
   // --cost-reference: the static forward/backward bits that relative costs are measured
   // against (runtime/train/cost_plan.h).
   StepBits cost_reference{8, 8};
@@ -138,6 +141,7 @@ struct TrainResult {
   int world_size = 1;               // ranks
   int workers = 1;                  // logical workers W
   int64_t skipped_steps = 0;        // steps skipped for a non-finite gradient
+  double loss_scale = 1;            // at the end (runtime/train/loss_scale.h)
   uint64_t param_hash = 0;          // of the final parameters (FNV-1a of their bytes)
   bool replicas_identical = true;   // every rank ended with the same param_hash
   // Schedules applied during the run: (step at which it took effect, coordinator version).

@@ -145,24 +145,25 @@ void LocalWorkers::PutNaNIntoGradient() {
 }
 
 void LocalWorkers::LoadAveragedGradients() {
-  const float inv_workers = 1.0f / float(group_.workers);
+  // 1 / (W x S): with a power-of-two S the same product as 1 / W, then an exact halving.
+  const float factor = 1.0f / float(group_.workers) / loss_scale_;
   if (device_gradients_) {
 #if CPD_WITH_CUDA
     // The CPU's float products, on the device, into the gradient views.
-    cuda::Scale(flat_gradients_.numel(), inv_workers, gradient_ptrs_[0], flat_gradients_.data());
+    cuda::Scale(flat_gradients_.numel(), factor, gradient_ptrs_[0], flat_gradients_.data());
 #endif
     return;
   }
   float* sum = gradients_[0].data();
   if (device_ != Device::kCpu) {
     // The same float products as on the CPU, then one copy into the gradient views.
-    for (size_t i = 0; i < gradients_[0].size(); ++i) sum[i] = sum[i] * inv_workers;
+    for (size_t i = 0; i < gradients_[0].size(); ++i) sum[i] = sum[i] * factor;
     flat_gradients_.CopyFromHost(sum);
     return;
   }
   for (Param* p : params_) {
     float* g = p->grad.data();
-    for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = sum[i] * inv_workers;
+    for (size_t i = 0; i < p->grad.numel(); ++i) g[i] = sum[i] * factor;
     sum += p->grad.numel();
   }
 }

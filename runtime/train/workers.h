@@ -53,8 +53,15 @@ class LocalWorkers {
   // of them).
   float* const* gradients() { return gradient_ptrs_.data(); }
   float* sum() { return gradient_ptrs_[0]; }
-  // Divides the sum by W and puts it into every Param::grad (or the device buffer).
+  // Divides the sum by W (and by the loss scale) and puts it into every Param::grad (or the
+  // device buffer).
   void LoadAveragedGradients();
+  // Loss scaling (runtime/train/loss_scale.h): the next ForwardBackward's gradients are
+  // `scale` times the batch's, and LoadAveragedGradients divides it out again.
+  void set_loss_scale(float scale) {
+    loss_scale_ = scale;
+    pass_.set_loss_scale(scale);
+  }
 
   // Whether BatchNorm buffers need averaging (several workers and some buffers), and the
   // buffers each worker left in the last ForwardBackward (K x every buffer, in order).
@@ -75,6 +82,7 @@ class LocalWorkers {
   int64_t debug_nan_step_, debug_nan_steps_;
   std::vector<Param*> params_;
   GradientPass pass_;
+  float loss_scale_ = 1;
   std::vector<std::vector<float>> gradients_;  // per local worker, layout.total() floats
   std::vector<Tensor> device_copies_;          // device_gradients with K > 1: per local worker
   std::vector<float*> gradient_ptrs_;

@@ -237,6 +237,23 @@ TEST(CpdTrainCli, ThreadCountsSeedsAndBucketsAreBounded) {
   ExpectUsageError(Train({"--pipeline-kb", "2000000"}), "--pipeline-kb 2000000 is not accepted");
 }
 
+// --loss-scale: off, dynamic or a number, one line otherwise; a run says the scale it trains at
+// in its header and epoch line.
+TEST(CpdTrainCli, LossScaleFlag) {
+  ExpectUsageError(Train({"--loss-scale", "-4"}), "--loss-scale '-4' is not accepted");
+  ExpectUsageError(Train({"--loss-scale", "dynamic", "--loss-scale-init", "0"}),
+                   "--loss-scale-init 0 is not accepted");
+  const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "2",
+                             "--no-progress", "--loss-scale", "dynamic",
+                             "--loss-scale-init", "256"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\nloss scale dynamic from 256 (x2 after 2000 finite steps, x0.5 on "
+                       "overflow)\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find(" loss-scale 256\n"), std::string::npos) << r.out;
+}
+
 // --check runs every check of a run's options (those of ValidateTrainOptions included, which
 // used to run only after MPI started) and exits: silent 0 or the one line.
 TEST(CpdTrainCli, CheckValidatesWithoutTraining) {

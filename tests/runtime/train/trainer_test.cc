@@ -809,6 +809,65 @@ TEST(TrainerEmulatedRanks, NonFiniteGradientSkipsTheStep) {
   for (double l : r->step_losses) EXPECT_TRUE(std::isfinite(l));
 }
 
+// Loss scaling (issue 26 item 16). In float32 a power-of-two scale multiplies every gradient
+// exactly and LoadAveragedGradients divides it out exactly: the run is the unscaled one, bit for
+// bit (the scale reaches every layer, and nothing but the division removes it).
+TEST(TrainerLossScale, PowerOfTwoScaleInFp32IsBitIdenticalToNone) {
+  TrainOptions o = SmallRun();
+  o.max_steps = 30;
+  auto plain = Train(o);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  o.loss_scale = *ParseLossScale("1024", 65536, 2000);
+  auto scaled = Train(o);
+  ASSERT_TRUE(scaled.ok()) << scaled.status().message();
+  EXPECT_EQ(plain->step_losses, scaled->step_losses);
+  EXPECT_EQ(plain->param_hash, scaled->param_hash);
+  EXPECT_EQ(scaled->loss_scale, 1024);
+}
+
+// E in e4m3 (no scale of its own): with a batch of 1024 the errors (dL/dlogits is divided by
+// the batch) are below its smallest subnormal (2^-9) and flush, so the model barely learns;
+// x1024 brings them into its range.
+TEST(TrainerLossScale, StaticScaleLetsE4m3ErrorsTrain) {
+  TrainOptions o = SmallRun();
+  o.batch_size = 1024;
+  o.epochs = 8;
+  o.max_steps = 60;
+  o.precision.global[int(Site::kError)] = SiteFormat{"e4m3", Rounding::kNearest};
+  auto mean = [](const std::vector<double>& l, size_t from) {
+    double s = 0;
+    for (size_t i = from; i < from + 10; ++i) s += l[i];
+    return s / 10;
+  };
+  auto plain = Train(o);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  o.loss_scale = *ParseLossScale("1024", 65536, 2000);
+  auto scaled = Train(o);
+  ASSERT_TRUE(scaled.ok()) << scaled.status().message();
+  const double plain_drop = mean(plain->step_losses, 50) / mean(plain->step_losses, 0);
+  const double scaled_drop = mean(scaled->step_losses, 50) / mean(scaled->step_losses, 0);
+  EXPECT_LT(scaled_drop, 0.6) << "with x1024: last 10 / first 10 steps' loss";
+  EXPECT_GT(plain_drop, 0.9) << "without: last 10 / first 10 steps' loss";
+}
+
+// Dynamic scaling: an overflow (here the testing aid's NaN at steps 5 and 6) skips the step and
+// halves the scale; four finite steps in a row double it. A checkpoint keeps the scale and its
+// count, so a resume across the back-off is bit-identical.
+TEST(TrainerLossScale, DynamicBacksOffOnOverflowAndResumesBitIdentically) {
+  TrainOptions o = SmallRun();
+  o.loss_scale = *ParseLossScale("dynamic", 1024, 4);
+  o.debug_nan_step = 5;
+  o.debug_nan_steps = 2;
+  o.max_steps = 20;
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->skipped_steps, 2);
+  LossScaler expected(o.loss_scale);
+  for (int64_t step = 0; step < 20; ++step) expected.AfterStep(step == 5 || step == 6);
+  EXPECT_EQ(r->loss_scale, expected.scale());
+  ExpectBitIdenticalResume(o, 6, 20);
+}
+
 // CPD's study mode learns: 8 emulated workers summing e4m3 gradients with APS.
 TEST(TrainerEmulatedRanks, EmulatedE4m3WithApsLearns) {
   TrainOptions o = SmallRun();

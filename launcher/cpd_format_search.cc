@@ -9,7 +9,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -25,6 +24,8 @@
 #include "launcher/world.h"
 #include "runtime/nn/models.h"
 #include "runtime/search/format_search.h"
+#include "runtime/search/search_files.h"
+#include "runtime/train/checkpoint.h"
 #include "runtime/train/checkpointer.h"
 #include "runtime/train/data.h"
 
@@ -50,6 +51,8 @@ struct Flags {
   uint64_t seed = 1;
   std::string device = "auto", comm = "auto", out;
   bool resume = false, no_plot = false, no_progress = false;
+  // Whether the flag was given at all: `--bits ""` is an empty list, not the default.
+  bool bits_given = false, candidates_file_given = false;
 };
 
 void AddFlags(CLI::App* app, Flags* f) {
@@ -102,21 +105,52 @@ void AddFlags(CLI::App* app, Flags* f) {
 
 Status Bad(const std::string& msg) { return Status::InvalidArgument(msg); }
 
-// The candidate specs the flags name, in order, duplicates removed.
+// Whether `s` is short printable ASCII, which a message may quote as it is.
+bool Plain(const std::string& s) {
+  return s.size() <= 64 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f; });
+}
+
+// The canonical form of the candidate spec `spec`, given by `where` (a flag or FILE:LINE).
+cpd::Result<std::string> CanonicalSpec(const std::string& spec, const std::string& where) {
+  auto fmt = cpd::Format::Parse(spec);
+  if (fmt.ok()) return fmt->spec();
+  // The parser's message quotes the spec whole: a long or binary one is quoted shortened here.
+  return Bad(where + ": " +
+             (Plain(spec) ? fmt.status().message()
+                          : cpd::runtime::QuoteForMessage(spec) + " is not a format spec"));
+}
+
+// The candidate specs the flags name, in order, duplicates removed. The default, --bits 8, only
+// when no candidate flag is given at all: an empty file or list is a mistake to report, not a
+// request for the default search.
 cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
-  std::vector<std::string> out = f.formats;
-  if (!f.candidates_file.empty()) {
-    std::ifstream in(f.candidates_file);
-    if (!in) return Bad("--candidates-file: cannot read " + f.candidates_file);
-    for (std::string line; std::getline(in, line);) {
-      line = line.substr(0, line.find('#'));
-      const size_t b = line.find_first_not_of(" \t\r");
-      if (b == std::string::npos) continue;
-      out.push_back(line.substr(b, line.find_last_not_of(" \t\r") - b + 1));
+  using cpd::runtime::QuoteForMessage;
+  std::vector<std::string> out;
+  for (const std::string& spec : f.formats) {
+    CPD_ASSIGN_OR_RETURN(std::string c, CanonicalSpec(spec, "--format"));
+    out.push_back(std::move(c));
+  }
+  if (f.candidates_file_given) {
+    const std::string name = "--candidates-file " + QuoteForMessage(f.candidates_file, 200);
+    CPD_ASSIGN_OR_RETURN(const std::string text,
+                         cpd::runtime::ReadBoundedFile(
+                             f.candidates_file, cpd::runtime::kMaxCandidatesFileBytes, name));
+    CPD_ASSIGN_OR_RETURN(const auto lines, cpd::runtime::ParseCandidateList(name, text));
+    for (const auto& l : lines) {
+      CPD_ASSIGN_OR_RETURN(std::string c,
+                           CanonicalSpec(l.spec, name + ":" + std::to_string(l.line)));
+      out.push_back(std::move(c));
     }
   }
-  std::string bits = f.bits;
-  if (bits.empty() && out.empty()) bits = "8";
+  if (f.bits_given && f.bits.empty()) {
+    return Bad("--bits is empty; give bit widths such as 8,7,6 (each 2..16)");
+  }
+  if (f.bits_given && !Plain(f.bits)) {
+    return Bad("--bits " + QuoteForMessage(f.bits) +
+               " is not a list of bit widths such as 8,7,6 (each 2..16)");
+  }
+  const std::string bits = f.bits_given ? f.bits : out.empty() ? "8" : "";
   if (!bits.empty()) {
     auto list = cpd::EnumerateBinadeCandidates(std::string_view(bits));
     if (!list.ok()) return Bad("--bits: " + list.status().message());
@@ -124,14 +158,8 @@ cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
   }
   std::vector<std::string> unique;
   for (const std::string& s : out) {
-    auto fmt = cpd::Format::Parse(s);
-    if (!fmt.ok()) return Bad("candidate: " + fmt.status().message());
-    bool seen = false;
-    for (const std::string& u : unique) seen = seen || u == fmt->spec();
-    if (!seen) unique.push_back(fmt->spec());
+    if (std::find(unique.begin(), unique.end(), s) == unique.end()) unique.push_back(s);
   }
-  if (unique.empty())
-    return Bad("no candidate format (give --format, --bits or --candidates-file)");
   return unique;
 }
 
@@ -196,6 +224,11 @@ nlohmann::json ToJson(const std::vector<CandidateResult>& ranked,
   return out;
 }
 
+// JSON text on one line; bytes that are no UTF-8 (a flag's garbage) replaced, never thrown on.
+std::string Dump(const nlohmann::json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 // Everything the flags say, checked before any work; every rank finds the same errors.
 cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
   using namespace cpd::runtime;
@@ -221,17 +254,22 @@ cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
   o.partial_path = f.out + ".partial.csv";
   o.resume = f.resume;
   o.progress = !f.no_progress;
-  o.settings = nlohmann::json({{"checkpoint", f.checkpoint},
-                               {"arch", f.arch},
-                               {"dataset", f.dataset},
-                               {"batches", f.batches},
-                               {"batch_size", f.batch_size},
-                               {"seed", f.seed},
-                               {"sites", f.sites},
-                               {"a_rounding", f.a_rounding},
-                               {"e_rounding", f.e_rounding},
-                               {"keep_fp32", f.keep_fp32}})
-                   .dump();
+  std::string sites_text;
+  for (SiteSet s : o.indicator.sites) {
+    sites_text += std::string(sites_text.empty() ? "" : ",") + SiteSetName(s);
+  }
+  // What determines a row besides the candidates, which the search adds; Search adds the
+  // checkpoint's contents once it has read them. (Not the threads or the device: they change
+  // an angle only in its last digits.)
+  o.settings = Dump(nlohmann::json({{"arch", f.arch},
+                                    {"dataset", f.dataset},
+                                    {"batches", f.batches},
+                                    {"batch_size", f.batch_size},
+                                    {"seed", f.seed},
+                                    {"sites", sites_text},
+                                    {"a_rounding", f.a_rounding},
+                                    {"e_rounding", f.e_rounding},
+                                    {"keep_fp32", f.keep_fp32}}));
   CPD_RETURN_IF_ERROR(CheckFormatSearch(o));
   return o;
 }
@@ -275,10 +313,11 @@ Status WriteOutputs(const Flags& f, const cpd::runtime::FormatSearchOptions& o,
   for (size_t i = 0; i < ranked.size(); ++i) {
     csv += std::to_string(i + 1) + "," + ResultCsvRow(ranked[i], o.indicator.sites) + "\n";
   }
-  const nlohmann::json doc =
-      ToJson(ranked, layers, o.indicator.sites, nlohmann::json::parse(o.settings));
+  nlohmann::json settings = nlohmann::json::parse(o.settings);
+  settings["checkpoint"] = f.checkpoint;
+  const nlohmann::json doc = ToJson(ranked, layers, o.indicator.sites, settings);
   CPD_RETURN_IF_ERROR(cpd::launcher::WriteFileAtomically(f.out + ".csv", csv));
-  CPD_RETURN_IF_ERROR(cpd::launcher::WriteFileAtomically(f.out + ".json", doc.dump(1)));
+  CPD_RETURN_IF_ERROR(cpd::launcher::WriteFileAtomically(f.out + ".json", Dump(doc, 1)));
   std::string wrote = f.out + ".csv and " + f.out + ".json";
   if (!f.no_plot) {
     CPD_ASSIGN_OR_RETURN(
@@ -308,11 +347,21 @@ Status WriteOutputs(const Flags& f, const cpd::runtime::FormatSearchOptions& o,
 
 Status Search(const Flags& f, cpd::comm::Communicator* comm) {
   using namespace cpd::runtime;
-  CPD_ASSIGN_OR_RETURN(const FormatSearchOptions o, SearchOptions(f));
+  CPD_ASSIGN_OR_RETURN(FormatSearchOptions o, SearchOptions(f));
   const int threads = f.threads > 0 ? f.threads : omp_get_num_procs();
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
   CPD_ASSIGN_OR_RETURN(Trained t, LoadTrained(f));
+  // The partial file is bound to the checkpoint's contents, not its path: a file swapped under
+  // the same name must not mix two models' rows.
+  CPD_ASSIGN_OR_RETURN(const cpd::runtime::CheckpointId id,
+                       cpd::runtime::ReadCheckpointId(f.checkpoint));
+  char crc[16];
+  std::snprintf(crc, sizeof crc, "0x%08x", id.crc32);
+  nlohmann::json settings = nlohmann::json::parse(o.settings);
+  settings["checkpoint_crc32"] = crc;
+  settings["checkpoint_bytes"] = id.bytes;
+  o.settings = Dump(settings);
   const bool lead = comm->rank() == 0;
   if (lead && o.progress) {
     std::printf(
@@ -345,6 +394,8 @@ int main(int argc, char** argv) {
   Flags f;
   AddFlags(&app, &f);
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
+  f.bits_given = app.count("--bits") > 0;
+  f.candidates_file_given = app.count("--candidates-file") > 0;
   std::unique_ptr<cpd::comm::Communicator> comm = cpd::launcher::MakeWorldOrExit(kTool, f.comm);
   // Layers throw on CUDA failures; the job still ends as one failure.
   Status s;

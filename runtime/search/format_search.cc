@@ -6,16 +6,20 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <string_view>
+#include <system_error>
 
 #include "cpd/candidates.h"
+#include "runtime/search/search_files.h"
 
 namespace cpd::runtime {
 
@@ -23,14 +27,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kSettingsPrefix[] = "# cpd-format-search: ";
-
 std::string Errno() { return std::strerror(errno); }
-
-bool Exists(const std::string& path) {
-  struct stat sb;
-  return ::stat(path.c_str(), &sb) == 0;
-}
 
 std::string Number(double v) {
   char buf[32];
@@ -92,25 +89,49 @@ struct CandidateAccumulator {
   std::vector<Running> layer[kNumSiteSets];
 };
 
-// The partial-results file: a settings line, the header, one row per finished candidate.
+// Writes all of `text` to `fd`, then syncs: what is on disk is whole.
+Status WriteAll(int fd, const std::string& text, const std::string& path) {
+  size_t off = 0;
+  while (off < text.size()) {
+    const ssize_t w = ::write(fd, text.data() + off, text.size() - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return Status::IoError("writing " + path + ": " + Errno());
+    off += size_t(w);
+  }
+  if (::fsync(fd) != 0) return Status::IoError("writing " + path + ": " + Errno());
+  return Status::Ok();
+}
+
+// The partial-results file (runtime/search/search_files.h): a settings line, the header, one
+// row per finished candidate.
 class PartialFile {
  public:
   // Reads what a previous run left (resume) or creates the file; rank 0 only.
-  static Result<PartialFile> Open(const FormatSearchOptions& o, const std::string& header,
-                                  size_t layers, std::vector<CandidateResult>* done) {
+  static Result<PartialFile> Open(const FormatSearchOptions& o,
+                                  const std::vector<std::string>& layers,
+                                  std::vector<CandidateResult>* done) {
     PartialFile f;
     f.path_ = o.partial_path;
     if (f.path_.empty()) return f;
-    if (Exists(f.path_)) {
+    struct stat sb;
+    if (::lstat(f.path_.c_str(), &sb) == 0) {
       if (!o.resume) {
         return Status::InvalidArgument(f.path_ +
                                        " exists: an interrupted search left it; --resume "
                                        "continues it (or remove the file to start again)");
       }
-      CPD_RETURN_IF_ERROR(Read(o, header, layers, done));
+      CPD_ASSIGN_OR_RETURN(const std::string text,
+                           ReadBoundedFile(f.path_, kMaxPartialFileBytes, "--resume: " + f.path_));
+      CPD_ASSIGN_OR_RETURN(PartialResults read, ParsePartialResults(f.path_, text, o, layers));
+      // A row a crash cut short goes, so that the next row starts on a line of its own.
+      if (read.complete_bytes < text.size() &&
+          ::truncate(f.path_.c_str(), off_t(read.complete_bytes)) != 0) {
+        return Status::IoError("cannot cut the torn last row off " + f.path_ + ": " + Errno());
+      }
+      *done = std::move(read.rows);
     } else {
-      std::string head = kSettingsPrefix + o.settings + "\n" + header + "\n";
-      CPD_RETURN_IF_ERROR(f.Append(head));
+      CPD_RETURN_IF_ERROR(f.Create(PartialSettingsLine(o) + "\n" +
+                                   ResultsCsvHeader(layers, o.indicator.sites) + "\n"));
     }
     return f;
   }
@@ -118,52 +139,34 @@ class PartialFile {
   // Appends and syncs: a row on disk is a finished candidate.
   Status Append(const std::string& text) const {
     if (path_.empty() || text.empty()) return Status::Ok();
-    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
     if (fd < 0) return Status::IoError("cannot open " + path_ + ": " + Errno());
-    size_t off = 0;
-    while (off < text.size()) {
-      const ssize_t w = ::write(fd, text.data() + off, text.size() - off);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        const std::string err = Errno();
-        ::close(fd);
-        return Status::IoError("writing " + path_ + ": " + err);
-      }
-      off += size_t(w);
-    }
-    const bool synced = ::fsync(fd) == 0;
-    const std::string err = synced ? "" : Errno();
-    if (::close(fd) != 0 || !synced) {
-      return Status::IoError("writing " + path_ + ": " + (synced ? Errno() : err));
-    }
-    return Status::Ok();
+    Status s = WriteAll(fd, text, path_);
+    if (::close(fd) != 0 && s.ok()) s = Status::IoError("writing " + path_ + ": " + Errno());
+    return s;
   }
 
  private:
-  static Status Read(const FormatSearchOptions& o, const std::string& header, size_t layers,
-                     std::vector<CandidateResult>* done) {
-    std::ifstream in(o.partial_path);
-    if (!in) return Status::IoError("cannot read " + o.partial_path + ": " + Errno());
-    std::string settings, head, row;
-    std::getline(in, settings);
-    std::getline(in, head);
-    if (settings != kSettingsPrefix + o.settings || head != header) {
-      return Status::InvalidArgument(o.partial_path + " holds a search with other settings (" +
-                                     settings.substr(0, 200) +
-                                     "); give another --out, or remove the file to start again");
+  // The file appears whole or not at all (a temporary, synced, then linked to its name: link
+  // never replaces a file that appeared meanwhile), so a crash never leaves a file without its
+  // settings line and header.
+  Status Create(const std::string& head) const {
+    const std::string tmp = path_ + ".tmp." + std::to_string(::getpid());
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return Status::IoError("cannot create " + tmp + ": " + Errno());
+    Status s = WriteAll(fd, head, tmp);
+    if (::close(fd) != 0 && s.ok()) s = Status::IoError("writing " + tmp + ": " + Errno());
+    if (s.ok() && ::link(tmp.c_str(), path_.c_str()) != 0) {
+      s = Status::IoError("cannot create " + path_ + ": " + Errno());
     }
-    int line = 2;
-    while (std::getline(in, row)) {
-      ++line;
-      if (row.empty()) continue;
-      auto r = ParseResultRow(row, layers, o.indicator.sites);
-      // A row cut short by a crash is the only row that can be bad: the last one.
-      if (!r.ok()) {
-        if (in.peek() == EOF) break;
-        return Status::Corruption(o.partial_path + ":" + std::to_string(line) + ": " +
-                                  r.status().message());
-      }
-      done->push_back(std::move(r).value());
+    ::unlink(tmp.c_str());
+    if (!s.ok()) return s;
+    const size_t slash = path_.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash + 1);
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);  // best effort: the rows that follow are synced on their own
+      ::close(dfd);
     }
     return Status::Ok();
   }
@@ -333,6 +336,9 @@ Status CheckFormatSearch(const FormatSearchOptions& o) {
     return Status::InvalidArgument("--group must be >= 1, got " + std::to_string(o.group));
   }
   if (o.indicator.sites.empty()) return Status::InvalidArgument("--sites: no site set");
+  if (!o.settings.empty() && !nlohmann::json::parse(o.settings, nullptr, false).is_object()) {
+    return Status::InvalidArgument("the search's settings are not a JSON object");
+  }
   return Status::Ok();
 }
 
@@ -361,34 +367,73 @@ std::string ResultCsvRow(const CandidateResult& r, const std::vector<SiteSet>& s
   return row;
 }
 
-Result<CandidateResult> ParseResultRow(const std::string& row, size_t layers,
+Result<CandidateResult> ParseResultRow(const std::string& row,
+                                       const std::vector<std::string>& layers,
                                        const std::vector<SiteSet>& sites) {
   const std::vector<std::string> f = SplitCsv(row);
-  const size_t want = 3 + 2 * sites.size() * (1 + layers);
+  const size_t want = 3 + 2 * sites.size() * (1 + layers.size());
   if (f.size() != want) {
-    return Status::Corruption("a row of " + std::to_string(f.size()) + " fields, expected " +
-                              std::to_string(want));
+    return Status::InvalidArgument("a row of " + std::to_string(f.size()) + " fields, expected " +
+                                   std::to_string(want));
   }
   CandidateResult r;
-  r.spec = f[0];
+  auto format = Format::Parse(f[0]);
+  if (!format.ok()) {
+    return Status::InvalidArgument("spec " + QuoteForMessage(f[0]) + " is not a format spec");
+  }
+  r.spec = format->spec();
+  const std::string& bits = f[1];
+  const auto [bits_end, bits_ec] = std::from_chars(bits.data(), bits.data() + bits.size(), r.bits);
+  if (bits.empty() || bits_ec != std::errc() || bits_end != bits.data() + bits.size()) {
+    return Status::InvalidArgument("bits " + QuoteForMessage(bits) + " is not a whole number");
+  }
+  if (r.bits != format->bits()) {
+    return Status::InvalidArgument("bits " + bits + " do not match " + r.spec + ", a " +
+                                   std::to_string(format->bits()) + "-bit format");
+  }
   r.family = f[2];
-  try {
-    size_t k = 1;
-    r.bits = std::stoi(f[k++]);
-    ++k;  // family
+  static const std::set<std::string> kFamilies = {"fp32", "float",  "block", "shared-exponent",
+                                                  "int",  "uint",   "fixed", "hybrid",
+                                                  "log",  "binades"};
+  if (kFamilies.count(r.family) == 0) {
+    return Status::InvalidArgument("family " + QuoteForMessage(r.family) +
+                                   " is unknown (known: fixed, float, hybrid, log, binades, "
+                                   "shared-exponent, block, int, uint, fp32)");
+  }
+  if (r.family != CandidateFamily(*format)) {
+    return Status::InvalidArgument("family " + r.family + " does not match " + r.spec +
+                                   ", a format of family " + CandidateFamily(*format));
+  }
+  // An angle as GradientAngle gives it: a number to the field's end, in [0, 180] degrees. (A
+  // spread of values in that range lies in it too.)
+  size_t k = 3;
+  auto angle = [&](const std::string& column, double* out) -> Status {
+    const std::string& text = f[k++];
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+      return Status::InvalidArgument(column + " " + QuoteForMessage(text) + " is not a number");
+    }
+    if (!(*out >= 0.0 && *out <= 180.0)) {
+      return Status::InvalidArgument(column + " is " + QuoteForMessage(text) +
+                                     ": an angle lies in [0, 180] degrees");
+    }
+    return Status::Ok();
+  };
+  for (SiteSet s : sites) {
+    const std::string name = SiteSetName(s);
+    r.has[int(s)] = true;
+    CPD_RETURN_IF_ERROR(angle(name + "_deg", &r.mean[int(s)]));
+    CPD_RETURN_IF_ERROR(angle(name + "_std", &r.std[int(s)]));
+  }
+  for (const std::string& layer : layers) {
     for (SiteSet s : sites) {
-      r.has[int(s)] = true;
-      r.mean[int(s)] = std::stod(f[k++]);
-      r.std[int(s)] = std::stod(f[k++]);
+      const std::string name = layer + ":" + SiteSetName(s);
+      double mean = 0, spread = 0;
+      CPD_RETURN_IF_ERROR(angle(name + "_deg", &mean));
+      CPD_RETURN_IF_ERROR(angle(name + "_std", &spread));
+      r.layer_mean[int(s)].push_back(mean);
+      r.layer_std[int(s)].push_back(spread);
     }
-    for (size_t l = 0; l < layers; ++l) {
-      for (SiteSet s : sites) {
-        r.layer_mean[int(s)].push_back(std::stod(f[k++]));
-        r.layer_std[int(s)].push_back(std::stod(f[k++]));
-      }
-    }
-  } catch (const std::exception&) {
-    return Status::Corruption("a field of the row is not a number");
   }
   return r;
 }
@@ -398,7 +443,6 @@ Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device d
                                                      const FormatSearchOptions& o) {
   CPD_RETURN_IF_ERROR(CheckFormatSearch(o));
   CPD_ASSIGN_OR_RETURN(auto indicator, GradientAngleIndicator::Create(model, o.indicator));
-  const std::string header = ResultsCsvHeader(indicator->layers(), o.indicator.sites);
   const bool lead = comm->rank() == 0;
 
   // Rank 0 reads what a previous run finished; every rank learns which candidates remain.
@@ -406,7 +450,7 @@ Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device d
   PartialFile partial;
   Status opened = Status::Ok();
   if (lead) {
-    auto p = PartialFile::Open(o, header, indicator->layers().size(), &finished);
+    auto p = PartialFile::Open(o, indicator->layers(), &finished);
     if (p.ok()) {
       partial = std::move(p).value();
     } else {
@@ -456,7 +500,7 @@ Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device d
     std::string last;
     for (std::string row; std::getline(in, row);) {
       CPD_ASSIGN_OR_RETURN(CandidateResult r,
-                           ParseResultRow(row, indicator->layers().size(), o.indicator.sites));
+                           ParseResultRow(row, indicator->layers(), o.indicator.sites));
       last = r.spec;
       results[r.spec] = std::move(r);
     }

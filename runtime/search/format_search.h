@@ -9,8 +9,9 @@
 // the grouping, so its angles depend only on the model, the data, the options and the thread
 // count of its rank (CPU sums are ordered per thread count).
 //
-// Resume: the partial file starts with a line naming the search's settings; a resumed search
-// refuses a file written with other settings, and skips the candidates it already holds.
+// Resume: the partial file (runtime/search/search_files.h) starts with a line binding it to the
+// search's settings and candidates; a resumed search refuses a file of another search or with a
+// row that is not a valid result of this one, and skips the candidates it already holds.
 #pragma once
 
 #include <cstdint>
@@ -48,9 +49,13 @@ struct FormatSearchOptions {
   int group = 8;             // candidates per rank per round, >= 1
   // Rank 0 appends each round's results here ("": nowhere). With `resume`, candidates already
   // in the file are skipped; without it, an existing file is an error (nothing is overwritten).
+  // The file is created whole (its settings line and header at once) and grows by whole rows.
   std::string partial_path;
   bool resume = false;
-  std::string settings;  // one line describing the search, stored in and checked against the file
+  // A JSON object ("" for none) naming everything besides the candidates that determines a row:
+  // the checkpoint's contents, the data, batches, seed, sites, rounding. Stored, with the
+  // candidates' count and CRC, in the partial file and compared key by key on resume.
+  std::string settings;
   bool progress = true;  // rank 0 prints a line per round with the rate and the ETA
 };
 
@@ -59,26 +64,33 @@ struct FormatSearchOptions {
 std::string CandidateFamily(const Format& format);
 
 // Checks the options (the candidates parse and are distinct, N, batch size and group are
-// positive, a site set is given); no work is done. Errors name the flag. (Whether the partial
-// file fits `resume` is rank 0's to check, in RunFormatSearch: only it reads the file.)
+// positive, a site set is given, the settings are a JSON object); no work is done. Errors name the
+// flag. (Whether the partial file fits `resume` is rank 0's to check, in RunFormatSearch: only it
+// reads the file.)
 Status CheckFormatSearch(const FormatSearchOptions& options);
 
 // Collective over `comm`'s ranks (every rank passes the same options). `model` holds the trained
 // parameters on `device`; `train` is the normalised training set. Returns, on rank 0, the
 // results of every candidate in the order of options.candidates (resumed ones included); on the
-// other ranks an empty vector. A partial file that exists without `resume`, or that holds
-// another search, is an InvalidArgument on every rank.
+// other ranks an empty vector. A partial file that exists without `resume`, or that
+// ParsePartialResults refuses, is an InvalidArgument on every rank; a row torn by a crash at its
+// end is cut off the file and evaluated again.
 Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device device,
                                                      const Dataset& train, comm::Communicator* comm,
                                                      const FormatSearchOptions& options);
 
 // The results as CSV: a header naming, per site set, the network angle and its spread, then
-// per layer and site set the same; one row per candidate. ParseResultRow reads a row back
-// (for resume); `layers` and `sites` must be those the header was written with.
+// per layer and site set the same; one row per candidate.
 std::string ResultsCsvHeader(const std::vector<std::string>& layers,
                              const std::vector<SiteSet>& sites);
 std::string ResultCsvRow(const CandidateResult& r, const std::vector<SiteSet>& sites);
-Result<CandidateResult> ParseResultRow(const std::string& row, size_t layers,
+// Reads a row back (for resume); `layers` and `sites` must be those the header was written with.
+// Every field is checked: the field count, a spec that parses (the result's spec is its canonical
+// form), bits that are a whole number equal to the format's, a known family that is the
+// format's (CandidateFamily), and angles and spreads that are whole numbers, finite and within
+// [0, 180] degrees (GradientAngle's range). InvalidArgument, one line naming the column.
+Result<CandidateResult> ParseResultRow(const std::string& row,
+                                       const std::vector<std::string>& layers,
                                        const std::vector<SiteSet>& sites);
 
 }  // namespace cpd::runtime

@@ -120,7 +120,18 @@ double Degrees(double diff2, double sum2) {
   return 2.0 * std::atan2(std::sqrt(diff2), std::sqrt(sum2)) * (180.0 / M_PI);
 }
 
-double ZeroCase(double norm_a, double norm_b) { return norm_a == norm_b ? 0.0 : 90.0; }
+// The angle when a norm is zero or not finite. A gradient holding Inf or NaN (a format that
+// overflowed) keeps no direction: 180 degrees, the worst angle, ranks its format last, where the
+// arithmetic would give NaN or even 0 (NaN fails every comparison) and every angle stays in
+// [0, 180], which a resumed search checks.
+double SpecialCase(double norm_a, double norm_b) {
+  if (!std::isfinite(norm_a) || !std::isfinite(norm_b)) return 180.0;
+  return norm_a == norm_b ? 0.0 : 90.0;
+}
+
+bool Special(double norm_a, double norm_b) {
+  return norm_a == 0 || norm_b == 0 || !std::isfinite(norm_a) || !std::isfinite(norm_b);
+}
 
 }  // namespace
 
@@ -140,16 +151,16 @@ double GradientAngle(const std::vector<std::vector<float>>& a,
   per_layer->assign(layers, 0.0);
   double net_diff = 0, net_sum = 0;
   for (size_t l = 0; l < layers; ++l) {
-    if (na[l] == 0 || nb[l] == 0) {
-      (*per_layer)[l] = ZeroCase(na[l], nb[l]);
+    if (Special(na[l], nb[l])) {
+      (*per_layer)[l] = SpecialCase(na[l], nb[l]);
     } else {
       double diff = 0, sum = 0;
       DiffSum(a[l], na[l], b[l], nb[l], &diff, &sum);
       (*per_layer)[l] = Degrees(diff, sum);
     }
-    if (net_a > 0 && net_b > 0) DiffSum(a[l], net_a, b[l], net_b, &net_diff, &net_sum);
+    if (!Special(net_a, net_b)) DiffSum(a[l], net_a, b[l], net_b, &net_diff, &net_sum);
   }
-  if (net_a == 0 || net_b == 0) return ZeroCase(net_a, net_b);
+  if (Special(net_a, net_b)) return SpecialCase(net_a, net_b);
   return Degrees(net_diff, net_sum);
 }
 

@@ -51,7 +51,8 @@ struct IndicatorOptions {
 // layer and for all layers concatenated. Computed as 2 atan2(|a' - b'|, |a' + b'|) with a', b'
 // the unit vectors (Kahan's formula): exactly 0 for equal gradients and accurate for small
 // angles, where arccos of a rounded cosine is not. A zero gradient against a nonzero one is 90
-// degrees, two zeros 0.
+// degrees, two zeros 0; a gradient holding Inf or NaN (a format that overflowed) 180, the worst
+// angle. Every angle lies in [0, 180].
 double GradientAngle(const std::vector<std::vector<float>>& a,
                      const std::vector<std::vector<float>>& b, std::vector<double>* per_layer);
 

@@ -298,4 +298,19 @@ std::string LatestCheckpoint(const std::string& dir) {
   return best.empty() ? "" : dir + "/" + best;
 }
 
+Result<CheckpointId> ReadCheckpointId(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IoError("cannot open checkpoint " + path + ": " + Errno());
+  CheckpointId id;
+  unsigned char tail[4];
+  const off_t end = ::lseek(fd, 0, SEEK_END);
+  const bool read = end >= off_t(sizeof(kMagic) + 8 + 4) && ::pread(fd, tail, 4, end - 4) == 4;
+  const std::string err = Errno();
+  ::close(fd);
+  if (!read) return Status::IoError("cannot read the CRC-32 of checkpoint " + path + ": " + err);
+  for (int i = 3; i >= 0; --i) id.crc32 = (id.crc32 << 8) | tail[i];
+  id.bytes = uint64_t(end);
+  return id;
+}
+
 }  // namespace cpd::runtime

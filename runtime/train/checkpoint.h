@@ -48,4 +48,14 @@ Status CorruptCheckpoint(const std::string& path, const std::string& why);
 std::string LatestCheckpoint(const std::string& dir);
 std::string CheckpointPath(const std::string& dir, int64_t step);
 
+// What identifies a checkpoint's contents without reading them all: the CRC-32 it ends with (of
+// every byte before it) and its size. Reads the last 4 bytes and verifies nothing (ReadCheckpoint
+// does); the format search binds its partial results to it. IoError naming the file when it
+// cannot be read or is too short to be a checkpoint.
+struct CheckpointId {
+  uint32_t crc32 = 0;
+  uint64_t bytes = 0;
+};
+Result<CheckpointId> ReadCheckpointId(const std::string& path);
+
 }  // namespace cpd::runtime

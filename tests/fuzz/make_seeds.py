@@ -150,3 +150,31 @@ for kind, message, text in requests:
                                "cpd/v1/coordinator.proto"], input=text.encode(),
                               stdout=subprocess.PIPE, check=True).stdout
     put("coordinator_validate_fuzz", "%d-%s" % (kind, message or "name"), bytes([kind]) + data)
+
+# ---- format_search_partial_fuzz: a mode byte, then the partial file's rows (bit 0: the target
+# writes this search's settings line and header first; bits 1-3: site sets A, E, A+E; bits 4-5:
+# layers), or with bit 6 a --candidates-file -----------------------------------------------------
+def search_row(spec, bits, family, angles, base=1.5):
+    values = ["%.17g" % (base + 0.25 * i if i % 2 == 0 else 0.125) for i in range(angles)]
+    return '"%s",%d,%s,%s\n' % (spec, bits, family, ",".join(values))
+
+
+a_two_layers = 0x01 | (2 << 4)           # site set A, layers fc1 and conv2: 2 * 3 angles
+all_one_layer = 0x01 | 0x0e | (1 << 4)   # A, E and A+E, layer fc1: 2 * 3 * 2 angles
+rows = search_row("int8", 8, "int", 6) + search_row("binades:4x7,3,2,1,0", 8, "float", 6, 3.0)
+put("format_search_partial_fuzz", "rows", bytes([a_two_layers]) + rows.encode())
+put("format_search_partial_fuzz", "all-sites",
+    bytes([all_one_layer]) + (search_row("e4m3", 8, "float", 12) +
+                              search_row("fp32", 32, "fp32", 12, 0.0) +
+                              search_row("bfp8:16", 8, "block", 12)).encode())
+put("format_search_partial_fuzz", "torn", bytes([a_two_layers]) + rows.encode()[:-9])
+put("format_search_partial_fuzz", "negative",
+    bytes([a_two_layers]) + search_row("int8", 8, "int", 6, -1.0).encode())
+put("format_search_partial_fuzz", "nan", bytes([a_two_layers]) +
+    search_row("int8", 8, "int", 6).replace("1.5", "nan").encode())
+put("format_search_partial_fuzz", "twice", bytes([a_two_layers]) + (rows + rows).encode())
+put("format_search_partial_fuzz", "old-file",
+    b'\0# cpd-format-search: {"batches":2,"checkpoint":"ck.cpd","seed":1}\n'
+    b'spec,bits,family,A_deg,A_std\n"int8",8,int,1.5,0.125\n')
+put("format_search_partial_fuzz", "candidates",
+    b"\x40# a list\nbinades:4x7,3,2,1,0\n  e4m3  # fp8\r\n\nint8:ch\n")

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -26,21 +28,34 @@ class CpdFormatSearchCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new TempDir("cpd_format_search_cli");
-    const RunResult r = RunProgram(
-        BuiltProgram(CPD_TRAIN_PATH),
-        {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--max-steps", "6",
-         "--checkpoint-dir", dir_->File("ck"), "--quiet", "--no-progress"});
+    const RunResult r =
+        RunProgram(BuiltProgram(CPD_TRAIN_PATH),
+                   {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--max-steps", "6",
+                    "--checkpoint-dir", dir_->File("ck"), "--quiet", "--no-progress"});
     ASSERT_EQ(r.exit_code, 0) << r.err;
     checkpoint_ = new std::string(dir_->File("ck/ckpt-000000000006.cpd"));
     ASSERT_TRUE(Exists(*checkpoint_));
+    // Another model of the same architecture, for a checkpoint swapped under the same name.
+    const RunResult other = RunProgram(
+        BuiltProgram(CPD_TRAIN_PATH),
+        {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--max-steps", "3", "--seed",
+         "2", "--checkpoint-dir", dir_->File("ck2"), "--quiet", "--no-progress"});
+    ASSERT_EQ(other.exit_code, 0) << other.err;
+    other_checkpoint_ = new std::string(dir_->File("ck2/ckpt-000000000003.cpd"));
+    ASSERT_TRUE(Exists(*other_checkpoint_));
   }
   static void TearDownTestSuite() {
     delete checkpoint_;
+    delete other_checkpoint_;
     delete dir_;
   }
   static RunResult Search(std::vector<std::string> args) {
-    std::vector<std::string> all = {"--checkpoint", *checkpoint_, "--dataset", "synthetic",
-                                    "--arch", "mlp", "--no-progress", "--threads", "1"};
+    return SearchOn(*checkpoint_, std::move(args));
+  }
+  static RunResult SearchOn(const std::string& checkpoint, std::vector<std::string> args) {
+    std::vector<std::string> all = {"--checkpoint",  checkpoint,  "--dataset",
+                                    "synthetic",     "--arch",    "mlp",
+                                    "--no-progress", "--threads", "1"};
     all.insert(all.end(), args.begin(), args.end());
     return RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH), all);
   }
@@ -51,6 +66,7 @@ class CpdFormatSearchCli : public ::testing::Test {
   }
   static inline TempDir* dir_ = nullptr;
   static inline std::string* checkpoint_ = nullptr;
+  static inline std::string* other_checkpoint_ = nullptr;
 };
 
 TEST_F(CpdFormatSearchCli, BadInputIsOneLineAndExitTwoBeforeAnyWork) {
@@ -61,11 +77,10 @@ TEST_F(CpdFormatSearchCli, BadInputIsOneLineAndExitTwoBeforeAnyWork) {
   ExpectUsage(Search({"--bits", "1", "--out", out}), "--bits");
   ExpectUsage(Search({"--bits", "8x", "--out", out}), "'8x' is not a whole number");
   // The checkpoint of another model or data set.
-  ExpectUsage(
-      RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
-                 {"--checkpoint", *checkpoint_, "--dataset", "synthetic", "--arch", "lenet5",
-                  "--format", "e4m3", "--out", out}),
-      "--arch mlp");
+  ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
+                         {"--checkpoint", *checkpoint_, "--dataset", "synthetic", "--arch",
+                          "lenet5", "--format", "e4m3", "--out", out}),
+              "--arch mlp");
   ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
                          {"--checkpoint", dir_->File("nope.cpd"), "--dataset", "synthetic",
                           "--arch", "mlp", "--format", "e4m3", "--out", out}),
@@ -77,9 +92,9 @@ TEST_F(CpdFormatSearchCli, BadInputIsOneLineAndExitTwoBeforeAnyWork) {
 
 TEST_F(CpdFormatSearchCli, RanksTheCandidatesAndWritesItsFiles) {
   const std::string out = dir_->File("s");
-  const RunResult r = Search({"--format", "int4", "--format", "fp134", "--format", "e4m3",
-                              "--format", "int8", "--batches", "2", "--batch-size", "32",
-                              "--group", "3", "--out", out});
+  const RunResult r =
+      Search({"--format", "int4", "--format", "fp134", "--format", "e4m3", "--format", "int8",
+              "--batches", "2", "--batch-size", "32", "--group", "3", "--out", out});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("wrote " + out + ".csv"), std::string::npos) << r.out;
   EXPECT_FALSE(Exists(out + ".partial.csv"));
@@ -105,7 +120,119 @@ TEST_F(CpdFormatSearchCli, RanksTheCandidatesAndWritesItsFiles) {
   // A second search with the same prefix while a partial file exists needs --resume.
   { std::ofstream(out + "2.partial.csv") << "# another search\n"; }
   ExpectUsage(Search({"--format", "e4m3", "--out", out + "2"}), "--resume");
-  ExpectUsage(Search({"--format", "e4m3", "--out", out + "2", "--resume"}), "other settings");
+  ExpectUsage(Search({"--format", "e4m3", "--out", out + "2", "--resume"}),
+              "not a cpd-format-search partial file");
+}
+
+// Issue 26 item 8: a candidate list that names nothing, or a file that is no list, is refused;
+// the default search (--bits 8) runs only when no candidate flag is given at all. (The small
+// --batches keeps a search that wrongly runs short, so that the test fails fast.)
+TEST_F(CpdFormatSearchCli, CandidateListsThatNameNothingAreRefused) {
+  const std::string out = dir_->File("none");
+  const std::vector<std::string> quick = {"--sites", "A",         "--batches", "1", "--batch-size",
+                                          "8",       "--no-plot", "--out",     out};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), quick.begin(), quick.end());
+    return Search(args);
+  };
+  const std::string empty = dir_->File("empty.txt"), comments = dir_->File("comments.txt");
+  const std::string binary = dir_->File("binary.txt"), big = dir_->File("big.txt");
+  std::ofstream{empty};
+  std::ofstream(comments) << "# no format here\n\n   # nor here\n";
+  std::ofstream(binary) << std::string("e4m3\nint8\0\x01\x02", 12);
+  {
+    std::ofstream b(big);
+    for (int i = 0; i < 300000; ++i) b << "e4m3\n";
+  }
+  ExpectUsage(with({"--candidates-file", empty}), "names no format (it is empty");
+  ExpectUsage(with({"--candidates-file", comments}), "names no format");
+  ExpectUsage(with({"--candidates-file", dir_->path()}), "is a directory");
+  ExpectUsage(with({"--candidates-file", "/dev/zero"}), "'/dev/zero' is not a regular file");
+  ExpectUsage(with({"--candidates-file", binary}), "binary.txt':2: byte '\\x00' at column 5");
+  ExpectUsage(with({"--candidates-file", big}), "is 1500000 bytes; at most 1048576 are read");
+  ExpectUsage(with({"--candidates-file", ""}), "--candidates-file '': cannot open it");
+  ExpectUsage(with({"--bits", ""}), "--bits is empty");
+  ExpectUsage(with({"--bits", std::string("8\x01") + std::string(500, '9')}), "--bits '8\\x01999");
+  ExpectUsage(with({"--format", std::string(5000, 'z')}), "'zzzz");
+  for (const char* ext : {".csv", ".json", ".partial.csv"}) {
+    EXPECT_FALSE(Exists(out + ext)) << ext;
+  }
+}
+
+// Issue 26 item 7: --resume checks every row of the partial file, and the file is bound to the
+// checkpoint's contents and the search's settings.
+TEST_F(CpdFormatSearchCli, ResumeChecksEveryRowAndTheCheckpointsContents) {
+  namespace fs = std::filesystem;
+  const std::string ck = dir_->File("resume.cpd"), out = dir_->File("r");
+  fs::copy_file(*checkpoint_, ck);
+  const std::vector<std::string> args = {
+      "--format", "int8",         "--format", "e4m3",      "--sites", "A", "--batches",
+      "1",        "--batch-size", "16",       "--no-plot", "--out",   out};
+  auto search = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), more.begin(), more.end());
+    return SearchOn(ck, all);
+  };
+  // A search that stops after its last row, as a killed one does: its JSON cannot be written (a
+  // directory holds the name), so the partial file stays.
+  fs::create_directory(out + ".json");
+  const RunResult stopped = search({});
+  ASSERT_EQ(stopped.exit_code, 1) << stopped.err;
+  fs::remove(out + ".json");
+  const std::string partial = out + ".partial.csv";
+  const std::string good = ReadFile(partial);
+  ASSERT_EQ(std::count(good.begin(), good.end(), '\n'), 4) << good;
+  const size_t row3 = good.find("\"int8\"");
+  ASSERT_NE(row3, std::string::npos) << good;
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from, row3);
+    EXPECT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    return text;
+  };
+  const size_t a_deg = good.find(",int,", row3) + 4;  // the comma after the family
+  const std::string angle = good.substr(a_deg, good.find(',', a_deg + 1) - a_deg + 1);
+  const std::vector<std::pair<std::string, std::string>> bad_rows = {
+      {edited(angle, ",-1,"), "r.partial.csv:3: A_deg is '-1': an angle lies in [0, 180]"},
+      {edited(angle, ",nan,"), ":3: A_deg is 'nan'"},
+      {edited(angle, ",500,"), ":3: A_deg is '500'"},
+      {edited(",8,int,", ",4,int,"), ":3: bits 4 do not match int8"},
+      {edited(",8,int,", ",8,zebra,"), ":3: family 'zebra' is unknown"},
+      {good + good.substr(row3, good.find('\n', row3) + 1 - row3),
+       ":5: 'int8' has a row on line 3"},
+  };
+  for (const auto& [text, needle] : bad_rows) {
+    { std::ofstream(partial, std::ios::trunc) << text; }
+    ExpectUsage(search({"--resume"}), needle);
+  }
+  { std::ofstream(partial, std::ios::trunc) << good; }
+  // Other settings, other candidates: named, with both values.
+  ExpectUsage(search({"--resume", "--seed", "7"}), "seed 1 there, 7 here");
+  ExpectUsage(search({"--resume", "--format", "e5m2"}), "the candidates (candidates) 2 there, 3");
+  // Another model under the checkpoint's name.
+  fs::copy_file(*other_checkpoint_, ck, fs::copy_options::overwrite_existing);
+  ExpectUsage(search({"--resume"}), "the checkpoint's contents (checkpoint_");
+  fs::copy_file(*checkpoint_, ck, fs::copy_options::overwrite_existing);
+  // A partial file of the cpd-format-search before the binding (the checkpoint by path only).
+  {
+    std::ofstream(partial, std::ios::trunc)
+        << "# cpd-format-search: {\"a_rounding\":\"nearest\",\"arch\":\"mlp\",\"batch_size\":16,"
+           "\"batches\":1,\"checkpoint\":\""
+        << ck << "\"}\n"
+        << good.substr(good.find('\n') + 1);
+  }
+  ExpectUsage(search({"--resume"}), "older cpd-format-search");
+  // The good file, with its last row torn by a crash: that candidate runs again.
+  { std::ofstream(partial, std::ios::trunc) << good.substr(0, good.size() - 10); }
+  const RunResult resumed = search({"--resume"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  std::ifstream csv(out + ".csv");
+  std::string line;
+  int rows = 0;
+  while (std::getline(csv, line)) ++rows;
+  EXPECT_EQ(rows, 1 + 2);
+  EXPECT_FALSE(Exists(partial));
 }
 
 // --bits enumerates cpd-quant's candidates; a candidates file takes binades lists (commas and

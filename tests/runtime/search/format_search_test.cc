@@ -42,7 +42,7 @@ FormatSearchOptions Options() {
   o.progress = false;
   o.indicator.e_rounding = Rounding::kStochastic;
   o.indicator.seed = 5;
-  o.settings = "test";
+  o.settings = R"({"test":1})";
   return o;
 }
 
@@ -95,11 +95,20 @@ TEST(FormatSearch, AResumedSearchEndsWithTheResultsOfAnUninterruptedOne) {
   auto straight = RunFormatSearch(s.model.get(), Device::kCpu, s.train, World(), o);
   ASSERT_TRUE(straight.ok());
 
-  // A first run that finished only some candidates (as if killed after its first rounds).
+  // A first run, cut back to what a run killed while appending its second round leaves: the
+  // settings, the header, the first round's rows and part of a row.
   FormatSearchOptions first = o;
   first.partial_path = dir + "/search.partial.csv";
-  first.candidates = {"int8", "e4m3"};
   ASSERT_TRUE(RunFormatSearch(s.model.get(), Device::kCpu, s.train, World(), first).ok());
+  if (World()->rank() == 0) {
+    std::ifstream in(first.partial_path);
+    std::string kept, line;
+    for (int i = 0; i < 4 && std::getline(in, line); ++i) kept += line + "\n";
+    std::getline(in, line);
+    kept += line.substr(0, line.size() / 2);
+    std::ofstream(first.partial_path, std::ios::trunc) << kept;
+  }
+  EXPECT_TRUE(World()->Barrier().ok());
   // Without --resume the file is not touched.
   FormatSearchOptions again = o;
   again.partial_path = first.partial_path;
@@ -110,9 +119,13 @@ TEST(FormatSearch, AResumedSearchEndsWithTheResultsOfAnUninterruptedOne) {
   auto resumed = RunFormatSearch(s.model.get(), Device::kCpu, s.train, World(), again);
   ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
   if (World()->rank() == 0) ExpectSame(*straight, *resumed);
+  // The torn row was cut off before the rows that followed it: the file reads back whole.
+  auto twice = RunFormatSearch(s.model.get(), Device::kCpu, s.train, World(), again);
+  ASSERT_TRUE(twice.ok()) << twice.status().ToString();
+  if (World()->rank() == 0) ExpectSame(*straight, *twice);
   // Another search's file is refused on every rank.
   FormatSearchOptions other = again;
-  other.settings = "another search";
+  other.settings = R"({"test":2})";
   EXPECT_EQ(RunFormatSearch(s.model.get(), Device::kCpu, s.train, World(), other).status().code(),
             Status::Code::kInvalidArgument);
   EXPECT_TRUE(World()->Barrier().ok());
@@ -131,12 +144,15 @@ TEST(FormatSearch, BadOptionsAreRefusedBeforeAnyWork) {
   o = Options();
   o.candidates.clear();
   EXPECT_FALSE(CheckFormatSearch(o).ok());
+  o = Options();
+  o.settings = "not json";
+  EXPECT_FALSE(CheckFormatSearch(o).ok());
 }
 
 TEST(FormatSearch, CsvRowsReadBackExactly) {
   CandidateResult r;
   r.spec = "binades:4,4,3,2,1,0";
-  r.bits = 6;
+  r.bits = Format::Parse(r.spec).value().bits();
   r.family = "float";
   const std::vector<SiteSet> sites = {SiteSet::kE, SiteSet::kAE};
   for (SiteSet s : sites) {
@@ -147,11 +163,12 @@ TEST(FormatSearch, CsvRowsReadBackExactly) {
     r.layer_std[int(s)] = {0.0, 1e-9};
   }
   const std::string row = ResultCsvRow(r, sites);
-  auto back = ParseResultRow(row, 2, sites);
+  const std::vector<std::string> layers = {"fc1", "fc2"};
+  auto back = ParseResultRow(row, layers, sites);
   ASSERT_TRUE(back.ok()) << back.status().ToString();
   ExpectSame({r}, {*back});
   EXPECT_EQ(back->spec, r.spec);
-  EXPECT_FALSE(ParseResultRow(row.substr(0, row.size() / 2), 2, sites).ok());
+  EXPECT_FALSE(ParseResultRow(row.substr(0, row.size() / 2), layers, sites).ok());
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -168,6 +169,14 @@ TEST(GradientAngle, MatchesTheDefinitionAndIsExactForEqualGradients) {
   const std::vector<std::vector<float>> z = {{0, 0}}, n = {{1, 0}};
   EXPECT_EQ(GradientAngle(z, z, &per_layer), 0.0);
   EXPECT_EQ(GradientAngle(z, n, &per_layer), 90.0);
+  // A gradient that overflowed (a format with Inf) keeps no direction: the worst angle, never NaN,
+  // so that every angle a search writes lies in [0, 180] (issue 26 item 7).
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<std::vector<float>> o = {{inf, 1}, {0, 0, 1}}, q = {{NAN, 1}, {0, 0, 1}};
+  EXPECT_EQ(GradientAngle(a, o, &per_layer), 180.0);
+  EXPECT_EQ(per_layer[0], 180.0);
+  EXPECT_EQ(per_layer[1], 0.0);
+  EXPECT_EQ(GradientAngle(q, a, &per_layer), 180.0);
 }
 
 TEST(GradientAngleIndicator, RejectsBadOptions) {

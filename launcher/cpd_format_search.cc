@@ -5,6 +5,7 @@
 // the ranked table and writes PREFIX.csv, PREFIX.json and PREFIX.png (and, while it runs,
 // PREFIX.partial.csv, from which --resume continues an interrupted search).
 #include <omp.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -78,6 +79,7 @@ void AddFlags(CLI::App* app, Flags* f) {
       ->check(cpd::launcher::IntegerAtLeast(1));
   app->add_option("--seed", f->seed,
                   "Seed of the batches' shuffle and of stochastic rounding (as cpd-train)")
+      ->check(cpd::launcher::Uint64Number())
       ->capture_default_str();
   app->add_option("--a-rounding", f->a_rounding, "Rounding at A: nearest | stochastic | zero")
       ->capture_default_str();
@@ -90,7 +92,7 @@ void AddFlags(CLI::App* app, Flags* f) {
       ->check(cpd::launcher::IntegerAtLeast(1));
   app->add_option("--threads", f->threads, "Threads per rank (0: all cores)")
       ->capture_default_str()
-      ->check(cpd::launcher::IntegerIn(0, 4096));
+      ->check(cpd::launcher::ThreadCount());
   app->add_option("--device", f->device, "auto | cpu | cuda")->capture_default_str();
   app->add_option("--comm", f->comm, "auto | self | mpi")->capture_default_str();
   app->add_option("--out", f->out, "Output prefix: PREFIX.csv, PREFIX.json, PREFIX.png")
@@ -229,10 +231,51 @@ std::string Dump(const nlohmann::json& j, int indent = -1) {
   return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
+// Outputs never replace a file this tool did not write: PREFIX.csv is ours when it opens with
+// the ranked table's header, PREFIX.json when it is a search's document, PREFIX.png when the
+// PREFIX.json beside it is ours (they are written together). Checked before any work.
+Status CheckOutputsAreOurs(const std::string& prefix) {
+  // (A directory under the name cannot be replaced at all: the write fails then, naming it.)
+  auto exists = [](const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && !S_ISDIR(st.st_mode);
+  };
+  auto refuse = [](const std::string& path) {
+    return Bad("--out: " + cpd::runtime::QuoteForMessage(path) +
+               " exists and was not written by cpd-format-search; refusing to replace it "
+               "(choose another --out, or move the file)");
+  };
+  const std::string csv = prefix + ".csv", json = prefix + ".json", png = prefix + ".png";
+  if (exists(csv)) {
+    auto text = cpd::runtime::ReadBoundedFile(csv, size_t(64) << 20, "--out " + csv);
+    if (!text.ok() || text->rfind("rank,spec,bits,family", 0) != 0) return refuse(csv);
+  }
+  bool json_ours = false;
+  if (exists(json)) {
+    auto text = cpd::runtime::ReadBoundedFile(json, size_t(64) << 20, "--out " + json);
+    const nlohmann::json doc =
+        text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+    json_ours = doc.is_object() && doc.contains("settings") && doc.contains("layers") &&
+                doc.contains("candidates");
+    if (!json_ours) return refuse(json);
+  }
+  if (exists(png) && !json_ours) return refuse(png);
+  return cpd::Status::Ok();
+}
+
 // Everything the flags say, checked before any work; every rank finds the same errors.
 cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
   using namespace cpd::runtime;
   FormatSearchOptions o;
+  // PREFIX names files: "" wrote a hidden ./.csv, and a directory's prefix ends in '/'.
+  struct stat st;
+  if (f.out.empty() || f.out.back() == '/' ||
+      (::stat(f.out.c_str(), &st) == 0 && S_ISDIR(st.st_mode))) {
+    return Bad("--out " + cpd::runtime::QuoteForMessage(f.out) +
+               " is not accepted: a path prefix such as results/lenet5 (PREFIX.csv, "
+               "PREFIX.json and PREFIX.png are written)");
+  }
+  CPD_RETURN_IF_ERROR(CheckOutputsAreOurs(f.out));
   CPD_ASSIGN_OR_RETURN(o.candidates, Candidates(f));
   auto sites = ParseSiteSets(f.sites);
   if (!sites.ok()) return Bad("--sites: " + sites.status().message());

@@ -124,6 +124,32 @@ TEST_F(CpdFormatSearchCli, RanksTheCandidatesAndWritesItsFiles) {
               "not a cpd-format-search partial file");
 }
 
+// Issue 26 items 2 and 15: an empty --out wrote a hidden ./.csv; outputs never replace a file
+// the tool did not write (a second search over its own files still does); threads and seeds
+// are bounded.
+TEST_F(CpdFormatSearchCli, OutputsNeverReplaceAUsersFile) {
+  ExpectUsage(Search({"--format", "e4m3", "--out", ""}), "--out '' is not accepted");
+  ExpectUsage(Search({"--format", "e4m3", "--out", dir_->path()}), "is not accepted: a path");
+  ExpectUsage(Search({"--format", "e4m3", "--out", dir_->File("x") + "/"}), "is not accepted");
+  ExpectUsage(Search({"--format", "e4m3", "--threads", "99999", "--out", dir_->File("t")}),
+              "--threads");
+  ExpectUsage(Search({"--format", "e4m3", "--seed", "-1", "--out", dir_->File("t")}), "--seed");
+  const std::string mine = dir_->File("mine");
+  { std::ofstream(mine + ".csv") << "my,own,table\n1,2,3\n"; }
+  ExpectUsage(Search({"--format", "e4m3", "--batches", "1", "--out", mine}),
+              "mine.csv' exists and was not written by cpd-format-search");
+  std::ifstream kept(mine + ".csv");
+  std::string line;
+  std::getline(kept, line);
+  EXPECT_EQ(line, "my,own,table");
+  const std::string again = dir_->File("again");
+  for (int i = 0; i < 2; ++i) {
+    const RunResult r = Search({"--format", "e4m3", "--batches", "1", "--batch-size", "16",
+                                "--no-plot", "--out", again});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+  }
+}
+
 // Issue 26 item 8: a candidate list that names nothing, or a file that is no list, is refused;
 // the default search (--bits 8) runs only when no candidate flag is given at all. (The small
 // --batches keeps a search that wrongly runs short, so that the test fails fast.)

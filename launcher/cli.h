@@ -13,6 +13,7 @@
 #include <string>
 
 #include "cpd/status.h"
+#include "launcher/common.h"
 
 namespace cpd::launcher {
 
@@ -82,20 +83,6 @@ inline Result<std::string> ReadWholeFile(const std::string& path) {
   return s.str();
 }
 
-// A coordinator token: the file's first line without surrounding whitespace; an empty token is
-// an error (it would silently turn authentication off).
-inline Result<std::string> ReadTokenFile(const std::string& path) {
-  CPD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path));
-  std::string line = text.substr(0, text.find('\n'));
-  const char* ws = " \t\r\v\f";
-  const size_t begin = line.find_first_not_of(ws);
-  if (begin == std::string::npos) {
-    return Status::InvalidArgument(path + ": the first line is empty; put the token on it");
-  }
-  line = line.substr(begin, line.find_last_not_of(ws) - begin + 1);
-  return line;
-}
-
 // The whole file, or exit `code` with "<tool>: <flag> <why>".
 inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
                                   const std::string& path, int code) {
@@ -104,12 +91,22 @@ inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
   return *text;
 }
 
-// The token in the file, or exit `code` with "<tool>: <flag> <why>".
+// The token in the file (ReadTokenFile: the one reader and check of every program's token), or
+// exit `code` with "<tool>: <flag> <why>".
 inline std::string ReadTokenFileOrExit(const char* tool, const std::string& flag,
                                        const std::string& path, int code) {
   auto token = ReadTokenFile(path);
   if (!token.ok()) FailWith(tool, flag + " " + token.status().message(), code);
   return *token;
+}
+
+// The PEM file (ReadPemFile: checked before gRPC sees it), or exit `code` with
+// "<tool>: <flag> <why>".
+inline std::string ReadPemFileOrExit(const char* tool, const std::string& flag,
+                                     const std::string& path, std::string_view kind, int code) {
+  auto pem = ReadPemFile(path, kind);
+  if (!pem.ok()) FailWith(tool, flag + " " + pem.status().message(), code);
+  return *pem;
 }
 
 }  // namespace cpd::launcher

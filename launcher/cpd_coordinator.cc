@@ -34,14 +34,6 @@ constexpr const char* kTool = "cpd-coordinator";
   cpd::launcher::FailWith(kTool, msg, code);
 }
 
-std::string ReadPem(const std::string& flag, const std::string& path) {
-  std::string pem = cpd::launcher::ReadFileOrExit(kTool, flag, path, cpd::launcher::kUsageError);
-  if (pem.find("-----BEGIN ") == std::string::npos) {
-    Fail(flag + " " + path + ": not a PEM file (no '-----BEGIN' line)");
-  }
-  return pem;
-}
-
 // Writes all of `text` to `fd`, however many calls write() takes; false with errno set.
 bool WriteAll(int fd, const std::string& text) {
   size_t done = 0;
@@ -174,8 +166,10 @@ cpd::coordinator::ServerOptions ToServerOptions(const Flags& f) {
                                                                cpd::launcher::kUsageError);
   }
   if (!f.tls_cert.empty()) {
-    opt.tls_cert_pem = ReadPem("--tls-cert", f.tls_cert);
-    opt.tls_key_pem = ReadPem("--tls-key", f.tls_key);
+    opt.tls_cert_pem = cpd::launcher::ReadPemFileOrExit(kTool, "--tls-cert", f.tls_cert,
+                                                        "CERTIFICATE", cpd::launcher::kUsageError);
+    opt.tls_key_pem = cpd::launcher::ReadPemFileOrExit(kTool, "--tls-key", f.tls_key, "PRIVATE KEY",
+                                                       cpd::launcher::kUsageError);
   }
   return opt;
 }

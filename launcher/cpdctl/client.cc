@@ -122,12 +122,14 @@ Connection::Connection(const Globals& g) : g_(g) {
     }
   }
   if (!g_.token_file.empty()) {
-    token_ = cpd::launcher::ReadTokenFileOrExit(kTool, token_flag_, g_.token_file, kFailure);
+    token_ = cpd::launcher::ReadTokenFileOrExit(kTool, token_flag_, g_.token_file,
+                                                cpd::launcher::kUsageError);
   }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!g_.tls_ca.empty()) {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = cpd::launcher::ReadFileOrExit(kTool, "--tls-ca", g_.tls_ca, kFailure);
+    ssl.pem_root_certs = cpd::launcher::ReadPemFileOrExit(
+        kTool, "--tls-ca", g_.tls_ca, "CERTIFICATE", cpd::launcher::kUsageError);
     creds = grpc::SslCredentials(ssl);
   } else {
     creds = grpc::InsecureChannelCredentials();

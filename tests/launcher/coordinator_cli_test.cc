@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/launcher/bad_token_files.h"
 #include "tests/launcher/coordinator_test_util.h"
 #include "tests/subprocess.h"
 
@@ -88,6 +89,22 @@ TEST(CoordinatorCli, UsageErrorsExitTwoWithOneLine) {
 
 // Range errors say in words what is accepted, in a short line (CLI11's own printed both bounds
 // of a double: "Value -1 not in range 0.000000 to 1797693134862...", 373 characters).
+// A token gRPC refuses as a metadata value: the coordinator started with it, and then every
+// client aborted (SIGABRT) when it sent it. It is refused at start, exit 2, one line.
+TEST(CoordinatorCli, TokenFileWithBytesGrpcRefusesIsOneLineWithoutTheToken) {
+  TempDir dir;
+  const std::vector<BadTokenFile> cases = BadTokenFiles();
+  const std::vector<std::string> paths = WriteBadTokenFiles(dir.path());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    // Under timeout(1): a coordinator that accepts the token serves until killed (exit 124).
+    const RunResult r =
+        RunProgram("/usr/bin/timeout", {"20", CPD_COORDINATOR_PATH, "--listen", "127.0.0.1:0",
+                                        "--db", dir.File("t.db"), "--token-file", paths[i]});
+    ExpectTokenRefused(r, "cpd-coordinator", paths[i], cases[i]);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.File("t.db")));
+}
+
 TEST(CoordinatorCli, RangeErrorsSayWhatIsAccepted) {
   const std::string bin = BuiltProgram(CPD_COORDINATOR_PATH);
   for (const auto& [flag, value, accepted] : std::vector<std::array<std::string, 3>>{

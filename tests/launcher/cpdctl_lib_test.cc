@@ -64,6 +64,33 @@ TEST(CpdctlCsv, FieldsAreQuotedOnlyWhenNeeded) {
   EXPECT_EQ(launcher::CsvField("two\nlines"), "\"two\nlines\"");
 }
 
+// The token reader of every program (issue 26 item 1): gRPC's rule for metadata values, the
+// column of the first byte it refuses, never the token in the message.
+TEST(LauncherMessages, TokenFromFileTextFollowsGrpcsRule) {
+  using launcher::TokenFromFileText;
+  EXPECT_EQ(*TokenFromFileText("  s3cret token \r\nline 2\n", "f"), "s3cret token");
+  EXPECT_EQ(*TokenFromFileText("~!x", "f"), "~!x");
+  EXPECT_EQ(*TokenFromFileText(std::string(4096, 't'), "f"), std::string(4096, 't'));
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"\n", "f: the first line is empty"},
+      {" \t \r\ntoken", "f: the first line is empty"},
+      {"ab\tSECRET", "f: a tab at column 3 of the first line"},
+      {" ab\x02SECRET", "f: a control character at column 4"},
+      {"ab\x7fSECRET", "f: a control character at column 3"},
+      {"ab\xc3\xa9SECRET", "f: a non-ASCII byte at column 3"},
+      {std::string("ab\0SECRET", 9), "f: a NUL byte at column 3"},
+      {"ab\vSECRET", "f: a control character at column 3"},
+      {std::string(4097, 't'), "f: the token on the first line is longer than 4096 bytes"},
+  };
+  for (const auto& [text, want] : bad) {
+    const auto t = TokenFromFileText(text, "f");
+    ASSERT_FALSE(t.ok()) << want;
+    EXPECT_EQ(t.status().code(), Status::Code::kInvalidArgument);
+    EXPECT_EQ(t.status().message().rfind(want, 0), 0u) << t.status().message();
+    EXPECT_EQ(t.status().message().find("SECRET"), std::string::npos) << t.status().message();
+  }
+}
+
 TEST(CpdctlSites, NamesRoundTrip) {
   for (auto s :
        {cpd::v1::SITE_W, cpd::v1::SITE_A, cpd::v1::SITE_E, cpd::v1::SITE_G, cpd::v1::SITE_COMM}) {

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/launcher/bad_token_files.h"
 #include "tests/subprocess.h"
 #include "tests/temp_dir.h"
 
@@ -1228,7 +1229,7 @@ TEST_F(CpdctlTest, TokenMissingWrongAndRight) {
   // An empty first line is refused before any call.
   const std::string empty = dir_ + "/empty";
   std::ofstream(empty) << "   \ntoken-on-line-2\n";
-  ExpectError(Ctl({"jobs", "--coordinator", addr, "--token-file", empty}, {}, false), 1,
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--token-file", empty}, {}, false), 2,
               "the first line is empty");
 }
 
@@ -1256,7 +1257,7 @@ TEST_F(CpdctlTest, TlsWithTheServersCa) {
   // Plain TCP to a TLS server: refused, one line.
   ExpectError(Ctl({"jobs", "--coordinator", addr, "--timeout", "5"}, {}, false), 1,
               "coordinator at " + addr);
-  ExpectError(Ctl({"jobs", "--coordinator", addr, "--tls-ca", dir_ + "/none.pem"}, {}, false), 1,
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--tls-ca", dir_ + "/none.pem"}, {}, false), 2,
               "--tls-ca " + dir_ + "/none.pem: cannot read");
 }
 
@@ -1311,6 +1312,56 @@ TEST(CpdctlUsage, RangeErrorsAndAddressesSayWhatIsAccepted) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     EXPECT_NE(r.err.find(accepted), std::string::npos) << r.err;
     EXPECT_LT(r.err.size(), 100u) << r.err;
+  }
+}
+
+// A token gRPC refuses as a metadata value (a tab, a control byte, a non-ASCII byte) aborted
+// cpdctl with SIGABRT before any connection, gRPC's log line printing "Bearer <token>". It is one
+// line naming the file and the column, exit 2, from the flag and from CPD_TOKEN_FILE alike.
+TEST(CpdctlUsage, TokenFileWithBytesGrpcRefusesIsOneLineWithoutTheToken) {
+  TempDir dir("cpdctl_token");
+  const std::string bin = BuiltProgram(CPDCTL_PATH);
+  const std::string dead = "127.0.0.1:" + std::to_string(ClosedPort());
+  const std::vector<BadTokenFile> cases = BadTokenFiles();
+  const std::vector<std::string> paths = WriteBadTokenFiles(dir.path());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    for (std::vector<std::string> args : {std::vector<std::string>{"jobs"},
+                                          {"status", "job1"},
+                                          {"schedule", "set", "job1", "--grad-bits", "6"}}) {
+      args.insert(args.end(), {"--coordinator", dead, "--timeout", "5", "--token-file", paths[i]});
+      ExpectTokenRefused(RunProgram(bin, args), "cpdctl", paths[i], cases[i]);
+    }
+  }
+  ASSERT_EQ(setenv("CPD_TOKEN_FILE", paths[0].c_str(), 1), 0);
+  const cpd::test::RunResult r = RunProgram(bin, {"jobs", "--coordinator", dead});
+  unsetenv("CPD_TOKEN_FILE");
+  ExpectTokenRefused(r, "cpdctl", paths[0], cases[0]);
+  EXPECT_NE(r.err.find("CPD_TOKEN_FILE"), std::string::npos) << r.err;
+}
+
+// A --tls-ca that is not a PEM certificate went to gRPC, which logged five lines and failed the
+// call; it is checked first: one line naming the file and what is expected, exit 2.
+TEST(CpdctlUsage, BadTlsCaIsOneLineBeforeGrpcSeesIt) {
+  TempDir dir("cpdctl_tls_ca");
+  const std::string bin = BuiltProgram(CPDCTL_PATH);
+  const std::string dead = "127.0.0.1:" + std::to_string(ClosedPort());
+  const std::string text = dir.File("text.pem"), garbage = dir.File("garbage.pem"),
+                    key = dir.File("key.pem");
+  std::ofstream(text) << "not a certificate\n";
+  std::ofstream(garbage) << "-----BEGIN CERTIFICATE-----\n!!garbage!!\n-----END CERTIFICATE-----\n";
+  std::ofstream(key) << "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n";
+  for (const auto& [path, why] : std::vector<std::pair<std::string, std::string>>{
+           {text, "no '-----BEGIN CERTIFICATE-----' line"},
+           {garbage, "not base64"},
+           {key, "no '-----BEGIN CERTIFICATE-----' line"},
+           {dir.path(), "cannot read"},
+           {dir.File("missing.pem"), "cannot read"}}) {
+    const cpd::test::RunResult r =
+        RunProgram(bin, {"jobs", "--coordinator", dead, "--timeout", "5", "--tls-ca", path});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("cpdctl: --tls-ca " + path + ": ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(why), std::string::npos) << r.err;
   }
 }
 

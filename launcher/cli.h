@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "cpd/status.h"
 #include "launcher/common.h"
@@ -19,9 +20,12 @@ namespace cpd::launcher {
 
 constexpr int kUsageError = 2;
 
+// The one line is MessageLine(msg): whatever `msg` quotes (an argument CLI11 echoes, a server's
+// message), a NUL cannot cut it short, a newline cannot make it two lines and a 400 KB value
+// cannot make it 400 KB.
 [[noreturn]] inline void FailWith(const char* tool, const std::string& msg,
                                   int code = kUsageError) {
-  std::fprintf(stderr, "%s: %s\n", tool, msg.c_str());
+  std::fprintf(stderr, "%s: %s\n", tool, MessageLine(msg).c_str());
   std::exit(code);
 }
 
@@ -37,9 +41,23 @@ inline CLI::Validator NumberValidator(std::string what, bool integer, long doubl
         const long double v = std::strtold(text.c_str(), &end);
         const bool parsed = !text.empty() && end == text.c_str() + text.size() && errno == 0;
         if (!parsed || !(v >= lo && v <= hi) || (integer && v != std::floor(v))) {
-          return "'" + text + "' is not accepted: " + what;
+          return QuoteForMessage(text) + " is not accepted: " + what;
         }
         return std::string();
+      },
+      what);
+}
+// One of `choices` ("--hysteresis: 'yes' is not accepted: one of on, off"); CLI11's IsMember
+// echoes the value whole.
+inline CLI::Validator OneOf(std::vector<std::string> choices) {
+  std::string what = "one of ";
+  for (size_t i = 0; i < choices.size(); ++i) what += (i > 0 ? ", " : "") + choices[i];
+  return CLI::Validator(
+      [choices, what](std::string& text) -> std::string {
+        for (const std::string& c : choices) {
+          if (text == c) return std::string();
+        }
+        return QuoteForMessage(text) + " is not accepted: " + what;
       },
       what);
 }

@@ -242,8 +242,8 @@ int main(int argc, char** argv) {
   std::string host;
   int want_port = 0;
   if (!cpd::launcher::SplitHostPort(f.listen, &host, &want_port)) {
-    Fail("--listen '" + f.listen +
-         "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
+    Fail("--listen " + cpd::launcher::QuoteForMessage(f.listen) +
+         ": expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
   }
   // Anyone who reaches a non-loopback address could read every job and change its schedule.
   if (!cpd::launcher::IsLoopbackHost(host) && f.token_file.empty()) {

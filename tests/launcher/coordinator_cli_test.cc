@@ -75,6 +75,16 @@ TEST(CoordinatorCli, UsageErrorsExitTwoWithOneLine) {
   ExpectUsageError(
       RunProgram(CPD_COORDINATOR_PATH, {"--tls-cert", cert, "--tls-key", cert, "--db", db}),
       "not PEM", "PEM");
+  // Garbage comes back quoted and escaped, on one line.
+  ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--listen", "host\n\x01:x", "--db", db}),
+                   "garbage listen", "--listen 'host\\n\\x01:x': expected HOST:PORT");
+  {
+    std::ofstream(dir.File("garbage.pem"))
+        << "-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n";
+    ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--tls-cert", dir.File("garbage.pem"),
+                                                       "--tls-key", cert, "--db", db}),
+                     "garbage certificate", "not base64");
+  }
   ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--keep-full", "-3"}), "negative",
                    "--keep-full");
   ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--max-message-mib", "0"}), "zero",

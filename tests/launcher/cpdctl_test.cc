@@ -864,7 +864,7 @@ TEST_F(CpdctlTest, ScheduleGetSetRoundTripsAndReachesTheWorkers) {
 TEST_F(CpdctlTest, ScheduleSetRefusesBadSpecsLocallyAndStaleVersions) {
   // A bad spec fails before any call: the same answer with no coordinator at all.
   RunResult r = Ctl({"schedule", "set", kJob, "--format", "W=e9m1"});
-  ExpectError(r, 2, "--format W=e9m1: bad format spec 'e9m1'");
+  ExpectError(r, 2, "--format 'W=e9m1': bad format spec 'e9m1'");
   r = Ctl(
       {"schedule", "set", kJob, "--format", "conv1.W=e4m3:bogus", "--coordinator", "127.0.0.1:1"},
       {}, /*with_address=*/false);
@@ -885,6 +885,67 @@ TEST_F(CpdctlTest, ScheduleSetRefusesBadSpecsLocallyAndStaleVersions) {
   // The current version passes.
   EXPECT_EQ(Ctl({"schedule", "set", kJob, "--grad-bits", "5", "--expect-version", "2"}).exit_code,
             0);
+}
+
+// Edits the job can never use (issue 26 item 15): a --from-step at or past its total steps was
+// stored and never took effect; refused with the accepted range, exit 2, and by the coordinator
+// itself for any client. A layer the job lacks is named with a bounded list of its layers.
+TEST_F(CpdctlTest, ScheduleSetRefusesAStartBeyondTheJobsSteps) {
+  ExpectError(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "100"}), 2,
+              "--from-step 100 is beyond the 100 steps of job 'ctl-test'; accepted: 0..99");
+  ExpectError(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "99999999999"}), 2,
+              "accepted: 0..99");
+  EXPECT_EQ(Json(Ctl({"schedule", "get", kJob, "--json"}))["schedule"]["version"], 1);
+  ASSERT_EQ(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "99"}).exit_code, 0);
+
+  // The coordinator refuses it from any client.
+  auto ops =
+      v1::OperatorService::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  v1::SetScheduleRequest req;
+  req.mutable_job()->set_job_name(kJob);
+  req.mutable_schedule()->set_effective_from_step(100);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, "");
+  v1::SetScheduleResponse resp;
+  const grpc::Status st = ops->SetSchedule(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("schedule.effective_from_step: 100 is beyond the 100 steps"),
+            std::string::npos)
+      << st.error_message();
+}
+
+// What the user typed comes back quoted, shortened and escaped (issue 26 item 15: garbage
+// echoed raw, a 400 KB one-line error): one short line, exit 2.
+TEST_F(CpdctlTest, BadArgumentsAreQuotedShortAndEscaped) {
+  // 100 KB: below Linux's limit on one argument (128 KiB).
+  const std::string big(100000, 'z');
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"status", big},
+           {"status", "bad\x01name\xff"},
+           {"frob\tnicate"},
+           {"schedule", "set", kJob, "--format", "W=" + big},
+           {"schedule", "set", kJob, "--format", big + ".W=e4m3"},
+           {"schedule", "set", kJob, "--format", "W=e4m3\x1b[2J"},
+           {"schedule", "set", kJob, "--rounding", "W=" + big},
+           {"schedule", "set", kJob, "--hysteresis", big},
+           {"schedule", "set", kJob, "--allreduce-layer-format", big},
+           {"layers", kJob, "--top", big},
+           {"jobs", "--timeout", big}}) {
+    const RunResult r = Ctl(args);
+    SCOPED_TRACE(args[0] + " " + (args.size() > 1 ? args[1].substr(0, 20) : ""));
+    EXPECT_EQ(r.exit_code, 2) << r.err.substr(0, 300);
+    EXPECT_EQ(Lines(r.err), 1u) << r.err.substr(0, 300);
+    EXPECT_LT(r.err.size(), 1000u) << r.err.substr(0, 300);
+    for (char c : r.err.substr(0, r.err.size() - 1)) {
+      EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "byte " << int(c) << " in " << r.err.substr(0, 300);
+    }
+  }
+  ExpectError(Ctl({"status", "bad\x01name"}), 2, "JOB 'bad\\x01name'");
+  ExpectError(Ctl({"frob\tnicate"}), 2, "unknown command 'frob\\tnicate'");
+  // A layer the job lacks: its name quoted, the job's layers listed.
+  const std::string del_in_name = std::string("conv") + '\x7f' + "9.W=e4m3";
+  ExpectError(Ctl({"schedule", "set", kJob, "--format", del_in_name}), 2,
+              "no layer 'conv\\x7f9' (layers: conv1, block1.conv1, fc)");
 }
 
 // Hybrid precision: per-layer all-reduce formats set, replaced, dropped and cleared through the

@@ -150,3 +150,20 @@ for kind, message, text in requests:
                                "cpd/v1/coordinator.proto"], input=text.encode(),
                               stdout=subprocess.PIPE, check=True).stdout
     put("coordinator_validate_fuzz", "%d-%s" % (kind, message or "name"), bytes([kind]) + data)
+
+# ---- token_file_fuzz: a token file's bytes (the first line is the token) -------------------------
+TOKENS = [
+    ("plain", b"s3cret-token\n"),
+    ("spaces", b"  s3cret token with spaces \r\nsecond line\n"),
+    ("no-newline", b"abc"),
+    ("empty-line", b"   \ntoken-on-line-2\n"),
+    ("tab", b"s3cret\ttoken\n"),
+    ("control", b"s3cret\x01token\n"),
+    ("non-ascii", "s3cr\u00e9t\n".encode()),
+    ("nul", b"s3cret\x00token\n"),
+    ("del", b"s3cret\x7f"),
+    ("max", b"t" * 4096 + b"\n"),
+    ("too-long", b"t" * 4097 + b"\n"),
+]
+for name, data in TOKENS:
+    put("token_file_fuzz", name, data)

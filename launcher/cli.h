@@ -11,17 +11,22 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "cpd/status.h"
 #include "cpd/threads.h"
+#include "launcher/common.h"
 
 namespace cpd::launcher {
 
 constexpr int kUsageError = 2;
 
+// The one line is MessageLine(msg): whatever `msg` quotes (an argument CLI11 echoes, a server's
+// message), a NUL cannot cut it short, a newline cannot make it two lines and a 400 KB value
+// cannot make it 400 KB.
 [[noreturn]] inline void FailWith(const char* tool, const std::string& msg,
                                   int code = kUsageError) {
-  std::fprintf(stderr, "%s: %s\n", tool, msg.c_str());
+  std::fprintf(stderr, "%s: %s\n", tool, MessageLine(msg).c_str());
   std::exit(code);
 }
 
@@ -37,9 +42,23 @@ inline CLI::Validator NumberValidator(std::string what, bool integer, long doubl
         const long double v = std::strtold(text.c_str(), &end);
         const bool parsed = !text.empty() && end == text.c_str() + text.size() && errno == 0;
         if (!parsed || !(v >= lo && v <= hi) || (integer && v != std::floor(v))) {
-          return "'" + text + "' is not accepted: " + what;
+          return QuoteForMessage(text) + " is not accepted: " + what;
         }
         return std::string();
+      },
+      what);
+}
+// One of `choices` ("--hysteresis: 'yes' is not accepted: one of on, off"); CLI11's IsMember
+// echoes the value whole.
+inline CLI::Validator OneOf(std::vector<std::string> choices) {
+  std::string what = "one of ";
+  for (size_t i = 0; i < choices.size(); ++i) what += (i > 0 ? ", " : "") + choices[i];
+  return CLI::Validator(
+      [choices, what](std::string& text) -> std::string {
+        for (const std::string& c : choices) {
+          if (text == c) return std::string();
+        }
+        return QuoteForMessage(text) + " is not accepted: " + what;
       },
       what);
 }
@@ -104,20 +123,6 @@ inline Result<std::string> ReadWholeFile(const std::string& path) {
   return s.str();
 }
 
-// A coordinator token: the file's first line without surrounding whitespace; an empty token is
-// an error (it would silently turn authentication off).
-inline Result<std::string> ReadTokenFile(const std::string& path) {
-  CPD_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(path));
-  std::string line = text.substr(0, text.find('\n'));
-  const char* ws = " \t\r\v\f";
-  const size_t begin = line.find_first_not_of(ws);
-  if (begin == std::string::npos) {
-    return Status::InvalidArgument(path + ": the first line is empty; put the token on it");
-  }
-  line = line.substr(begin, line.find_last_not_of(ws) - begin + 1);
-  return line;
-}
-
 // The whole file, or exit `code` with "<tool>: <flag> <why>".
 inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
                                   const std::string& path, int code) {
@@ -126,12 +131,22 @@ inline std::string ReadFileOrExit(const char* tool, const std::string& flag,
   return *text;
 }
 
-// The token in the file, or exit `code` with "<tool>: <flag> <why>".
+// The token in the file (ReadTokenFile: the one reader and check of every program's token), or
+// exit `code` with "<tool>: <flag> <why>".
 inline std::string ReadTokenFileOrExit(const char* tool, const std::string& flag,
                                        const std::string& path, int code) {
   auto token = ReadTokenFile(path);
   if (!token.ok()) FailWith(tool, flag + " " + token.status().message(), code);
   return *token;
+}
+
+// The PEM file (ReadPemFile: checked before gRPC sees it), or exit `code` with
+// "<tool>: <flag> <why>".
+inline std::string ReadPemFileOrExit(const char* tool, const std::string& flag,
+                                     const std::string& path, std::string_view kind, int code) {
+  auto pem = ReadPemFile(path, kind);
+  if (!pem.ok()) FailWith(tool, flag + " " + pem.status().message(), code);
+  return *pem;
 }
 
 }  // namespace cpd::launcher

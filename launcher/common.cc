@@ -1,7 +1,12 @@
 #include "launcher/common.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <utility>
 
@@ -56,6 +61,162 @@ std::string CsvField(std::string_view s) {
   }
   out += '"';
   return out;
+}
+
+namespace {
+
+// `c` as the message helpers show it: itself when printable ASCII (or, with `keep_non_ascii`,
+// a byte of UTF-8 text), else an escape.
+void AppendShown(std::string* out, unsigned char c, bool keep_non_ascii) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  switch (c) {
+    case '\\':
+      *out += keep_non_ascii ? "\\" : "\\\\";
+      return;
+    case '\n':
+      *out += "\\n";
+      return;
+    case '\r':
+      *out += "\\r";
+      return;
+    case '\t':
+      *out += "\\t";
+      return;
+    case '\0':
+      *out += "\\0";
+      return;
+    default:
+      if ((c >= 0x20 && c < 0x7f) || (keep_non_ascii && c >= 0x80)) {
+        *out += char(c);
+        return;
+      }
+      *out += "\\x";
+      *out += kHex[c >> 4];
+      *out += kHex[c & 15];
+  }
+}
+
+}  // namespace
+
+std::string QuoteForMessage(std::string_view s, size_t max_bytes) {
+  std::string out = "'";
+  const size_t n = std::min(s.size(), max_bytes);
+  for (size_t i = 0; i < n; ++i) AppendShown(&out, static_cast<unsigned char>(s[i]), false);
+  out += '\'';
+  if (s.size() > max_bytes) out += "... (" + std::to_string(s.size()) + " bytes)";
+  return out;
+}
+
+std::string MessageLine(std::string_view text, size_t max_bytes) {
+  std::string out;
+  const size_t n = std::min(text.size(), max_bytes);
+  for (size_t i = 0; i < n; ++i) AppendShown(&out, static_cast<unsigned char>(text[i]), true);
+  if (text.size() > max_bytes) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
+namespace {
+
+// At most `max` bytes from the start of `path`.
+Result<std::string> ReadFilePrefix(const std::string& path, size_t max) {
+  // A directory opens and then reads as empty: name it instead.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Status::IoError(path + ": cannot read: " + std::strerror(EISDIR));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::IoError(path + ": cannot read: " + std::strerror(errno));
+  std::string text(max, '\0');
+  in.read(text.data(), std::streamsize(max));
+  if (in.bad()) return Status::IoError(path + ": error while reading");
+  text.resize(size_t(in.gcount()));
+  return text;
+}
+
+// What a byte a token may not hold is, in words: not its value, which is part of the secret.
+std::string ByteName(unsigned char c) {
+  if (c == '\t') return "a tab";
+  if (c == 0) return "a NUL byte";
+  if (c < 0x20 || c == 0x7f) return "a control character";
+  return "a non-ASCII byte";
+}
+
+}  // namespace
+
+Result<std::string> TokenFromFileText(std::string_view text, const std::string& path) {
+  const std::string_view line = text.substr(0, text.find('\n'));
+  constexpr std::string_view kSpace = " \t\r";
+  const size_t begin = line.find_first_not_of(kSpace);
+  if (begin == std::string_view::npos) {
+    return Status::InvalidArgument(path + ": the first line is empty; put the token on it");
+  }
+  const size_t end = line.find_last_not_of(kSpace) + 1;
+  if (end - begin > kMaxTokenBytes) {
+    return Status::InvalidArgument(path + ": the token on the first line is longer than " +
+                                   std::to_string(kMaxTokenBytes) + " bytes");
+  }
+  for (size_t i = begin; i < end; ++i) {
+    const unsigned char c = static_cast<unsigned char>(line[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return Status::InvalidArgument(path + ": " + ByteName(c) + " at column " +
+                                     std::to_string(i + 1) +
+                                     " of the first line; a token may hold only printable ASCII "
+                                     "(0x20..0x7E)");
+    }
+  }
+  return std::string(line.substr(begin, end - begin));
+}
+
+Result<std::string> ReadTokenFile(const std::string& path) {
+  // Enough for the longest token with spaces around it; a longer line is refused as too long.
+  CPD_ASSIGN_OR_RETURN(const std::string text, ReadFilePrefix(path, kMaxTokenBytes + 1024));
+  return TokenFromFileText(text, path);
+}
+
+Result<std::string> ReadPemFile(const std::string& path, std::string_view kind) {
+  constexpr size_t kMaxPem = size_t(1) << 20;
+  CPD_ASSIGN_OR_RETURN(std::string pem, ReadFilePrefix(path, kMaxPem + 1));
+  if (pem.size() > kMaxPem) {
+    return Status::InvalidArgument(path + ": larger than 1 MiB; not a PEM file");
+  }
+  const std::string want = "-----BEGIN " + std::string(kind) + "-----";
+  const bool is_key = kind == "PRIVATE KEY";
+  size_t begin = std::string::npos;
+  if (is_key) {
+    // "-----BEGIN PRIVATE KEY-----", "-----BEGIN RSA PRIVATE KEY-----", ...
+    for (size_t at = pem.find("-----BEGIN "); at != std::string::npos;
+         at = pem.find("-----BEGIN ", at + 1)) {
+      const size_t close = pem.find("-----", at + 11);
+      if (close != std::string::npos &&
+          std::string_view(pem).substr(at, close - at).ends_with("PRIVATE KEY")) {
+        begin = at;
+        break;
+      }
+    }
+  } else {
+    begin = pem.find(want);
+  }
+  if (begin == std::string::npos) {
+    return Status::InvalidArgument(path + ": not a PEM file with a " + std::string(kind) +
+                                   " (no '" + want + "' line)");
+  }
+  const size_t body = pem.find('\n', begin);
+  const size_t end = pem.find("-----END ", begin);
+  if (body == std::string::npos || end == std::string::npos || end < body) {
+    return Status::InvalidArgument(path + ": the PEM block at '" + want +
+                                   "' has no '-----END' line");
+  }
+  if (!is_key) {
+    // A certificate's body is base64: anything else would reach gRPC's parser.
+    const std::string_view b64 = std::string_view(pem).substr(body, end - body);
+    const size_t bad = b64.find_first_not_of(
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/= \t\r\n");
+    if (bad != std::string_view::npos || b64.find_first_not_of(" \t\r\n") == std::string::npos) {
+      return Status::InvalidArgument(path + ": the " + std::string(kind) +
+                                     " block is not base64 text; not a PEM file");
+    }
+  }
+  return pem;
 }
 
 }  // namespace cpd::launcher

@@ -2,10 +2,13 @@
 // cpdctl) uses; nothing here needs CLI11 or gRPC.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "cpd/status.h"
 
 namespace cpd::launcher {
 
@@ -24,5 +27,45 @@ std::vector<std::string> SplitCommas(const std::string& s);
 
 // A CSV field (RFC 4180): quoted when it holds a comma, quote, CR or LF, quotes doubled.
 std::string CsvField(std::string_view s);
+
+// A string someone else chose (a flag's value, a client's field, a file's line), for an error
+// message: in single quotes, its first `max_bytes` bytes, then "..." and the full length when it
+// is longer; every byte outside printable ASCII is escaped (\n, \t, \0, \xNN; a backslash is
+// \\). Whatever it quotes, the message stays one short line of plain text: a NUL does not cut
+// it short, a 400 KB argument does not fill the terminal, garbage does not reach it raw.
+// QuoteForMessage("a\tb") == "'a\\tb'" (the six characters 'a\tb').
+std::string QuoteForMessage(std::string_view s, size_t max_bytes = 60);
+
+// A whole message (one that may carry text from elsewhere: a server's error, a library's parse
+// error echoing an argument) as one line: control bytes escaped as QuoteForMessage does (UTF-8
+// text is kept), cut after `max_bytes` bytes with "... (N bytes)". FailWith prints every
+// program's last line through it.
+std::string MessageLine(std::string_view text, size_t max_bytes = 2000);
+
+// ---- Coordinator tokens and certificates (cpd-coordinator, cpdctl and cpd-train's client) ---
+
+// The longest token accepted. It travels as the header "authorization: Bearer <token>", and gRPC
+// refuses a call whose headers exceed 8 KiB.
+constexpr size_t kMaxTokenBytes = 4096;
+
+// The token in the text of a token file: its first line without the spaces, tabs and CR around
+// it. gRPC aborts the whole process (SIGABRT, the header in its log line) on a metadata value
+// with any byte outside printable ASCII (0x20..0x7E, its rule for non-binary values), so such a
+// token is refused here. InvalidArgument naming `path` when the line is empty, longer than
+// kMaxTokenBytes, or holds such a byte; the message gives the byte's value and 1-based column in
+// the line, never the token.
+Result<std::string> TokenFromFileText(std::string_view text, const std::string& path);
+
+// TokenFromFileText of the file's first kMaxTokenBytes + 1 KiB bytes (a FIFO or /dev/zero
+// cannot make it read forever); IoError naming `path` when it cannot be read. The one reader of
+// every program's --token-file.
+Result<std::string> ReadTokenFile(const std::string& path);
+
+// A PEM file handed to gRPC (--tls-ca, --tls-cert, --tls-key), checked first: readable, at most
+// 1 MiB, and holding a "-----BEGIN <kind>-----" block with its END line. gRPC itself, given
+// anything else, logs several lines per connection attempt and fails every call. `kind` is
+// "CERTIFICATE" or "PRIVATE KEY" (any "... PRIVATE KEY" block: RSA, EC, encrypted). Errors name
+// `path` and what was expected.
+Result<std::string> ReadPemFile(const std::string& path, std::string_view kind);
 
 }  // namespace cpd::launcher

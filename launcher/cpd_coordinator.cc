@@ -34,14 +34,6 @@ constexpr const char* kTool = "cpd-coordinator";
   cpd::launcher::FailWith(kTool, msg, code);
 }
 
-std::string ReadPem(const std::string& flag, const std::string& path) {
-  std::string pem = cpd::launcher::ReadFileOrExit(kTool, flag, path, cpd::launcher::kUsageError);
-  if (pem.find("-----BEGIN ") == std::string::npos) {
-    Fail(flag + " " + path + ": not a PEM file (no '-----BEGIN' line)");
-  }
-  return pem;
-}
-
 // Writes all of `text` to `fd`, however many calls write() takes; false with errno set.
 bool WriteAll(int fd, const std::string& text) {
   size_t done = 0;
@@ -174,8 +166,10 @@ cpd::coordinator::ServerOptions ToServerOptions(const Flags& f) {
                                                                cpd::launcher::kUsageError);
   }
   if (!f.tls_cert.empty()) {
-    opt.tls_cert_pem = ReadPem("--tls-cert", f.tls_cert);
-    opt.tls_key_pem = ReadPem("--tls-key", f.tls_key);
+    opt.tls_cert_pem = cpd::launcher::ReadPemFileOrExit(kTool, "--tls-cert", f.tls_cert,
+                                                        "CERTIFICATE", cpd::launcher::kUsageError);
+    opt.tls_key_pem = cpd::launcher::ReadPemFileOrExit(kTool, "--tls-key", f.tls_key, "PRIVATE KEY",
+                                                       cpd::launcher::kUsageError);
   }
   return opt;
 }
@@ -248,8 +242,8 @@ int main(int argc, char** argv) {
   std::string host;
   int want_port = 0;
   if (!cpd::launcher::SplitHostPort(f.listen, &host, &want_port)) {
-    Fail("--listen '" + f.listen +
-         "': expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
+    Fail("--listen " + cpd::launcher::QuoteForMessage(f.listen) +
+         ": expected HOST:PORT, e.g. 127.0.0.1:50051 (port 0: any free)");
   }
   // Anyone who reaches a non-loopback address could read every job and change its schedule.
   if (!cpd::launcher::IsLoopbackHost(host) && f.token_file.empty()) {

@@ -409,7 +409,7 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
     o->coordinator.token = *token;
   }
   if (!f->tls_ca.empty()) {
-    auto pem = ReadWholeFile(f->tls_ca);
+    auto pem = ReadPemFile(f->tls_ca, "CERTIFICATE");
     if (!pem.ok()) return bad("--tls-ca: " + pem.status().message());
     o->coordinator.tls_ca_pem = *pem;
   }

@@ -264,12 +264,21 @@ grpc::Status Coordinator::SetSchedule(const v1::SetScheduleRequest& req,
 
   std::lock_guard<std::mutex> meta(meta_mu_);
   uint64_t current = 0;
+  int64_t total_steps = 0;
   std::string name;
   {
     std::lock_guard<std::mutex> l(mu_);
     const Job* j = FindLocked(id);
     current = j->schedule->version();
     name = j->info.job_name();
+    total_steps = j->info.total_steps();
+  }
+  // A schedule from a step the job never reaches would be accepted and never take effect.
+  if (total_steps > 0 && req.schedule().effective_from_step() >= total_steps) {
+    return Invalid(
+        "schedule.effective_from_step: " + std::to_string(req.schedule().effective_from_step()) +
+        " is beyond the " + std::to_string(total_steps) + " steps of " + JobLabel(id, name) +
+        "; accepted: 0.." + std::to_string(total_steps - 1) + " (0: the next step)");
   }
   if (req.expected_version() != 0 && req.expected_version() != current) {
     return grpc::Status(StatusCode::FAILED_PRECONDITION,

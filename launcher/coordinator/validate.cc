@@ -6,6 +6,7 @@
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 #include "cpd/tag.h"
+#include "launcher/common.h"
 
 namespace cpd::coordinator {
 namespace {
@@ -25,16 +26,9 @@ Status Bad(const std::string& field, const std::string& what) {
   return Status::InvalidArgument(field + ": " + what);
 }
 
-// Shortens a client's string for an error message (it may be long or binary).
-std::string Quote(std::string_view s) {
-  std::string out = "'";
-  for (size_t i = 0; i < s.size() && i < 64; ++i) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    out += (c >= 0x20 && c < 0x7f) ? char(c) : '?';
-  }
-  if (s.size() > 64) out += "...";
-  return out + "'";
-}
+// A client's string in an error message (it may be long or binary): the launcher's one quoting
+// helper.
+std::string Quote(std::string_view s) { return launcher::QuoteForMessage(s); }
 
 Status CheckString(std::string_view s, const std::string& field, const Limits& limits,
                    bool required) {
@@ -124,10 +118,22 @@ bool StringOk(std::string_view s, const Limits& limits, bool required) {
 // The spec in force is informational here (schedules are where specs are parsed): parsing 100
 // specs per report at 5000 reports/s would cost more than storing them.
 bool LayerStatOk(const v1::LayerStat& l, const Limits& limits) {
+  const uint64_t max_count = uint64_t(limits.max_count);
   return StringOk(l.layer(), limits, true) && SiteKnown(l.site()) &&
          StringOk(l.format(), limits, false) && l.bits() >= 0 && l.bits() <= 64 &&
          l.aps_shift() >= -1100 && l.aps_shift() <= 1100 && !(l.max_abs() < 0) &&
-         l.saturated() >= 0 && l.saturated() <= 1 && l.flushed() >= 0 && l.flushed() <= 1;
+         l.saturated() >= 0 && l.saturated() <= 1 && l.flushed() >= 0 && l.flushed() <= 1 &&
+         l.flips() <= max_count && l.nonfinite() <= max_count;
+}
+
+// A uint64 count: at most limits.max_count (a larger one is a negative number sent unsigned).
+Status CheckCount(uint64_t v, const std::string& field, const Limits& limits) {
+  if (v > uint64_t(limits.max_count)) {
+    return Bad(field, std::to_string(v) + " is not a count; accepted: 0.." +
+                          std::to_string(limits.max_count) +
+                          (v >= (uint64_t(1) << 63) ? " (a negative number sent as uint64?)" : ""));
+  }
+  return Status::Ok();
 }
 
 // A name a client chooses (job names, study tags): cpd/tag.h's rule, with at most `max`
@@ -301,11 +307,14 @@ Status ValidateReport(const v1::StatsReport& r, const Limits& limits) {
     return Bad("job_id", std::to_string(r.job_id()) + " is not a job id (RegisterJob returns one)");
   }
   CPD_RETURN_IF_ERROR(CheckNonNegative(r.rank(), "rank"));
-  CPD_RETURN_IF_ERROR(CheckNonNegative(r.step(), "step"));
+  CPD_RETURN_IF_ERROR(CheckRange(r.step(), 0, limits.max_count, "step"));
   CPD_RETURN_IF_ERROR(CheckNonNegative(r.epoch(), "epoch"));
   CPD_RETURN_IF_ERROR(CheckRange(r.bits(), 0, 64, "bits"));
+  CPD_RETURN_IF_ERROR(CheckCount(r.schedule_version(), "schedule_version", limits));
   CPD_RETURN_IF_ERROR(CheckNonNegative(r.ranks_alive(), "ranks_alive"));
-  CPD_RETURN_IF_ERROR(CheckNonNegative(r.time_ms(), "time_ms"));
+  CPD_RETURN_IF_ERROR(CheckCount(r.skipped_steps(), "skipped_steps", limits));
+  CPD_RETURN_IF_ERROR(CheckCount(r.dropped_reports(), "dropped_reports", limits));
+  CPD_RETURN_IF_ERROR(CheckRange(r.time_ms(), 0, limits.max_time_ms, "time_ms"));
   if (!(r.images_per_s() >= 0.0)) {
     return Bad("images_per_s", std::to_string(r.images_per_s()) + " is not a rate (>= 0)");
   }
@@ -335,7 +344,37 @@ Status ValidateReport(const v1::StatsReport& r, const Limits& limits) {
     }
     CPD_RETURN_IF_ERROR(CheckFraction(l.saturated(), fi + ".saturated"));
     CPD_RETURN_IF_ERROR(CheckFraction(l.flushed(), fi + ".flushed"));
+    CPD_RETURN_IF_ERROR(CheckCount(l.flips(), fi + ".flips", limits));
+    CPD_RETURN_IF_ERROR(CheckCount(l.nonfinite(), fi + ".nonfinite", limits));
     return Status::Internal(fi + ": rejected by the fast check but by no described one");
+  }
+  return Status::Ok();
+}
+
+Status ValidateReportForJob(const v1::StatsReport& r, const v1::RegisterJobRequest& job,
+                            const std::string& label) {
+  const int32_t world = job.world_size();
+  if (r.rank() >= world) {
+    return Bad("rank", std::to_string(r.rank()) + " is out of range for " + label +
+                           " of world_size " + std::to_string(world) + "; accepted: 0.." +
+                           std::to_string(world - 1));
+  }
+  if (r.ranks_alive() > world) {
+    return Bad("ranks_alive", std::to_string(r.ranks_alive()) + " exceeds world_size " +
+                                  std::to_string(world) + " of " + label);
+  }
+  // cpdctl shows progress as (step + 1) / total_steps: a step past the end is a wrong report,
+  // not progress beyond 100 %.
+  if (job.total_steps() > 0) {
+    if (r.step() >= job.total_steps()) {
+      return Bad("step", std::to_string(r.step()) + " is beyond the " +
+                             std::to_string(job.total_steps()) + " steps of " + label +
+                             "; accepted: 0.." + std::to_string(job.total_steps() - 1));
+    }
+    if (r.skipped_steps() > uint64_t(job.total_steps())) {
+      return Bad("skipped_steps", std::to_string(r.skipped_steps()) + " exceeds the " +
+                                      std::to_string(job.total_steps()) + " steps of " + label);
+    }
   }
   return Status::Ok();
 }

@@ -16,14 +16,19 @@ namespace cpd::coordinator {
 
 // Bounds on what one request may carry. The defaults are the documented limits of cpd.v1.
 struct Limits {
-  size_t max_name = kMaxJobNameLength;    // job_name: cpd/tag.h's rule, 1..max_name characters
+  size_t max_name = kMaxJobNameLength;     // job_name: cpd/tag.h's rule, 1..max_name characters
   size_t max_study = kMaxStudyNameLength;  // study: the same rule, 0..max_study (empty = none)
-  size_t max_string = 256;                // layer names, hosts, arch, dataset, specs, ...
-  int32_t max_world_size = 65536;         // world_size and emulated_workers_per_rank
-  size_t max_layers_per_job = 10000;      // RegisterJobRequest.layers
-  size_t max_layers_per_report = 4096;    // StatsReport.layers
-  size_t max_overrides = 40000;           // PrecisionSchedule.overrides (10000 layers x 4 sites)
-  int32_t max_layer_stats_limit = 10000;  // LayerStatsRequest.limit cap
+  size_t max_string = 256;                 // layer names, hosts, arch, dataset, specs, ...
+  int32_t max_world_size = 65536;          // world_size and emulated_workers_per_rank
+  size_t max_layers_per_job = 10000;       // RegisterJobRequest.layers
+  size_t max_layers_per_report = 4096;     // StatsReport.layers
+  size_t max_overrides = 40000;            // PrecisionSchedule.overrides (10000 layers x 4 sites)
+  int32_t max_layer_stats_limit = 10000;   // LayerStatsRequest.limit cap
+  // Steps and counts (step, skipped_steps, dropped_reports, flips, nonfinite, schedule
+  // versions): at most 2^53, exact in a double as cpdctl computes and prints them. A uint64
+  // count above it is a negative number sent unsigned.
+  int64_t max_count = int64_t(1) << 53;
+  int64_t max_time_ms = 253402300799999;  // time_ms: 9999-12-31T23:59:59.999Z
 };
 
 // Layer names a job registered; empty = not known, so names in a schedule are not checked.
@@ -48,10 +53,16 @@ Status ValidateSchedule(const v1::PrecisionSchedule& s, std::string_view field,
 // Everything in a RegisterJobRequest that does not need the coordinator's state.
 Status ValidateRegister(const v1::RegisterJobRequest& r, const Limits& limits);
 
-// The parts of a report that do not depend on the job (rank range is checked by the caller):
-// job_id > 0, step/epoch/time >= 0, fractions in [0, 1], layer rows bounded and well formed.
-// A non-finite loss, lr, max_abs or rel_error is a fact and is accepted as is.
+// The parts of a report that do not depend on the job: job_id > 0, step, epoch, time and the
+// counts in 0..limits (max_count, max_time_ms), fractions in [0, 1], layer rows bounded and
+// well formed. A non-finite loss, lr, max_abs or rel_error is a fact and is accepted as is.
 Status ValidateReport(const v1::StatsReport& r, const Limits& limits);
+
+// The parts of a report that depend on its job (`job`: what it registered; `label` names it in
+// the message): rank below world_size, ranks_alive at most world_size, and when the job
+// registered total_steps, step below it (steps count from 0) and skipped_steps at most it.
+Status ValidateReportForJob(const v1::StatsReport& r, const v1::RegisterJobRequest& job,
+                            const std::string& label);
 
 Status ValidateLayerStatsRequest(const v1::LayerStatsRequest& r, const Limits& limits);
 Status ValidateJobHistoryRequest(const v1::JobHistoryRequest& r, const Limits& limits);

@@ -185,16 +185,8 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
           StatusCode::NOT_FOUND,
           "no job with job_id " + std::to_string(req.job_id()) + " (RegisterJob first)");
     }
-    const int32_t world = j->info.world_size();
-    if (req.rank() >= world) {
-      return Invalid("rank: " + std::to_string(req.rank()) + " is out of range for " +
-                     JobLabel(j->id, j->info.job_name()) + " of world_size " +
-                     std::to_string(world) + "; accepted: 0.." + std::to_string(world - 1));
-    }
-    if (req.ranks_alive() > world) {
-      return Invalid("ranks_alive: " + std::to_string(req.ranks_alive()) + " exceeds world_size " +
-                     std::to_string(world) + " of " + JobLabel(j->id, j->info.job_name()));
-    }
+    v = ValidateReportForJob(req, j->info, JobLabel(j->id, j->info.job_name()));
+    if (!v.ok()) return ToGrpc(v);
     version = j->schedule->version();
     for (const JobStream* w : j->job_watchers) (w->with_layers() ? want_full : want_summary) = true;
   }

@@ -111,7 +111,8 @@ Connection::Connection(const Globals& g) : g_(g) {
     std::string host;
     int port = 0;
     if (!cpd::launcher::SplitHostPort(g_.coordinator, &host, &port)) {
-      Usage("--coordinator '" + g_.coordinator + "': expected HOST:PORT, e.g. 127.0.0.1:50051");
+      Usage("--coordinator " + cpd::launcher::QuoteForMessage(g_.coordinator) +
+            ": expected HOST:PORT, e.g. 127.0.0.1:50051");
     }
   }
   if (g_.token_file.empty()) {
@@ -122,12 +123,14 @@ Connection::Connection(const Globals& g) : g_(g) {
     }
   }
   if (!g_.token_file.empty()) {
-    token_ = cpd::launcher::ReadTokenFileOrExit(kTool, token_flag_, g_.token_file, kFailure);
+    token_ = cpd::launcher::ReadTokenFileOrExit(kTool, token_flag_, g_.token_file,
+                                                cpd::launcher::kUsageError);
   }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!g_.tls_ca.empty()) {
     grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = cpd::launcher::ReadFileOrExit(kTool, "--tls-ca", g_.tls_ca, kFailure);
+    ssl.pem_root_certs = cpd::launcher::ReadPemFileOrExit(
+        kTool, "--tls-ca", g_.tls_ca, "CERTIFICATE", cpd::launcher::kUsageError);
     creds = grpc::SslCredentials(ssl);
   } else {
     creds = grpc::InsecureChannelCredentials();
@@ -158,7 +161,7 @@ std::string Connection::Explain(const grpc::Status& s, const std::string& rpc,
       return "the coordinator at " + addr + " did not answer " + rpc + " within " +
              FormatG(g_.timeout_s, 6) + " s (--timeout)";
     case grpc::StatusCode::NOT_FOUND:
-      if (!job.empty()) return "no job '" + job + "' on " + addr;
+      if (!job.empty()) return "no job " + cpd::launcher::QuoteForMessage(job) + " on " + addr;
       break;
     case grpc::StatusCode::UNAUTHENTICATED:
       if (token_.empty()) {
@@ -181,13 +184,15 @@ v1::JobRef MakeRef(const std::string& job) {
     errno = 0;
     char* end = nullptr;
     const long long id = std::strtoll(job.c_str(), &end, 10);
-    if (errno == ERANGE || id <= 0) Usage("JOB '" + job + "': a job id is a positive integer");
+    if (errno == ERANGE || id <= 0) {
+      Usage("JOB " + cpd::launcher::QuoteForMessage(job) + ": a job id is a positive integer");
+    }
     ref.set_job_id(id);
     return ref;
   }
   if (!IsTag(job, kMaxJobNameLength)) {
-    Usage("JOB '" + job + "': expected a job name (1 to " + std::to_string(kMaxJobNameLength) +
-          " of " + kTagCharacters + ") or a numeric id");
+    Usage("JOB " + cpd::launcher::QuoteForMessage(job) + ": expected a job name (1 to " +
+          std::to_string(kMaxJobNameLength) + " of " + kTagCharacters + ") or a numeric id");
   }
   ref.set_job_name(job);
   return ref;

@@ -18,8 +18,9 @@ constexpr int kFailure = 1;
 constexpr char kDefaultCoordinator[] = "127.0.0.1:50051";
 
 constexpr char kExitCodes[] =
-    "Exit codes: 0 success; 1 the coordinator was unreachable or refused the call, unknown job, "
-    "bad or missing token, file not written; 2 usage error (bad option, bad format spec).";
+    "Exit codes: 0 success; 1 the coordinator was unreachable or refused the call (a wrong or "
+    "missing token too), unknown job, file not written; 2 usage error (bad option, bad format "
+    "spec, a token or --tls-ca file that cannot be read or is malformed).";
 
 // "cpdctl: <msg>" on stderr, then exit 2 (Usage) or 1 (Fail).
 [[noreturn]] void Usage(const std::string& msg);
@@ -52,8 +53,8 @@ void AddGlobals(CLI::App* app, Globals* g);
 
 class Connection {
  public:
-  // Resolves the defaults from the environment, reads the token and the CA (Fail when they
-  // cannot be read) and opens the channel.
+  // Resolves the defaults from the environment, reads and checks the token and the CA (Usage
+  // when they cannot be read or are malformed, before gRPC sees them) and opens the channel.
   explicit Connection(const Globals& g);
 
   const std::string& address() const { return g_.coordinator; }

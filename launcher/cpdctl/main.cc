@@ -48,7 +48,7 @@ CLI::App* AddLayersCommand(CLI::App* app, LayersArgs* la) {
       ->add_option("--sort", la->sort,
                    "Order rows by: layer (name, then site), site, or largest first: max, "
                    "saturated, flushed, error, shift (default: the model's order)")
-      ->check(CLI::IsMember(LayerSortKeys()));
+      ->check(cpd::launcher::OneOf(LayerSortKeys()));
   layers->add_option("--site", la->site, "Only this site: W, A, E, G or COMM")
       ->check([](const std::string& s) {
         return ParseSite(s) ? std::string() : "expected W, A, E, G or COMM";
@@ -144,7 +144,7 @@ CLI::App* AddScheduleSetCommand(CLI::App* schedule, ScheduleSetFlags* f) {
       ->allow_extra_args(false);
   f->hysteresis_opt =
       sset->add_option("--hysteresis", f->hysteresis, "on | off: hysteresis rounding of W")
-          ->check(CLI::IsMember({"on", "off"}));
+          ->check(cpd::launcher::OneOf({"on", "off"}));
   f->from_step_opt = sset->add_option("--from-step", f->from_step,
                                       "First step of the new schedule (default: the next step)")
                          ->check(cpd::launcher::IntegerAtLeast(0));
@@ -181,8 +181,8 @@ void RefuseUnknownCommand(CLI::App& app, int argc, char** argv) {
     try {
       app.get_subcommand_ptr(arg);
     } catch (const CLI::OptionNotFound&) {
-      Usage("unknown command '" + arg +
-            "' (commands: jobs, study, status, layers, watch, schedule, export, plot)");
+      Usage("unknown command " + cpd::launcher::QuoteForMessage(arg) +
+            " (commands: jobs, study, status, layers, watch, schedule, export, plot)");
     }
     break;
   }

@@ -10,6 +10,8 @@
 #include <limits>
 #include <map>
 
+#include "launcher/common.h"
+
 namespace cpd::ctl {
 
 using cpd::v1::LayerStat;
@@ -353,8 +355,8 @@ Status SortLayerRows(std::vector<LayerRow>* rows, std::string_view key) {
   } else {
     std::string accepted;
     for (const auto& k : LayerSortKeys()) accepted += (accepted.empty() ? "" : ", ") + k;
-    return Status::InvalidArgument("--sort '" + std::string(key) + "' (accepted: " + accepted +
-                                   ")");
+    return Status::InvalidArgument("--sort " + cpd::launcher::QuoteForMessage(key) +
+                                   " (accepted: " + accepted + ")");
   }
   std::stable_sort(rows->begin(), rows->end(), [&](const LayerRow& a, const LayerRow& b) {
     if (a.report->step() != b.report->step()) return a.report->step() < b.report->step();

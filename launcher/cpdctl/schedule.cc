@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "launcher/common.h"
 #include "launcher/cpdctl/commands.h"
 #include "launcher/cpdctl/output.h"
 #include "launcher/cpdctl/schedule_edits.h"
@@ -76,7 +77,14 @@ int RunScheduleSet(const Globals& g, const std::string& job, const ScheduleEdits
   Connection c(g);
   const bool names_layers = NamesLayers(e);
   v1::JobStatusResponse st;
-  if (names_layers) st = GetStatus(c, job);
+  if (names_layers || e.from_step) st = GetStatus(c, job);
+  // A schedule from a step the job never reaches would be stored and never take effect.
+  if (e.from_step && st.job().total_steps() > 0 && *e.from_step >= st.job().total_steps()) {
+    Usage("--from-step " + std::to_string(*e.from_step) + " is beyond the " +
+          std::to_string(st.job().total_steps()) + " steps of job " +
+          cpd::launcher::QuoteForMessage(job) + "; accepted: 0.." +
+          std::to_string(st.job().total_steps() - 1));
+  }
   const v1::GetScheduleResponse cur = ReadSchedule(c, job);
   v1::PrecisionSchedule next = cur.schedule();
   if (const Status s = ApplyScheduleEdits(e, names_layers ? &st.layers() : nullptr, &next);

@@ -17,6 +17,27 @@ namespace {
 
 constexpr const char* kSites = "W, A, E, G";
 
+using cpd::launcher::QuoteForMessage;
+
+// A format spec, parsed. Format::Parse's message holds the spec whole: one that QuoteForMessage
+// would shorten or escape (longer than the coordinator's 256-byte limit, bytes outside
+// printable ASCII) is refused here, quoted.
+Result<cpd::Format> ParseSpec(const std::string& flag, const std::string& spec) {
+  constexpr size_t kMaxSpec = 256;
+  const bool printable = std::all_of(spec.begin(), spec.end(), [](char c) {
+    return static_cast<unsigned char>(c) >= 0x20 && static_cast<unsigned char>(c) < 0x7f;
+  });
+  if (spec.size() > kMaxSpec || !printable) {
+    return Status::InvalidArgument(
+        flag + ": " + QuoteForMessage(spec) +
+        " is not a format spec (at most 256 printable ASCII characters, "
+        "e.g. e4m3, int8:ch, fp134:room=2; cpd-quant --list shows them)");
+  }
+  auto f = cpd::Format::Parse(spec);
+  if (!f.ok()) return Status::InvalidArgument(flag + ": " + f.status().message());
+  return f;
+}
+
 // "W" .. "G" (COMM carries statistics only and has no format).
 std::optional<Site> ParseFormatSite(std::string_view s) {
   auto site = ParseSite(s);
@@ -31,7 +52,7 @@ struct FormatEdit {
 };
 
 Result<FormatEdit> ParseFormatEdit(const std::string& arg) {
-  const std::string flag = "--format " + arg;
+  const std::string flag = "--format " + QuoteForMessage(arg);
   const size_t eq = arg.find('=');
   if (eq == std::string::npos || eq == 0 || eq + 1 == arg.size()) {
     return Status::InvalidArgument(flag + ": expected SITE=SPEC or LAYER.SITE=SPEC (SITE one of " +
@@ -44,26 +65,25 @@ Result<FormatEdit> ParseFormatEdit(const std::string& arg) {
   } else {
     const size_t dot = lhs.rfind('.');
     if (dot == std::string::npos) {
-      return Status::InvalidArgument(flag + ": '" + lhs + "' is not a site (accepted: " + kSites +
-                                     ", or LAYER.SITE)");
+      return Status::InvalidArgument(flag + ": " + QuoteForMessage(lhs) +
+                                     " is not a site (accepted: " + kSites + ", or LAYER.SITE)");
     }
     auto site2 = ParseFormatSite(lhs.substr(dot + 1));
     if (!site2) {
-      return Status::InvalidArgument(flag + ": site '" + lhs.substr(dot + 1) +
-                                     "' (accepted: " + kSites + ")");
+      return Status::InvalidArgument(flag + ": site " + QuoteForMessage(lhs.substr(dot + 1)) +
+                                     " (accepted: " + kSites + ")");
     }
     if (dot == 0) return Status::InvalidArgument(flag + ": the layer name is empty");
     e.layer = lhs.substr(0, dot);
     e.site = *site2;
   }
-  auto f = cpd::Format::Parse(spec);
-  if (!f.ok()) return Status::InvalidArgument(flag + ": " + f.status().message());
-  e.spec = f->spec();
+  CPD_ASSIGN_OR_RETURN(const cpd::Format f, ParseSpec(flag, spec));
+  e.spec = f.spec();
   return e;
 }
 
 Result<std::pair<Site, std::string>> ParseRoundingEdit(const std::string& arg) {
-  const std::string flag = "--rounding " + arg;
+  const std::string flag = "--rounding " + QuoteForMessage(arg);
   const size_t eq = arg.find('=');
   if (eq == std::string::npos) {
     return Status::InvalidArgument(flag + ": expected SITE=MODE (SITE one of " + kSites +
@@ -71,11 +91,14 @@ Result<std::pair<Site, std::string>> ParseRoundingEdit(const std::string& arg) {
   }
   auto site = ParseFormatSite(arg.substr(0, eq));
   if (!site) {
-    return Status::InvalidArgument(flag + ": site '" + arg.substr(0, eq) +
-                                   "' (accepted: " + kSites + ")");
+    return Status::InvalidArgument(flag + ": site " + QuoteForMessage(arg.substr(0, eq)) +
+                                   " (accepted: " + kSites + ")");
   }
   auto mode = cpd::ParseRounding(arg.substr(eq + 1));
-  if (!mode.ok()) return Status::InvalidArgument(flag + ": " + mode.status().message());
+  if (!mode.ok()) {
+    return Status::InvalidArgument(flag + ": " + QuoteForMessage(arg.substr(eq + 1)) +
+                                   " is not a rounding (accepted: nearest, stochastic, zero)");
+  }
   return std::pair<Site, std::string>{*site, cpd::RoundingName(*mode)};
 }
 
@@ -85,8 +108,8 @@ Result<std::pair<std::string, Site>> ParseLayerSite(const std::string& flag,
   std::optional<Site> site;
   if (dot != std::string::npos && dot > 0) site = ParseFormatSite(arg.substr(dot + 1));
   if (!site) {
-    return Status::InvalidArgument(flag + " " + arg + ": expected LAYER.SITE (SITE one of " +
-                                   kSites + ")");
+    return Status::InvalidArgument(flag + " " + QuoteForMessage(arg) +
+                                   ": expected LAYER.SITE (SITE one of " + kSites + ")");
   }
   return std::pair<std::string, Site>{arg.substr(0, dot), *site};
 }
@@ -104,24 +127,29 @@ Status CheckBits(const std::string& flag, int v, int lo, int hi) {
   return Status::Ok();
 }
 
-// The job's layer `name`, or an error listing the layers.
+// The job's layer `name`, or an error naming it and listing the job's layers (the first
+// kListed of them: a job may have thousands).
 Status CheckLayer(const std::string& flag,
                   const google::protobuf::RepeatedPtrField<LayerInfo>* layers,
                   const std::string& name, bool need_quantizable) {
   if (layers == nullptr || layers->empty()) return Status::Ok();
+  constexpr int kListed = 20;
   std::string names;
+  int candidates = 0;
   for (const LayerInfo& l : *layers) {
     if (l.name() == name) {
       if (need_quantizable && !l.quantizable()) {
-        return Status::InvalidArgument(flag + ": layer '" + name + "' (" + l.kind() +
+        return Status::InvalidArgument(flag + ": layer " + QuoteForMessage(name) + " (" + l.kind() +
                                        ") has no quantisation sites");
       }
       return Status::Ok();
     }
-    if (!need_quantizable || l.quantizable()) names += (names.empty() ? "" : ", ") + l.name();
+    if (need_quantizable && !l.quantizable()) continue;
+    if (candidates++ < kListed) names += (names.empty() ? "" : ", ") + l.name();
   }
-  return Status::InvalidArgument(flag + ": the job has no layer '" + name + "' (layers: " + names +
-                                 ")");
+  if (candidates > kListed) names += ", ... (" + std::to_string(candidates) + " in all)";
+  return Status::InvalidArgument(flag + ": the job has no layer " + QuoteForMessage(name) +
+                                 " (layers: " + names + ")");
 }
 
 // --allreduce-layer-format: "none" (empty name), or NAME=SPEC with SPEC a format or "default".
@@ -129,18 +157,15 @@ Result<std::pair<std::string, std::string>> ParseAllReduceLayerEdit(const std::s
   if (arg == "none") return std::pair<std::string, std::string>{};
   const size_t eq = arg.find('=');
   if (eq == std::string::npos || eq == 0 || eq + 1 >= arg.size()) {
-    return Status::InvalidArgument("--allreduce-layer-format '" + arg +
-                                   "': expected NAME=SPEC (NAME a layer, first, last or bn; SPEC "
+    return Status::InvalidArgument("--allreduce-layer-format " + QuoteForMessage(arg) +
+                                   ": expected NAME=SPEC (NAME a layer, first, last or bn; SPEC "
                                    "a format, fp32 or default) or none");
   }
   std::string spec = arg.substr(eq + 1);
   if (spec != "default") {
-    auto f = cpd::Format::Parse(spec);
-    if (!f.ok()) {
-      return Status::InvalidArgument("--allreduce-layer-format '" + arg +
-                                     "': " + f.status().message());
-    }
-    spec = f->spec();
+    CPD_ASSIGN_OR_RETURN(const cpd::Format f,
+                         ParseSpec("--allreduce-layer-format " + QuoteForMessage(arg), spec));
+    spec = f.spec();
   }
   return std::pair<std::string, std::string>{arg.substr(0, eq), spec};
 }
@@ -171,7 +196,8 @@ Status ValidateScheduleEdits(const ScheduleEdits& e) {
     CPD_RETURN_IF_ERROR(ParseLayerSite("--drop-override", d).status());
   }
   if (e.hysteresis && *e.hysteresis != "on" && *e.hysteresis != "off") {
-    return Status::InvalidArgument("--hysteresis '" + *e.hysteresis + "' (accepted: on, off)");
+    return Status::InvalidArgument("--hysteresis " + QuoteForMessage(*e.hysteresis) +
+                                   " (accepted: on, off)");
   }
   for (const auto& a : e.allreduce_layers) {
     CPD_RETURN_IF_ERROR(ParseAllReduceLayerEdit(a).status());
@@ -222,7 +248,7 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
       target->set_site(f.site);
       target->set_spec(f.spec);
     } else {
-      CPD_RETURN_IF_ERROR(CheckLayer("--format " + arg, layers, f.layer, true));
+      CPD_RETURN_IF_ERROR(CheckLayer("--format " + QuoteForMessage(arg), layers, f.layer, true));
       auto* ov = s->mutable_overrides();
       auto it = std::find_if(ov->begin(), ov->end(), [&](const cpd::v1::LayerOverride& x) {
         return x.layer() == f.layer && x.site() == f.site;
@@ -242,7 +268,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     auto it = std::find_if(formats->begin(), formats->end(),
                            [&](const cpd::v1::SiteFormat& x) { return x.site() == site; });
     if (it == formats->end()) {
-      return Status::InvalidArgument("--rounding " + arg + ": site " + SiteName(site) +
+      return Status::InvalidArgument("--rounding " + QuoteForMessage(arg) + ": site " +
+                                     SiteName(site) +
                                      " has no format in the schedule (it is fp32); give --format " +
                                      SiteName(site) + "=SPEC too");
     }
@@ -257,7 +284,7 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
       return x.layer() == layer && x.site() == site;
     });
     if (it == ov->end()) {
-      return Status::InvalidArgument("--drop-override " + arg +
+      return Status::InvalidArgument("--drop-override " + QuoteForMessage(arg) +
                                      ": the schedule has no such override");
     }
     ov->erase(it);
@@ -266,7 +293,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     const auto keep = KeepList(*e.keep_fp32);
     for (const auto& name : keep) {
       if (name == "first" || name == "last") continue;
-      CPD_RETURN_IF_ERROR(CheckLayer("--keep-fp32 " + *e.keep_fp32, layers, name, false));
+      CPD_RETURN_IF_ERROR(
+          CheckLayer("--keep-fp32 " + QuoteForMessage(*e.keep_fp32), layers, name, false));
     }
     s->clear_keep_fp32();
     for (const auto& name : keep) s->add_keep_fp32(name);
@@ -279,7 +307,8 @@ Status ApplyScheduleEdits(const ScheduleEdits& e,
     }
     const std::string name = edit.first;
     if (name != "first" && name != "last" && name != "bn") {
-      CPD_RETURN_IF_ERROR(CheckLayer("--allreduce-layer-format " + arg, layers, name, false));
+      CPD_RETURN_IF_ERROR(
+          CheckLayer("--allreduce-layer-format " + QuoteForMessage(arg), layers, name, false));
     }
     auto* al = s->mutable_allreduce_layers();
     auto it = std::find_if(al->begin(), al->end(), [&](const cpd::v1::AllReduceLayerFormat& x) {

@@ -15,7 +15,7 @@ namespace {
 // STUDY on the command line: the coordinator's rule for tags, checked before any call.
 void CheckStudyName(const std::string& study) {
   if (!IsTag(study, kMaxStudyNameLength)) {
-    Usage("STUDY '" + study + "': expected a study name (1 to " +
+    Usage("STUDY " + cpd::launcher::QuoteForMessage(study) + ": expected a study name (1 to " +
           std::to_string(kMaxStudyNameLength) + " of " + kTagCharacters + ")");
   }
 }

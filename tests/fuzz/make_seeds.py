@@ -178,3 +178,21 @@ put("format_search_partial_fuzz", "old-file",
     b'spec,bits,family,A_deg,A_std\n"int8",8,int,1.5,0.125\n')
 put("format_search_partial_fuzz", "candidates",
     b"\x40# a list\nbinades:4x7,3,2,1,0\n  e4m3  # fp8\r\n\nint8:ch\n")
+
+
+# ---- token_file_fuzz: a token file's bytes (the first line is the token) -------------------------
+TOKENS = [
+    ("plain", b"s3cret-token\n"),
+    ("spaces", b"  s3cret token with spaces \r\nsecond line\n"),
+    ("no-newline", b"abc"),
+    ("empty-line", b"   \ntoken-on-line-2\n"),
+    ("tab", b"s3cret\ttoken\n"),
+    ("control", b"s3cret\x01token\n"),
+    ("non-ascii", "s3cr\u00e9t\n".encode()),
+    ("nul", b"s3cret\x00token\n"),
+    ("del", b"s3cret\x7f"),
+    ("max", b"t" * 4096 + b"\n"),
+    ("too-long", b"t" * 4097 + b"\n"),
+]
+for name, data in TOKENS:
+    put("token_file_fuzz", name, data)

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/launcher/bad_token_files.h"
 #include "tests/launcher/coordinator_test_util.h"
 #include "tests/subprocess.h"
 
@@ -74,6 +75,16 @@ TEST(CoordinatorCli, UsageErrorsExitTwoWithOneLine) {
   ExpectUsageError(
       RunProgram(CPD_COORDINATOR_PATH, {"--tls-cert", cert, "--tls-key", cert, "--db", db}),
       "not PEM", "PEM");
+  // Garbage comes back quoted and escaped, on one line.
+  ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--listen", "host\n\x01:x", "--db", db}),
+                   "garbage listen", "--listen 'host\\n\\x01:x': expected HOST:PORT");
+  {
+    std::ofstream(dir.File("garbage.pem"))
+        << "-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n";
+    ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--tls-cert", dir.File("garbage.pem"),
+                                                       "--tls-key", cert, "--db", db}),
+                     "garbage certificate", "not base64");
+  }
   ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--keep-full", "-3"}), "negative",
                    "--keep-full");
   ExpectUsageError(RunProgram(CPD_COORDINATOR_PATH, {"--max-message-mib", "0"}), "zero",
@@ -88,6 +99,22 @@ TEST(CoordinatorCli, UsageErrorsExitTwoWithOneLine) {
 
 // Range errors say in words what is accepted, in a short line (CLI11's own printed both bounds
 // of a double: "Value -1 not in range 0.000000 to 1797693134862...", 373 characters).
+// A token gRPC refuses as a metadata value: the coordinator started with it, and then every
+// client aborted (SIGABRT) when it sent it. It is refused at start, exit 2, one line.
+TEST(CoordinatorCli, TokenFileWithBytesGrpcRefusesIsOneLineWithoutTheToken) {
+  TempDir dir;
+  const std::vector<BadTokenFile> cases = BadTokenFiles();
+  const std::vector<std::string> paths = WriteBadTokenFiles(dir.path());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    // Under timeout(1): a coordinator that accepts the token serves until killed (exit 124).
+    const RunResult r =
+        RunProgram("/usr/bin/timeout", {"20", CPD_COORDINATOR_PATH, "--listen", "127.0.0.1:0",
+                                        "--db", dir.File("t.db"), "--token-file", paths[i]});
+    ExpectTokenRefused(r, "cpd-coordinator", paths[i], cases[i]);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.File("t.db")));
+}
+
 TEST(CoordinatorCli, RangeErrorsSayWhatIsAccepted) {
   const std::string bin = BuiltProgram(CPD_COORDINATOR_PATH);
   for (const auto& [flag, value, accepted] : std::vector<std::array<std::string, 3>>{

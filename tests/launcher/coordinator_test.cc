@@ -795,6 +795,25 @@ TEST_F(CoordinatorTest, RejectsBadReportsAndQueries) {
        StatusCode::INVALID_ARGUMENT, "layers[2].flushed"},
       {"negative max_abs", [](auto* r) { r->mutable_layers(0)->set_max_abs(-2); },
        StatusCode::INVALID_ARGUMENT, "layers[0].max_abs"},
+      // Impossible values cpdctl printed as they came (step INT64_MAX: "-1.44e+19 %").
+      {"step INT64_MAX", [](auto* r) { r->set_step(INT64_MAX); }, StatusCode::INVALID_ARGUMENT,
+       "step: 9223372036854775807 is out of range; accepted: 0..9007199254740992"},
+      {"step = total_steps", [](auto* r) { r->set_step(4680); }, StatusCode::INVALID_ARGUMENT,
+       "step: 4680 is beyond the 4680 steps of job "},
+      {"negative skipped_steps", [](auto* r) { r->set_skipped_steps(uint64_t(-1)); },
+       StatusCode::INVALID_ARGUMENT, "skipped_steps: 18446744073709551615 is not a count"},
+      {"skipped_steps > total_steps", [](auto* r) { r->set_skipped_steps(4681); },
+       StatusCode::INVALID_ARGUMENT, "skipped_steps: 4681 exceeds the 4680 steps"},
+      {"negative dropped_reports", [](auto* r) { r->set_dropped_reports(uint64_t(-3)); },
+       StatusCode::INVALID_ARGUMENT, "dropped_reports"},
+      {"negative schedule_version", [](auto* r) { r->set_schedule_version(uint64_t(-1)); },
+       StatusCode::INVALID_ARGUMENT, "schedule_version"},
+      {"time_ms INT64_MAX", [](auto* r) { r->set_time_ms(INT64_MAX); },
+       StatusCode::INVALID_ARGUMENT, "time_ms"},
+      {"negative flips", [](auto* r) { r->mutable_layers(1)->set_flips(uint64_t(-1)); },
+       StatusCode::INVALID_ARGUMENT, "layers[1].flips"},
+      {"negative nonfinite", [](auto* r) { r->mutable_layers(2)->set_nonfinite(uint64_t(-7)); },
+       StatusCode::INVALID_ARGUMENT, "layers[2].nonfinite"},
   };
   for (const Case& c : cases) {
     v1::StatsReport r = Report(id, 10, 1, 3);

@@ -18,7 +18,9 @@
 #include <vector>
 
 #include "cpd/config.h"
+#include "tests/launcher/bad_token_files.h"
 #include "tests/subprocess.h"
+#include "tests/temp_dir.h"
 
 #ifndef CPD_TRAIN_PATH
 #error "CPD_TRAIN_PATH must name the cpd-train binary"
@@ -352,6 +354,40 @@ TEST(CpdTrainCli, StudyNeedsACoordinatorAndAValidName) {
   EXPECT_NE(r.exit_code, 0) << r.err;
   EXPECT_EQ(Lines(r.err), 1u) << r.err;
   EXPECT_NE(r.err.find("--study 'bad name'"), std::string::npos) << r.err;
+}
+
+// A token gRPC refuses as a metadata value aborted cpd-train (SIGABRT, "Bearer <token>" in
+// gRPC's log line) even with no coordinator listening: one line naming the file, exit 2.
+TEST(CpdTrainCli, TokenFileWithBytesGrpcRefusesIsOneLineWithoutTheToken) {
+#if !CPD_WITH_GRPC
+  GTEST_SKIP() << "this build has no gRPC: --coordinator is refused before the token is read";
+#endif
+  TempDir dir("cpd_train_token");
+  const std::vector<BadTokenFile> cases = BadTokenFiles();
+  const std::vector<std::string> paths = WriteBadTokenFiles(dir.path());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    // Port 1 on loopback: nothing listens there.
+    const RunResult r =
+        Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "1", "--threads", "1",
+               "--coordinator", "127.0.0.1:1", "--token-file", paths[i]});
+    ExpectTokenRefused(r, "cpd-train", paths[i], cases[i]);
+  }
+}
+
+// A --tls-ca that is not a PEM certificate reached gRPC, which logged several lines per
+// connection attempt; it is checked with the flags: one line, exit 2.
+TEST(CpdTrainCli, BadTlsCaIsOneLineBeforeGrpcSeesIt) {
+#if !CPD_WITH_GRPC
+  GTEST_SKIP() << "this build has no gRPC: --coordinator is refused before the CA is read";
+#endif
+  TempDir dir("cpd_train_tls_ca");
+  const std::string text = dir.File("text.pem");
+  std::ofstream(text) << "not a certificate\n";
+  for (const std::string& path : {text, dir.path()}) {
+    const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "1",
+                               "--threads", "1", "--coordinator", "127.0.0.1:1", "--tls-ca", path});
+    ExpectUsageError(r, "--tls-ca: " + path + ": ");
+  }
 }
 
 // The usual quick run on synthetic data, plus `extra`.

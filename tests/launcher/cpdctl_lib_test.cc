@@ -64,6 +64,56 @@ TEST(CpdctlCsv, FieldsAreQuotedOnlyWhenNeeded) {
   EXPECT_EQ(launcher::CsvField("two\nlines"), "\"two\nlines\"");
 }
 
+// The one quoting helper of the launcher's messages (issue 26 item 15: garbage echoed raw, a
+// NUL cutting a message short, a 400 KB one-line error).
+TEST(LauncherMessages, QuoteForMessageShortensAndEscapes) {
+  using launcher::QuoteForMessage;
+  EXPECT_EQ(QuoteForMessage("conv1"), "'conv1'");
+  EXPECT_EQ(QuoteForMessage(""), "''");
+  EXPECT_EQ(QuoteForMessage(std::string("a\0b\tc\nd\\e\x01\xff", 11)),
+            "'a\\0b\\tc\\nd\\\\e\\x01\\xff'");
+  EXPECT_EQ(QuoteForMessage("caf\xc3\xa9"), "'caf\\xc3\\xa9'");
+  const std::string big(400000, 'x');
+  EXPECT_EQ(QuoteForMessage(big), "'" + std::string(60, 'x') + "'... (400000 bytes)");
+  EXPECT_EQ(QuoteForMessage("abcdef", 3), "'abc'... (6 bytes)");
+  EXPECT_EQ(QuoteForMessage("abc", 3), "'abc'");
+}
+
+TEST(LauncherMessages, MessageLineIsOneBoundedLine) {
+  using launcher::MessageLine;
+  EXPECT_EQ(MessageLine("plain text, caf\xc3\xa9 C:\\dir"), "plain text, caf\xc3\xa9 C:\\dir");
+  EXPECT_EQ(MessageLine(std::string("two\nlines\0after NUL", 19)), "two\\nlines\\0after NUL");
+  const std::string m = MessageLine(std::string(400000, 'y'));
+  EXPECT_EQ(m, std::string(2000, 'y') + "... (400000 bytes)");
+}
+
+// The token reader of every program (issue 26 item 1): gRPC's rule for metadata values, the
+// column of the first byte it refuses, never the token in the message.
+TEST(LauncherMessages, TokenFromFileTextFollowsGrpcsRule) {
+  using launcher::TokenFromFileText;
+  EXPECT_EQ(*TokenFromFileText("  s3cret token \r\nline 2\n", "f"), "s3cret token");
+  EXPECT_EQ(*TokenFromFileText("~!x", "f"), "~!x");
+  EXPECT_EQ(*TokenFromFileText(std::string(4096, 't'), "f"), std::string(4096, 't'));
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"\n", "f: the first line is empty"},
+      {" \t \r\ntoken", "f: the first line is empty"},
+      {"ab\tSECRET", "f: a tab at column 3 of the first line"},
+      {" ab\x02SECRET", "f: a control character at column 4"},
+      {"ab\x7fSECRET", "f: a control character at column 3"},
+      {"ab\xc3\xa9SECRET", "f: a non-ASCII byte at column 3"},
+      {std::string("ab\0SECRET", 9), "f: a NUL byte at column 3"},
+      {"ab\vSECRET", "f: a control character at column 3"},
+      {std::string(4097, 't'), "f: the token on the first line is longer than 4096 bytes"},
+  };
+  for (const auto& [text, want] : bad) {
+    const auto t = TokenFromFileText(text, "f");
+    ASSERT_FALSE(t.ok()) << want;
+    EXPECT_EQ(t.status().code(), Status::Code::kInvalidArgument);
+    EXPECT_EQ(t.status().message().rfind(want, 0), 0u) << t.status().message();
+    EXPECT_EQ(t.status().message().find("SECRET"), std::string::npos) << t.status().message();
+  }
+}
+
 TEST(CpdctlSites, NamesRoundTrip) {
   for (auto s :
        {cpd::v1::SITE_W, cpd::v1::SITE_A, cpd::v1::SITE_E, cpd::v1::SITE_G, cpd::v1::SITE_COMM}) {
@@ -240,7 +290,13 @@ TEST(CpdctlSchedule, ValidationNamesTheFlagAndCarriesTheFormatMessage) {
   ScheduleEdits e;
   EXPECT_NE(msg(e).find("nothing to change"), std::string::npos);
   e.formats = {"W=e9m1"};
-  EXPECT_NE(msg(e).find("--format W=e9m1: bad format spec 'e9m1'"), std::string::npos) << msg(e);
+  EXPECT_NE(msg(e).find("--format 'W=e9m1': bad format spec 'e9m1'"), std::string::npos) << msg(e);
+  // A spec Format::Parse would echo whole: quoted, shortened, escaped.
+  e.formats = {"W=" + std::string(400000, 'e')};
+  EXPECT_LT(msg(e).size(), 400u) << msg(e).substr(0, 400);
+  EXPECT_NE(msg(e).find("is not a format spec"), std::string::npos) << msg(e).substr(0, 400);
+  e.formats = {std::string("W=e4m3\x01\n", 8)};
+  EXPECT_NE(msg(e).find("'e4m3\\x01\\n' is not a format spec"), std::string::npos) << msg(e);
   e.formats = {"conv1.X=e4m3"};
   EXPECT_NE(msg(e).find("site 'X'"), std::string::npos) << msg(e);
   e.formats = {"COMM=e4m3"};  // statistics only
@@ -250,7 +306,7 @@ TEST(CpdctlSchedule, ValidationNamesTheFlagAndCarriesTheFormatMessage) {
   e.formats = {"block1.conv1.G=int8"};
   EXPECT_TRUE(ValidateScheduleEdits(e).ok()) << msg(e);
   e.roundings = {"W=up"};
-  EXPECT_NE(msg(e).find("--rounding W=up"), std::string::npos) << msg(e);
+  EXPECT_NE(msg(e).find("--rounding 'W=up'"), std::string::npos) << msg(e);
   e.roundings.clear();
   e.cyclic_bits = {{1, 8}};
   EXPECT_NE(msg(e).find("--cyclic-bits MIN 1"), std::string::npos) << msg(e);

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "proto/cpd/v1/coordinator.grpc.pb.h"
+#include "tests/launcher/bad_token_files.h"
 #include "tests/subprocess.h"
 #include "tests/temp_dir.h"
 
@@ -863,7 +864,7 @@ TEST_F(CpdctlTest, ScheduleGetSetRoundTripsAndReachesTheWorkers) {
 TEST_F(CpdctlTest, ScheduleSetRefusesBadSpecsLocallyAndStaleVersions) {
   // A bad spec fails before any call: the same answer with no coordinator at all.
   RunResult r = Ctl({"schedule", "set", kJob, "--format", "W=e9m1"});
-  ExpectError(r, 2, "--format W=e9m1: bad format spec 'e9m1'");
+  ExpectError(r, 2, "--format 'W=e9m1': bad format spec 'e9m1'");
   r = Ctl(
       {"schedule", "set", kJob, "--format", "conv1.W=e4m3:bogus", "--coordinator", "127.0.0.1:1"},
       {}, /*with_address=*/false);
@@ -884,6 +885,67 @@ TEST_F(CpdctlTest, ScheduleSetRefusesBadSpecsLocallyAndStaleVersions) {
   // The current version passes.
   EXPECT_EQ(Ctl({"schedule", "set", kJob, "--grad-bits", "5", "--expect-version", "2"}).exit_code,
             0);
+}
+
+// Edits the job can never use (issue 26 item 15): a --from-step at or past its total steps was
+// stored and never took effect; refused with the accepted range, exit 2, and by the coordinator
+// itself for any client. A layer the job lacks is named with a bounded list of its layers.
+TEST_F(CpdctlTest, ScheduleSetRefusesAStartBeyondTheJobsSteps) {
+  ExpectError(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "100"}), 2,
+              "--from-step 100 is beyond the 100 steps of job 'ctl-test'; accepted: 0..99");
+  ExpectError(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "99999999999"}), 2,
+              "accepted: 0..99");
+  EXPECT_EQ(Json(Ctl({"schedule", "get", kJob, "--json"}))["schedule"]["version"], 1);
+  ASSERT_EQ(Ctl({"schedule", "set", kJob, "--grad-bits", "6", "--from-step", "99"}).exit_code, 0);
+
+  // The coordinator refuses it from any client.
+  auto ops =
+      v1::OperatorService::NewStub(grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials()));
+  v1::SetScheduleRequest req;
+  req.mutable_job()->set_job_name(kJob);
+  req.mutable_schedule()->set_effective_from_step(100);
+  grpc::ClientContext ctx;
+  Prepare(&ctx, "");
+  v1::SetScheduleResponse resp;
+  const grpc::Status st = ops->SetSchedule(&ctx, req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_NE(st.error_message().find("schedule.effective_from_step: 100 is beyond the 100 steps"),
+            std::string::npos)
+      << st.error_message();
+}
+
+// What the user typed comes back quoted, shortened and escaped (issue 26 item 15: garbage
+// echoed raw, a 400 KB one-line error): one short line, exit 2.
+TEST_F(CpdctlTest, BadArgumentsAreQuotedShortAndEscaped) {
+  // 100 KB: below Linux's limit on one argument (128 KiB).
+  const std::string big(100000, 'z');
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"status", big},
+           {"status", "bad\x01name\xff"},
+           {"frob\tnicate"},
+           {"schedule", "set", kJob, "--format", "W=" + big},
+           {"schedule", "set", kJob, "--format", big + ".W=e4m3"},
+           {"schedule", "set", kJob, "--format", "W=e4m3\x1b[2J"},
+           {"schedule", "set", kJob, "--rounding", "W=" + big},
+           {"schedule", "set", kJob, "--hysteresis", big},
+           {"schedule", "set", kJob, "--allreduce-layer-format", big},
+           {"layers", kJob, "--top", big},
+           {"jobs", "--timeout", big}}) {
+    const RunResult r = Ctl(args);
+    SCOPED_TRACE(args[0] + " " + (args.size() > 1 ? args[1].substr(0, 20) : ""));
+    EXPECT_EQ(r.exit_code, 2) << r.err.substr(0, 300);
+    EXPECT_EQ(Lines(r.err), 1u) << r.err.substr(0, 300);
+    EXPECT_LT(r.err.size(), 1000u) << r.err.substr(0, 300);
+    for (char c : r.err.substr(0, r.err.size() - 1)) {
+      EXPECT_TRUE(c >= 0x20 && c < 0x7f) << "byte " << int(c) << " in " << r.err.substr(0, 300);
+    }
+  }
+  ExpectError(Ctl({"status", "bad\x01name"}), 2, "JOB 'bad\\x01name'");
+  ExpectError(Ctl({"frob\tnicate"}), 2, "unknown command 'frob\\tnicate'");
+  // A layer the job lacks: its name quoted, the job's layers listed.
+  const std::string del_in_name = std::string("conv") + '\x7f' + "9.W=e4m3";
+  ExpectError(Ctl({"schedule", "set", kJob, "--format", del_in_name}), 2,
+              "no layer 'conv\\x7f9' (layers: conv1, block1.conv1, fc)");
 }
 
 // Hybrid precision: per-layer all-reduce formats set, replaced, dropped and cleared through the
@@ -1228,7 +1290,7 @@ TEST_F(CpdctlTest, TokenMissingWrongAndRight) {
   // An empty first line is refused before any call.
   const std::string empty = dir_ + "/empty";
   std::ofstream(empty) << "   \ntoken-on-line-2\n";
-  ExpectError(Ctl({"jobs", "--coordinator", addr, "--token-file", empty}, {}, false), 1,
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--token-file", empty}, {}, false), 2,
               "the first line is empty");
 }
 
@@ -1256,7 +1318,7 @@ TEST_F(CpdctlTest, TlsWithTheServersCa) {
   // Plain TCP to a TLS server: refused, one line.
   ExpectError(Ctl({"jobs", "--coordinator", addr, "--timeout", "5"}, {}, false), 1,
               "coordinator at " + addr);
-  ExpectError(Ctl({"jobs", "--coordinator", addr, "--tls-ca", dir_ + "/none.pem"}, {}, false), 1,
+  ExpectError(Ctl({"jobs", "--coordinator", addr, "--tls-ca", dir_ + "/none.pem"}, {}, false), 2,
               "--tls-ca " + dir_ + "/none.pem: cannot read");
 }
 
@@ -1311,6 +1373,56 @@ TEST(CpdctlUsage, RangeErrorsAndAddressesSayWhatIsAccepted) {
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
     EXPECT_NE(r.err.find(accepted), std::string::npos) << r.err;
     EXPECT_LT(r.err.size(), 100u) << r.err;
+  }
+}
+
+// A token gRPC refuses as a metadata value (a tab, a control byte, a non-ASCII byte) aborted
+// cpdctl with SIGABRT before any connection, gRPC's log line printing "Bearer <token>". It is one
+// line naming the file and the column, exit 2, from the flag and from CPD_TOKEN_FILE alike.
+TEST(CpdctlUsage, TokenFileWithBytesGrpcRefusesIsOneLineWithoutTheToken) {
+  TempDir dir("cpdctl_token");
+  const std::string bin = BuiltProgram(CPDCTL_PATH);
+  const std::string dead = "127.0.0.1:" + std::to_string(ClosedPort());
+  const std::vector<BadTokenFile> cases = BadTokenFiles();
+  const std::vector<std::string> paths = WriteBadTokenFiles(dir.path());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    for (std::vector<std::string> args : {std::vector<std::string>{"jobs"},
+                                          {"status", "job1"},
+                                          {"schedule", "set", "job1", "--grad-bits", "6"}}) {
+      args.insert(args.end(), {"--coordinator", dead, "--timeout", "5", "--token-file", paths[i]});
+      ExpectTokenRefused(RunProgram(bin, args), "cpdctl", paths[i], cases[i]);
+    }
+  }
+  ASSERT_EQ(setenv("CPD_TOKEN_FILE", paths[0].c_str(), 1), 0);
+  const cpd::test::RunResult r = RunProgram(bin, {"jobs", "--coordinator", dead});
+  unsetenv("CPD_TOKEN_FILE");
+  ExpectTokenRefused(r, "cpdctl", paths[0], cases[0]);
+  EXPECT_NE(r.err.find("CPD_TOKEN_FILE"), std::string::npos) << r.err;
+}
+
+// A --tls-ca that is not a PEM certificate went to gRPC, which logged five lines and failed the
+// call; it is checked first: one line naming the file and what is expected, exit 2.
+TEST(CpdctlUsage, BadTlsCaIsOneLineBeforeGrpcSeesIt) {
+  TempDir dir("cpdctl_tls_ca");
+  const std::string bin = BuiltProgram(CPDCTL_PATH);
+  const std::string dead = "127.0.0.1:" + std::to_string(ClosedPort());
+  const std::string text = dir.File("text.pem"), garbage = dir.File("garbage.pem"),
+                    key = dir.File("key.pem");
+  std::ofstream(text) << "not a certificate\n";
+  std::ofstream(garbage) << "-----BEGIN CERTIFICATE-----\n!!garbage!!\n-----END CERTIFICATE-----\n";
+  std::ofstream(key) << "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n";
+  for (const auto& [path, why] : std::vector<std::pair<std::string, std::string>>{
+           {text, "no '-----BEGIN CERTIFICATE-----' line"},
+           {garbage, "not base64"},
+           {key, "no '-----BEGIN CERTIFICATE-----' line"},
+           {dir.path(), "cannot read"},
+           {dir.File("missing.pem"), "cannot read"}}) {
+    const cpd::test::RunResult r =
+        RunProgram(bin, {"jobs", "--coordinator", dead, "--timeout", "5", "--tls-ca", path});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.err.rfind("cpdctl: --tls-ca " + path + ": ", 0), 0u) << r.err;
+    EXPECT_NE(r.err.find(why), std::string::npos) << r.err;
   }
 }
 

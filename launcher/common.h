@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cpd/message.h"
 #include "cpd/status.h"
 
 namespace cpd::launcher {
@@ -28,19 +29,9 @@ std::vector<std::string> SplitCommas(const std::string& s);
 // A CSV field (RFC 4180): quoted when it holds a comma, quote, CR or LF, quotes doubled.
 std::string CsvField(std::string_view s);
 
-// A string someone else chose (a flag's value, a client's field, a file's line), for an error
-// message: in single quotes, its first `max_bytes` bytes, then "..." and the full length when it
-// is longer; every byte outside printable ASCII is escaped (\n, \t, \0, \xNN; a backslash is
-// \\). Whatever it quotes, the message stays one short line of plain text: a NUL does not cut
-// it short, a 400 KB argument does not fill the terminal, garbage does not reach it raw.
-// QuoteForMessage("a\tb") == "'a\\tb'" (the six characters 'a\tb').
-std::string QuoteForMessage(std::string_view s, size_t max_bytes = 60);
-
-// A whole message (one that may carry text from elsewhere: a server's error, a library's parse
-// error echoing an argument) as one line: control bytes escaped as QuoteForMessage does (UTF-8
-// text is kept), cut after `max_bytes` bytes with "... (N bytes)". FailWith prints every
-// program's last line through it.
-std::string MessageLine(std::string_view text, size_t max_bytes = 2000);
+// QuoteForMessage and MessageLine (cpd/message.h) quote what others wrote in messages.
+using cpd::MessageLine;
+using cpd::QuoteForMessage;
 
 // ---- Coordinator tokens and certificates (cpd-coordinator, cpdctl and cpd-train's client) ---
 

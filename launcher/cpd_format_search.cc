@@ -120,14 +120,14 @@ cpd::Result<std::string> CanonicalSpec(const std::string& spec, const std::strin
   // The parser's message quotes the spec whole: a long or binary one is quoted shortened here.
   return Bad(where + ": " +
              (Plain(spec) ? fmt.status().message()
-                          : cpd::runtime::QuoteForMessage(spec) + " is not a format spec"));
+                          : cpd::QuoteForMessage(spec) + " is not a format spec"));
 }
 
 // The candidate specs the flags name, in order, duplicates removed. The default, --bits 8, only
 // when no candidate flag is given at all: an empty file or list is a mistake to report, not a
 // request for the default search.
 cpd::Result<std::vector<std::string>> Candidates(const Flags& f) {
-  using cpd::runtime::QuoteForMessage;
+  using cpd::QuoteForMessage;
   std::vector<std::string> out;
   for (const std::string& spec : f.formats) {
     CPD_ASSIGN_OR_RETURN(std::string c, CanonicalSpec(spec, "--format"));
@@ -241,7 +241,7 @@ Status CheckOutputsAreOurs(const std::string& prefix) {
     return ::stat(path.c_str(), &st) == 0 && !S_ISDIR(st.st_mode);
   };
   auto refuse = [](const std::string& path) {
-    return Bad("--out: " + cpd::runtime::QuoteForMessage(path) +
+    return Bad("--out: " + cpd::QuoteForMessage(path) +
                " exists and was not written by cpd-format-search; refusing to replace it "
                "(choose another --out, or move the file)");
   };
@@ -271,7 +271,7 @@ cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
   struct stat st;
   if (f.out.empty() || f.out.back() == '/' ||
       (::stat(f.out.c_str(), &st) == 0 && S_ISDIR(st.st_mode))) {
-    return Bad("--out " + cpd::runtime::QuoteForMessage(f.out) +
+    return Bad("--out " + cpd::QuoteForMessage(f.out) +
                " is not accepted: a path prefix such as results/lenet5 (PREFIX.csv, "
                "PREFIX.json and PREFIX.png are written)");
   }

@@ -96,28 +96,6 @@ std::string SettingsMismatch(const std::string& path, std::string_view line,
 
 }  // namespace
 
-std::string QuoteForMessage(std::string_view s, size_t max) {
-  std::string out = "'";
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (i == max) {
-      out += "...";
-      break;
-    }
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    if (c == '\'' || c == '\\') {
-      out += '\\';
-      out += char(c);
-    } else if (c >= 0x20 && c < 0x7f) {
-      out += char(c);
-    } else {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    }
-  }
-  return out + "'";
-}
-
 Result<std::string> ReadBoundedFile(const std::string& path, size_t max_bytes,
                                     const std::string& what) {
   // O_NONBLOCK: opening a FIFO must not wait for a writer; fstat refuses it before any read.

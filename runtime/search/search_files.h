@@ -2,7 +2,7 @@
 // writes (cpd-format-search --candidates-file) and the partial results a search appends as it
 // goes (PREFIX.partial.csv), read back on --resume with every field checked. A bad file is one
 // InvalidArgument line naming the file, the line and the problem; what the file holds is quoted
-// shortened and escaped (QuoteForMessage), never raw. Nothing here writes.
+// shortened and escaped (cpd/message.h QuoteForMessage), never raw. Nothing here writes.
 //
 // The partial-results file:
 //   line 1   "# cpd-format-search: " + a JSON object: the search's settings (everything that
@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cpd/message.h"
 #include "cpd/status.h"
 #include "runtime/search/format_search.h"
 
@@ -28,11 +29,6 @@ constexpr size_t kMaxCandidatesFileBytes = size_t(1) << 20;
 // The most of a partial-results file that is read: thousands of candidate rows of a model with
 // hundreds of layers.
 constexpr size_t kMaxPartialFileBytes = size_t(64) << 20;
-
-// `s` for a message: in single quotes, bytes outside printable ASCII written \xNN, quotes and
-// backslashes escaped, cut after `max` bytes with "..." (so garbage never reaches a terminal raw
-// and a message stays one short line).
-std::string QuoteForMessage(std::string_view s, size_t max = 48);
 
 // The whole of the regular file `path`, read only when it is at most `max_bytes`. `what` starts
 // every message (e.g. "--candidates-file 'c.txt'"). InvalidArgument when the file cannot be

@@ -121,6 +121,25 @@ TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.2}\n", "not one of its values"},
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.1}\n", "every run"},
       {"name: s\ngrid: [unclosed\n", "study.yaml"},
+      // Issue 26 item 4: a name is one folder of its own, never "." or ".." (the runs and the
+      // report would land in an existing folder).
+      {"name: ..\n" + grid, "name: '..' is not a folder name of its own"},
+      {"name: .\n" + grid, "name: '.' is not a folder name of its own"},
+      {"name: a/b\n" + grid, "name:"},
+      {"name: ''\n" + grid, "name:"},
+      {"name: \"a\\tb\"\n" + grid, "name:"},
+      // Item 6: a key repeated in any mapping is named with its line, never resolved silently.
+      {"name: s\ngrid:\n  lr: [0.1]\n  lr: [0.2]\n",
+       "line 4: key 'lr' is repeated (first at line 3)"},
+      {"name: s\nbase:\n  arch: mlp\n  arch: lenet5\n" + grid,
+       "line 4: key 'arch' is repeated (first at line 3)"},
+      {"name: s\n" + grid + "name: t\n", "line 4: key 'name' is repeated (first at line 1)"},
+      {"name: s\n" + grid + "exclude:\n  - {lr: 0.1, lr: 0.1}\n",
+       "line 5: key 'lr' is repeated (first at line 5)"},
+      {"name: s\ngrid:\n  lr: [0.1]\ngrid:\n  lr: [0.2]\n", "key 'grid' is repeated"},
+      // Item 9: a run that trains nothing would end "done" with 0 epochs.
+      {"name: s\nbase:\n  print-model: true\n" + grid, "'print-model': cpd-train --print-model"},
+      {"name: s\ngrid:\n  print-model: [false, true]\n", "trains nothing"},
   };
   const std::string study = dir.File("study.yaml"), out = dir.File("out");
   for (const auto& [yaml, needle] : cases) {

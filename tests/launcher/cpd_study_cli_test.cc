@@ -489,6 +489,48 @@ TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
   EXPECT_EQ(State(out, name("a"))["attempts"], 2);
 }
 
+// Issue 26 item 4: cpd-study writes only into a folder it created (marked by .cpd-study), so a
+// user's own ./report/runs.csv is never replaced.
+TEST(CpdStudyCli, OutputsNeverReplaceAFileTheToolDidNotCreate) {
+  TempDir dir("cpd_study_own");
+  Write(dir.File("s.yaml"),
+        std::string("name: own\n") + kTinyBase + "  max-steps: 2\ngrid:\n  lr: [0.1]\n");
+  const std::string mine = dir.File("mine");
+  Write(mine + "/report/runs.csv", "my,own,table\n");
+  Write(mine + "/notes.txt", "mine\n");
+  for (const char* cmd : {"report", "run", "run-one"}) {
+    std::vector<std::string> args = {cmd, dir.File("s.yaml"), "--out", mine, "--no-plot"};
+    if (std::string(cmd) != "report") args.pop_back();
+    if (std::string(cmd) == "run-one") args.insert(args.end(), {"--index", "0"});
+    const RunResult r = Study(args);
+    EXPECT_EQ(r.exit_code, 2) << cmd << r.out << r.err;
+    EXPECT_NE(r.err.find("--out " + mine +
+                         ": the folder exists, is not empty and was not "
+                         "created by cpd-study (no .cpd-study in it)"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  EXPECT_EQ(ReadFile(mine + "/report/runs.csv"), "my,own,table\n");
+  EXPECT_FALSE(Exists(mine + "/runs"));
+  EXPECT_FALSE(Exists(mine + "/.cpd-study"));
+  // A new folder, and an empty one, become cpd-study's; it then writes there again and again.
+  const std::string empty = dir.File("empty");
+  std::filesystem::create_directories(empty);
+  for (const std::string& o : {dir.File("new"), empty}) {
+    const RunResult r = Study({"run", dir.File("s.yaml"), "--out", o});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_TRUE(Exists(o + "/.cpd-study"));
+    EXPECT_EQ(Study({"report", dir.File("s.yaml"), "--out", o, "--no-plot"}).exit_code, 0);
+    EXPECT_EQ(Study({"report", dir.File("s.yaml"), "--out", o, "--no-plot"}).exit_code, 0);
+  }
+  // A file where the folder should be.
+  Write(dir.File("file"), "x");
+  const RunResult f = Study({"report", dir.File("s.yaml"), "--out", dir.File("file")});
+  EXPECT_EQ(f.exit_code, 2);
+  EXPECT_NE(f.err.find("exists and is not a folder"), std::string::npos) << f.err;
+}
+
 // Metrics of one run written by hand: epochs (test accuracy, loss), and the all-reduce's
 // statistics of some steps.
 std::string Epoch(int epoch, double acc, const std::string& loss, int skipped = 0,

@@ -19,12 +19,13 @@ Status Bad(const std::string& path, const std::string& msg) {
   return Status::InvalidArgument(path + ": " + msg);
 }
 
-// `s` as a message may show it: printable ASCII, other bytes as \xHH, at most 40 characters (a
-// key is the user's text, and a control byte or a megabyte of it must not reach the terminal).
-std::string Shown(const std::string& s) {
+// `s` as a message may show it: printable ASCII, other bytes as \\xHH, at most `max` characters
+// (a key or a parser's message quotes the user's text, and a control byte or a megabyte of it
+// must not reach the terminal).
+std::string Shown(const std::string& s, size_t max = 40) {
   std::string out;
   for (unsigned char c : s) {
-    if (out.size() >= 40) return out + "...";
+    if (out.size() >= max) return out + "...";
     if (c >= 0x20 && c < 0x7f) {
       out += char(c);
     } else {
@@ -328,7 +329,8 @@ Result<Study> ParseStudy(const std::string& yaml, const std::string& path) {
   try {
     CPD_RETURN_IF_ERROR(ReadStudy(YAML::Load(yaml), &s));
   } catch (const YAML::Exception& e) {
-    return Bad(path, e.what());
+    // yaml-cpp quotes the offending byte ("unknown escape character: " and a newline).
+    return Bad(path, Shown(e.what(), 200));
   }
   return s;
 }

@@ -161,6 +161,8 @@ TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.1, lr: 0.1}\n",
        "line 5: key 'lr' is repeated (first at line 5)"},
       {"name: s\ngrid:\n  lr: [0.1]\ngrid:\n  lr: [0.2]\n", "key 'grid' is repeated"},
+      // The parser's message quotes the bad byte: escaped, one line (found by study_file_fuzz).
+      {std::string("name: \"a\\\x01") + "z\"\n" + grid, "unknown escape character: \\x01"},
       // Item 9: a run that trains nothing would end "done" with 0 epochs.
       {"name: s\nbase:\n  print-model: true\n" + grid, "'print-model': cpd-train --print-model"},
       {"name: s\ngrid:\n  print-model: [false, true]\n", "trains nothing"},

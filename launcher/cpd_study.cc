@@ -15,6 +15,7 @@
 #include "launcher/cli.h"
 #include "launcher/common.h"
 #include "launcher/files.h"
+#include "launcher/study/out_dir.h"
 #include "launcher/study/plan.h"
 #include "launcher/study/report.h"
 #include "launcher/study/run_state.h"
@@ -59,6 +60,13 @@ Loaded Load(const Flags& f) {
   l.out = f.out.empty() ? "studies/" + l.study.name : f.out;
   while (l.out.size() > 1 && l.out.back() == '/') l.out.pop_back();
   return l;
+}
+
+// Before `run`, `run-one` and `report` write anything: the output folder is cpd-study's
+// (launcher/study/out_dir.h), or nothing is written.
+void ClaimOut(const Loaded& l) {
+  const cpd::Status s = study::ClaimOutDir(l.out, l.study.name);
+  if (!s.ok()) Fail(s.message(), s.code() == cpd::Status::Code::kInvalidArgument ? kUsageError : 1);
 }
 
 // cpd-train: --cpd-train, else the one next to this executable.
@@ -157,6 +165,7 @@ int RunOnSlurm(const Flags& f, const Loaded& l) {
   o.study_path = f.study_path;
   o.script = SlurmScript();
   o.sbatch_args = f.sbatch_args;
+  ClaimOut(l);
   return study::RunSlurm(l.study, l.runs, o);
 }
 
@@ -169,6 +178,7 @@ int Run(const Flags& f) {
   o.parallel = f.parallel;
   o.self = cpd::launcher::ExecutableDir() + "/cpd-study";
   o.study_path = f.study_path;
+  ClaimOut(l);
   return study::RunLocal(l.study, l.runs, o);
 }
 
@@ -182,6 +192,7 @@ int RunOne(const Flags& f) {
     Fail("--index " + std::to_string(f.index) + ": the plan has runs 0 to " +
          std::to_string(l.runs.size() - 1));
   }
+  ClaimOut(l);
   return study::RunOne(l.study, l.runs[size_t(f.index)], o);
 }
 
@@ -204,6 +215,7 @@ int Report(const Flags& f) {
     const char* py = std::getenv("CPD_PYTHON");
     o.python = py != nullptr && *py ? py : CPD_STUDY_PYTHON;
   }
+  ClaimOut(l);
   auto wrote = study::WriteReport(l.study, l.runs, o);
   if (!wrote.ok()) {
     Fail(wrote.status().message(),

@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""Plots of a cpd-study report, drawn from the CSVs `cpd-study report` wrote in DIR:
+"""One plot of a cpd-study report (--plot), drawn from the CSVs `cpd-study report` wrote in DIR:
 
-  accuracy_vs_batch.png  final test accuracy (mean over seeds, sample-std error bars) against the
-                         global batch (or the first axis), one line per setting of the other axes
-                         (e.g. all-reduce format x APS)
-  loss_curves.png        training loss per epoch, one line per setting (mean over seeds)
-  layer_flushed.png      per-layer mean flushed fraction of the gradient all-reduce, one line per
-                         setting (mean over seeds)
+  accuracy  final test accuracy (mean over seeds, sample-std error bars) against --x-axis (the
+            global batch when it is an axis, else the first axis: cpd-study names the file
+            accuracy_vs_<axis>.png), one line per setting of the other axes
+  loss      training loss per epoch, one line per setting (mean over seeds), on a log scale so
+            that a run that diverged (loss 1e10) does not flatten the others; a setting with a
+            diverged seed is drawn with an x at its last point and says so in its label
+  layers    per-layer mean flushed fraction of the gradient all-reduce, one line per setting
+            (mean over seeds); a note instead when no run has all-reduce statistics
 
 When two or more axes vary besides the x axis, each plot is split into panels, one per value of
-"workers" (else of the first axis), so that every panel's lines stay few enough to label.
+"workers" (else of the first axis), so that every panel's lines stay few enough to label. Missing
+statistics (empty cells, empty tables) leave a note in the panel, never an error.
 
-Each PNG is written under a temporary name and renamed when whole. Needs python3-matplotlib.
+cpd-study runs this once per plot, so that a plot that fails is one line naming it and the rest
+of the report stands. The PNG is written under a temporary name and renamed when whole. Needs
+python3-matplotlib.
 """
 import argparse
 import csv
 import math
 import os
+import sys
 from collections import OrderedDict, defaultdict
 
 import matplotlib
@@ -64,6 +70,8 @@ def panels(rows, axis):
     values = list(OrderedDict.fromkeys(r[axis] for r in rows)) if axis else [None]
     if axis and all(not math.isnan(number(v)) for v in values):
         values.sort(key=number)
+    if not values:  # an empty table (no run has these statistics yet): one panel with a note
+        values, axis = [None], None
     fig, subplots = plt.subplots(1, len(values), figsize=(4.2 * len(values) + 1.5, 4.5),
                                  sharey=True, squeeze=False)
     return values, fig, list(subplots[0])
@@ -97,9 +105,8 @@ def finish(fig, subplots, axis, values, title, legend_limit=24):
     fig.tight_layout()
 
 
-def accuracy_vs_batch(d, axes, out):
+def accuracy(d, axes, out, x_axis):
     rows = read_csv(os.path.join(d, "summary.csv"))
-    x_axis = "global-batch" if "global-batch" in axes else axes[0]
     others = [a for a in axes if a != x_axis]
     split = panel_axis(others)
     lines = [a for a in others if a != split]
@@ -126,36 +133,62 @@ def accuracy_vs_batch(d, axes, out):
             ax.set_xticks(range(len(categories)))
             ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=7)
         ax.set_xlabel(x_axis)
+        if not any(not math.isnan(number(r["final_test_accuracy_mean"])) for r in rows):
+            ax.text(0.5, 0.5, "no test accuracy yet", ha="center", transform=ax.transAxes)
     subplots[0].set_ylabel("final test accuracy (%)")
     finish(fig, subplots, split, values, "accuracy vs " + x_axis + " (mean ± std over seeds)")
-    save(fig, os.path.join(out, "accuracy_vs_batch.png"))
+    save(fig, out)
 
 
 def loss_curves(d, axes, out):
-    """Training loss per epoch, the mean over the seeds of each setting."""
+    """Training loss per epoch, the mean over the seeds of each setting, on a log scale (a
+    diverged run's 1e10 would flatten every other line on a linear one). Losses that are not
+    finite and positive cannot be drawn on it and are left out."""
     rows = read_csv(os.path.join(d, "curves.csv"))
     split = panel_axis(axes)
     lines = [a for a in axes if a != split]
     values, fig, subplots = panels(rows, split)
+    drawn = False
     for ax, v in zip(subplots, values):
         curves = OrderedDict()
+        diverged = defaultdict(set)
         for r in rows:
             if split is None or r[split] == v:
-                per_epoch = curves.setdefault(label(r, lines), defaultdict(list))
-                per_epoch[number(r["epoch"])].append(number(r["loss"]))
+                key = label(r, lines)
+                per_epoch = curves.setdefault(key, defaultdict(list))
+                loss = number(r["loss"])
+                if math.isfinite(loss) and loss > 0:
+                    per_epoch[number(r["epoch"])].append(loss)
+                if r.get("diverged") == "1":
+                    diverged[key].add(r["run"])
         for i, (key, per_epoch) in enumerate(curves.items()):
             xs = sorted(per_epoch)
-            ax.plot(xs, [sum(per_epoch[x]) / len(per_epoch[x]) for x in xs], marker=".",
-                    linewidth=1, label=key, **style(i))
+            if not xs:
+                continue
+            ys = [sum(per_epoch[x]) / len(per_epoch[x]) for x in xs]
+            name = key
+            if diverged[key]:
+                name += f" ({len(diverged[key])} diverged)"
+            ax.plot(xs, ys, marker=".", linewidth=1, label=name, **style(i))
+            if diverged[key]:
+                ax.plot(xs[-1:], ys[-1:], marker="x", markersize=10, mew=2, linestyle="none",
+                        color=style(i)["color"])
+            drawn = True
         ax.set_xlabel("epoch")
-        if not rows:
-            ax.text(0.5, 0.5, "no epochs yet", ha="center", transform=ax.transAxes)
-    subplots[0].set_ylabel("training loss (mean over seeds)")
-    finish(fig, subplots, split, values, "loss curves")
-    save(fig, os.path.join(out, "loss_curves.png"))
+    if drawn:
+        for ax in subplots:
+            ax.set_yscale("log")
+    else:
+        subplots[0].text(0.5, 0.5, "no finite losses yet", ha="center",
+                         transform=subplots[0].transAxes)
+    subplots[0].set_ylabel("training loss (mean over seeds, log scale)")
+    finish(fig, subplots, split, values, "loss curves (x: a setting with a diverged seed)")
+    save(fig, out)
 
 
 def layer_flushed(d, axes, out):
+    """The per-layer flushed fraction; a note when no run logged all-reduce statistics (one
+    worker per run, or no --stats-every)."""
     rows = read_csv(os.path.join(d, "layers.csv"))
     split = panel_axis(axes)
     lines = [a for a in axes if a != split]
@@ -180,18 +213,31 @@ def layer_flushed(d, axes, out):
                     transform=ax.transAxes)
     subplots[0].set_ylabel("flushed fraction of the all-reduce")
     finish(fig, subplots, split, values, "per-layer flushed fraction (mean over steps and seeds)")
-    save(fig, os.path.join(out, "layer_flushed.png"))
+    save(fig, out)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, help="the report directory (its CSVs; PNGs go there)")
+    p.add_argument("--plot", required=True, choices=["accuracy", "loss", "layers"])
+    p.add_argument("--out", required=True, help="the PNG's file name in --dir")
+    p.add_argument("--x-axis", help="accuracy: the axis on the x axis (default: the first)")
     a = p.parse_args()
     axes = summary_axes(os.path.join(a.dir, "summary.csv"))
-    accuracy_vs_batch(a.dir, axes, a.dir)
-    loss_curves(a.dir, axes, a.dir)
-    layer_flushed(a.dir, axes, a.dir)
+    out = os.path.join(a.dir, a.out)
+    if a.plot == "accuracy":
+        x_axis = a.x_axis if a.x_axis in axes else axes[0]
+        accuracy(a.dir, axes, out, x_axis)
+    elif a.plot == "loss":
+        loss_curves(a.dir, axes, out)
+    else:
+        layer_flushed(a.dir, axes, out)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001 -- one line for cpd-study's warning, not a traceback
+        msg = " ".join(str(e).split())[:300]
+        print(f"study_plot.py: {type(e).__name__}: {msg}", file=sys.stderr)
+        sys.exit(1)

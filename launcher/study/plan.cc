@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <unordered_set>
 
 #include "runtime/train/trainer.h"
@@ -11,6 +12,10 @@
 namespace cpd::launcher::study {
 
 namespace {
+
+// More runs than any study means to run; the bound keeps a mistyped grid (or a hostile file)
+// from planning for minutes and filling memory before the first line.
+constexpr double kMaxRuns = 100000;
 
 // Longer names would not fit a file name with room for the coordinator's job name prefix.
 constexpr size_t kMaxNameLength = 120;
@@ -109,6 +114,15 @@ bool Next(const Study& s, std::vector<size_t>* at) {
 }  // namespace
 
 Result<std::vector<PlannedRun>> ExpandPlan(const Study& study) {
+  double grid = double(study.seeds.size());
+  for (const Axis& a : study.axes) grid *= double(a.values.size());
+  if (grid > kMaxRuns) {
+    char n[32];
+    std::snprintf(n, sizeof n, "%.0f", grid);
+    return Status::InvalidArgument(study.path + ": the grid has " + n +
+                                   " runs (before exclude); "
+                                   "at most 100000 in one study: split it");
+  }
   std::vector<PlannedRun> runs;
   std::unordered_set<std::string> names;
   std::vector<size_t> at(study.axes.size(), 0);
@@ -147,6 +161,7 @@ RunPaths PathsOf(const std::string& out_dir, const std::string& run_name) {
   p.log = p.dir + "/log.txt";
   p.checkpoints = p.dir + "/checkpoints";
   p.state = p.dir + "/state.json";
+  p.lock = p.dir + "/.lock";
   return p;
 }
 

@@ -23,7 +23,7 @@ struct PlannedRun {
 
 // Expands the grid (minus the exclusions) and checks every run as cpd-train would: the flags
 // through cpd-train's own parser and checks, the global batch against the workers, unique names.
-// An error is one line naming the run and the flag.
+// An error is one line naming the run and the flag; a grid of more than 100,000 runs is refused.
 //
 // Names: "<axis>_<value>" per axis in file order, then "seed_<n>", joined with '.'; values as
 // ValueLabel spells them. They depend only on the run's own values, so adding a value or a seed
@@ -41,6 +41,7 @@ struct LaunchSpec {
 // The files of a run under <out>/runs/<name>/.
 struct RunPaths {
   std::string dir, config, cmd, metrics, log, checkpoints, state;
+  std::string lock;  // held (fcntl) by the process that runs it, for as long as it runs
 };
 RunPaths PathsOf(const std::string& out_dir, const std::string& run_name);
 

@@ -2,6 +2,7 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -209,6 +210,14 @@ struct RunRow {
   std::string cost_reference;
   int64_t skipped_steps = 0;
   bool has_epochs = false, collapsed = false;
+  // Diverged (cpd-train exit 3, or a "stop" record): a result, even before its first epoch;
+  // the step and loss where it stopped (-1 / NaN when unknown).
+  bool diverged = false;
+  int64_t diverged_step = -1;
+  double diverged_loss = kNaN;
+  std::string diverged_reason;
+  // A result to count: an epoch, or a divergence.
+  bool has_result() const { return has_epochs || diverged; }
 };
 
 RunRow Summarise(const PlannedRun& r, const std::string& out) {
@@ -216,8 +225,12 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
   row.run = &r;
   const RunPaths p = PathsOf(out, r.name);
   auto s = ReadState(p.state);
+  if (!s.ok()) {
+    // The same line `run` and `status` give for this file.
+    std::fprintf(stderr, "cpd-study: warning: %s\n", s.status().message().c_str());
+  }
   row.s = s.ok() ? *s : RunState{};
-  row.state = s.ok() ? Classify(*s) : "unreadable";
+  row.state = s.ok() ? Classify(*s, p) : "unreadable";
   row.m = ReadMetrics(p.metrics);
   if (row.m.malformed > 0) {
     std::fprintf(stderr, "cpd-study: warning: %s: %lld malformed line(s) skipped\n",
@@ -244,10 +257,25 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
     row.cost_reference = last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference;
     row.skipped_steps = last.skipped_steps;
   }
-  if (row.s.attempts > 0) row.wall_s = row.s.total_wall_s;
-  const bool diverged = row.m.stopped || (row.state == "failed" && row.s.exit_code == 3);
+  // Every attempt's wall time: the finished ones, and the one a kill ended (up to its last
+  // write) or the one still running (up to now).
+  if (row.s.attempts > 0) {
+    row.wall_s = row.s.total_wall_s;
+    if (row.state == "interrupted") row.wall_s += InterruptedSeconds(row.s, p);
+    if (row.state == "running" && row.s.start_ms > 0) {
+      row.wall_s += std::max(0.0, double(NowMs() - row.s.start_ms) / 1e3);
+    }
+  }
+  row.diverged = row.m.stopped || row.state == "diverged";
+  if (row.diverged) {
+    RunState where = row.s;
+    if (where.diverged_step < 0) ReadDivergence(p, &where);  // not run by cpd-study's driver
+    row.diverged_step = where.diverged_step;
+    row.diverged_loss = where.diverged_loss;
+    row.diverged_reason = where.diverged_reason;
+  }
   row.collapsed =
-      diverged ||
+      row.diverged ||
       (row.has_epochs && (!std::isfinite(row.final_loss) || !(row.final_acc > 1.5 / row.classes)));
   return row;
 }
@@ -264,20 +292,36 @@ std::string AxesCells(const PlannedRun& r) {
   return c;
 }
 
-std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double reference) {
+// What the tables show besides the fixed columns: the all-reduce's columns only when some run
+// logged all-reduce statistics (a study of one worker per run has none, and columns that are
+// always empty only hide the others), the reference's only with --reference.
+struct Columns {
+  bool allreduce = false, reference = false;
+};
+
+// "nan" when that is what the loss was, empty when it is not known.
+std::string DivergedLossCell(const RunRow& r) {
+  const bool nan = r.diverged_reason.find("loss is NaN") != std::string::npos;
+  return std::isnan(r.diverged_loss) && nan ? "nan" : Fmt(r.diverged_loss);
+}
+
+std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double reference,
+                    const Columns& c) {
   std::string csv = "run" + AxesHeader(s) +
                     ",seed,state,epochs,final_test_accuracy,best_test_accuracy,final_loss,"
-                    "final_test_loss,skipped_steps,collapsed,classes,mean_aps_shift,"
-                    "mean_allreduce_flushed,images_per_s,wall_s,relative_cost,cost_reference,"
-                    "accuracy_vs_reference\n";
+                    "final_test_loss,skipped_steps,collapsed,diverged_step,diverged_loss,classes";
+  if (c.allreduce) csv += ",mean_aps_shift,mean_allreduce_flushed";
+  csv += ",images_per_s,wall_s,relative_cost,cost_reference,accuracy_vs_reference\n";
   for (const RunRow& r : rows) {
     const EpochRow last = r.has_epochs ? r.m.epochs.rbegin()->second : EpochRow{};
     csv += CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
            r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
            Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
            (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
-           "," + std::to_string(r.classes) + "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed) +
-           "," + Fmt(r.images_per_s) + "," + Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," +
+           "," + (r.diverged_step >= 0 ? std::to_string(r.diverged_step) : "") + "," +
+           DivergedLossCell(r) + "," + std::to_string(r.classes);
+    if (c.allreduce) csv += "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed);
+    csv += "," + Fmt(r.images_per_s) + "," + Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," +
            CsvField(r.cost_reference) + "," + Fmt(r.final_acc - reference) + "\n";
   }
   return csv;
@@ -303,12 +347,13 @@ MeanStd Stats(const std::vector<double>& v) {
 
 struct Group {
   const PlannedRun* first = nullptr;
-  std::vector<double> final_acc, best_acc, final_loss, delta;
+  int results = 0;    // seeds with a result: an epoch, or a divergence
+  int collapsed = 0;  // of those
+  std::vector<double> final_acc, best_acc, final_loss, delta;  // seeds with an epoch
   std::vector<double> flushed, shift;  // per run with all-reduce statistics: its step mean
   std::vector<double> images_per_s, wall_s, relative_cost;
   std::string cost_reference;  // the runs' reference; "mixed" when they differ
   int64_t skipped_steps = 0;   // over the seeds
-  int collapsed = 0;
 };
 
 std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double reference) {
@@ -321,15 +366,19 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
       groups.back().first = r.run;
     }
     Group& g = groups[it->second];
-    if (!r.has_epochs) continue;  // no result yet
+    if (!r.has_result()) continue;  // no result yet
+    // A run that diverged before its first epoch has no accuracy, but it is a seed with a
+    // result, and a collapsed one.
+    ++g.results;
+    g.collapsed += r.collapsed ? 1 : 0;
+    if (!std::isnan(r.wall_s)) g.wall_s.push_back(r.wall_s);
+    if (!r.has_epochs) continue;
     g.final_acc.push_back(r.final_acc);
     g.best_acc.push_back(r.best_acc);
     g.final_loss.push_back(r.final_loss);
     g.delta.push_back(r.final_acc - reference);
-    g.collapsed += r.collapsed ? 1 : 0;
     g.skipped_steps += r.skipped_steps;
     g.images_per_s.push_back(r.images_per_s);
-    if (!std::isnan(r.wall_s)) g.wall_s.push_back(r.wall_s);
     if (!std::isnan(r.relative_cost)) g.relative_cost.push_back(r.relative_cost);
     if (g.cost_reference.empty()) g.cost_reference = r.cost_reference;
     if (g.cost_reference != r.cost_reference) g.cost_reference = "mixed";
@@ -341,23 +390,26 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
   return groups;
 }
 
-std::string SummaryCsv(const Study& s, const std::vector<Group>& groups) {
+std::string SummaryCsv(const Study& s, const std::vector<Group>& groups, const Columns& c) {
   std::string csv = AxesHeader(s).substr(1) +
                     ",n_seeds,n_collapsed,final_test_accuracy_mean,final_test_accuracy_std,"
                     "best_test_accuracy_mean,best_test_accuracy_std,final_loss_mean,"
-                    "final_loss_std,accuracy_vs_reference_mean,allreduce_flushed_mean,"
-                    "allreduce_flushed_std,aps_shift_mean,skipped_steps,images_per_s_mean,"
-                    "wall_s_mean,relative_cost_mean,cost_reference\n";
+                    "final_loss_std,accuracy_vs_reference_mean";
+  if (c.allreduce) csv += ",allreduce_flushed_mean,allreduce_flushed_std,aps_shift_mean";
+  csv += ",skipped_steps,images_per_s_mean,wall_s_mean,relative_cost_mean,cost_reference\n";
   for (const Group& g : groups) {
     const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss),
                   flushed = Stats(g.flushed);
-    csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.final_acc.size()) + "," +
+    csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.results) + "," +
            std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
            Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
-           Fmt(Stats(g.delta).mean) + "," + Fmt(flushed.mean) + "," + Fmt(flushed.std) + "," +
-           Fmt(Stats(g.shift).mean) + "," + std::to_string(g.skipped_steps) + "," +
-           Fmt(Stats(g.images_per_s).mean) + "," + Fmt(Stats(g.wall_s).mean) + "," +
-           Fmt(Stats(g.relative_cost).mean) + "," + CsvField(g.cost_reference) + "\n";
+           Fmt(Stats(g.delta).mean);
+    if (c.allreduce) {
+      csv += "," + Fmt(flushed.mean) + "," + Fmt(flushed.std) + "," + Fmt(Stats(g.shift).mean);
+    }
+    csv += "," + std::to_string(g.skipped_steps) + "," + Fmt(Stats(g.images_per_s).mean) + "," +
+           Fmt(Stats(g.wall_s).mean) + "," + Fmt(Stats(g.relative_cost).mean) + "," +
+           CsvField(g.cost_reference) + "\n";
   }
   return csv;
 }
@@ -383,35 +435,59 @@ std::string CostCell(double relative_cost, const std::string& reference) {
   return buf + reference;
 }
 
-std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs) {
+std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs,
+                      const Columns& c, const std::string& reference_glob) {
   std::string md = "# Study " + s.name + "\n\n" + std::to_string(runs) + " runs, " +
                    std::to_string(s.seeds.size()) +
-                   " seed(s) per setting. Accuracy in %, mean ± sample std over the seeds with "
-                   "results; collapsed: final test accuracy <= 1.5 x chance, a non-finite loss, "
-                   "or diverged; flushed: the fraction of gradient values the all-reduce flushed "
-                   "to zero and shift: the APS shift, means over the logged steps and layers, "
-                   "then over the seeds; skipped: steps skipped for non-finite gradients, over "
-                   "the seeds; img/s and wall s: means over the seeds; cost: the relative "
-                   "training cost (CPT's BitOPs model) against the reference it names.\n\n|";
+                   " seed(s) per setting. seeds: the seeds with a result (an epoch, or a "
+                   "divergence); collapsed: of those, the runs whose final test accuracy is <= "
+                   "1.5 x chance, whose loss is not finite, or that diverged (runs.csv gives the "
+                   "step and loss). Accuracy in %, mean ± sample std over the seeds with an "
+                   "epoch";
+  if (c.reference) {
+    md += "; vs ref: final test accuracy minus the mean of the reference runs (" + reference_glob +
+          "), in points, mean over the seeds";
+  }
+  if (c.allreduce) {
+    md +=
+        "; flushed: the fraction of gradient values the all-reduce flushed to zero and shift: "
+        "the APS shift, means over the logged steps and layers, then over the seeds";
+  }
+  md +=
+      "; skipped: steps skipped for non-finite gradients, over the seeds; img/s and wall s: "
+      "means over the seeds; cost: the relative training cost (CPT's BitOPs model) against the "
+      "reference it names.\n\n|";
   std::string rule = "|";
   for (const Axis& a : s.axes) {
     md += " " + a.name + " |";
     rule += "---|";
   }
-  md +=
-      " seeds | collapsed | final test acc | best test acc | final loss | flushed % | shift |"
-      " skipped | img/s | wall s | cost |\n" +
-      rule + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  md += " seeds | collapsed | final test acc | best test acc |";
+  rule += "---:|---:|---:|---:|";
+  if (c.reference) {
+    md += " vs ref |";
+    rule += "---:|";
+  }
+  md += " final loss |";
+  rule += "---:|";
+  if (c.allreduce) {
+    md += " flushed % | shift |";
+    rule += "---:|---:|";
+  }
+  md += " skipped | img/s | wall s | cost |\n" + rule + "---:|---:|---:|---:|\n";
   for (const Group& g : groups) {
     md += "|";
     for (const auto& l : g.first->labels) md += " " + l + " |";
-    md += " " + std::to_string(g.final_acc.size()) + " | " + std::to_string(g.collapsed) + " | " +
+    md += " " + std::to_string(g.results) + " | " + std::to_string(g.collapsed) + " | " +
           PlusMinus(Stats(g.final_acc), 100, "%.2f") + " | " +
-          PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | " +
-          PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | " +
-          PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
-          PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " | " +
-          std::to_string(g.skipped_steps) + " | " +
+          PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | ";
+    if (c.reference) md += PlusMinus(MeanStd{Stats(g.delta).mean, kNaN}, 100, "%+.2f") + " | ";
+    md += PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | ";
+    if (c.allreduce) {
+      md += PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
+            PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " | ";
+    }
+    md += std::to_string(g.skipped_steps) + " | " +
           PlusMinus(MeanStd{Stats(g.images_per_s).mean, kNaN}, 1, "%.0f") + " | " +
           PlusMinus(MeanStd{Stats(g.wall_s).mean, kNaN}, 1, "%.1f") + " | " +
           CostCell(Stats(g.relative_cost).mean, g.cost_reference) + " |\n";
@@ -419,16 +495,18 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
   return md;
 }
 
+// Diverged marks which run diverged, so that the plots can say so.
 std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
   std::string csv = "run" + AxesHeader(s) +
-                    ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s\n";
+                    ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s,"
+                    "diverged\n";
   for (const RunRow& r : rows) {
     const std::string head =
         CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
     for (const auto& [n, e] : r.m.epochs) {
       csv += head + std::to_string(n) + "," + std::to_string(e.step) + "," + Fmt(e.loss) + "," +
              Fmt(e.train_accuracy) + "," + Fmt(e.test_accuracy) + "," + Fmt(e.test_loss) + "," +
-             Fmt(e.images_per_s) + "\n";
+             Fmt(e.images_per_s) + "," + (r.diverged ? "1" : "0") + "\n";
     }
   }
   return csv;
@@ -469,6 +547,18 @@ Result<double> ReferenceAccuracy(const std::vector<RunRow>& rows, const std::str
 
 }  // namespace
 
+std::vector<PlotSpec> Plots(const Study& study) {
+  // Accuracy against the global batch when it is an axis (what the plot was made for), else
+  // against the first axis; the file says which.
+  std::string x = study.axes.empty() ? "seed" : study.axes[0].name;
+  for (const Axis& a : study.axes) {
+    if (a.name == "global-batch") x = a.name;
+  }
+  return {{"accuracy", "accuracy_vs_" + x + ".png", x},
+          {"loss", "loss_curves.png", ""},
+          {"layers", "layer_flushed.png", ""}};
+}
+
 Result<std::vector<std::string>> WriteReport(const Study& study,
                                              const std::vector<PlannedRun>& runs,
                                              const ReportOptions& o) {
@@ -476,15 +566,18 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
   rows.reserve(runs.size());
   for (const PlannedRun& r : runs) rows.push_back(Summarise(r, o.out_dir));
   CPD_ASSIGN_OR_RETURN(const double reference, ReferenceAccuracy(rows, o.reference_glob));
+  Columns columns;
+  columns.reference = !o.reference_glob.empty();
+  for (const RunRow& r : rows) columns.allreduce = columns.allreduce || r.m.all.n > 0;
   const std::string dir = o.out_dir + "/report";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
   const std::vector<Group> groups = GroupOverSeeds(rows, reference);
   const std::vector<std::pair<std::string, std::string>> files = {
-      {dir + "/runs.csv", RunsCsv(study, rows, reference)},
-      {dir + "/summary.csv", SummaryCsv(study, groups)},
-      {dir + "/summary.md", SummaryMd(study, groups, runs.size())},
+      {dir + "/runs.csv", RunsCsv(study, rows, reference, columns)},
+      {dir + "/summary.csv", SummaryCsv(study, groups, columns)},
+      {dir + "/summary.md", SummaryMd(study, groups, runs.size(), columns, o.reference_glob)},
       {dir + "/curves.csv", CurvesCsv(study, rows)},
       {dir + "/layers.csv", LayersCsv(study, rows)}};
   std::vector<std::string> wrote;
@@ -493,11 +586,19 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
     wrote.push_back(path);
   }
   if (o.script.empty()) return wrote;
-  // The script writes each PNG under a temporary name and renames it when whole.
-  const Status plotted = RunPythonScript(o.python, o.script, {"--dir", dir});
-  if (!plotted.ok()) return Status::IoError("plots: " + plotted.message());
-  for (const char* png : {"accuracy_vs_batch.png", "loss_curves.png", "layer_flushed.png"}) {
-    wrote.push_back(dir + "/" + png);
+  // One process per plot: a plot that fails (a matplotlib error, a crash) is one warning naming
+  // it, and the tables and the other plots stand. The script writes each PNG under a temporary
+  // name and renames it when whole.
+  for (const PlotSpec& plot : Plots(study)) {
+    std::vector<std::string> args = {"--dir", dir, "--plot", plot.kind, "--out", plot.file};
+    if (!plot.x_axis.empty()) args.insert(args.end(), {"--x-axis", plot.x_axis});
+    const Status drawn = RunPythonScript(o.python, o.script, args);
+    if (drawn.ok()) {
+      wrote.push_back(dir + "/" + plot.file);
+    } else {
+      std::fprintf(stderr, "cpd-study: warning: plot %s not drawn: %s\n", plot.file.c_str(),
+                   drawn.message().c_str());
+    }
   }
   return wrote;
 }

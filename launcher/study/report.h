@@ -8,7 +8,8 @@
 // gradient all-reduce; each step counted once), "stop" (the run diverged). A run is COLLAPSED
 // when its final test accuracy is <= 1.5 x chance (1 / classes; classes from the "run" record,
 // else the run's --classes, else 100 for cifar100 and 10 otherwise), when its final training
-// loss is not finite, or when it stopped diverged (a "stop" record, or exit code 3).
+// loss is not finite, or when it stopped diverged (a "stop" record, or exit code 3). A run that
+// diverged is a result even before its first epoch: it counts as a seed, and as collapsed.
 #pragma once
 
 #include <string>
@@ -29,8 +30,17 @@ struct ReportOptions {
   std::string python, script;
 };
 
+// The plots of a study's report: what scripts/study_plot.py draws (--plot kind), into which
+// file of the report folder, against which axis (accuracy: the global batch when it is an axis,
+// else the first axis, e.g. accuracy_vs_lr.png).
+struct PlotSpec {
+  std::string kind, file, x_axis;
+};
+std::vector<PlotSpec> Plots(const Study& study);
+
 // Writes the report; returns the paths written. InvalidArgument when --reference matches no
-// run; IoError naming the file otherwise.
+// run; IoError naming the file when a table cannot be written. A plot that cannot be drawn is a
+// warning line naming it on stderr, not an error.
 Result<std::vector<std::string>> WriteReport(const Study& study,
                                              const std::vector<PlannedRun>& runs,
                                              const ReportOptions& options);

@@ -2,13 +2,13 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,27 +40,12 @@ std::string Clock() {
   return buf;
 }
 
-// Holds the run directory's lock (flock: released when the process ends, however it ends) so
-// that two launchers never run the same run at once.
-class RunLock {
- public:
-  explicit RunLock(const std::string& dir) {
-    fd_ = ::open((dir + "/.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    held_ = fd_ >= 0 && ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
-  }
-  ~RunLock() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  bool held() const { return held_; }
-
- private:
-  int fd_ = -1;
-  bool held_ = false;
-};
-
 // The files of a new attempt: the config, the exact command, the state "running".
 Status BeginAttempt(const Study& study, const PlannedRun& run, const RunPaths& p,
                     const std::vector<std::string>& argv, RunState* s) {
+  // A state still "running" here (this process holds the lock) is an attempt that was killed:
+  // its time counts too, up to its last write, before this attempt's files touch anything.
+  s->total_wall_s += InterruptedSeconds(*s, p);
   std::error_code ec;
   std::filesystem::create_directories(p.checkpoints, ec);
   if (ec) return Status::IoError("cannot create " + p.checkpoints + ": " + ec.message());
@@ -73,6 +58,9 @@ Status BeginAttempt(const Study& study, const PlannedRun& run, const RunPaths& p
   s->wall_s = 0;
   s->host = HostName();
   s->pid = long(::getpid());
+  s->diverged_step = -1;
+  s->diverged_loss = std::nan("");
+  s->diverged_reason.clear();
   ++s->attempts;
   return WriteState(p.state, *s);
 }
@@ -142,10 +130,11 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
     Complain("run " + run.name + ": cannot create " + p.dir + ": " + ec.message());
     return 1;
   }
-  const RunLock lock(p.dir);
+  const RunLock lock(p.lock);
   if (!lock.held()) {
-    Complain("run " + run.name + ": another cpd-study process is running it");
-    return 1;
+    Complain("run " + run.name + ": another cpd-study process runs it (it holds " + p.lock +
+             "); skipped");
+    return kRunOwnedElsewhere;
   }
   auto read = ReadState(p.state);
   if (!read.ok()) {
@@ -155,6 +144,11 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
   RunState s = *read;
   if (s.state == "done") {
     Say("run " + run.name + ": already done");
+    return 0;
+  }
+  if (IsDiverged(s)) {
+    Say("run " + run.name + ": diverged " + DivergenceText(s) +
+        " before; that is its result, it is not run again");
     return 0;
   }
   if (s.state == "failed" && !o.retry_failed) {
@@ -185,11 +179,17 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
   s.wall_s = double(s.end_ms - s.start_ms) / 1e3;
   s.total_wall_s += s.wall_s;
   s.exit_code = code;
-  s.state = code == 0 ? "done" : "failed";
+  s.state = code == 0 ? "done" : code == kDivergedExit ? "diverged" : "failed";
   s.pid = 0;
+  if (s.state == "diverged") ReadDivergence(p, &s);
   if (Status w = WriteState(p.state, s); !w.ok()) {
     Complain("run " + run.name + ": " + w.message());
     return code == 0 ? 1 : code;
+  }
+  if (s.state == "diverged") {
+    Say("run " + run.name + ": diverged " + DivergenceText(s) +
+        (s.diverged_reason.empty() ? "" : ": " + s.diverged_reason));
+    return 0;
   }
   return code;
 }
@@ -197,15 +197,17 @@ int RunOne(const Study& study, const PlannedRun& run, const RunOptions& o) {
 namespace {
 
 struct Progress {
-  size_t total = 0, done = 0, failed = 0, running = 0, started = 0, to_run = 0;
+  size_t total = 0, done = 0, diverged = 0, failed = 0, elsewhere = 0, running = 0, started = 0,
+         to_run = 0;
   double wall_sum = 0;  // of the runs finished by this launcher
   size_t finished_here = 0;
   int parallel = 1;
 
   std::string Counts() const {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "done %zu, failed %zu, running %zu, left %zu of %zu", done,
-                  failed, running, to_run - started, total);
+    std::snprintf(buf, sizeof buf,
+                  "done %zu, diverged %zu, failed %zu, running %zu, left %zu of %zu", done,
+                  diverged, failed, running, to_run - started, total);
     std::string out = buf;
     if (finished_here == 0) return out + ", eta ?";
     const double per_run = wall_sum / double(finished_here);
@@ -234,14 +236,21 @@ std::vector<std::string> RunOneCommand(const LocalOptions& o, size_t index) {
 
 }  // namespace
 
-Result<RunTally> TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
-                           bool retry_failed) {
+RunTally TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
+                   bool retry_failed) {
   RunTally t;
   for (const PlannedRun& r : runs) {
-    CPD_ASSIGN_OR_RETURN(const RunState s, ReadState(PathsOf(out_dir, r.name).state));
-    const std::string what = Classify(s);
+    const RunPaths p = PathsOf(out_dir, r.name);
+    const auto s = ReadState(p.state);
+    if (!s.ok()) {
+      t.unreadable.push_back(s.status().message());
+      continue;
+    }
+    const std::string what = Classify(*s, p);
     if (what == "done") {
       ++t.done;
+    } else if (what == "diverged") {
+      ++t.diverged;
     } else if (what == "failed" && !retry_failed) {
       ++t.failed;
     } else if (what == "running") {
@@ -257,22 +266,21 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
   Progress pr;
   pr.total = runs.size();
   pr.parallel = o.parallel;
-  auto tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
-  if (!tally.ok()) {
-    Complain(tally.status().message());
-    return 1;
-  }
-  const std::vector<size_t>& todo = tally->to_run;
-  const size_t elsewhere = tally->running;
-  pr.done = tally->done;
-  pr.failed = tally->failed;
+  const RunTally tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  // A state file that cannot be used stops only its own run: the others go on.
+  for (const std::string& line : tally.unreadable) Complain(line);
+  const std::vector<size_t>& todo = tally.to_run;
+  pr.done = tally.done;
+  pr.diverged = tally.diverged;
+  pr.failed = tally.failed;
+  pr.elsewhere = tally.running;
   pr.to_run = todo.size();
-  char head[256];
+  char head[320];
   std::snprintf(head, sizeof head,
-                "%s: %zu runs: %zu done, %zu failed (not retried), %zu running elsewhere, %zu to "
-                "run, %d at a time",
-                study.name.c_str(), runs.size(), pr.done, pr.failed, elsewhere, todo.size(),
-                o.parallel);
+                "%s: %zu runs: %zu done, %zu diverged, %zu failed (not retried), %zu running "
+                "elsewhere, %zu unreadable, %zu to run, %d at a time",
+                study.name.c_str(), runs.size(), pr.done, pr.diverged, pr.failed, pr.elsewhere,
+                tally.unreadable.size(), todo.size(), o.parallel);
   Say(head);
   const int null_fd = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
   std::map<pid_t, std::pair<size_t, int64_t>> active;  // pid -> run index, start
@@ -306,29 +314,48 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
     active.erase(it);
     --pr.running;
     const int code = ExitCode(status);
-    pr.wall_sum += wall;
-    ++pr.finished_here;
     char secs[32];
     std::snprintf(secs, sizeof secs, " in %.1f s", wall);
     std::string line = "[" + Clock() + "] ";
-    if (code == 0) {
+    const RunPaths p = PathsOf(o.run.launch.out_dir, r.name);
+    // What the run is now, from its state file: run-one's exit code alone cannot tell a run
+    // another driver took (it owns the lock) or one that diverged from one that failed.
+    const auto after = ReadState(p.state);
+    const std::string what = code == kRunOwnedElsewhere ? "elsewhere"
+                             : !after.ok()              ? "unreadable"
+                                                        : Classify(*after, p);
+    if (what == "elsewhere") {
+      ++pr.elsewhere;
+      line += "skip  " + r.name + ": another cpd-study process runs it";
+    } else if (code == 0 && what == "done") {
       ++pr.done;
+      pr.wall_sum += wall;
+      ++pr.finished_here;
       line += "done  " + r.name + secs;
+    } else if (code == 0 && what == "diverged") {
+      ++pr.diverged;
+      pr.wall_sum += wall;
+      ++pr.finished_here;
+      line += "diverged " + r.name + " " + DivergenceText(*after) + secs +
+              " (a result: counted "
+              "as collapsed)";
     } else {
       ++pr.failed;
+      pr.wall_sum += wall;
+      ++pr.finished_here;
       line += "FAILED " + r.name + " (exit " + std::to_string(code) + ")" + secs;
-    }
-    if (code != 0) {
-      const std::string why = LastErrorLine(PathsOf(o.run.launch.out_dir, r.name).log);
+      const std::string why =
+          after.ok() ? LastErrorLine(p.log) : std::string(after.status().message());
       if (!why.empty()) line += ": " + why;
     }
     Say(line + " (" + pr.Counts() + ")");
   }
   if (null_fd >= 0) ::close(null_fd);
   Say(study.name + ": " + std::to_string(pr.done) + " of " + std::to_string(runs.size()) +
-      " runs done, " + std::to_string(pr.failed) + " failed" +
+      " runs done, " + std::to_string(pr.failed) + " failed, " + std::to_string(pr.diverged) +
+      " diverged, " + std::to_string(pr.elsewhere) + " running elsewhere" +
       (pr.failed > 0 ? " (cpd-study status shows why; --retry-failed runs them again)" : ""));
-  return pr.done == runs.size() ? 0 : 1;
+  return pr.failed == 0 && tally.unreadable.empty() ? 0 : 1;
 }
 
 }  // namespace cpd::launcher::study

@@ -20,21 +20,29 @@ struct RunOptions {
   bool retry_failed = false;  // run a failed run again (it resumes from its checkpoints)
 };
 
-// Runs `run` unless it is done (nothing is touched), failed without retry_failed, or being run
-// by another process (its directory's lock is held). An interrupted run resumes from its
-// checkpoints (cpd-train --resume auto). Returns the process exit code: cpd-train's, 0 for a
-// run that was already done, 1 when it was not run or cpd-study itself failed (said on stderr).
+// RunOne's exit code when another process holds the run's lock (it runs the run): nothing was
+// done, and a launcher counts the run as running elsewhere, not as failed (EX_TEMPFAIL).
+inline constexpr int kRunOwnedElsewhere = 75;
+
+// Runs `run` unless it is done or diverged (nothing is touched), failed without retry_failed,
+// or being run by another process (its directory's lock is held). An interrupted run resumes
+// from its checkpoints (cpd-train --resume auto). A run whose cpd-train exits 3 (diverged) is
+// finished: its state is "diverged", with the step and loss its metrics or log give. Returns 0
+// when the run is done or diverged (now or before), kRunOwnedElsewhere, cpd-train's exit code
+// when it failed, or 1 when it was not run or cpd-study itself failed (said on stderr).
 int RunOne(const Study& study, const PlannedRun& run, const RunOptions& options);
 
-// Where a study's runs stand before a launcher starts any: done, failed (not to be retried),
-// running elsewhere, and the plan indices to run (pending, interrupted, and failed ones when
-// retry_failed), in plan order.
+// Where a study's runs stand before a launcher starts any: done, diverged, failed (not to be
+// retried), running elsewhere, unreadable (their lines), and the plan indices to run (pending,
+// interrupted, and failed ones when retry_failed), in plan order. Diverged runs are results and
+// never run again, --retry-failed or not.
 struct RunTally {
-  size_t done = 0, failed = 0, running = 0;
+  size_t done = 0, diverged = 0, failed = 0, running = 0;
+  std::vector<std::string> unreadable;  // one line per state file that cannot be used
   std::vector<size_t> to_run;
 };
-Result<RunTally> TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
-                           bool retry_failed);
+RunTally TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_dir,
+                   bool retry_failed);
 
 struct LocalOptions {
   RunOptions run;
@@ -43,9 +51,11 @@ struct LocalOptions {
   std::string study_path;  // the study file run-one is given
 };
 
-// `cpd-study run --launcher local`: every run that is not done (and not failed, unless
-// retry_failed) in plan order, `parallel` at a time, with a progress line per start and end.
-// Returns 0 when every run of the study is done, 1 otherwise (after running the rest).
+// `cpd-study run --launcher local`: every run that is not done or diverged (and not failed,
+// unless retry_failed) in plan order, `parallel` at a time, with a progress line per start and
+// end; a run another process turns out to run is skipped with a line. Returns 0 when no run
+// failed and every state file could be read (every run done, diverged or running elsewhere),
+// 1 otherwise (after running the rest).
 int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const LocalOptions& o);
 
 // Starts argv (execvp: a bare name is looked up on $PATH) with stdout and stderr on the given

@@ -99,17 +99,16 @@ int RunSlurm(const Study& study, const std::vector<PlannedRun>& runs, const Slur
     Complain(s.message());
     return 1;
   }
-  auto tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
-  if (!tally.ok()) {
-    Complain(tally.status().message());
-    return 1;
-  }
-  const std::vector<size_t>& todo = tally->to_run;
-  const size_t done = tally->done, skipped = tally->failed + tally->running;
-  std::printf("%s: %zu runs: %zu done, %zu failed or running (not submitted), %zu to submit\n",
-              study.name.c_str(), runs.size(), done, skipped, todo.size());
+  const RunTally tally = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  for (const std::string& line : tally.unreadable) Complain(line);
+  const std::vector<size_t>& todo = tally.to_run;
+  const size_t done = tally.done + tally.diverged, skipped = tally.failed + tally.running;
+  std::printf(
+      "%s: %zu runs: %zu done or diverged, %zu failed or running (not submitted), %zu to "
+      "submit\n",
+      study.name.c_str(), runs.size(), done, skipped, todo.size());
   std::fflush(stdout);
-  if (todo.empty()) return done == runs.size() ? 0 : 1;
+  if (todo.empty()) return tally.failed == 0 && tally.unreadable.empty() ? 0 : 1;
   std::error_code ec;
   std::filesystem::create_directories(o.run.launch.out_dir + "/slurm", ec);
   if (ec) {
@@ -141,8 +140,8 @@ int RunSlurm(const Study& study, const std::vector<PlannedRun>& runs, const Slur
   std::printf("job array %s ended (sbatch exit %d)\n", job.c_str(), code);
   std::fflush(stdout);
   PrintStatus(study, runs, o.run.launch.out_dir);
-  const auto after = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
-  return after.ok() && after->done == runs.size() ? 0 : 1;
+  const RunTally after = TallyRuns(runs, o.run.launch.out_dir, o.run.retry_failed);
+  return after.done + after.diverged == runs.size() ? 0 : 1;
 }
 
 Status CheckSlurmTask(const Study& study) {

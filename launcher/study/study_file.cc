@@ -4,6 +4,8 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdio>
+#include <map>
 #include <set>
 
 #include "cpd/tag.h"
@@ -15,6 +17,52 @@ namespace {
 
 Status Bad(const std::string& path, const std::string& msg) {
   return Status::InvalidArgument(path + ": " + msg);
+}
+
+// `s` as a message may show it: printable ASCII, other bytes as \\xHH, at most `max` characters
+// (a key or a parser's message quotes the user's text, and a control byte or a megabyte of it
+// must not reach the terminal).
+std::string Shown(const std::string& s, size_t max = 40) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (out.size() >= max) return out + "...";
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  return out;
+}
+
+// yaml-cpp keeps every pair of a mapping but looks a key up by its first one, so a repeated key
+// (`lr` twice in the grid, a second `name`) would silently lose its later values. Every mapping
+// of the file, at any depth, is checked here before anything reads it. Lines are 1-based.
+Status CheckRepeatedKeys(const YAML::Node& node, const std::string& path, int depth) {
+  // Deeper than any study file goes; bounds the recursion on hostile input.
+  if (depth > 64) return Bad(path, "nested more than 64 levels deep");
+  if (node.IsSequence()) {
+    for (const auto& item : node) CPD_RETURN_IF_ERROR(CheckRepeatedKeys(item, path, depth + 1));
+  } else if (node.IsMap()) {
+    std::map<std::string, int> first_line;
+    for (const auto& kv : node) {
+      if (!kv.first.IsScalar()) {
+        return Bad(path, "line " + std::to_string(kv.first.Mark().line + 1) +
+                             ": a key must be a plain name, not a list or mapping");
+      }
+      const int line = kv.first.Mark().line + 1;
+      auto [it, added] = first_line.try_emplace(kv.first.Scalar(), line);
+      if (!added) {
+        return Bad(path, "line " + std::to_string(line) + ": key '" + Shown(kv.first.Scalar()) +
+                             "' is repeated (first at line " + std::to_string(it->second) +
+                             "); give each key once");
+      }
+      CPD_RETURN_IF_ERROR(CheckRepeatedKeys(kv.second, path, depth + 1));
+    }
+  }
+  return Status::Ok();
 }
 
 // The flag's option in cpd-train's option set, or null when cpd-train has no such flag.
@@ -75,13 +123,21 @@ Status CheckKey(const CLI::App& app, const std::string& path, const std::string&
   *boolean = false;
   if (key == kWorkersKey) return Status::Ok();
   if (key == "seed") return Bad(path, where + " 'seed': give the seeds in 'seeds:'");
+  // Flags with which cpd-train exits 0 without training: such a run would end "done" with no
+  // epochs, a result that is not one.
+  if (key == "print-model" || key == "help" || key == "version") {
+    return Bad(path, where + " '" + key + "': cpd-train --" + key +
+                         " trains nothing, so a study run with it would be done with 0 epochs; "
+                         "run cpd-train --" +
+                         key + " by itself");
+  }
   const auto& owned = DriverOwnedFlags();
   if (std::find(owned.begin(), owned.end(), key) != owned.end()) {
     return Bad(path, where + " '" + key + "': cpd-study sets --" + key + " itself");
   }
   const CLI::Option* opt = FindFlag(app, key);
   if (opt == nullptr) {
-    return Bad(path, where + " '" + key + "': cpd-train has no flag --" + key +
+    return Bad(path, where + " '" + Shown(key) + "': cpd-train has no flag --" + Shown(key) +
                          " (keys are its long flag names without dashes, or 'workers')");
   }
   *boolean = opt->get_expected_max() == 0;  // add_flag: takes no value
@@ -187,12 +243,13 @@ Status ReadExclude(const YAML::Node& node, Study* s) {
 
 Status ReadStudy(const YAML::Node& root, Study* s) {
   if (!root.IsMap()) return Bad(s->path, "expected a mapping (name, ranks, base, grid, seeds)");
+  CPD_RETURN_IF_ERROR(CheckRepeatedKeys(root, s->path, 0));
   static const std::set<std::string> kKeys = {"name", "ranks", "base", "grid", "seeds", "exclude"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     if (!kKeys.count(key)) {
-      return Bad(s->path,
-                 "unknown key '" + key + "' (accepted: name, ranks, base, grid, seeds, exclude)");
+      return Bad(s->path, "unknown key '" + Shown(key) +
+                              "' (accepted: name, ranks, base, grid, seeds, exclude)");
     }
   }
   // The study's name is its coordinator tag.
@@ -202,6 +259,13 @@ Status ReadStudy(const YAML::Node& root, Study* s) {
                             kTagCharacters);
   }
   s->name = root["name"].as<std::string>();
+  // The name is a folder (studies/<name>) and a file-name prefix: "." and ".." are tag
+  // characters but would put the runs and the report into an existing folder.
+  if (s->name == "." || s->name == "..") {
+    return Bad(s->path, "name: '" + s->name +
+                            "' is not a folder name of its own (the output goes to "
+                            "studies/<name>); use letters, digits, '_' or '-' too");
+  }
   if (root["ranks"]) {
     CPD_ASSIGN_OR_RETURN(const long long r, ReadInt(root["ranks"], s->path, "ranks", 1));
     if (r > 4096) return Bad(s->path, "ranks: expected a whole number from 1 to 4096");
@@ -265,7 +329,8 @@ Result<Study> ParseStudy(const std::string& yaml, const std::string& path) {
   try {
     CPD_RETURN_IF_ERROR(ReadStudy(YAML::Load(yaml), &s));
   } catch (const YAML::Exception& e) {
-    return Bad(path, e.what());
+    // yaml-cpp quotes the offending byte ("unknown escape character: " and a newline).
+    return Bad(path, Shown(e.what(), 200));
   }
   return s;
 }

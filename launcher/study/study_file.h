@@ -33,7 +33,7 @@ struct Exclusion {
 
 struct Study {
   std::string path;                // the file it came from (messages)
-  std::string name;                // [A-Za-z0-9._-]{1,64}
+  std::string name;                // [A-Za-z0-9._-]{1,64}, not "." or ".."
   int ranks = 1;                   // mpirun -np per run
   std::vector<ConfigEntry> base;   // flags of every run, in file order ("workers" may be one)
   std::vector<bool> base_boolean;  // per base entry: a boolean flag
@@ -45,7 +45,9 @@ struct Study {
 // The flags cpd-study sets itself on every run; a study file that sets one is rejected.
 const std::vector<std::string>& DriverOwnedFlags();
 
-// Parses and checks a study file: unknown keys, unknown flags, empty or repeated axes and values,
+// Parses and checks a study file: unknown keys, unknown flags, a key repeated in any mapping
+// (named with its line), a name that is not a folder of its own ("." or ".."), flags with which
+// cpd-train trains nothing (print-model, help, version), empty or repeated axes and values,
 // booleans that are not true/false, workers not divisible by ranks. Errors are InvalidArgument,
 // one line starting with the file's path and naming the key.
 Result<Study> LoadStudy(const std::string& path);

@@ -196,3 +196,40 @@ TOKENS = [
 ]
 for name, data in TOKENS:
     put("token_file_fuzz", name, data)
+
+
+# ---- study_file_fuzz: a cpd-study study file (YAML) --------------------------------------------
+studies = {
+    "basic": "name: s\nbase:\n  arch: mlp\n  dataset: synthetic\n  max-steps: 4\n"
+             "grid:\n  lr: [0.05, 0.1]\nseeds: [1, 2]\n",
+    "full": "name: aps-large-batch\nranks: 2\nbase:\n  arch: lenet5\n  epochs: 10\n"
+            "  optimizer: lars\n  allreduce: emulate\ngrid:\n  global-batch: [512, 2048]\n"
+            "  workers: [8, 32]\n  allreduce-format: [fp32, e4m3]\n  aps: [false, true]\n"
+            "seeds: [1, 2, 3]\nexclude:\n  - {allreduce-format: fp32, aps: true}\n",
+    "lists": "name: cpt\nbase:\n  preset: cpt\ngrid:\n  cyclic-bits: [[3, 8], [4, 8]]\n"
+             "  layer-format: [[conv1.W=fp32], [fc1.A=int8]]\n",
+    "repeated": "name: s\ngrid:\n  lr: [0.1]\n  lr: [0.2]\n",
+    "dotdot": "name: ..\ngrid:\n  lr: [0.1]\n",
+    "print-model": "name: s\nbase:\n  print-model: true\ngrid:\n  lr: [0.1]\n",
+    "bad": "name: s\ngrid:\n  optimizer: [sgd, adam]\n  epochs: [1, abc]\n",
+}
+for name, text in studies.items():
+    put("study_file_fuzz", name, text)
+# The input that found yaml-cpp's message quoting a newline (an unknown escape) in the refusal.
+put("study_file_fuzz", "bad-escape", b"\n l[\x1a\xe6: 0.2]\x02\x00\n")
+
+# ---- run_state_fuzz: a run's state.json ---------------------------------------------------------
+states = {
+    "done": {"state": "done", "exit_code": 0, "start_ms": 1700000000000, "end_ms": 1700000005000,
+             "wall_s": 5.0, "total_wall_s": 7.5, "attempts": 2, "host": "node1", "pid": 0},
+    "running": {"state": "running", "exit_code": -1, "start_ms": 1700000000000, "end_ms": 0,
+                "wall_s": 0, "total_wall_s": 0, "attempts": 1, "host": "node1", "pid": 4242},
+    "diverged": {"state": "diverged", "exit_code": 3, "start_ms": 1, "end_ms": 2, "wall_s": 0.5,
+                 "total_wall_s": 0.5, "attempts": 1, "host": "h", "pid": 0, "diverged_step": 12,
+                 "diverged_loss": 7.6e10, "diverged_reason": "the loss is NaN"},
+    "failed-3": {"state": "failed", "exit_code": 3, "attempts": 1},
+}
+for name, j in states.items():
+    put("run_state_fuzz", name, json.dumps(j, indent=1) + "\n")
+put("run_state_fuzz", "truncated", json.dumps(states["done"])[:40])
+put("run_state_fuzz", "float-count", '{"state": "done", "attempts": 1e300}\n')

@@ -3,6 +3,7 @@
 // runs under mpirun (2 ranks) and directly (1 rank) with their files; re-running skips finished
 // runs, resumes an interrupted one from its checkpoints and retries a failed one only when asked;
 // status; the report against statistics computed by hand from metrics written here; the plots.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -76,6 +78,28 @@ nlohmann::json State(const std::string& out, const std::string& run) {
   return nlohmann::json::parse(ReadFile(out + "/runs/" + run + "/state.json"));
 }
 
+// A run's lock held as the run-one that runs it holds it (an OFD lock on <run>/.lock), for as
+// long as this object lives: to the tool, another process runs the run.
+class HeldLock {
+ public:
+  explicit HeldLock(const std::string& run_dir) {
+    std::filesystem::create_directories(run_dir);
+    fd_ = open((run_dir + "/.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    struct flock l {};
+    l.l_type = F_WRLCK;
+    l.l_whence = SEEK_SET;
+    held_ = fd_ >= 0 && fcntl(fd_, F_OFD_SETLK, &l) == 0;
+  }
+  ~HeldLock() {
+    if (fd_ >= 0) close(fd_);
+  }
+  bool held() const { return held_; }
+
+ private:
+  int fd_ = -1;
+  bool held_ = false;
+};
+
 // A tiny training run: an MLP on the synthetic data set, a few steps.
 const char* kTinyBase = R"(base:
   arch: mlp
@@ -121,6 +145,27 @@ TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.2}\n", "not one of its values"},
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.1}\n", "every run"},
       {"name: s\ngrid: [unclosed\n", "study.yaml"},
+      // Issue 26 item 4: a name is one folder of its own, never "." or ".." (the runs and the
+      // report would land in an existing folder).
+      {"name: ..\n" + grid, "name: '..' is not a folder name of its own"},
+      {"name: .\n" + grid, "name: '.' is not a folder name of its own"},
+      {"name: a/b\n" + grid, "name:"},
+      {"name: ''\n" + grid, "name:"},
+      {"name: \"a\\tb\"\n" + grid, "name:"},
+      // Item 6: a key repeated in any mapping is named with its line, never resolved silently.
+      {"name: s\ngrid:\n  lr: [0.1]\n  lr: [0.2]\n",
+       "line 4: key 'lr' is repeated (first at line 3)"},
+      {"name: s\nbase:\n  arch: mlp\n  arch: lenet5\n" + grid,
+       "line 4: key 'arch' is repeated (first at line 3)"},
+      {"name: s\n" + grid + "name: t\n", "line 4: key 'name' is repeated (first at line 1)"},
+      {"name: s\n" + grid + "exclude:\n  - {lr: 0.1, lr: 0.1}\n",
+       "line 5: key 'lr' is repeated (first at line 5)"},
+      {"name: s\ngrid:\n  lr: [0.1]\ngrid:\n  lr: [0.2]\n", "key 'grid' is repeated"},
+      // The parser's message quotes the bad byte: escaped, one line (found by study_file_fuzz).
+      {std::string("name: \"a\\\x01") + "z\"\n" + grid, "unknown escape character: \\x01"},
+      // Item 9: a run that trains nothing would end "done" with 0 epochs.
+      {"name: s\nbase:\n  print-model: true\n" + grid, "'print-model': cpd-train --print-model"},
+      {"name: s\ngrid:\n  print-model: [false, true]\n", "trains nothing"},
   };
   const std::string study = dir.File("study.yaml"), out = dir.File("out");
   for (const auto& [yaml, needle] : cases) {
@@ -300,7 +345,8 @@ TEST(CpdStudyCli, RunsUnderMpirunThenSkipsFinishedRunsAndReports) {
   const std::string metrics = ReadFile(rd + "/metrics.jsonl"), state = ReadFile(rd + "/state.json");
   const RunResult again = Study({"run", dir.File("s.yaml"), "--out", out});
   ASSERT_EQ(again.exit_code, 0) << again.out << again.err;
-  EXPECT_NE(again.out.find("4 done, 0 failed (not retried), 0 running elsewhere, 0 to run"),
+  EXPECT_NE(again.out.find("4 done, 0 diverged, 0 failed (not retried), 0 running elsewhere, 0 "
+                           "unreadable, 0 to run"),
             std::string::npos)
       << again.out;
   EXPECT_EQ(ReadFile(rd + "/metrics.jsonl"), metrics);
@@ -312,7 +358,8 @@ TEST(CpdStudyCli, RunsUnderMpirunThenSkipsFinishedRunsAndReports) {
 
   const RunResult status = Study({"status", dir.File("s.yaml"), "--out", out});
   EXPECT_EQ(status.exit_code, 0);
-  EXPECT_NE(status.out.find("4 runs: 4 done, 0 running, 0 failed, 0 interrupted, 0 pending"),
+  EXPECT_NE(status.out.find("4 runs: 4 done, 0 diverged, 0 running, 0 failed, 0 interrupted, 0 "
+                            "pending"),
             std::string::npos)
       << status.out;
 
@@ -383,6 +430,9 @@ TEST(CpdStudyCli, AnInterruptedRunResumesFromItsCheckpoints) {
   const auto s = State(out, run);
   EXPECT_EQ(s["state"], "done");
   EXPECT_EQ(s["attempts"], 2);
+  // Issue 26 item 14: the killed attempt's time counts too (it ran 8 steps of 60 ms at least,
+  // until its last write), not only the second attempt's.
+  EXPECT_GT(s["total_wall_s"].get<double>(), s["wall_s"].get<double>() + 0.4) << s.dump();
   EXPECT_NE(ReadFile(rd + "/log.txt").find("resumed from " + rd + "/checkpoints/ckpt-"),
             std::string::npos);
   // The second attempt continued from a checkpoint of step >= 8: every step 0..39 is in the
@@ -411,10 +461,13 @@ TEST(CpdStudyCli, AnInterruptedRunResumesFromItsCheckpoints) {
 TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
   TempDir dir("cpd_study_status");
   const std::string out = dir.File("out");
-  // Runs that diverge (a NaN gradient at the first step, one skipped step allowed): exit 3.
-  Write(dir.File("s.yaml"), std::string("name: st\n") + kTinyBase +
-                                "  max-steps: 4\n  debug-nan-step: 0\n  max-skipped-steps: 1\n"
-                                "grid:\n  lr: [0.1, 0.2, 0.3, 0.4, 0.5]\n");
+  // Runs that fail: their data folder does not exist (cpd-train exit 1).
+  Write(dir.File("s.yaml"),
+        "name: st\nbase:\n  arch: mlp\n  dataset: fashion-mnist\n"
+        "  data-dir: " +
+            dir.File("no-data") +
+            "\n  epochs: 1\n  threads: 1\n"
+            "grid:\n  lr: [0.1, 0.2, 0.3, 0.4, 0.5]\n");
   auto name = [](const char* d) {
     const std::map<std::string, std::string> lr = {
         {"a", "0.1"}, {"b", "0.2"}, {"c", "0.3"}, {"d", "0.4"}, {"e", "0.5"}};
@@ -423,12 +476,11 @@ TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
   const RunResult r = Study({"run-one", dir.File("s.yaml"), "--out", out, "--index", "0"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(State(out, name("a"))["state"], "failed");
-  // b: done; c: running (this process); d: interrupted (a process that has exited); e: pending.
+  // b: done; c: running (its lock held, as the run-one that runs it holds it); d: interrupted
+  // although its state names a live process (this test: a pid alone proves nothing, issue 26
+  // item 14); e: pending.
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
-  const pid_t gone = fork();
-  if (gone == 0) _exit(0);
-  waitpid(gone, nullptr, 0);
   auto state = [&](const char* d, const std::string& s, long pid) {
     Write(out + "/runs/" + name(d) + "/state.json",
           nlohmann::json({{"state", s},
@@ -441,33 +493,252 @@ TEST(CpdStudyCli, StatusAndAFailedRunRetriedOnlyWhenAsked) {
   };
   state("b", "done", 0);
   state("c", "running", long(getpid()));
-  state("d", "running", long(gone));
+  state("d", "running", long(getpid()));
+  auto c_lock = std::make_unique<HeldLock>(out + "/runs/" + name("c"));
+  ASSERT_TRUE(c_lock->held());
   const RunResult st = Study({"status", dir.File("s.yaml"), "--out", out});
   ASSERT_EQ(st.exit_code, 0) << st.err;
   const auto lines = Lines(st.out);
   ASSERT_EQ(lines.size(), 6u) << st.out;
   EXPECT_EQ(lines[0].rfind("failed", 0), 0u) << lines[0];
-  EXPECT_NE(lines[0].find("exit 3: cpd-train: training diverged"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("exit 1: "), std::string::npos) << lines[0];
   EXPECT_EQ(lines[1].rfind("done", 0), 0u) << lines[1];
   EXPECT_EQ(lines[2].rfind("running", 0), 0u) << lines[2];
   EXPECT_NE(lines[2].find("pid " + std::to_string(getpid())), std::string::npos) << lines[2];
   EXPECT_EQ(lines[3].rfind("interrupted", 0), 0u) << lines[3];
   EXPECT_EQ(lines[4].rfind("pending", 0), 0u) << lines[4];
-  EXPECT_EQ(lines[5], "st: 5 runs: 1 done, 1 running, 1 failed, 1 interrupted, 1 pending");
+  EXPECT_EQ(lines[5],
+            "st: 5 runs: 1 done, 0 diverged, 1 running, 1 failed, 1 interrupted, 1 pending");
 
-  // run: the failed run is not retried, the running one is left alone; d and e run (and fail).
-  state("c", "done", 0);
+  // run: the failed run is not retried, the running one is left alone; d (resumed: never
+  // blocked by the live pid) and e run (and fail).
   const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out});
   EXPECT_EQ(run.exit_code, 1) << run.out;
-  EXPECT_NE(run.out.find("2 done, 1 failed (not retried), 0 running elsewhere, 2 to run"),
+  EXPECT_NE(run.out.find("1 done, 0 diverged, 1 failed (not retried), 1 running elsewhere, "
+                         "0 unreadable, 2 to run"),
             std::string::npos)
       << run.out;
-  EXPECT_NE(run.out.find("FAILED " + name("e") + " (exit 3)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("FAILED " + name("d") + " (exit 1)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("FAILED " + name("e") + " (exit 1)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("--retry-failed runs them again"), std::string::npos) << run.out;
   EXPECT_EQ(State(out, name("a"))["attempts"], 1);
+  EXPECT_EQ(State(out, name("d"))["attempts"], 2);
+  c_lock.reset();
+  state("c", "done", 0);
   const RunResult retry = Study({"run", dir.File("s.yaml"), "--out", out, "--retry-failed"});
   EXPECT_EQ(retry.exit_code, 1);
   EXPECT_NE(retry.out.find("3 to run"), std::string::npos) << retry.out;
   EXPECT_EQ(State(out, name("a"))["attempts"], 2);
+}
+
+// Issue 26 item 14: a corrupt state file is the same one line (the file, "unreadable", what to
+// do) for run, status and report, never the JSON library's text; it stops only its own run.
+TEST(CpdStudyCli, ACorruptStateFileIsOneLineEverywhere) {
+  TempDir dir("cpd_study_corrupt");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"),
+        std::string("name: c\n") + kTinyBase + "  max-steps: 2\ngrid:\n  lr: [0.1, 0.2]\n");
+  const std::string bad = out + "/runs/lr_0.1.seed_1/state.json";
+  Write(bad, "{\"state\": \"runn\x01ing\", garbage");
+  const std::string line = bad +
+                           ": unreadable state file (not a JSON object); remove it to run "
+                           "the run again (it resumes from its checkpoints)";
+  const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(run.exit_code, 1) << run.out << run.err;
+  EXPECT_NE(run.err.find("cpd-study: " + line + "\n"), std::string::npos) << run.err;
+  EXPECT_NE(run.out.find("1 of 2 runs done"), std::string::npos) << run.out;
+  EXPECT_EQ(State(out, "lr_0.2.seed_1")["state"], "done");
+  const RunResult st = Study({"status", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(st.exit_code, 1);
+  EXPECT_EQ(st.err, "cpd-study: " + line + "\n");
+  EXPECT_NE(st.out.find("unreadable  lr_0.1.seed_1"), std::string::npos) << st.out;
+  const RunResult rep = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot"});
+  EXPECT_EQ(rep.exit_code, 0) << rep.err;
+  EXPECT_EQ(rep.err, "cpd-study: warning: " + line + "\n");
+  EXPECT_EQ(ReadCsv(out + "/report/runs.csv")[0].at("state"), "unreadable");
+  for (const RunResult* r : {&run, &st, &rep}) {
+    EXPECT_EQ(r->err.find("json.exception"), std::string::npos) << r->err;
+    EXPECT_EQ(r->err.find("parse"), std::string::npos) << r->err;
+    EXPECT_EQ(r->err.find('\x01'), std::string::npos) << r->err;
+  }
+}
+
+// Issue 26 item 14: two drivers on one --out. The one that finds a run's lock held (the other
+// runs it) skips it: no FAILED line, no exit 1.
+TEST(CpdStudyCli, ARunAnotherDriverOwnsIsSkippedNotFailed) {
+  TempDir dir("cpd_study_two_drivers");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"),
+        std::string("name: two\n") + kTinyBase + "  max-steps: 2\ngrid:\n  lr: [0.1, 0.2]\n");
+  // The other driver's run-one has taken run 0's lock and not yet written its state.
+  HeldLock other(out + "/runs/lr_0.1.seed_1");
+  ASSERT_TRUE(other.held());
+  const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("skip  lr_0.1.seed_1: another cpd-study process runs it"),
+            std::string::npos)
+      << run.out;
+  EXPECT_EQ(run.out.find("FAILED"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("1 of 2 runs done, 0 failed, 0 diverged, 1 running elsewhere"),
+            std::string::npos)
+      << run.out;
+  EXPECT_FALSE(Exists(out + "/runs/lr_0.1.seed_1/state.json")) << "the other driver's run";
+  EXPECT_EQ(State(out, "lr_0.2.seed_1")["state"], "done");
+}
+
+// Issue 26 item 4: cpd-study writes only into a folder it created (marked by .cpd-study), so a
+// user's own ./report/runs.csv is never replaced.
+TEST(CpdStudyCli, OutputsNeverReplaceAFileTheToolDidNotCreate) {
+  TempDir dir("cpd_study_own");
+  Write(dir.File("s.yaml"),
+        std::string("name: own\n") + kTinyBase + "  max-steps: 2\ngrid:\n  lr: [0.1]\n");
+  const std::string mine = dir.File("mine");
+  Write(mine + "/report/runs.csv", "my,own,table\n");
+  Write(mine + "/notes.txt", "mine\n");
+  for (const char* cmd : {"report", "run", "run-one"}) {
+    std::vector<std::string> args = {cmd, dir.File("s.yaml"), "--out", mine, "--no-plot"};
+    if (std::string(cmd) != "report") args.pop_back();
+    if (std::string(cmd) == "run-one") args.insert(args.end(), {"--index", "0"});
+    const RunResult r = Study(args);
+    EXPECT_EQ(r.exit_code, 2) << cmd << r.out << r.err;
+    EXPECT_NE(r.err.find("--out " + mine +
+                         ": the folder exists, is not empty and was not "
+                         "created by cpd-study (no .cpd-study in it)"),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+  EXPECT_EQ(ReadFile(mine + "/report/runs.csv"), "my,own,table\n");
+  EXPECT_FALSE(Exists(mine + "/runs"));
+  EXPECT_FALSE(Exists(mine + "/.cpd-study"));
+  // A new folder, and an empty one, become cpd-study's; it then writes there again and again.
+  const std::string empty = dir.File("empty");
+  std::filesystem::create_directories(empty);
+  for (const std::string& o : {dir.File("new"), empty}) {
+    const RunResult r = Study({"run", dir.File("s.yaml"), "--out", o});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_TRUE(Exists(o + "/.cpd-study"));
+    EXPECT_EQ(Study({"report", dir.File("s.yaml"), "--out", o, "--no-plot"}).exit_code, 0);
+    EXPECT_EQ(Study({"report", dir.File("s.yaml"), "--out", o, "--no-plot"}).exit_code, 0);
+  }
+  // A file where the folder should be.
+  Write(dir.File("file"), "x");
+  const RunResult f = Study({"report", dir.File("s.yaml"), "--out", dir.File("file")});
+  EXPECT_EQ(f.exit_code, 2);
+  EXPECT_NE(f.err.find("exists and is not a folder"), std::string::npos) << f.err;
+}
+
+bool HaveMatplotlib() {
+  return std::system(
+             (std::string(CPD_PLOT_PYTHON) + " -c 'import matplotlib' 2>/dev/null").c_str()) == 0;
+}
+
+// Issue 26's acceptance: a study with a diverging setting, two axes and one worker per run
+// finishes with exit 0, a readable report and plots (items 11, 12, 13, 14).
+TEST(CpdStudyCli, ADivergingStudyWithOneWorkerPerRunFinishesWithAReport) {
+  TempDir dir("cpd_study_diverge");
+  const std::string out = dir.File("out");
+  // Epochs of 4 steps. lr 300 sends the MLP's loss to 1e20 in the first epoch and to NaN at step
+  // 4 (one epoch logged); lr 1e4 to NaN at step 3, before any epoch: both exit 3.
+  Write(dir.File("s.yaml"),
+        "name: div\nbase:\n  arch: mlp\n  dataset: synthetic\n  threads: 1\n  epochs: 2\n"
+        "  batch-size: 2048\n  max-steps: 8\ngrid:\n  lr: [0.5, 300, 10000]\n"
+        "  momentum: [0, 0.9]\nseeds: [1, 2]\n");
+  const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out, "--parallel", "2"});
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  EXPECT_EQ(run.out.find("FAILED"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("--retry-failed"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("4 of 12 runs done, 0 failed, 8 diverged"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("] diverged lr_10000.momentum_0.seed_1 at step 3 (loss nan)"),
+            std::string::npos)
+      << run.out;
+  const auto st = State(out, "lr_300.momentum_0.9.seed_2");
+  EXPECT_EQ(st["state"], "diverged") << st.dump();
+  EXPECT_EQ(st["exit_code"], 3);
+  EXPECT_EQ(st.value("diverged_step", -1), 4) << st.dump();
+  EXPECT_EQ(st.value("diverged_reason", ""), "the loss is NaN") << st.dump();
+
+  // A diverged run is a result: run again (even with --retry-failed) runs nothing.
+  const RunResult again = Study({"run", dir.File("s.yaml"), "--out", out, "--retry-failed"});
+  EXPECT_EQ(again.exit_code, 0) << again.out << again.err;
+  EXPECT_NE(again.out.find("4 done, 8 diverged, 0 failed (not retried)"), std::string::npos)
+      << again.out;
+  EXPECT_NE(again.out.find(", 0 to run"), std::string::npos) << again.out;
+  EXPECT_EQ(State(out, "lr_300.momentum_0.9.seed_2")["attempts"], 1);
+  const RunResult status = Study({"status", dir.File("s.yaml"), "--out", out});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_NE(status.out.find("div: 12 runs: 4 done, 8 diverged, 0 running, 0 failed"),
+            std::string::npos)
+      << status.out;
+  EXPECT_NE(status.out.find("diverged    lr_10000.momentum_0.seed_2  at step 3 (loss nan): the "
+                            "loss is NaN"),
+            std::string::npos)
+      << status.out;
+
+  const bool plots = HaveMatplotlib();
+  std::vector<std::string> args = {"report", dir.File("s.yaml"), "--out", out};
+  if (!plots) args.push_back("--no-plot");
+  const RunResult rep = Study(args);
+  ASSERT_EQ(rep.exit_code, 0) << rep.err;
+  EXPECT_EQ(rep.err, "") << "every plot drawn, no warning";
+  const auto rows = ReadCsv(out + "/report/runs.csv");
+  ASSERT_EQ(rows.size(), 12u);
+  EXPECT_EQ(rows[0].count("mean_allreduce_flushed"), 0u) << "no all-reduce ran: no column";
+  for (const auto& row : rows) {
+    const bool diverges = row.at("lr") != "0.5";
+    EXPECT_EQ(row.at("state"), diverges ? "diverged" : "done") << row.at("run");
+    EXPECT_EQ(row.at("collapsed"), diverges ? "1" : "0") << row.at("run");
+    EXPECT_EQ(row.at("diverged_step"), row.at("lr") == "300"     ? "4"
+                                       : row.at("lr") == "10000" ? "3"
+                                                                 : "")
+        << row.at("run");
+    EXPECT_EQ(row.at("epochs"), row.at("lr") == "10000" ? "0"
+                                : row.at("lr") == "300" ? "1"
+                                                        : "2")
+        << row.at("run");
+  }
+  // Every seed of a diverging setting is a result and collapsed, those that diverged before
+  // their first epoch too (item 12: "seeds 1, collapsed 1" where all had collapsed).
+  const auto sum = ReadCsv(out + "/report/summary.csv");
+  ASSERT_EQ(sum.size(), 6u);
+  for (const auto& g : sum) {
+    EXPECT_EQ(g.at("n_seeds"), "2") << g.at("lr");
+    EXPECT_EQ(g.at("n_collapsed"), g.at("lr") == "0.5" ? "0" : "2") << g.at("lr");
+    EXPECT_EQ(g.count("allreduce_flushed_mean"), 0u);
+  }
+  const std::string md = ReadFile(out + "/report/summary.md");
+  EXPECT_NE(md.find("| 10000 | 0.9 | 2 | 2 | - | - |"), std::string::npos) << md;
+  EXPECT_NE(md.find("| 300 | 0 | 2 | 2 |"), std::string::npos) << md;
+  EXPECT_EQ(md.find("flushed %"), std::string::npos) << md;
+  const std::string curves = ReadFile(out + "/report/curves.csv");
+  EXPECT_NE(curves.find(",diverged\n"), std::string::npos) << curves.substr(0, 200);
+  if (!plots) GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON << ": tables only";
+  // The accuracy plot is named for its x axis (no global-batch here: the first axis).
+  for (const char* png : {"accuracy_vs_lr.png", "loss_curves.png", "layer_flushed.png"}) {
+    const std::string data = ReadFile(out + "/report/" + png);
+    EXPECT_EQ(data.substr(0, 4), "\x89PNG") << png;
+    EXPECT_NE(rep.out.find(std::string("wrote ") + out + "/report/" + png), std::string::npos);
+  }
+  EXPECT_FALSE(Exists(out + "/report/accuracy_vs_batch.png"));
+  // Item 13: the loss curves are on a log scale, and the diverged settings say so. The plot
+  // function is run with its save replaced by one that reports the figure.
+  const std::string script =
+      std::filesystem::path(BuiltProgram(CPD_STUDY_PATH)).parent_path().string();
+  Write(dir.File("probe.py"), "import sys\nsys.path.insert(0, '" + script +
+                                  "')\nimport study_plot as sp\n"
+                                  "def save(fig, path):\n"
+                                  "    for ax in fig.axes:\n"
+                                  "        print('scale', ax.get_yscale())\n"
+                                  "    for t in fig.legends[0].get_texts():\n"
+                                  "        print('label', t.get_text())\n"
+                                  "sp.save = save\n"
+                                  "sp.loss_curves('" +
+                                  out + "/report', ['lr', 'momentum'], 'x.png')\n");
+  const RunResult probe = RunProgram(CPD_PLOT_PYTHON, {dir.File("probe.py")});
+  ASSERT_EQ(probe.exit_code, 0) << probe.err;
+  EXPECT_NE(probe.out.find("scale log"), std::string::npos) << probe.out;
+  EXPECT_EQ(probe.out.find("scale linear"), std::string::npos) << probe.out;
+  EXPECT_NE(probe.out.find("label momentum=0 (2 diverged)"), std::string::npos) << probe.out;
 }
 
 // Metrics of one run written by hand: epochs (test accuracy, loss), and the all-reduce's
@@ -574,6 +845,11 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_NE(md.find(cell), std::string::npos) << md;
   EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"), std::string::npos)
       << md;
+  // Issue 26 item 14: --reference's difference is in summary.md too, as the README says: e4m3
+  // is the reference (+0.00), e5m2's mean (0.014 + 0.3 + 0.6) / 3 is 49.53 points below it.
+  EXPECT_NE(md.find("| vs ref |"), std::string::npos) << md;
+  EXPECT_NE(md.find(" | +0.00 | "), std::string::npos) << md;
+  EXPECT_NE(md.find(" | -49.53 | "), std::string::npos) << md;
   const auto layers = ReadCsv(out + "/report/layers.csv");
   ASSERT_EQ(layers.size(), 2u);
   EXPECT_EQ(layers[1].at("layer"), "fc2");
@@ -589,10 +865,7 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
 }
 
 TEST(CpdStudyCli, TheReportDrawsItsPlots) {
-  if (std::system((std::string(CPD_PLOT_PYTHON) + " -c 'import matplotlib' 2>/dev/null").c_str()) !=
-      0) {
-    GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON;
-  }
+  if (!HaveMatplotlib()) GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON;
   TempDir dir("cpd_study_plots");
   const std::string out = dir.File("out");
   Write(dir.File("s.yaml"), std::string("name: p\n") + kTinyBase +
@@ -612,7 +885,7 @@ TEST(CpdStudyCli, TheReportDrawsItsPlots) {
   }
   const RunResult r = Study({"report", dir.File("s.yaml"), "--out", out});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  for (const char* png : {"accuracy_vs_batch.png", "loss_curves.png", "layer_flushed.png"}) {
+  for (const char* png : {"accuracy_vs_global-batch.png", "loss_curves.png", "layer_flushed.png"}) {
     const std::string data = ReadFile(out + "/report/" + png);
     EXPECT_GT(data.size(), 1000u) << png;
     EXPECT_EQ(data.substr(0, 4), "\x89PNG") << png;

@@ -65,7 +65,7 @@ done
 before=$(cat "$out"/runs/*/state.json | md5sum)
 "$STUDY" run tiny.yaml --out "$out" --launcher slurm --wait >"$dir/again.log" 2>&1 \
   || fail "second run: $(cat "$dir/again.log")"
-grep -q "2 done, 0 failed or running (not submitted), 0 to submit" "$dir/again.log" \
+grep -q "2 done or diverged, 0 failed or running (not submitted), 0 to submit" "$dir/again.log" \
   || fail "second run submitted again: $(cat "$dir/again.log")"
 [ "$(cat "$out"/runs/*/state.json | md5sum)" = "$before" ] || fail "a finished run was touched"
 

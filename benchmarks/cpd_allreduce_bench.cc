@@ -472,9 +472,10 @@ int main(int argc, char** argv) {
                           std::all_of(gbits.begin(), gbits.end(), [](double g) { return g > 0; }) &&
                           std::all_of(ranks.begin(), ranks.end(), [](int p) { return p >= 2; });
     if (!ok_lists || !(project_alpha_us >= 0) || !(project_mem_gbs > 0) || !(bucket_mb > 0)) {
-      return Usage("cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
-                   "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
-                   "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
+      return Usage(
+          "cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
+          "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
+          "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
     }
     PrintProjection(models, gbits, ranks, project_alpha_us, project_mem_gbs, bucket_mb);
     return 0;
@@ -482,24 +483,29 @@ int main(int argc, char** argv) {
 
   const size_t min_b = ParseSize(minbytes), max_b = ParseSize(maxbytes);
   if (min_b < 4 || max_b < min_b) {
-    return Usage("cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
-                 "-b 8 -e 64M)\n",
-                 minbytes.c_str(), maxbytes.c_str());
+    return Usage(
+        "cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
+        "-b 8 -e 64M)\n",
+        minbytes.c_str(), maxbytes.c_str());
   }
   if (max_b > MaxBenchBytes()) {
-    return Usage("cpd-allreduce-bench: -e %s is not accepted: at most %s (4 GiB, or an eighth of "
-                 "this machine's memory: each rank holds several buffers of this size)\n",
-                 maxbytes.c_str(), FormatSize(MaxBenchBytes()).c_str());
+    return Usage(
+        "cpd-allreduce-bench: -e %s is not accepted: at most %s (4 GiB, or an eighth of "
+        "this machine's memory: each rank holds several buffers of this size)\n",
+        maxbytes.c_str(), FormatSize(MaxBenchBytes()).c_str());
   }
   if (!(bucket_mb > 0) || !(bucket_mb <= cpd::comm::kMaxBucketMb)) {
-    return Usage("cpd-allreduce-bench: --bucket-mb %g is not accepted: a number of MiB > 0 and "
-                 "<= %g\n",
-                 bucket_mb, cpd::comm::kMaxBucketMb);
+    return Usage(
+        "cpd-allreduce-bench: --bucket-mb %g is not accepted: a number of MiB > 0 and "
+        "<= %g\n",
+        bucket_mb, cpd::comm::kMaxBucketMb);
   }
-  if (app.count("--pipeline-kb") > 0 && (pipeline_kb < 0 || pipeline_kb > cpd::comm::kMaxPipelineKb)) {
-    return Usage("cpd-allreduce-bench: --pipeline-kb %d is not accepted: 0 (sequential) or "
-                 "1..%d KiB of codes per round\n",
-                 pipeline_kb, cpd::comm::kMaxPipelineKb);
+  if (app.count("--pipeline-kb") > 0 &&
+      (pipeline_kb < 0 || pipeline_kb > cpd::comm::kMaxPipelineKb)) {
+    return Usage(
+        "cpd-allreduce-bench: --pipeline-kb %d is not accepted: 0 (sequential) or "
+        "1..%d KiB of codes per round\n",
+        pipeline_kb, cpd::comm::kMaxPipelineKb);
   }
   if (!(stepfactor > 1.0)) {
     return Usage("cpd-allreduce-bench: -f must be > 1, got %g\n", stepfactor);
@@ -509,31 +515,30 @@ int main(int argc, char** argv) {
   }
   if (pipeline_kb < 0) pipeline_kb = GradientAllReduceOptions{}.pipeline_kb;
   if (iters < 1 || warmup < 0 || threads < 0 || !(scale > 0.0) || !std::isfinite(scale)) {
-    return Usage("cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
-                 "--scale > 0\n");
+    return Usage(
+        "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
+        "--scale > 0\n");
   }
   if (device != "cpu" && device != "cuda") {
-    return Usage("cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n",
-                 device.c_str());
+    return Usage("cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n", device.c_str());
   }
   if (comm_kind != "mpi" && comm_kind != "nccl") {
-    return Usage("cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n",
-                 comm_kind.c_str());
+    return Usage("cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n", comm_kind.c_str());
   }
   if (comm_kind == "nccl" && device != "cuda") {
     return Usage("cpd-allreduce-bench: --comm nccl needs --device cuda\n");
   }
   const bool on_gpu = device == "cuda";
   if (model && on_gpu) {
-    return Usage("cpd-allreduce-bench: --model predicts host gradients only (not "
-                 "--device cuda)\n");
+    return Usage(
+        "cpd-allreduce-bench: --model predicts host gradients only (not "
+        "--device cuda)\n");
   }
   std::vector<AllReduceAlgo> algos;
   for (const std::string& a : cpd::bench::SplitList(algos_list)) {
     auto parsed = cpd::comm::ParseAllReduceAlgo(a);
     if (!parsed.ok()) {
-      return Usage("cpd-allreduce-bench: --algos: %s\n",
-                   parsed.status().ToString().c_str());
+      return Usage("cpd-allreduce-bench: --algos: %s\n", parsed.status().ToString().c_str());
     }
     algos.push_back(parsed.value());
   }
@@ -541,8 +546,7 @@ int main(int argc, char** argv) {
   for (const std::string& f : formats) {
     auto parsed = cpd::Format::Parse(f);
     if (!parsed.ok()) {
-      return Usage("cpd-allreduce-bench: --formats: %s\n",
-                   parsed.status().ToString().c_str());
+      return Usage("cpd-allreduce-bench: --formats: %s\n", parsed.status().ToString().c_str());
     }
   }
 

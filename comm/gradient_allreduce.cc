@@ -14,6 +14,7 @@
 #include "comm/allreduce/internal.h"
 #include "comm/allreduce/plan.h"
 #include "cpd/config.h"
+#include "cpd/message.h"
 #include "kernels/grid.h"
 
 namespace cpd::comm {
@@ -196,11 +197,9 @@ Status GradientAllReduceOptions::Validate() const {
     }
   }
   if (!(bucket_mb > 0.0) || !(bucket_mb <= kMaxBucketMb)) {
-    char got[32];
-    std::snprintf(got, sizeof got, "%g", bucket_mb);
-    return Status::InvalidArgument("--bucket-mb " + std::string(got) +
-                                   " is not accepted: a number of MiB > 0 and <= " +
-                                   std::to_string(int(kMaxBucketMb)));
+    return Status::InvalidArgument(
+        "--bucket-mb " + NumberText(bucket_mb) +
+        " is not accepted: a number of MiB > 0 and <= " + NumberText(kMaxBucketMb));
   }
   if (threads < 0) {
     return Status::InvalidArgument("threads must be >= 0 (0 = all cores), got " +

@@ -133,9 +133,10 @@ bool UsesApsSumScaling(const GradientAllReduceOptions& o);
 
 // Validate() (also called by Create) gives InvalidArgument, naming the option, the value and what
 // is accepted, for: a format that does not parse (emulate and packed only), bucket_mb outside
-// (0, kMaxBucketMb], threads < 0, pipeline_kb outside [0, kMaxPipelineKb], kahan with an algorithm other than emulate, aps_scaling
-// kSum with emulate, layer_formats with the fp32 algorithm or with a spec that does not parse.
-// The bounds on the sizes users give (cpd-train's and cpd-allreduce-bench's --bucket-mb and
+// (0, kMaxBucketMb], threads < 0, pipeline_kb outside [0, kMaxPipelineKb], kahan with an algorithm
+// other than emulate, aps_scaling kSum with emulate, layer_formats with the fp32 algorithm or with
+// a spec that does not parse. The bounds on the sizes users give (cpd-train's and
+// cpd-allreduce-bench's --bucket-mb and
 // --pipeline-kb, whose names Validate's messages use): a bucket's buffers and a round's slices
 // are allocated at these sizes, so a mistyped value must not reach an allocation.
 inline constexpr double kMaxBucketMb = 4096;        // 4 GiB of float32 gradients per bucket
@@ -150,10 +151,10 @@ struct GradientAllReduceOptions {
   Rounding rounding = Rounding::kNearest;
   bool aps = false;
   ApsScaling aps_scaling = ApsScaling::kAuto;  // with aps; ignored by fp32
-  bool kahan = false;     // emulate only
-  double bucket_mb = 25;  // > 0
-  uint64_t seed = 0;      // stochastic rounding stream (mixed with step and worker)
-  int threads = 0;        // quantisation threads; 0 = all cores
+  bool kahan = false;                          // emulate only
+  double bucket_mb = 25;                       // > 0
+  uint64_t seed = 0;  // stochastic rounding stream (mixed with step and worker)
+  int threads = 0;    // quantisation threads; 0 = all cores
   // KiB of codes per contribution per round of the pipelined schedule (see "Pipelining" above);
   // 0 = the sequential schedule.
   int pipeline_kb = 256;

@@ -1,6 +1,7 @@
 #include "cpd/message.h"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace cpd {
 
@@ -54,6 +55,12 @@ std::string MessageLine(std::string_view text, size_t max_bytes) {
   for (size_t i = 0; i < n; ++i) AppendShown(&out, static_cast<unsigned char>(text[i]), true);
   if (text.size() > max_bytes) out += "... (" + std::to_string(text.size()) + " bytes)";
   return out;
+}
+
+std::string NumberText(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
 }
 
 }  // namespace cpd

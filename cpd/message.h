@@ -22,4 +22,7 @@ std::string QuoteForMessage(std::string_view s, size_t max_bytes = 60);
 // program's last line through it.
 std::string MessageLine(std::string_view text, size_t max_bytes = 2000);
 
+// A number as a user would write it, for a message: printf's %g (-1, 0.5, 1e+30, nan).
+std::string NumberText(double v);
+
 }  // namespace cpd

@@ -71,8 +71,8 @@ inline CLI::Validator IntegerIn(long long lo, long long hi) {
   return NumberValidator("a whole number from " + std::to_string(lo) + " to " + std::to_string(hi),
                          true, lo, hi);
 }
-// A seed or a step: a whole number 0..2^64-1 in decimal digits. CLI11's own conversion wraps -1 to 2^64-1
-// and saturates 2^64 and 1e23 to it, so three different seeds gave one stream.
+// A seed or a step: a whole number 0..2^64-1 in decimal digits. CLI11's own conversion wraps -1 to
+// 2^64-1 and saturates 2^64 and 1e23 to it, so three different seeds gave one stream.
 inline CLI::Validator Uint64Number() {
   return CLI::Validator(
       [](std::string& text) -> std::string {

@@ -374,9 +374,8 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     c.total_iters = 1;  // set by the trainer from epochs x steps per epoch
     o->precision.cpt = c;
   }
-  CPD_ASSIGN_OR_RETURN(o->loss_scale, cpd::runtime::ParseLossScale(f.loss_scale,
-                                                                    f.loss_scale_init,
-                                                                    f.loss_scale_growth_interval));
+  CPD_ASSIGN_OR_RETURN(o->loss_scale, cpd::runtime::ParseLossScale(f.loss_scale, f.loss_scale_init,
+                                                                   f.loss_scale_growth_interval));
   auto ref = cpd::ParseStepBits(f.cost_reference);
   if (!ref.ok()) return Status::InvalidArgument("--cost-reference: " + ref.status().message());
   o->cost_reference = *ref;
@@ -473,8 +472,9 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   o->allreduce.aps_scaling = *scaling;
   if (*scaling == cpd::comm::ApsScaling::kSum &&
       o->allreduce.algo == cpd::comm::AllReduceAlgo::kEmulate) {
-    return bad("--aps-scaling sum applies to --allreduce packed only; emulate keeps the paper's "
-               "scaling (accepted with emulate: auto, paper)");
+    return bad(
+        "--aps-scaling sum applies to --allreduce packed only; emulate keeps the paper's "
+        "scaling (accepted with emulate: auto, paper)");
   }
   return runtime::ValidateTrainOptions(*o);
 }

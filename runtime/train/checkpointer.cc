@@ -279,11 +279,11 @@ Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
         loss->get<double>() < 0) {
       return corrupt("meta.epoch_sums.loss is not a finite number >= 0");
     }
-    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
-    CPD_RETURN_IF_ERROR(corrupt_if(
-        CheckInRange(*seen, 0, *steps * global_batch_, "meta.epoch_sums.seen")));
     CPD_RETURN_IF_ERROR(
-        corrupt_if(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
+        corrupt_if(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
+    CPD_RETURN_IF_ERROR(
+        corrupt_if(CheckInRange(*seen, 0, *steps * global_batch_, "meta.epoch_sums.seen")));
+    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
     if (it.next_batch > 0 && it.next_batch < batches_per_epoch_) {
       point.epoch_sums = {loss->get<double>(), *correct, *seen, *steps};
     }

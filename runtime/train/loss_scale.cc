@@ -2,27 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 
+#include "cpd/message.h"
+
 namespace cpd::runtime {
-
-namespace {
-
-std::string Number(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", v);
-  return text;
-}
-
-}  // namespace
 
 Result<LossScaleOptions> ParseLossScale(const std::string& text, double init,
                                         int64_t growth_interval) {
   LossScaleOptions o;
-  const std::string range = Number(LossScaler::kMinScale) + " to " + Number(LossScaler::kMaxScale);
+  const std::string range =
+      NumberText(LossScaler::kMinScale) + " to " + NumberText(LossScaler::kMaxScale);
   if (!(init >= LossScaler::kMinScale && init <= LossScaler::kMaxScale)) {
-    return Status::InvalidArgument("--loss-scale-init " + Number(init) +
+    return Status::InvalidArgument("--loss-scale-init " + NumberText(init) +
                                    " is not accepted: a number from " + range);
   }
   if (growth_interval < 1) {
@@ -55,9 +47,9 @@ std::string DescribeLossScale(const LossScaleOptions& o) {
     case LossScaleOptions::Mode::kOff:
       return "off";
     case LossScaleOptions::Mode::kStatic:
-      return "static " + Number(o.scale);
+      return "static " + NumberText(o.scale);
     case LossScaleOptions::Mode::kDynamic:
-      return "dynamic from " + Number(o.scale) + " (x2 after " +
+      return "dynamic from " + NumberText(o.scale) + " (x2 after " +
              std::to_string(o.growth_interval) + " finite steps, x0.5 on overflow)";
   }
   return "off";
@@ -83,7 +75,7 @@ void LossScaler::AfterStep(bool overflow) {
 Status LossScaler::Restore(const State& s) {
   if (!(s.scale >= kMinScale && s.scale <= kMaxScale) || s.finite_in_a_row < 0 ||
       s.finite_in_a_row >= o_.growth_interval) {
-    return Status::InvalidArgument("loss scale " + Number(s.scale) + " after " +
+    return Status::InvalidArgument("loss scale " + NumberText(s.scale) + " after " +
                                    std::to_string(s.finite_in_a_row) + " finite steps");
   }
   if (o_.mode == LossScaleOptions::Mode::kDynamic) {

@@ -201,9 +201,10 @@ void Reporter::StepSkipped(int64_t step, double scale_before, double scale_after
     }
     progress_.EndLine();
     if (scale_after != scale_before) {
-      std::printf("step %lld: NaN/Inf in a gradient at loss scale %g on some rank; step skipped "
-                  "on all ranks, loss scale now %g%s\n",
-                  static_cast<long long>(step), scale_before, scale_after, note.c_str());
+      std::printf(
+          "step %lld: NaN/Inf in a gradient at loss scale %g on some rank; step skipped "
+          "on all ranks, loss scale now %g%s\n",
+          static_cast<long long>(step), scale_before, scale_after, note.c_str());
     } else {
       std::printf("step %lld: NaN/Inf in a gradient on some rank; step skipped on all ranks%s\n",
                   static_cast<long long>(step), note.c_str());
@@ -324,18 +325,18 @@ void Reporter::AfterEpoch(const EpochDone& e) {
     std::fflush(stdout);
   }
   json record = {{"type", "epoch"},
-       {"epoch", e.epoch},
-       {"step", e.step},
-       {"loss", e.totals.train_loss},
-       {"train_accuracy", e.totals.train_accuracy},
-       {"test_accuracy", e.test_accuracy},
-       {"test_loss", e.test_loss},
-       {"bits", pc.cpt ? pc.cpt->max_bits : 0},
-       {"images_per_s", e.totals.images_per_s},
-       {"relative_cost", e.relative_cost},
-       {"cost_reference", StepBitsText(o_.cost_reference)},
-       {"skipped_steps", e.skipped_steps},
-       {"flips", flips_json}};
+                 {"epoch", e.epoch},
+                 {"step", e.step},
+                 {"loss", e.totals.train_loss},
+                 {"train_accuracy", e.totals.train_accuracy},
+                 {"test_accuracy", e.test_accuracy},
+                 {"test_loss", e.test_loss},
+                 {"bits", pc.cpt ? pc.cpt->max_bits : 0},
+                 {"images_per_s", e.totals.images_per_s},
+                 {"relative_cost", e.relative_cost},
+                 {"cost_reference", StepBitsText(o_.cost_reference)},
+                 {"skipped_steps", e.skipped_steps},
+                 {"flips", flips_json}};
   if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) record["loss_scale"] = e.loss_scale;
   Log(record);
   if (control_) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "cpd/message.h"
 #include "cpd/threads.h"
 #include "runtime/train/trainer.h"
 
@@ -21,17 +22,6 @@ Status CheckGlobalBatchSplit(int64_t global_batch, int ranks, int emulate_ranks)
                                  std::to_string(emulate_ranks) + " emulated)");
 }
 
-namespace {
-
-// A number as a user would write it (%g: -1, 0.5, 1e+30, nan).
-std::string Number(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", v);
-  return text;
-}
-
-}  // namespace
-
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
@@ -43,8 +33,7 @@ Status ValidateTrainOptions(const TrainOptions& o) {
                std::to_string(o.max_skipped_steps));
   }
   if (o.threads < 0 || o.threads > MaxThreads()) {
-    return bad("--threads " + std::to_string(o.threads) + " is not accepted: " +
-               ThreadsAccepted());
+    return bad("--threads " + std::to_string(o.threads) + " is not accepted: " + ThreadsAccepted());
   }
   for (const auto& [flag, v] : {std::pair<const char*, int>{"--in-channels", o.in_channels},
                                 {"--image-size", o.image_size},
@@ -67,7 +56,7 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (o.debug_step_sleep_ms < 0) return bad("--debug-step-sleep-ms must be >= 0");
   CPD_RETURN_IF_ERROR(o.allreduce.Validate());
   if (!(o.lr > 0) || !std::isfinite(o.lr)) {
-    return bad("--lr " + Number(o.lr) + " is not accepted: a number > 0");
+    return bad("--lr " + NumberText(o.lr) + " is not accepted: a number > 0");
   }
   if (o.lr_base_batch < 1) {
     return bad("--lr-base-batch must be >= 1, got " + std::to_string(o.lr_base_batch));
@@ -90,10 +79,10 @@ Status ValidateTrainOptions(const TrainOptions& o) {
     return bad("--lars-excluded-lr-ratio must be a positive number (default 0.024)");
   }
   if (!(o.momentum >= 0 && o.momentum < 1)) {
-    return bad("--momentum " + Number(o.momentum) + " is not accepted: a number in [0, 1)");
+    return bad("--momentum " + NumberText(o.momentum) + " is not accepted: a number in [0, 1)");
   }
   if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
-    return bad("--weight-decay " + Number(o.weight_decay) + " is not accepted: a number >= 0");
+    return bad("--weight-decay " + NumberText(o.weight_decay) + " is not accepted: a number >= 0");
   }
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
   if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {

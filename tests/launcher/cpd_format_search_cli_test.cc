@@ -144,8 +144,8 @@ TEST_F(CpdFormatSearchCli, OutputsNeverReplaceAUsersFile) {
   EXPECT_EQ(line, "my,own,table");
   const std::string again = dir_->File("again");
   for (int i = 0; i < 2; ++i) {
-    const RunResult r = Search({"--format", "e4m3", "--batches", "1", "--batch-size", "16",
-                                "--no-plot", "--out", again});
+    const RunResult r = Search(
+        {"--format", "e4m3", "--batches", "1", "--batch-size", "16", "--no-plot", "--out", again});
     EXPECT_EQ(r.exit_code, 0) << r.err;
   }
 }
@@ -174,7 +174,7 @@ TEST_F(CpdFormatSearchCli, CandidateListsThatNameNothingAreRefused) {
   ExpectUsage(with({"--candidates-file", comments}), "names no format");
   ExpectUsage(with({"--candidates-file", dir_->path()}), "is a directory");
   ExpectUsage(with({"--candidates-file", "/dev/zero"}), "'/dev/zero' is not a regular file");
-  ExpectUsage(with({"--candidates-file", binary}), "binary.txt':2: byte '\\x00' at column 5");
+  ExpectUsage(with({"--candidates-file", binary}), "binary.txt':2: byte '\\0' at column 5");
   ExpectUsage(with({"--candidates-file", big}), "is 1500000 bytes; at most 1048576 are read");
   ExpectUsage(with({"--candidates-file", ""}), "--candidates-file '': cannot open it");
   ExpectUsage(with({"--bits", ""}), "--bits is empty");

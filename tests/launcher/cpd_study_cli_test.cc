@@ -145,6 +145,13 @@ TEST(CpdStudyCli, EveryStudyFileErrorIsOneLineAndExitTwo) {
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.2}\n", "not one of its values"},
       {"name: s\n" + grid + "exclude:\n  - {lr: 0.1}\n", "every run"},
       {"name: s\ngrid: [unclosed\n", "study.yaml"},
+      // Issue 26 items 2 and 9: plan refuses what the run would (cpd-train's checks of values,
+      // which used to run only after MPI started), and bounds threads as cpd-train does.
+      {"name: s\nbase:\n  lr: -1\ngrid:\n  momentum: [0.9]\n", "--lr -1 is not accepted"},
+      {"name: s\nbase:\n  momentum: -5\n" + grid, "--momentum -5 is not accepted"},
+      {"name: s\nbase:\n  bucket-mb: 0\n" + grid, "--bucket-mb 0 is not accepted"},
+      {"name: s\ngrid:\n  threads: [2, 99999]\n",
+       "run threads_99999.seed_1: key 'threads': --threads"},
       // Issue 26 item 4: a name is one folder of its own, never "." or ".." (the runs and the
       // report would land in an existing folder).
       {"name: ..\n" + grid, "name: '..' is not a folder name of its own"},

@@ -245,9 +245,9 @@ TEST(CpdTrainCli, LossScaleFlag) {
   ExpectUsageError(Train({"--loss-scale", "-4"}), "--loss-scale '-4' is not accepted");
   ExpectUsageError(Train({"--loss-scale", "dynamic", "--loss-scale-init", "0"}),
                    "--loss-scale-init 0 is not accepted");
-  const RunResult r = Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "2",
-                             "--no-progress", "--loss-scale", "dynamic",
-                             "--loss-scale-init", "256"});
+  const RunResult r =
+      Train({"--dataset", "synthetic", "--arch", "mlp", "--max-steps", "2", "--no-progress",
+             "--loss-scale", "dynamic", "--loss-scale-init", "256"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("\nloss scale dynamic from 256 (x2 after 2000 finite steps, x0.5 on "
                        "overflow)\n"),
@@ -277,8 +277,8 @@ TEST(CpdTrainCli, CommSelfUnderAParallelLaunchIsRefused) {
   if (getuid() == 0) args.push_back("--allow-run-as-root");
   for (const char* a : {"--oversubscribe", "-q"}) args.push_back(a);
   args.push_back(cpd::test::BuiltProgram(CPD_TRAIN_PATH));
-  for (const char* a : {"--comm", "self", "--dataset", "synthetic", "--arch", "mlp",
-                        "--max-steps", "1", "--no-progress"}) {
+  for (const char* a : {"--comm", "self", "--dataset", "synthetic", "--arch", "mlp", "--max-steps",
+                        "1", "--no-progress"}) {
     args.push_back(a);
   }
   args.insert(args.end(), {"--metrics-out", metrics});
@@ -449,9 +449,9 @@ TEST(CpdTrainCli, ApsScalingFlagAndConfigKey) {
   ExpectUsageError(Train({"--allreduce", "emulate", "--aps", "--aps-scaling", "sum"}),
                    "--aps-scaling sum applies to --allreduce packed only");
   ExpectUsageError(Train({"--pipeline-kb", "-1"}), "--pipeline-kb -1 is not accepted");
-  const std::vector<std::string> packed = {"--emulate-ranks", "4",      "--allreduce", "packed",
-                                           "--allreduce-format", "e3m0", "--aps", "--max-steps",
-                                           "1"};
+  const std::vector<std::string> packed = {
+      "--emulate-ranks", "4", "--allreduce", "packed", "--allreduce-format", "e3m0", "--aps",
+      "--max-steps",     "1"};
   auto header = [](const RunResult& r) {
     const std::size_t at = r.out.find("all-reduce ");
     return at == std::string::npos ? std::string() : r.out.substr(at, r.out.find('\n', at) - at);

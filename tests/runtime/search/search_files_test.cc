@@ -157,7 +157,7 @@ TEST(PartialResults, AFileOfAnotherSearchOrAnOlderToolIsRefused) {
   ExpectRefused(old, "written by an older cpd-format-search");
   ExpectRefused(old, "rerun without --resume");
   ExpectRefused("# another search\n", "s.partial.csv:1: not a cpd-format-search partial file");
-  ExpectRefused(std::string("\0\x01\x02", 3), "(its first line is '\\x00\\x01\\x02')");
+  ExpectRefused(std::string("\0\x01\x02", 3), "(its first line is '\\0\\x01\\x02')");
   ExpectRefused(std::string(100000, 'x'), "'xxxxxxxx");
   ExpectRefused("# cpd-format-search: [1]\n", ":1: the settings line is not a JSON object");
   ExpectRefused("", "is empty or ends before its column header");
@@ -183,7 +183,7 @@ TEST(CandidateList, SpecsWithTheirLinesAndNothingElse) {
   const auto bin = ParseCandidateList("c.txt", std::string("e4m3\nint8\0\x7f", 11));
   ASSERT_FALSE(bin.ok());
   EXPECT_EQ(bin.status().message(),
-            "c.txt:2: byte '\\x00' at column 5: not a text file of format specs");
+            "c.txt:2: byte '\\0' at column 5: not a text file of format specs");
 }
 
 TEST(ReadBoundedFile, OnlyRegularFilesUpToTheLimit) {
@@ -205,12 +205,6 @@ TEST(ReadBoundedFile, OnlyRegularFilesUpToTheLimit) {
   const std::string fifo = dir.File("fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   expect(ReadBoundedFile(fifo, 100, "f"), "f is not a regular file");  // without blocking
-}
-
-TEST(QuoteForMessage, EscapesAndShortens) {
-  EXPECT_EQ(QuoteForMessage("e4m3"), "'e4m3'");
-  EXPECT_EQ(QuoteForMessage(std::string("a\0b\n'\\\xff", 7)), "'a\\x00b\\x0a\\'\\\\\\xff'");
-  EXPECT_EQ(QuoteForMessage(std::string(100, 'x'), 4), "'xxxx...'");
 }
 
 }  // namespace

@@ -38,9 +38,9 @@ TEST(LossScale, RefusesWhatNoScaleCanBe) {
   }
   EXPECT_NE(ParseLossScale("dynamic", 0, 2000).status().message().find("--loss-scale-init 0"),
             std::string::npos);
-  EXPECT_NE(ParseLossScale("dynamic", 8, 0).status().message().find(
-                "--loss-scale-growth-interval 0"),
-            std::string::npos);
+  EXPECT_NE(
+      ParseLossScale("dynamic", 8, 0).status().message().find("--loss-scale-growth-interval 0"),
+      std::string::npos);
 }
 
 TEST(LossScale, DynamicHalvesOnOverflowAndDoublesAfterARunOfFiniteSteps) {
@@ -83,9 +83,9 @@ TEST(LossScale, RestoreTakesWhatAScalerCanReachAndRefusesTheRest) {
   EXPECT_EQ(s.scale(), 512);
   s.AfterStep(false);  // the fourth finite step in a row
   EXPECT_EQ(s.scale(), 1024);
-  for (const LossScaler::State bad : {LossScaler::State{0, 0}, LossScaler::State{-1, 0},
-                                      LossScaler::State{1e300, 0}, LossScaler::State{8, -1},
-                                      LossScaler::State{8, 4}}) {
+  for (const LossScaler::State bad :
+       {LossScaler::State{0, 0}, LossScaler::State{-1, 0}, LossScaler::State{1e300, 0},
+        LossScaler::State{8, -1}, LossScaler::State{8, 4}}) {
     EXPECT_FALSE(s.Restore(bad).ok()) << bad.scale << " " << bad.finite_in_a_row;
   }
 }

@@ -23,14 +23,15 @@ Status ApplyConfigEntries(CLI::App& app, const std::vector<ConfigEntry>& entries
     try {
       opt = app.get_option("--" + e.key);
     } catch (const CLI::OptionNotFound&) {
-      return bad("unknown key '" + e.key + "' (keys are the long flag names)");
+      return bad("unknown key " + QuoteForMessage(e.key) + " (keys are the long flag names)");
     }
     if (opt->count() > 0) continue;  // the command line wins
     try {
       for (const auto& v : e.values) opt->add_result(v);
       opt->run_callback();
     } catch (const CLI::Error& err) {
-      return bad("key '" + e.key + "': " + err.what());
+      // CLI11 echoes the value, which a YAML scalar may spread over lines: one line here.
+      return bad("key '" + e.key + "': " + MessageLine(err.what(), 300));
     }
   }
   return Status::Ok();
@@ -73,7 +74,7 @@ Status ApplyConfigText(CLI::App& app, const std::string& yaml, const std::string
       entries.push_back(std::move(e));
     }
   } catch (const YAML::Exception& e) {
-    return bad(e.what());
+    return bad(MessageLine(e.what(), 300));
   }
   return ApplyConfigEntries(app, entries, origin);
 }
@@ -384,7 +385,9 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
 
 }  // namespace
 
-Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
+namespace {
+
+Status ApplyAndCheck(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
   if (!f->preset.empty()) CPD_RETURN_IF_ERROR(ApplyPreset(app, f, o));
@@ -477,6 +480,16 @@ Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
         "scaling (accepted with emulate: auto, paper)");
   }
   return runtime::ValidateTrainOptions(*o);
+}
+
+}  // namespace
+
+Status ApplyTrainFlags(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
+  // Messages quote what the user wrote (a format spec, a layer name), which a YAML scalar may
+  // spread over lines or fill with control bytes: one line of text, whatever the value.
+  const Status s = ApplyAndCheck(app, f, o);
+  if (s.ok() || s.code() != Status::Code::kInvalidArgument) return s;
+  return Status::InvalidArgument(MessageLine(s.message(), 2000));
 }
 
 std::string WorldKind(const TrainFlags& f) { return f.comm_kind == "nccl" ? "auto" : f.comm_kind; }

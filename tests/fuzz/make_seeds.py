@@ -217,6 +217,13 @@ for name, text in studies.items():
     put("study_file_fuzz", name, text)
 # The input that found yaml-cpp's message quoting a newline (an unknown escape) in the refusal.
 put("study_file_fuzz", "bad-escape", b"\n l[\x1a\xe6: 0.2]\x02\x00\n")
+# The input (CI's fuzz stage) that found CLI11 echoing a value spread over lines by a YAML flow
+# scalar in cpd-train's config error (launcher/train_flags.cc ApplyConfigEntries).
+put("study_file_fuzz", "multi-line-value",
+    b"name: s\nbase:\n  max-steps: 2\ngrid:\n  lr: [0.0~." + b"\n" * 21 + b"  2\xff\xff]\n")
+put("study_file_fuzz", "multi-line-layer-format",
+    b"name: cpt\nbase:\n  preset: cpt\ngrid:\n  cyclic-bits: [[3, 8], [4, 8]]\n"
+    b"  layer-format: [[conv1.W.=fpc1.DA=i" + b"\xa1" * 12 + b"\n\nt8]]\n")
 
 # ---- run_state_fuzz: a run's state.json ---------------------------------------------------------
 states = {

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs every Debian package CPD needs to build and test. Idempotent and quiet: packages
-# already present are skipped, so a second run costs one dpkg query.
+# Installs every Debian package CPD needs to build and test. Idempotent: packages already
+# present are skipped, so a second run costs one dpkg query and prints one line. An install
+# says what it installs and shows a line per package as apt sets it up (a fresh machine's
+# install takes minutes: it must not look hung).
 set -euo pipefail
 
 PACKAGES=(
@@ -27,6 +29,7 @@ for p in "${PACKAGES[@]}"; do
 done
 
 if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#PACKAGES[@]} Debian packages are installed"
   exit 0
 fi
 
@@ -34,5 +37,11 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "install_deps: installing ${#missing[@]} package(s): ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+start=$SECONDS
+echo "install_deps: apt-get update"
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# apt's own progress redraws one line with \r; its "Setting up" lines (one per package, with
+# the dependencies pulled in) are the plain progress a log can hold.
+$SUDO apt-get install -y -q --no-install-recommends -o Dpkg::Use-Pty=0 "${missing[@]}" |
+  { grep --line-buffered -E '^Setting up ' || true; } | sed -u 's/^/install_deps: /'
+echo "install_deps: done in $((SECONDS - start)) s"

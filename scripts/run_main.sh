@@ -9,7 +9,8 @@
 #   RANKS=1 scripts/run_main.sh                  one process, no mpirun
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/build.sh >/dev/null
+# Each stage says what it does and how long it took (QUIET=1: the stage lines only).
+bash scripts/build.sh
 BIN=${BUILD_DIR:-build}/bin
 RANKS=${RANKS:-2}
 [[ "$RANKS" =~ ^[1-9][0-9]*$ ]] || { echo "run_main.sh: RANKS must be a positive integer" >&2; exit 2; }

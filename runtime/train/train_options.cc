@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -65,9 +64,7 @@ Status ValidateTrainOptions(const TrainOptions& o) {
     return bad("--warmup-steps must be >= 0, got " + std::to_string(o.warmup_steps));
   }
   if (!(o.warmup_epochs >= 0) || !std::isfinite(o.warmup_epochs)) {
-    char got[32];
-    std::snprintf(got, sizeof got, "%g", o.warmup_epochs);
-    return bad(std::string("--warmup-epochs must be a number >= 0, got ") + got);
+    return bad("--warmup-epochs must be a number >= 0, got " + NumberText(o.warmup_epochs));
   }
   if (o.warmup_steps > 0 && o.warmup_epochs > 0) {
     return bad("--warmup-steps and --warmup-epochs exclude each other; give one");

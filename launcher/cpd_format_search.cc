@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "cpd/candidates.h"
 #include "cpd/config.h"
 #include "cpd/format.h"
+#include "cpd/progress.h"
 #include "kernels/grid.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
@@ -52,6 +54,8 @@ struct Flags {
   uint64_t seed = 1;
   std::string device = "auto", comm = "auto", out;
   bool resume = false, no_plot = false, no_progress = false;
+  std::string progress = "auto";
+  double progress_interval_s = 30;
   // Whether the flag was given at all: `--bits ""` is an empty list, not the default.
   bool bits_given = false, candidates_file_given = false;
 };
@@ -102,7 +106,15 @@ void AddFlags(CLI::App* app, Flags* f) {
       ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(0));
   app->add_flag("--no-plot", f->no_plot, "Write no PNG");
-  app->add_flag("--no-progress", f->no_progress, "No progress lines");
+  app->add_option("--progress", f->progress,
+                  "auto | lines | off: a line per round at most every --progress-interval "
+                  "seconds and a tenth of the rounds, plus the last (no bar: a round takes "
+                  "seconds to minutes)")
+      ->capture_default_str();
+  app->add_flag("--no-progress", f->no_progress, "The same as --progress off");
+  app->add_option("--progress-interval", f->progress_interval_s,
+                  "Seconds between progress lines, at least")
+      ->capture_default_str();
 }
 
 Status Bad(const std::string& msg) { return Status::InvalidArgument(msg); }
@@ -296,7 +308,21 @@ cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
   o.group = f.group;
   o.partial_path = f.out + ".partial.csv";
   o.resume = f.resume;
-  o.progress = !f.no_progress;
+  auto progress = cpd::ParseProgressMode(f.progress);
+  if (!progress.ok()) return Bad("--" + progress.status().message());
+  if (*progress == cpd::ProgressMode::kBar) {
+    return Bad(
+        "--progress bar is not offered: cpd-format-search prints lines (accepted: auto, "
+        "lines, off)");
+  }
+  if (f.no_progress && *progress != cpd::ProgressMode::kOff && f.progress != "auto") {
+    return Bad("--no-progress and --progress " + f.progress + " exclude each other; give one");
+  }
+  o.progress = !f.no_progress && *progress != cpd::ProgressMode::kOff;
+  if (!(f.progress_interval_s >= 0) || !std::isfinite(f.progress_interval_s)) {
+    return Bad("--progress-interval must be a number of seconds >= 0");
+  }
+  o.progress_interval_s = f.progress_interval_s;
   std::string sites_text;
   for (SiteSet s : o.indicator.sites) {
     sites_text += std::string(sites_text.empty() ? "" : ",") + SiteSetName(s);

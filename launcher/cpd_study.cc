@@ -37,6 +37,7 @@ constexpr const char* kTool = "cpd-study";
 struct Flags {
   std::string study_path, out, launcher = "local", coordinator, cpd_train, reference;
   int parallel = 1;
+  std::string progress = "auto";  // run --launcher local: auto | lines | off
   long long index = -1;
   bool json = false, retry_failed = false, no_plot = false, wait = false, parallel_given = false;
   std::vector<std::string> sbatch_args;
@@ -176,6 +177,7 @@ int Run(const Flags& f) {
   study::LocalOptions o;
   o.run = RunOptionsOf(f, l);
   o.parallel = f.parallel;
+  o.progress = f.progress != "off";
   o.self = cpd::launcher::ExecutableDir() + "/cpd-study";
   o.study_path = f.study_path;
   ClaimOut(l);
@@ -262,6 +264,11 @@ int main(int argc, char** argv) {
                       "Runs at a time (slurm: array tasks at a time, default as Slurm schedules)")
           ->capture_default_str()
           ->check(cpd::launcher::IntegerIn(1, 1024));
+  run->add_option("--progress", f.progress,
+                  "auto | lines | off: a line as each run starts and ends, with the counts and "
+                  "an ETA (plain lines in a terminal too; off keeps failures and the summary)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "lines", "off"}));
   run->add_flag("--wait", f.wait, "slurm: wait until the array has ended, then show the status");
   run->add_option("--sbatch-arg", f.sbatch_args,
                   "slurm: an sbatch option for the array, e.g. --sbatch-arg=--partition=gpu "

@@ -7,6 +7,7 @@
 
 #include "comm/gradient_allreduce.h"
 #include "cpd/format.h"
+#include "cpd/progress.h"
 #include "launcher/cli.h"
 #include "launcher/common.h"
 
@@ -302,11 +303,16 @@ void AddOutputOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                 "With --device cuda: let cuDNN use Winograd, FFT and TF32 convolution "
                 "algorithms for speed (default: only GEMM-like float32 ones, which match the "
                 "CPU up to summation order)");
-  app->add_flag("--no-progress", f->no_progress, "No progress bar");
+  app->add_option("--progress", f->progress,
+                  "auto | bar | lines | off: a bar redrawn in place, or plain lines for a log "
+                  "(at most 10 an epoch, never a carriage return); auto: the bar on an "
+                  "interactive terminal, lines when stdout is a file or a pipe or mpirun/srun "
+                  "started the process")
+      ->capture_default_str();
+  app->add_flag("--no-progress", f->no_progress, "The same as --progress off");
   app->add_option("--progress-interval", o->progress_interval_s,
-                  "When stdout is not a terminal: a progress line when at least this many "
-                  "seconds have passed since the last one, and at each epoch's end (0: every "
-                  "step)")
+                  "Progress lines: one when at least this many seconds and a tenth of the "
+                  "epoch have passed since the last, and at each epoch's end")
       ->capture_default_str();
   app->add_flag("--quiet", o->quiet, "Print nothing but errors");
   app->add_flag("--check", f->check,
@@ -446,7 +452,13 @@ Status ApplyAndCheck(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   }
   o->augment_set = f->augment || f->no_augment;
   o->augment = f->augment;
-  o->progress = !f->no_progress;
+  if (auto p = ParseProgressMode(f->progress); !p.ok()) {
+    return bad("--" + p.status().message());
+  } else if (f->no_progress && *p != ProgressMode::kOff && app.count("--progress") > 0) {
+    return bad("--no-progress and --progress " + f->progress + " exclude each other; give one");
+  } else {
+    o->progress = f->no_progress ? ProgressMode::kOff : *p;
+  }
   CPD_RETURN_IF_ERROR(ApplyPrecisionFlags(*f, o));
   if (f->comm_kind == "auto") {
     o->allreduce_comm = cpd::runtime::AllReduceComm::kAuto;

@@ -34,8 +34,9 @@ struct TrainFlags {
   std::string aps_scaling = "auto";
   std::vector<std::string> ar_layer_formats;  // --allreduce-layer-format NAME=SPEC
   std::string token_file, tls_ca;
-  bool no_progress = false;
-  bool check = false;  // --check: validate and exit
+  std::string progress = "auto";
+  bool no_progress = false;  // the older spelling of --progress off
+  bool check = false;        // --check: validate and exit
   std::string optimizer = "sgd", lr_schedule = "cosine", device = "auto";
   std::string lars_exclude = "bias-bn", lr_scaling = "none";
   std::string loss_scale = "off";

@@ -190,8 +190,8 @@ int64_t MtimeMs(const std::string& path) {
 
 double InterruptedSeconds(const RunState& s, const RunPaths& p) {
   if (s.state != "running" || s.start_ms <= 0) return 0;
-  // cpd-train writes a progress line to the log every few seconds, and metrics as it goes: the
-  // last write is within seconds of the kill.
+  // cpd-train writes progress lines to the log (up to 10 an epoch, 30 s apart at least) and
+  // metrics as it goes: the last write is close to the kill, within one of those intervals.
   const int64_t last = std::max({MtimeMs(p.log), MtimeMs(p.metrics), MtimeMs(p.state)});
   return last > s.start_ms ? double(last - s.start_ms) / 1e3 : 0;
 }

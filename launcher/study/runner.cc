@@ -298,7 +298,7 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
       }
       active[pid] = {r.index, NowMs()};
       ++pr.running;
-      Say("[" + Clock() + "] start " + r.name + " (" + pr.Counts() + ")");
+      if (o.progress) Say("[" + Clock() + "] start " + r.name + " (" + pr.Counts() + ")");
     }
     if (active.empty()) break;
     int status = 0;
@@ -316,6 +316,7 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
     const int code = ExitCode(status);
     char secs[32];
     std::snprintf(secs, sizeof secs, " in %.1f s", wall);
+    bool show = o.progress;
     std::string line = "[" + Clock() + "] ";
     const RunPaths p = PathsOf(o.run.launch.out_dir, r.name);
     // What the run is now, from its state file: run-one's exit code alone cannot tell a run
@@ -343,12 +344,13 @@ int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const Loca
       ++pr.failed;
       pr.wall_sum += wall;
       ++pr.finished_here;
+      show = true;  // a failure is news, not progress
       line += "FAILED " + r.name + " (exit " + std::to_string(code) + ")" + secs;
       const std::string why =
           after.ok() ? LastErrorLine(p.log) : std::string(after.status().message());
       if (!why.empty()) line += ": " + why;
     }
-    Say(line + " (" + pr.Counts() + ")");
+    if (show) Say(line + " (" + pr.Counts() + ")");
   }
   if (null_fd >= 0) ::close(null_fd);
   Say(study.name + ": " + std::to_string(pr.done) + " of " + std::to_string(runs.size()) +

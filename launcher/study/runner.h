@@ -47,15 +47,16 @@ RunTally TallyRuns(const std::vector<PlannedRun>& runs, const std::string& out_d
 struct LocalOptions {
   RunOptions run;
   int parallel = 1;        // runs at a time
+  bool progress = true;    // a line per start and end (failures and the summary regardless)
   std::string self;        // this executable (run-one is started through it)
   std::string study_path;  // the study file run-one is given
 };
 
 // `cpd-study run --launcher local`: every run that is not done or diverged (and not failed,
 // unless retry_failed) in plan order, `parallel` at a time, with a progress line per start and
-// end; a run another process turns out to run is skipped with a line. Returns 0 when no run
-// failed and every state file could be read (every run done, diverged or running elsewhere),
-// 1 otherwise (after running the rest).
+// end (with `progress`); a run another process turns out to run is skipped with a line. Returns 0
+// when no run failed and every state file could be read (every run done, diverged or running
+// elsewhere), 1 otherwise (after running the rest).
 int RunLocal(const Study& study, const std::vector<PlannedRun>& runs, const LocalOptions& o);
 
 // Starts argv (execvp: a bare name is looked up on $PATH) with stdout and stderr on the given

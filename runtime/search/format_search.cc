@@ -19,6 +19,7 @@
 #include <system_error>
 
 #include "cpd/candidates.h"
+#include "cpd/progress.h"
 #include "runtime/search/search_files.h"
 
 namespace cpd::runtime {
@@ -479,6 +480,7 @@ Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device d
   std::map<std::string, CandidateResult> results;
   for (auto& r : finished) results[r.spec] = std::move(r);
   const auto start = Clock::now();
+  ProgressLineRate line_rate(o.progress_interval_s, start);
   for (size_t round = 0; round < rounds; ++round) {
     const size_t g = round * ranks + size_t(comm->rank());
     std::vector<Format> mine;
@@ -504,7 +506,7 @@ Result<std::vector<CandidateResult>> RunFormatSearch(Sequential* model, Device d
       last = r.spec;
       results[r.spec] = std::move(r);
     }
-    if (o.progress) {
+    if (o.progress && line_rate.Due(int64_t(round + 1), int64_t(rounds), Clock::now())) {
       const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
       const double eta = elapsed / double(round + 1) * double(rounds - round - 1);
       std::printf("  round %zu/%zu: %zu/%zu candidates, last %s, %s elapsed, ETA %s\n", round + 1,

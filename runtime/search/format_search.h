@@ -56,7 +56,11 @@ struct FormatSearchOptions {
   // the checkpoint's contents, the data, batches, seed, sites, rounding. Stored, with the
   // candidates' count and CRC, in the partial file and compared key by key on resume.
   std::string settings;
-  bool progress = true;  // rank 0 prints a line per round with the rate and the ETA
+  // Rank 0 prints progress lines (rounds done, ETA): one when at least progress_interval_s
+  // seconds and a tenth of the rounds have passed since the last, and the last round's
+  // (cpd::ProgressLineRate), so a log holds at most 10.
+  bool progress = true;
+  double progress_interval_s = 30;
 };
 
 // A short family name for tables and plots: "fixed", "float", "hybrid" or "log" for binade

@@ -5,25 +5,17 @@
 
 namespace cpd::runtime {
 
-Progress::Progress(ProgressOptions options) : o_(std::move(options)) { last_line_ = Now(); }
+Progress::Progress(ProgressOptions options)
+    : o_(std::move(options)), line_rate_(o_.interval_s, Now()) {}
 
 std::chrono::steady_clock::time_point Progress::Now() const {
   return o_.now ? o_.now() : std::chrono::steady_clock::now();
 }
 
-bool Progress::LineDue(int64_t batch, int64_t batches) {
-  const auto now = Now();
-  if (batch != batches && std::chrono::duration<double>(now - last_line_).count() < o_.interval_s) {
-    return false;
-  }
-  last_line_ = now;
-  return true;
-}
-
 void Progress::Update(int epoch, int epochs, int64_t batch, int64_t batches, double loss,
                       double images_per_s, double eta_s, int bits) {
-  if (!o_.enabled) return;
-  if (o_.tty) {
+  if (o_.mode == ProgressMode::kOff) return;
+  if (o_.mode == ProgressMode::kBar) {
     const int width = 30;
     const int filled = batches > 0 ? int(width * batch / batches) : width;
     std::string bar(size_t(filled), '#');
@@ -34,7 +26,7 @@ void Progress::Update(int epoch, int epochs, int64_t batch, int64_t batches, dou
                  bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
     std::fflush(o_.out);
     dirty_ = true;
-  } else if (LineDue(batch, batches)) {
+  } else if (line_rate_.Due(batch, batches, Now())) {
     std::fprintf(o_.out, "  epoch %d/%d step %lld/%lld loss %.4f %.0f img/s eta %.0fs%s\n", epoch,
                  epochs, static_cast<long long>(batch), static_cast<long long>(batches), loss,
                  images_per_s, eta_s, bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");

@@ -1,7 +1,6 @@
-// The console's view of a running epoch: on a terminal, a bar with rate and ETA redrawn in place;
-// otherwise (a pipe, a file, a cluster job's log) plain lines, one whenever at least
-// interval_s seconds have passed since the last one, and one for the epoch's last batch, never
-// a '\r'.
+// The console's view of a running epoch: a bar with rate and ETA redrawn in place (an
+// interactive terminal), or plain lines for a log (a pipe, a file, a cluster job's output), at
+// most 10 an epoch and never a '\r' (the mode and the rate: cpd/progress.h).
 #pragma once
 
 #include <chrono>
@@ -9,12 +8,15 @@
 #include <cstdio>
 #include <functional>
 
+#include "cpd/progress.h"
+
 namespace cpd::runtime {
 
 struct ProgressOptions {
-  bool enabled = true;      // nothing is printed unless set
-  bool tty = false;         // stdout is a terminal: the bar
-  double interval_s = 5;    // plain lines at least this many seconds apart (0: every step); >= 0
+  ProgressMode mode = ProgressMode::kLines;  // kBar, kLines or kOff (kAuto: as kLines)
+  // Plain lines at least this many seconds and a tenth of an epoch apart, plus the epoch's
+  // last batch (ProgressLineRate); >= 0.
+  double interval_s = 30;
   std::FILE* out = stdout;  // where lines go
   // The clock of the interval (tests inject one); null: std::chrono::steady_clock::now.
   std::function<std::chrono::steady_clock::time_point()> now;
@@ -31,12 +33,10 @@ class Progress {
 
  private:
   std::chrono::steady_clock::time_point Now() const;
-  // A plain line is due: the interval has passed since the last one, or the epoch ends.
-  bool LineDue(int64_t batch, int64_t batches);
 
   ProgressOptions o_;
-  bool dirty_ = false;
-  std::chrono::steady_clock::time_point last_line_;  // of the last plain line, or the start
+  bool dirty_ = false;  // a bar is showing
+  ProgressLineRate line_rate_;
 };
 
 }  // namespace cpd::runtime

@@ -98,11 +98,10 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
   return out;
 }
 
-// The progress display of stdout: a bar on a terminal, timed plain lines otherwise.
+// The progress display of stdout: --progress, with auto resolved for this process.
 ProgressOptions ConsoleProgress(const TrainOptions& o, bool quiet) {
   ProgressOptions p;
-  p.enabled = o.progress && !quiet;
-  p.tty = isatty(STDOUT_FILENO) != 0;
+  p.mode = quiet ? ProgressMode::kOff : ResolveProgressMode(o.progress);
   p.interval_s = o.progress_interval_s;
   return p;
 }

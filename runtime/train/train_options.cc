@@ -83,7 +83,7 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   }
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
   if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {
-    return bad("--progress-interval must be a number of seconds >= 0 (0: every step)");
+    return bad("--progress-interval must be a number of seconds >= 0");
   }
   if (o.checkpoint_every < 0) return bad("--checkpoint-every must be >= 0");
   if (o.fast_conv_algos && o.device == DeviceChoice::kCpu) {

@@ -20,6 +20,7 @@
 
 #include "comm/communicator.h"
 #include "comm/gradient_allreduce.h"
+#include "cpd/progress.h"
 #include "cpd/schedule.h"
 #include "cpd/status.h"
 #include "runtime/control/coordinator_client.h"
@@ -118,10 +119,12 @@ struct TrainOptions {
   CoordinatorOptions coordinator;
   double report_interval_s = 1.0;
   bool print_model = false;
-  bool progress = true;  // a bar on a terminal; plain lines otherwise
-  // Plain progress lines at least this many seconds apart, plus each epoch's last batch
-  // (0: every step); >= 0.
-  double progress_interval_s = 5;
+  // The console's progress (cpd/progress.h): auto is a bar on an interactive terminal, plain
+  // lines in a log (a file, a pipe, any rank launched by mpirun or srun).
+  ProgressMode progress = ProgressMode::kAuto;
+  // Plain progress lines at least this many seconds and a tenth of an epoch apart, plus each
+  // epoch's last batch; >= 0.
+  double progress_interval_s = 30;
   bool quiet = false;
   bool eval_each_epoch = true;
 };

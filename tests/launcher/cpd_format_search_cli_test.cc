@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,56 @@ TEST_F(CpdFormatSearchCli, BadInputIsOneLineAndExitTwoBeforeAnyWork) {
   for (const char* ext : {".csv", ".json", ".png", ".partial.csv"}) {
     EXPECT_FALSE(Exists(out + ext)) << ext;
   }
+}
+
+// A search's log (stdout a file): a progress line at most every tenth of the rounds and the
+// last round's, never a '\r'; no bar is offered.
+TEST_F(CpdFormatSearchCli, ProgressLinesAreATenthOfTheRoundsAtMost) {
+  const std::string out = dir_->File("progress");
+  std::vector<std::string> args = {"--checkpoint",
+                                   *checkpoint_,
+                                   "--dataset",
+                                   "synthetic",
+                                   "--arch",
+                                   "mlp",
+                                   "--threads",
+                                   "1",
+                                   "--bits",
+                                   "6",
+                                   "--group",
+                                   "1",
+                                   "--batches",
+                                   "1",
+                                   "--batch-size",
+                                   "8",
+                                   "--no-plot",
+                                   "--progress",
+                                   "lines",
+                                   "--progress-interval",
+                                   "0",
+                                   "--out",
+                                   out};
+  const RunResult r = RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH), args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  size_t lines = 0, rounds = 0;
+  std::istringstream in(r.out);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("  round ", 0) != 0) continue;
+    ++lines;
+    rounds = std::stoul(line.substr(line.find('/') + 1));
+  }
+  ASSERT_GT(rounds, 10u) << r.out;         // enough rounds for the bound to matter
+  const size_t tenth = (rounds + 9) / 10;  // a line every `tenth` rounds, and the last
+  EXPECT_EQ(lines, (rounds + tenth - 1) / tenth) << r.out;
+  EXPECT_LE(lines, 10u) << r.out;
+  EXPECT_NE(r.out.find("  round " + std::to_string(rounds) + "/" + std::to_string(rounds) + ":"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+
+  args.back() = dir_->File("progress_bar");
+  args[args.size() - 5] = "bar";
+  ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH), args), "--progress bar");
 }
 
 TEST_F(CpdFormatSearchCli, RanksTheCandidatesAndWritesItsFiles) {

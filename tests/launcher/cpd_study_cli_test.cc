@@ -342,6 +342,14 @@ TEST(CpdStudyCli, RunsUnderMpirunThenSkipsFinishedRunsAndReports) {
   EXPECT_NE(cmd.find("--config " + rd + "/config.yaml"), std::string::npos) << cmd;
   EXPECT_NE(ReadFile(rd + "/config.yaml").find("aps: \"true\""), std::string::npos);
   EXPECT_NE(ReadFile(rd + "/log.txt").find("2 rank(s) x 1 worker(s)"), std::string::npos);
+  // Logs for people and for grep: cpd-train under mpirun writes to a pseudo-terminal that Open
+  // MPI opens, and its progress must still be plain lines (at most 10 an epoch), no '\r'.
+  EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+  const std::string run_log = ReadFile(rd + "/log.txt");
+  EXPECT_EQ(run_log.find('\r'), std::string::npos) << run_log;
+  size_t progress_lines = 0;
+  for (const auto& l : Lines(run_log)) progress_lines += l.rfind("  epoch 1/", 0) == 0;
+  EXPECT_LE(progress_lines, 10u) << run_log;
   const auto st = State(out, run);
   EXPECT_EQ(st["state"], "done");
   EXPECT_EQ(st["exit_code"], 0);
@@ -405,6 +413,33 @@ pid_t StartGroup(const std::vector<std::string>& args, const std::string& log) {
   }
   setpgid(pid, pid);
   return pid;
+}
+
+// `run --progress off`: no line per start or end, a failure still shown, the summary always;
+// no bar is offered (the lines are already one per event).
+TEST(CpdStudyCli, ProgressOffKeepsFailuresAndTheSummary) {
+  TempDir dir("cpd_study_progress");
+  const std::string out = dir.File("out");
+  // Two runs: synthetic data (done), and MNIST from a folder that does not exist (failed).
+  Write(dir.File("s.yaml"),
+        "name: quiet\nbase:\n  arch: mlp\n  epochs: 1\n  threads: 1\n  max-steps: 2\n"
+        "  data-dir: " +
+            dir.File("no-data") + "\ngrid:\n  dataset: [synthetic, mnist]\n");
+  const RunResult r = Study({"run", dir.File("s.yaml"), "--out", out, "--progress", "off"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;  // the mnist run finds no data
+  size_t starts = 0, dones = 0, failed = 0;
+  for (const auto& l : Lines(r.out)) {
+    starts += l.find("] start ") != std::string::npos;
+    dones += l.find("] done  ") != std::string::npos;
+    failed += l.find("] FAILED ") != std::string::npos;
+  }
+  EXPECT_EQ(starts, 0u) << r.out;
+  EXPECT_EQ(dones, 0u) << r.out;
+  EXPECT_EQ(failed, 1u) << r.out;
+  EXPECT_NE(r.out.find("quiet: 1 of 2 runs done, 1 failed"), std::string::npos) << r.out;
+  const RunResult bar = Study({"run", dir.File("s.yaml"), "--out", out, "--progress", "bar"});
+  EXPECT_EQ(bar.exit_code, 2) << bar.err;
+  EXPECT_NE(bar.err.find("--progress"), std::string::npos) << bar.err;
 }
 
 TEST(CpdStudyCli, AnInterruptedRunResumesFromItsCheckpoints) {

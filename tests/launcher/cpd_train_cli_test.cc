@@ -478,14 +478,19 @@ TEST(CpdTrainCli, WarmupStepsAndEpochsExcludeEachOther) {
                    "--warmup-steps and --warmup-epochs exclude each other");
 }
 
-// stdout a pipe (a cluster job's log): plain progress lines by time, never a '\r'. Interval 0
-// gives one line per step; a long interval only the epoch's last batch.
+// stdout a pipe (a cluster job's log): plain progress lines, never a '\r', at most one a tenth
+// of the epoch. Interval 0 gives one line per tenth (here each of the 8 steps); a long interval
+// only the epoch's last batch.
 TEST(CpdTrainCli, ProgressLinesInAPipeAreTimed) {
-  auto run = [](const std::string& interval) {
-    return RunProgram(BuiltProgram(CPD_TRAIN_PATH),
-                      {"--dataset", "synthetic", "--arch", "mlp", "--epochs", "1", "--threads", "2",
-                       "--global-batch", "1024", "--progress-interval", interval},
-                      "", StdoutTo::kPipe);
+  auto run = [](const std::string& interval, std::vector<std::string> more = {}) {
+    std::vector<std::string> args = {
+        "--dataset", "synthetic",           "--arch", "mlp", "--epochs", "1", "--threads",
+        "2",         "--progress-interval", interval};
+    if (std::find(more.begin(), more.end(), "--global-batch") == more.end()) {
+      more.insert(more.end(), {"--global-batch", "1024"});
+    }
+    args.insert(args.end(), more.begin(), more.end());
+    return RunProgram(BuiltProgram(CPD_TRAIN_PATH), args, "", StdoutTo::kPipe);
   };
   auto progress_lines = [](const std::string& out) {
     size_t n = 0;
@@ -505,6 +510,40 @@ TEST(CpdTrainCli, ProgressLinesInAPipeAreTimed) {
   EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
 
   ExpectUsageError(run("-1"), "--progress-interval");
+
+  // 64 steps at interval 0: a line at every 7th step (a tenth, rounded up) and the last.
+  r = run("0", {"--global-batch", "128", "--progress", "lines"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(progress_lines(r.out), 10u) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 7/64 "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  epoch 1/1 step 64/64 "), std::string::npos) << r.out;
+}
+
+// --progress: the bar only where asked for or on an interactive terminal; off is silent;
+// --no-progress is off, and contradicting it is a usage error.
+TEST(CpdTrainCli, ProgressModes) {
+  auto run = [](std::vector<std::string> more) {
+    std::vector<std::string> args = {"--dataset",      "synthetic", "--arch",    "mlp",
+                                     "--epochs",       "1",         "--threads", "2",
+                                     "--global-batch", "1024"};
+    args.insert(args.end(), more.begin(), more.end());
+    return RunProgram(BuiltProgram(CPD_TRAIN_PATH), args, "", StdoutTo::kPipe);
+  };
+  RunResult r = run({"--progress", "bar"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\r  epoch 1/1 ["), std::string::npos) << r.out;
+  for (const auto& quiet :
+       {std::vector<std::string>{"--progress", "off"}, std::vector<std::string>{"--no-progress"},
+        std::vector<std::string>{"--no-progress", "--progress", "off"}}) {
+    r = run(quiet);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out.find("  epoch 1/1 step "), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find('\r'), std::string::npos) << r.out;
+  }
+  ExpectUsageError(run({"--progress", "Bar"}),
+                   "--progress 'Bar' (accepted: auto, bar, lines, off)");
+  ExpectUsageError(run({"--no-progress", "--progress", "lines"}),
+                   "--no-progress and --progress lines exclude each other");
 }
 
 // An unwritable --checkpoint-dir is found at start-up (exit 1), before any step; it used to fail

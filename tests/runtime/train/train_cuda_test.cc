@@ -44,7 +44,7 @@ TrainOptions Options(const std::string& arch, DeviceChoice device = DeviceChoice
   o.batch_size = arch == "lenet5" ? 32 : 16;
   o.lr = 0.05;
   o.quiet = true;
-  o.progress = false;
+  o.progress = cpd::ProgressMode::kOff;
   o.eval_each_epoch = false;
   o.stats_every = 0;
   o.threads = 0;

@@ -31,7 +31,7 @@ TrainOptions SmallRun(const std::string& arch) {
   o.global_batch = 48;  // splits over 1..4 ranks and 1..4 emulated workers
   o.lr = 0.05;
   o.quiet = true;
-  o.progress = false;
+  o.progress = cpd::ProgressMode::kOff;
   o.eval_each_epoch = false;
   o.stats_every = 0;
   o.threads = 1;

@@ -38,7 +38,7 @@ TrainOptions SmallRun() {
   o.batch_size = 64;
   o.lr = 0.05;
   o.quiet = true;
-  o.progress = false;
+  o.progress = cpd::ProgressMode::kOff;
   o.eval_each_epoch = false;
   o.stats_every = 0;
   o.threads = 2;

@@ -2,7 +2,9 @@
 
 #include <charconv>
 #include <cmath>
+#include <initializer_list>
 #include <set>
+#include <utility>
 
 namespace cpd {
 
@@ -108,6 +110,326 @@ struct Modifiers {
   std::vector<std::string> seen;
 };
 
+// The modifiers from parts[first] on (parts[0] is the name, and binades' list comes before its
+// modifiers), each at most once, then the pairs that exclude each other.
+Status ParseModifiers(std::string_view spec, const std::vector<std::string_view>& parts,
+                      size_t first, Modifiers* mod) {
+  for (size_t i = first; i < parts.size(); ++i) {
+    const std::string_view p = parts[i];
+    std::string key(p.substr(0, p.find('=')));
+    for (const auto& s : mod->seen) {
+      if (s == key) return BadSpec(spec, "modifier ':" + key + "' given twice");
+    }
+    mod->seen.push_back(key);
+    if (p == "sat") {
+      mod->sat = true;
+    } else if (p == "inf") {
+      mod->inf = true;
+    } else if (p == "nosub") {
+      mod->nosub = true;
+    } else if (p == "ieee") {
+      mod->ieee = true;
+    } else if (p == "ch") {
+      mod->ch = true;
+    } else if (p == "tensor") {
+      mod->tensor = true;
+    } else if (p == "minmax") {
+      mod->minmax = true;
+    } else if (p.substr(0, 5) == "room=") {
+      if (!ParseInt(p.substr(5), &mod->room) || mod->room < -8 || mod->room > 8) {
+        return BadSpec(spec, "':" + std::string(p) + "' needs an integer room in -8..8");
+      }
+      mod->has_room = true;
+    } else if (!p.empty() && ParseInt(p, &mod->block)) {
+      mod->seen.back() = "<block>";
+    } else {
+      return BadSpec(spec, "unknown modifier ':" + std::string(p) + "'");
+    }
+  }
+  if (mod->sat && mod->inf) return BadSpec(spec, ":sat and :inf exclude each other");
+  if (mod->ch && mod->tensor) return BadSpec(spec, ":ch and :tensor exclude each other");
+  return Status::Ok();
+}
+
+// A spec taken apart: what the family parsers read.
+struct SpecParts {
+  std::string_view spec;              // as given, for messages
+  std::string_view name;              // the part before the first ':'
+  int x = 0, y = 0;                   // eXmY's X and Y
+  int b = 0;                          // the <b> of log<b>, bfp<b>, uint<b>, int<b>
+  std::vector<int32_t> binade_mbits;  // binades' list, top binade first
+  Modifiers mod;
+};
+
+// What a family parser decides: the fields of the Format the spec names, its spelling aside.
+// Format::Parse copies them into the Format (whose members are private) and spells it.
+struct FormatFields {
+  FormatFamily family = FormatFamily::kFloat32;
+  ScaleScope scope = ScaleScope::kNone;
+  int bits = 32;
+  size_t block_size = 0;
+  FloatGrid grid{};
+  kernels::ShiftRule shift_rule{0, 0, 0};
+  bool flush_subnormals = false;
+  bool scope_by_layer = false;
+  std::shared_ptr<const kernels::BinadeGrid> binade_grid;
+};
+
+// Refuses any modifier given that is not one of `ok`, naming the format.
+Status AllowOnly(const SpecParts& s, std::initializer_list<std::string_view> ok) {
+  for (const auto& given : s.mod.seen) {
+    bool found = false;
+    for (auto o : ok) found = found || given == o;
+    if (!found) {
+      return BadSpec(s.spec,
+                     "modifier ':" + given + "' does not apply to '" + std::string(s.name) + "'");
+    }
+  }
+  return Status::Ok();
+}
+
+ScaleScope TensorOrChannel(const Modifiers& mod) {
+  return mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
+}
+
+// A fixed float grid (bf16, fp16, eXmY) with the float modifiers.
+Status FloatGridFields(const SpecParts& s, int ebits, int mbits, int bias, NonFiniteStyle style,
+                       FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"sat", "inf", "nosub", "ieee"}));
+  if (s.mod.inf && style == NonFiniteStyle::kAllFinite) {
+    return BadSpec(s.spec,
+                   "'" + std::string(s.name) + "' has no Inf or NaN code, so ':inf' cannot apply");
+  }
+  f->family = FormatFamily::kFloat;
+  f->bits = 1 + ebits + mbits;
+  f->grid = MakeFloatGrid(ebits, mbits, bias, style, !s.mod.nosub, s.mod.inf);
+  if (f->grid.max_bits == 0) return BadSpec(s.spec, "this format has no nonzero finite value");
+  if (s.mod.nosub && ebits == 1 && style == NonFiniteStyle::kIeee) {
+    return BadSpec(s.spec, "with :nosub this format has no nonzero finite value");
+  }
+  return Status::Ok();
+}
+
+// ---- One parser per family: checks the modifiers and numbers, fills the fields.
+
+Status ParseFp32(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"sat", "inf", "nosub"}));
+  f->family = FormatFamily::kFloat32;
+  f->bits = 32;
+  f->flush_subnormals = s.mod.nosub;
+  // The identity as a grid: rounding is a no-op and Inf stays Inf (NaN becomes the canonical
+  // quiet NaN, as in every other format).
+  f->grid = MakeFloatGrid(8, 23, 127, NonFiniteStyle::kIeee, !s.mod.nosub, true);
+  return Status::Ok();
+}
+
+Status ParseBf16(const SpecParts& s, FormatFields* f) {
+  return FloatGridFields(s, 8, 7, 127, NonFiniteStyle::kIeee, f);
+}
+
+Status ParseFp16(const SpecParts& s, FormatFields* f) {
+  return FloatGridFields(s, 5, 10, 15, NonFiniteStyle::kIeee, f);
+}
+
+// IEEE-style eXmY, except the OCP formats e4m3 (no Inf) and e3m2, e2m3, e2m1 (all codes
+// finite), which :ieee reads the IEEE way.
+Status ParseExmy(const SpecParts& s, FormatFields* f) {
+  if (s.x < 1 || s.x > 8) return BadSpec(s.spec, "exponent bits X must be 1..8");
+  if (s.y < 0 || s.y > 23) return BadSpec(s.spec, "mantissa bits Y must be 0..23");
+  NonFiniteStyle style = NonFiniteStyle::kIeee;
+  const int bias = (1 << (s.x - 1)) - 1;
+  if (!s.mod.ieee) {
+    if (s.name == "e4m3") {
+      style = NonFiniteStyle::kNanOnly;
+    } else if (s.name == "e3m2" || s.name == "e2m3" || s.name == "e2m1") {
+      style = NonFiniteStyle::kAllFinite;
+    }
+  }
+  return FloatGridFields(s, s.x, s.y, bias, style, f);
+}
+
+// fp134, fp143, fp152: 1 sign, E exponent and M mantissa bits under a shared shift.
+Status ParseFp1xy(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"room", "ch"}));
+  const int ebits = s.name[3] - '0', mbits = s.name[4] - '0';
+  // Unscaled, every exponent code 1..2^E-1 is a normal binade and the top one is [1, 2).
+  const int bias = (1 << ebits) - 1;
+  f->family = FormatFamily::kSharedShift;
+  f->scope = TensorOrChannel(s.mod);
+  f->bits = 8;
+  f->grid = MakeFloatGrid(ebits, mbits, bias, NonFiniteStyle::kAllFinite, true, false);
+  f->shift_rule = {s.mod.room, -126, 127};
+  return Status::Ok();
+}
+
+// binades:<list>, the list already checked by ParseBinadeList.
+Status ParseBinades(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"room", "ch"}));
+  f->family = FormatFamily::kBinades;
+  f->scope = TensorOrChannel(s.mod);
+  const kernels::BinadeGrid g =
+      kernels::MakeBinadeGrid(s.binade_mbits.data(), int32_t(s.binade_mbits.size()));
+  f->bits = g.sign_shift + 1;
+  f->binade_grid = std::make_shared<const kernels::BinadeGrid>(g);
+  // As fp134: the top binade [2^s, 2^(s+1)), s = floor(log2 max|x|) + room.
+  f->shift_rule = {s.mod.room, -126, 127};
+  return Status::Ok();
+}
+
+Status ParseLog(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"ch", "tensor"}));
+  if (s.b < 2 || s.b > 8) return BadSpec(s.spec, "log<b> needs 2 <= b <= 8");
+  // Levels 2^(s-L+1)..2^s with L = 2^(b-1)-1: a float grid with M = 0 and b-1 exponent bits.
+  const int ebits = s.b - 1;
+  f->family = FormatFamily::kSharedShift;
+  f->scope = TensorOrChannel(s.mod);
+  f->scope_by_layer = !s.mod.ch && !s.mod.tensor;
+  f->bits = s.b;
+  f->grid = MakeFloatGrid(ebits, 0, (1 << ebits) - 1, NonFiniteStyle::kAllFinite, true, false);
+  f->shift_rule = {0, -126, 127};
+  return Status::Ok();
+}
+
+// mxfp8, mxfp6, mxfp4 (OCP MX v1.0).
+Status ParseMx(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {}));
+  f->family = FormatFamily::kSharedShift;
+  f->scope = ScaleScope::kBlock;
+  f->block_size = 32;
+  int emax = 0;
+  if (s.name == "mxfp8") {
+    f->grid = MakeFloatGrid(4, 3, 7, NonFiniteStyle::kNanOnly, true, false);
+    f->bits = 8;
+    emax = 8;
+  } else if (s.name == "mxfp6") {
+    f->grid = MakeFloatGrid(2, 3, 1, NonFiniteStyle::kAllFinite, true, false);
+    f->bits = 6;
+    emax = 2;
+  } else {
+    f->grid = MakeFloatGrid(2, 1, 1, NonFiniteStyle::kAllFinite, true, false);
+    f->bits = 4;
+    emax = 2;
+  }
+  // OCP MX v1.0: X = 2^(floor(log2 max|V|) - emax_elem), an E8M0 value in 2^-127..2^127.
+  f->shift_rule = {-emax, -127, 127};
+  return Status::Ok();
+}
+
+Status ParseBfp(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"<block>"}));
+  if (s.b < 2 || s.b > 16) return BadSpec(s.spec, "bfp<b> needs 2 <= b <= 16");
+  if (s.mod.block < 1 || s.mod.block > 65536) {
+    return BadSpec(s.spec, "bfp<b> needs a block size ':N' with 1 <= N <= 65536");
+  }
+  // Sign + (b-1)-bit magnitude integer times 2^(e-(b-2)), e = floor(log2 max|block|): one
+  // normal binade [2^e, 2^(e+1)) plus subnormals, i.e. a float grid with X = 1, M = b-2.
+  f->family = FormatFamily::kSharedShift;
+  f->scope = ScaleScope::kBlock;
+  f->block_size = size_t(s.mod.block);
+  f->bits = s.b;
+  f->grid = MakeFloatGrid(1, s.b - 2, 1, NonFiniteStyle::kAllFinite, true, false);
+  f->shift_rule = {0, -126, 127};
+  return Status::Ok();
+}
+
+Status ParseUintMinMax(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"minmax", "ch"}));
+  if (!s.mod.minmax) return BadSpec(s.spec, "uint<b> needs ':minmax'");
+  if (s.b < 2 || s.b > 16) return BadSpec(s.spec, "uint<b> needs 2 <= b <= 16");
+  f->family = FormatFamily::kUintMinMax;
+  f->scope = TensorOrChannel(s.mod);
+  f->bits = s.b;
+  return Status::Ok();
+}
+
+Status ParseIntSymmetric(const SpecParts& s, FormatFields* f) {
+  CPD_RETURN_IF_ERROR(AllowOnly(s, {"ch"}));
+  if (s.b < 2 || s.b > 16) return BadSpec(s.spec, "int<b> needs 2 <= b <= 16");
+  f->family = FormatFamily::kIntSymmetric;
+  f->scope = TensorOrChannel(s.mod);
+  f->bits = s.b;
+  return Status::Ok();
+}
+
+// How the names of a family look.
+enum class NameShape {
+  kExact,     // the entry's name itself: "fp32", "mxfp4"
+  kNumbered,  // the entry's name, then a decimal number <b>: "int8", "log4"
+  kExmy,      // e<X>m<Y>, two decimal numbers
+};
+
+struct FamilyParser {
+  NameShape shape;
+  std::string_view name;  // kExact: the name; kNumbered: what precedes <b>; kExmy: unused
+  Status (*parse)(const SpecParts&, FormatFields*);
+};
+
+// Every family's names and parser. No name has the shape of two entries.
+constexpr FamilyParser kFamilyParsers[] = {
+    {NameShape::kExact, "fp32", ParseFp32},
+    {NameShape::kExact, "bf16", ParseBf16},
+    {NameShape::kExact, "fp16", ParseFp16},
+    {NameShape::kExmy, "", ParseExmy},
+    {NameShape::kExact, "fp134", ParseFp1xy},
+    {NameShape::kExact, "fp143", ParseFp1xy},
+    {NameShape::kExact, "fp152", ParseFp1xy},
+    {NameShape::kExact, "binades", ParseBinades},
+    {NameShape::kNumbered, "log", ParseLog},
+    {NameShape::kExact, "mxfp8", ParseMx},
+    {NameShape::kExact, "mxfp6", ParseMx},
+    {NameShape::kExact, "mxfp4", ParseMx},
+    {NameShape::kNumbered, "bfp", ParseBfp},
+    {NameShape::kNumbered, "uint", ParseUintMinMax},
+    {NameShape::kNumbered, "int", ParseIntSymmetric},
+};
+
+// True when s->name has the entry's shape; then the numbers in it are in s->x, s->y or s->b.
+bool HasShape(const FamilyParser& family, SpecParts* s) {
+  const std::string_view name = s->name;
+  switch (family.shape) {
+    case NameShape::kExact:
+      return name == family.name;
+    case NameShape::kNumbered: {
+      const std::string_view prefix = family.name;
+      return name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix &&
+             ParseInt(name.substr(prefix.size()), &s->b);
+    }
+    case NameShape::kExmy: {
+      const size_t m = name.find('m');
+      return name.size() >= 4 && name[0] == 'e' && m != std::string_view::npos &&
+             ParseInt(name.substr(1, m - 1), &s->x) && ParseInt(name.substr(m + 1), &s->y);
+    }
+  }
+  return false;
+}
+
+// The family whose names have the shape of s->name (its numbers then in s), or null.
+const FamilyParser* FindFamily(SpecParts* s) {
+  for (const FamilyParser& family : kFamilyParsers) {
+    if (HasShape(family, s)) return &family;
+  }
+  return nullptr;
+}
+
+// Name, then the modifiers that change behaviour, in a fixed order.
+std::string CanonicalSpelling(const SpecParts& s, const FormatFields& f) {
+  const Modifiers& mod = s.mod;
+  std::string canon(s.name);
+  if (s.name == "binades") canon += ":" + CanonicalBinadeList(s.binade_mbits);
+  if (f.family == FormatFamily::kFloat && mod.ieee) canon += ":ieee";
+  if (mod.inf) canon += ":inf";
+  if (mod.nosub) canon += ":nosub";
+  if (mod.minmax) canon += ":minmax";
+  if (mod.has_room && mod.room != 1) canon += ":room=" + std::to_string(mod.room);
+  if (mod.ch) canon += ":ch";
+  if (mod.tensor) canon += ":tensor";
+  if (f.family == FormatFamily::kSharedShift && f.scope == ScaleScope::kBlock &&
+      s.name.substr(0, 3) == "bfp") {
+    canon += ":" + std::to_string(mod.block);
+  }
+  return canon;
+}
+
 }  // namespace
 
 const char* FormatSpecHelp() {
@@ -149,218 +471,38 @@ std::vector<std::string> SplitFormatList(std::string_view list) {
   return out;
 }
 
+// The checks run in a fixed order, so that a spec with several faults is always refused for
+// the same one: the name, binades' list, the modifiers, then the family's own checks.
 Result<Format> Format::Parse(std::string_view spec) {
   const std::vector<std::string_view> parts = Split(spec, ':');
-  const std::string_view name = parts[0];
-  if (name.empty()) return BadSpec(spec, "empty format name");
-
+  SpecParts s;
+  s.spec = spec;
+  s.name = parts[0];
+  if (s.name.empty()) return BadSpec(spec, "empty format name");
   // binades:<list> carries its list as the first part after the name.
-  const bool binades = name == "binades";
-  std::vector<int32_t> binade_mbits;
+  const bool binades = s.name == "binades";
   if (binades) {
     CPD_RETURN_IF_ERROR(
-        ParseBinadeList(spec, parts.size() > 1 ? parts[1] : std::string_view(), &binade_mbits));
+        ParseBinadeList(spec, parts.size() > 1 ? parts[1] : std::string_view(), &s.binade_mbits));
   }
+  CPD_RETURN_IF_ERROR(ParseModifiers(spec, parts, binades ? 2 : 1, &s.mod));
 
-  Modifiers mod;
-  for (size_t i = binades ? 2 : 1; i < parts.size(); ++i) {
-    const std::string_view p = parts[i];
-    std::string key(p.substr(0, p.find('=')));
-    for (const auto& s : mod.seen) {
-      if (s == key) return BadSpec(spec, "modifier ':" + key + "' given twice");
-    }
-    mod.seen.push_back(key);
-    if (p == "sat") {
-      mod.sat = true;
-    } else if (p == "inf") {
-      mod.inf = true;
-    } else if (p == "nosub") {
-      mod.nosub = true;
-    } else if (p == "ieee") {
-      mod.ieee = true;
-    } else if (p == "ch") {
-      mod.ch = true;
-    } else if (p == "tensor") {
-      mod.tensor = true;
-    } else if (p == "minmax") {
-      mod.minmax = true;
-    } else if (p.substr(0, 5) == "room=") {
-      if (!ParseInt(p.substr(5), &mod.room) || mod.room < -8 || mod.room > 8) {
-        return BadSpec(spec, "':" + std::string(p) + "' needs an integer room in -8..8");
-      }
-      mod.has_room = true;
-    } else if (!p.empty() && ParseInt(p, &mod.block)) {
-      mod.seen.back() = "<block>";
-    } else {
-      return BadSpec(spec, "unknown modifier ':" + std::string(p) + "'");
-    }
-  }
-  if (mod.sat && mod.inf) return BadSpec(spec, ":sat and :inf exclude each other");
-  if (mod.ch && mod.tensor) return BadSpec(spec, ":ch and :tensor exclude each other");
+  const FamilyParser* family = FindFamily(&s);
+  if (family == nullptr) return BadSpec(spec, "unknown format name '" + std::string(s.name) + "'");
+  FormatFields fields;
+  CPD_RETURN_IF_ERROR(family->parse(s, &fields));
 
   Format f;
-  // Checks that only the listed modifiers were given.
-  auto allow = [&](std::initializer_list<std::string_view> ok) -> Status {
-    for (const auto& s : mod.seen) {
-      bool found = false;
-      for (auto o : ok) found = found || s == o;
-      if (!found) {
-        return BadSpec(spec, "modifier ':" + s + "' does not apply to '" + std::string(name) + "'");
-      }
-    }
-    return Status::Ok();
-  };
-  auto float_grid = [&](int ebits, int mbits, int bias, NonFiniteStyle style) -> Status {
-    CPD_RETURN_IF_ERROR(allow({"sat", "inf", "nosub", "ieee"}));
-    if (mod.inf && style == NonFiniteStyle::kAllFinite) {
-      return BadSpec(spec,
-                     "'" + std::string(name) + "' has no Inf or NaN code, so ':inf' cannot apply");
-    }
-    f.family_ = FormatFamily::kFloat;
-    f.bits_ = 1 + ebits + mbits;
-    f.grid_ = MakeFloatGrid(ebits, mbits, bias, style, !mod.nosub, mod.inf);
-    if (f.grid_.max_bits == 0) {
-      return BadSpec(spec, "this format has no nonzero finite value");
-    }
-    if (mod.nosub && ebits == 1 && style == NonFiniteStyle::kIeee) {
-      return BadSpec(spec, "with :nosub this format has no nonzero finite value");
-    }
-    return Status::Ok();
-  };
-
-  int x = 0, y = 0;
-  const bool is_exmy = name.size() >= 4 && name[0] == 'e' && name.find('m') != std::string::npos &&
-                       ParseInt(name.substr(1, name.find('m') - 1), &x) &&
-                       ParseInt(name.substr(name.find('m') + 1), &y);
-  auto with_prefix = [&](std::string_view prefix, int* b) {
-    return name.size() > prefix.size() && name.substr(0, prefix.size()) == prefix &&
-           ParseInt(name.substr(prefix.size()), b);
-  };
-  int b = 0;
-
-  if (name == "fp32") {
-    CPD_RETURN_IF_ERROR(allow({"sat", "inf", "nosub"}));
-    f.family_ = FormatFamily::kFloat32;
-    f.bits_ = 32;
-    f.flush_subnormals_ = mod.nosub;
-    // The identity as a grid: rounding is a no-op and Inf stays Inf (NaN becomes the canonical
-    // quiet NaN, as in every other format).
-    f.grid_ = MakeFloatGrid(8, 23, 127, NonFiniteStyle::kIeee, !mod.nosub, true);
-  } else if (name == "bf16") {
-    CPD_RETURN_IF_ERROR(float_grid(8, 7, 127, NonFiniteStyle::kIeee));
-  } else if (name == "fp16") {
-    CPD_RETURN_IF_ERROR(float_grid(5, 10, 15, NonFiniteStyle::kIeee));
-  } else if (is_exmy) {
-    if (x < 1 || x > 8) return BadSpec(spec, "exponent bits X must be 1..8");
-    if (y < 0 || y > 23) return BadSpec(spec, "mantissa bits Y must be 0..23");
-    NonFiniteStyle style = NonFiniteStyle::kIeee;
-    int bias = (1 << (x - 1)) - 1;
-    if (!mod.ieee) {
-      if (name == "e4m3") {
-        style = NonFiniteStyle::kNanOnly;
-      } else if (name == "e3m2" || name == "e2m3" || name == "e2m1") {
-        style = NonFiniteStyle::kAllFinite;
-      }
-    }
-    CPD_RETURN_IF_ERROR(float_grid(x, y, bias, style));
-  } else if (name == "fp134" || name == "fp143" || name == "fp152") {
-    CPD_RETURN_IF_ERROR(allow({"room", "ch"}));
-    const int ebits = name[3] - '0', mbits = name[4] - '0';
-    // Unscaled, every exponent code 1..2^E-1 is a normal binade and the top one is [1, 2).
-    const int bias = (1 << ebits) - 1;
-    f.family_ = FormatFamily::kSharedShift;
-    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
-    f.bits_ = 8;
-    f.grid_ = MakeFloatGrid(ebits, mbits, bias, NonFiniteStyle::kAllFinite, true, false);
-    f.shift_rule_ = {mod.room, -126, 127};
-  } else if (binades) {
-    CPD_RETURN_IF_ERROR(allow({"room", "ch"}));
-    f.family_ = FormatFamily::kBinades;
-    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
-    const kernels::BinadeGrid g =
-        kernels::MakeBinadeGrid(binade_mbits.data(), int32_t(binade_mbits.size()));
-    f.bits_ = g.sign_shift + 1;
-    f.binade_grid_ = std::make_shared<const kernels::BinadeGrid>(g);
-    // As fp134: the top binade [2^s, 2^(s+1)), s = floor(log2 max|x|) + room.
-    f.shift_rule_ = {mod.room, -126, 127};
-  } else if (with_prefix("log", &b)) {
-    CPD_RETURN_IF_ERROR(allow({"ch", "tensor"}));
-    if (b < 2 || b > 8) return BadSpec(spec, "log<b> needs 2 <= b <= 8");
-    // Levels 2^(s-L+1)..2^s with L = 2^(b-1)-1: a float grid with M = 0 and b-1 exponent bits.
-    const int ebits = b - 1;
-    f.family_ = FormatFamily::kSharedShift;
-    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
-    f.scope_by_layer_ = !mod.ch && !mod.tensor;
-    f.bits_ = b;
-    f.grid_ = MakeFloatGrid(ebits, 0, (1 << ebits) - 1, NonFiniteStyle::kAllFinite, true, false);
-    f.shift_rule_ = {0, -126, 127};
-  } else if (name == "mxfp8" || name == "mxfp6" || name == "mxfp4") {
-    CPD_RETURN_IF_ERROR(allow({}));
-    f.family_ = FormatFamily::kSharedShift;
-    f.scope_ = ScaleScope::kBlock;
-    f.block_size_ = 32;
-    int emax = 0;
-    if (name == "mxfp8") {
-      f.grid_ = MakeFloatGrid(4, 3, 7, NonFiniteStyle::kNanOnly, true, false);
-      f.bits_ = 8;
-      emax = 8;
-    } else if (name == "mxfp6") {
-      f.grid_ = MakeFloatGrid(2, 3, 1, NonFiniteStyle::kAllFinite, true, false);
-      f.bits_ = 6;
-      emax = 2;
-    } else {
-      f.grid_ = MakeFloatGrid(2, 1, 1, NonFiniteStyle::kAllFinite, true, false);
-      f.bits_ = 4;
-      emax = 2;
-    }
-    // OCP MX v1.0: X = 2^(floor(log2 max|V|) - emax_elem), an E8M0 value in 2^-127..2^127.
-    f.shift_rule_ = {-emax, -127, 127};
-  } else if (with_prefix("bfp", &b)) {
-    CPD_RETURN_IF_ERROR(allow({"<block>"}));
-    if (b < 2 || b > 16) return BadSpec(spec, "bfp<b> needs 2 <= b <= 16");
-    if (mod.block < 1 || mod.block > 65536) {
-      return BadSpec(spec, "bfp<b> needs a block size ':N' with 1 <= N <= 65536");
-    }
-    // Sign + (b-1)-bit magnitude integer times 2^(e-(b-2)), e = floor(log2 max|block|): one
-    // normal binade [2^e, 2^(e+1)) plus subnormals, i.e. a float grid with X = 1, M = b-2.
-    f.family_ = FormatFamily::kSharedShift;
-    f.scope_ = ScaleScope::kBlock;
-    f.block_size_ = size_t(mod.block);
-    f.bits_ = b;
-    f.grid_ = MakeFloatGrid(1, b - 2, 1, NonFiniteStyle::kAllFinite, true, false);
-    f.shift_rule_ = {0, -126, 127};
-  } else if (with_prefix("uint", &b)) {
-    CPD_RETURN_IF_ERROR(allow({"minmax", "ch"}));
-    if (!mod.minmax) return BadSpec(spec, "uint<b> needs ':minmax'");
-    if (b < 2 || b > 16) return BadSpec(spec, "uint<b> needs 2 <= b <= 16");
-    f.family_ = FormatFamily::kUintMinMax;
-    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
-    f.bits_ = b;
-  } else if (with_prefix("int", &b)) {
-    CPD_RETURN_IF_ERROR(allow({"ch"}));
-    if (b < 2 || b > 16) return BadSpec(spec, "int<b> needs 2 <= b <= 16");
-    f.family_ = FormatFamily::kIntSymmetric;
-    f.scope_ = mod.ch ? ScaleScope::kChannel : ScaleScope::kTensor;
-    f.bits_ = b;
-  } else {
-    return BadSpec(spec, "unknown format name '" + std::string(name) + "'");
-  }
-
-  // Canonical spelling: name, then the modifiers that change behaviour, in a fixed order.
-  std::string canon(name);
-  if (binades) canon += ":" + CanonicalBinadeList(binade_mbits);
-  if (f.family_ == FormatFamily::kFloat && mod.ieee) canon += ":ieee";
-  if (mod.inf) canon += ":inf";
-  if (mod.nosub) canon += ":nosub";
-  if (mod.minmax) canon += ":minmax";
-  if (mod.has_room && mod.room != 1) canon += ":room=" + std::to_string(mod.room);
-  if (mod.ch) canon += ":ch";
-  if (mod.tensor) canon += ":tensor";
-  if (f.family_ == FormatFamily::kSharedShift && f.scope_ == ScaleScope::kBlock &&
-      name.substr(0, 3) == "bfp") {
-    canon += ":" + std::to_string(mod.block);
-  }
-  f.spec_ = canon;
+  f.spec_ = CanonicalSpelling(s, fields);
+  f.family_ = fields.family;
+  f.scope_ = fields.scope;
+  f.bits_ = fields.bits;
+  f.block_size_ = fields.block_size;
+  f.grid_ = fields.grid;
+  f.shift_rule_ = fields.shift_rule;
+  f.flush_subnormals_ = fields.flush_subnormals;
+  f.scope_by_layer_ = fields.scope_by_layer;
+  f.binade_grid_ = std::move(fields.binade_grid);
   return f;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpd/quantize.h"
@@ -341,6 +342,129 @@ TEST(FormatParse, LeadingZerosDoNotChangeTheFormat) {
     EXPECT_EQ(r->Info().max_finite, p.Info().max_finite)
         << "'" << alias << "' is a different format from '" << plain << "'";
     EXPECT_EQ(r->Info().distinct_finite, p.Info().distinct_finite) << alias;
+  }
+}
+
+// Every family's spellings and refusals, pinned to what Parse gave before it became a table of
+// family parsers (issue 27): accepted specs by their canonical spelling, refused ones by their
+// whole message. Specs with two faults pin which one is reported (the checks' order).
+TEST(FormatParse, CanonicalSpellingsArePinned) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"fp32", "fp32"},
+      {"fp32:sat", "fp32"},
+      {"fp32:inf", "fp32:inf"},
+      {"fp32:nosub:inf", "fp32:inf:nosub"},
+      {"bf16", "bf16"},
+      {"bf16:sat:nosub", "bf16:nosub"},
+      {"fp16:inf", "fp16:inf"},
+      {"e4m3", "e4m3"},
+      {"e4m3:ieee", "e4m3:ieee"},
+      {"e4m3:inf:ieee", "e4m3:ieee:inf"},
+      {"e5m2:sat", "e5m2"},
+      {"e3m2:ieee", "e3m2:ieee"},
+      {"e2m3:ieee:inf", "e2m3:ieee:inf"},
+      {"e2m1:ieee", "e2m1:ieee"},
+      {"e1m1", "e1m1"},
+      {"e8m23:nosub", "e8m23:nosub"},
+      {"e3m3:nosub:inf", "e3m3:inf:nosub"},
+      {"fp134:room=1", "fp134"},
+      {"fp143:ch:room=2", "fp143:room=2:ch"},
+      {"fp152:room=-8", "fp152:room=-8"},
+      {"fp134:room=8:ch", "fp134:room=8:ch"},
+      {"binades:4,4,4,4,4,4,4,3,2,1,0:room=1", "binades:4x7,3,2,1,0"},
+      {"binades:1,1,0:ch", "binades:1,1,0:ch"},
+      {"binades:2x2,2:room=-1", "binades:2x3:room=-1"},
+      {"binades:3x1,3x1,3x1", "binades:3x3"},
+      {"log2", "log2"},
+      {"log8:ch", "log8:ch"},
+      {"log4:tensor", "log4:tensor"},
+      {"mxfp8", "mxfp8"},
+      {"mxfp6", "mxfp6"},
+      {"mxfp4", "mxfp4"},
+      {"bfp2:1", "bfp2:1"},
+      {"bfp16:65536", "bfp16:65536"},
+      {"int2:ch", "int2:ch"},
+      {"int16", "int16"},
+      {"uint2:minmax", "uint2:minmax"},
+      {"uint16:ch:minmax", "uint16:minmax:ch"},
+  };
+  for (const auto& [spec, canonical] : cases) {
+    Result<Format> r = Format::Parse(spec);
+    ASSERT_TRUE(r.ok()) << spec << ": " << r.status().ToString();
+    EXPECT_EQ(r->spec(), canonical) << spec;
+  }
+}
+
+TEST(FormatParse, RefusalMessagesArePinned) {
+  // What every message ends with, in parentheses.
+  const std::string accepted =
+      "accepted: fp32, bf16, fp16, eXmY (1<=X<=8, 0<=Y<=23), e4m3, e5m2, e3m2, e2m3, e2m1, "
+      "int<b>[:ch], uint<b>:minmax[:ch] (2<=b<=16), fp134|fp143|fp152[:room=N][:ch], "
+      "log<b>[:ch|:tensor] (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
+      "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
+      "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
+      ":nosub :ieee";
+  const std::pair<const char*, const char*> cases[] = {
+      {"", "empty format name"},
+      {":ch", "empty format name"},
+      {"e4m3:", "unknown modifier ':'"},
+      {"foo:bogus", "unknown modifier ':bogus'"},
+      {"foo:ch", "unknown format name 'foo'"},
+      {"fp135", "unknown format name 'fp135'"},
+      {"mxfp5", "unknown format name 'mxfp5'"},
+      {"E4M3", "unknown format name 'E4M3'"},
+      {"e4m3:sat:inf:bogus", "unknown modifier ':bogus'"},
+      {"e4m3:inf:inf", "modifier ':inf' given twice"},
+      {"e4m3:tensor:ch", ":ch and :tensor exclude each other"},
+      {"e4m3:sat:inf", ":sat and :inf exclude each other"},
+      {"e9m2:ch", "exponent bits X must be 1..8"},
+      {"e-1m3", "exponent bits X must be 1..8"},
+      {"e04m3", "unknown format name 'e04m3'"},
+      {"e4m24", "mantissa bits Y must be 0..23"},
+      {"e4m3:ch", "modifier ':ch' does not apply to 'e4m3'"},
+      {"e2m1:inf", "'e2m1' has no Inf or NaN code, so ':inf' cannot apply"},
+      {"e2m1:inf:ch", "modifier ':ch' does not apply to 'e2m1'"},
+      {"e1m0", "this format has no nonzero finite value"},
+      {"e1m2:nosub", "with :nosub this format has no nonzero finite value"},
+      {"fp32:ieee", "modifier ':ieee' does not apply to 'fp32'"},
+      {"fp134:room=9", "':room=9' needs an integer room in -8..8"},
+      {"fp134:room=02", "':room=02' needs an integer room in -8..8"},
+      {"fp134:16", "modifier ':<block>' does not apply to 'fp134'"},
+      {"fp134:room=2:room=3", "modifier ':room' given twice"},
+      {"fp143:inf", "modifier ':inf' does not apply to 'fp143'"},
+      {"binades",
+       "binades needs a list of mantissa bits per binade, top binade first, e.g. "
+       "binades:4x7,3,2,1,0"},
+      {"binades:15:bogus",
+       "binades list needs 17 bits (sign + ceil(log2(1 + sum 2^Mi))), at most 16 are accepted"},
+      {"binades:4x0", "binades entry '4x0': the repeat count K must be 1..127"},
+      {"binades:0x100,0x28", "binades takes 1..127 binades, this list has more"},
+      {"binades:15",
+       "binades list needs 17 bits (sign + ceil(log2(1 + sum 2^Mi))), at most 16 are accepted"},
+      {"binades:4:tensor", "modifier ':tensor' does not apply to 'binades'"},
+      {"log9:room=2", "modifier ':room' does not apply to 'log9'"},
+      {"log9", "log<b> needs 2 <= b <= 8"},
+      {"log-2", "log<b> needs 2 <= b <= 8"},
+      {"log4:ch:tensor", ":ch and :tensor exclude each other"},
+      {"mxfp4:ch", "modifier ':ch' does not apply to 'mxfp4'"},
+      {"bfp8", "bfp<b> needs a block size ':N' with 1 <= N <= 65536"},
+      {"bfp1", "bfp<b> needs 2 <= b <= 16"},
+      {"bfp1:4", "bfp<b> needs 2 <= b <= 16"},
+      {"bfp8:ch", "modifier ':ch' does not apply to 'bfp8'"},
+      {"bfp8:65537", "bfp<b> needs a block size ':N' with 1 <= N <= 65536"},
+      {"uint8", "uint<b> needs ':minmax'"},
+      {"uint1", "uint<b> needs ':minmax'"},
+      {"uint17:minmax", "uint<b> needs 2 <= b <= 16"},
+      {"int8:minmax", "modifier ':minmax' does not apply to 'int8'"},
+      {"int1", "int<b> needs 2 <= b <= 16"},
+      {"int08", "unknown format name 'int08'"},
+  };
+  for (const auto& [spec, why] : cases) {
+    Result<Format> r = Format::Parse(spec);
+    ASSERT_FALSE(r.ok()) << "'" << spec << "' was accepted as " << r->spec();
+    EXPECT_EQ(r.status().code(), Status::Code::kInvalidArgument) << spec;
+    EXPECT_EQ(r.status().message(),
+              "bad format spec '" + std::string(spec) + "': " + why + " (" + accepted + ")");
   }
 }
 

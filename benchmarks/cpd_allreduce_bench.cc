@@ -383,12 +383,9 @@ class GradientMemory {
   float *x_ = nullptr, *in_ = nullptr, *out_ = nullptr;
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "cpd-allreduce-bench: quantised gradient all-reduce vs MPI_Allreduce (fp32), "
-      "same buffers, same run. Run under mpirun."};
+// What the command line asks for. ValidateOptions also fills pipeline_kb's default (-1: the
+// reducer's) and SetUpWorld threads' (0: cores / ranks on this node).
+struct BenchOptions {
   std::string minbytes = "1M", maxbytes = "64M", formats_list = "e4m3,e3m0",
               algos_list = "fp32,emulate,packed", aps = "on";
   double stepfactor = 2;
@@ -400,55 +397,579 @@ int main(int argc, char** argv) {
   std::string project_models = "ResNet-50:25.6e6:85,GPT-2-small:124e6:15",
               project_gbits = "100,400", project_ranks = "64,512,4096";
   double project_alpha_us = 5.0, project_mem_gbs = 2000.0;
-  app.add_option("--device", device,
-                 "cpu (host gradients) | cuda (gradients in GPU memory; SKIP without a GPU)")
+  // Filled by ValidateOptions: the sizes in bytes, --device cuda, the parsed lists.
+  size_t min_b = 0, max_b = 0;
+  bool on_gpu = false;
+  std::vector<AllReduceAlgo> algos;
+  std::vector<std::string> formats;
+};
+
+void AddOptions(CLI::App* app, BenchOptions* o) {
+  app->add_option("--device", o->device,
+                  "cpu (host gradients) | cuda (gradients in GPU memory; SKIP without a GPU)")
       ->capture_default_str();
-  app.add_option("--comm", comm_kind,
-                 "With --device cuda: mpi (packed bytes staged through pinned host memory) | "
-                 "nccl")
+  app->add_option("--comm", o->comm_kind,
+                  "With --device cuda: mpi (packed bytes staged through pinned host memory) | "
+                  "nccl")
       ->capture_default_str();
-  app.add_option("-b,--minbytes", minbytes, "Smallest size, bytes of float32 (8, 64K, 64M)")
+  app->add_option("-b,--minbytes", o->minbytes, "Smallest size, bytes of float32 (8, 64K, 64M)")
       ->capture_default_str();
-  app.add_option("-e,--maxbytes", maxbytes, "Largest size")->capture_default_str();
-  app.add_option("-f,--stepfactor", stepfactor, "Size multiplier between rows")
+  app->add_option("-e,--maxbytes", o->maxbytes, "Largest size")->capture_default_str();
+  app->add_option("-f,--stepfactor", o->stepfactor, "Size multiplier between rows")
       ->capture_default_str();
-  app.add_option("--formats", formats_list, "Gradient formats for emulate/packed")
+  app->add_option("--formats", o->formats_list, "Gradient formats for emulate/packed")
       ->capture_default_str();
-  app.add_option("--algos", algos_list, "fp32, emulate, packed")->capture_default_str();
-  app.add_option("--aps", aps, "Auto-precision scaling: on or off")->capture_default_str();
-  app.add_option("--iters", iters, "Timed iterations (median reported)")->capture_default_str();
-  app.add_option("--warmup", warmup, "Untimed iterations first")->capture_default_str();
-  app.add_option("--threads", threads,
-                 "Quantisation threads per rank; 0 = cores / ranks on this node")
+  app->add_option("--algos", o->algos_list, "fp32, emulate, packed")->capture_default_str();
+  app->add_option("--aps", o->aps, "Auto-precision scaling: on or off")->capture_default_str();
+  app->add_option("--iters", o->iters, "Timed iterations (median reported)")->capture_default_str();
+  app->add_option("--warmup", o->warmup, "Untimed iterations first")->capture_default_str();
+  app->add_option("--threads", o->threads,
+                  "Quantisation threads per rank; 0 = cores / ranks on this node")
       ->check(cpd::launcher::ThreadCount())
       ->capture_default_str();
-  app.add_option("--pipeline-kb", pipeline_kb,
-                 "KiB of codes per round of the pipelined emulate/packed schedule; 0 = "
-                 "sequential (default: the reducer's, 256)");
-  app.add_option("--bucket-mb", bucket_mb, "Fusion bucket, MiB of float32")->capture_default_str();
-  app.add_option("--scale", scale,
-                 "Standard deviation of the N(0, s^2) inputs (e.g. 1e-5 to see e4m3 flush "
-                 "without APS)")
+  app->add_option("--pipeline-kb", o->pipeline_kb,
+                  "KiB of codes per round of the pipelined emulate/packed schedule; 0 = "
+                  "sequential (default: the reducer's, 256)");
+  app->add_option("--bucket-mb", o->bucket_mb, "Fusion bucket, MiB of float32")
       ->capture_default_str();
-  app.add_flag("--model", model,
-               "Also predict every fp32 and packed row with the performance model "
-               "(comm/perf_model.h) from parameters measured in this run (ping-pong alpha and "
-               "beta between ranks 0 and 1, the bandwidth of all ranks exchanging at once, the "
-               "element loops' cost per format): columns pp(us) and loaded(us) with their err "
-               "(model vs measured)");
-  app.add_flag("--project", project,
-               "Print the model's projection for large clusters (no measurement) and exit: ring "
-               "fp32 vs packed e4m3/e3m0 + APS per model, link and world size");
-  app.add_option("--project-models", project_models,
-                 "NAME:PARAMS:STEP_MS,... gradient elements and the step's compute time (ms)")
+  app->add_option("--scale", o->scale,
+                  "Standard deviation of the N(0, s^2) inputs (e.g. 1e-5 to see e4m3 flush "
+                  "without APS)")
       ->capture_default_str();
-  app.add_option("--project-gbits", project_gbits, "Link rates, Gbit/s")->capture_default_str();
-  app.add_option("--project-ranks", project_ranks, "World sizes")->capture_default_str();
-  app.add_option("--project-alpha-us", project_alpha_us, "Start-up time of one message, us")
+  app->add_flag("--model", o->model,
+                "Also predict every fp32 and packed row with the performance model "
+                "(comm/perf_model.h) from parameters measured in this run (ping-pong alpha and "
+                "beta between ranks 0 and 1, the bandwidth of all ranks exchanging at once, the "
+                "element loops' cost per format): columns pp(us) and loaded(us) with their err "
+                "(model vs measured)");
+  app->add_flag("--project", o->project,
+                "Print the model's projection for large clusters (no measurement) and exit: ring "
+                "fp32 vs packed e4m3/e3m0 + APS per model, link and world size");
+  app->add_option("--project-models", o->project_models,
+                  "NAME:PARAMS:STEP_MS,... gradient elements and the step's compute time (ms)")
       ->capture_default_str();
-  app.add_option("--project-mem-gbs", project_mem_gbs,
-                 "Memory bandwidth the element loops run at (GPU kernels), GB/s")
+  app->add_option("--project-gbits", o->project_gbits, "Link rates, Gbit/s")->capture_default_str();
+  app->add_option("--project-ranks", o->project_ranks, "World sizes")->capture_default_str();
+  app->add_option("--project-alpha-us", o->project_alpha_us, "Start-up time of one message, us")
       ->capture_default_str();
+  app->add_option("--project-mem-gbs", o->project_mem_gbs,
+                  "Memory bandwidth the element loops run at (GPU kernels), GB/s")
+      ->capture_default_str();
+}
+
+// --project: checks its lists and prints the projection; the exit status.
+int RunProjection(const BenchOptions& o) {
+  const std::vector<ProjectionModel> models = ParseProjectionModels(o.project_models);
+  std::vector<double> gbits;
+  std::vector<int> ranks;
+  try {
+    for (const std::string& g : cpd::bench::SplitList(o.project_gbits))
+      gbits.push_back(std::stod(g));
+    for (const std::string& p : cpd::bench::SplitList(o.project_ranks))
+      ranks.push_back(std::stoi(p));
+  } catch (const std::exception&) {
+    gbits.clear();
+  }
+  const bool ok_lists = !models.empty() && !gbits.empty() && !ranks.empty() &&
+                        std::all_of(gbits.begin(), gbits.end(), [](double g) { return g > 0; }) &&
+                        std::all_of(ranks.begin(), ranks.end(), [](int p) { return p >= 2; });
+  if (!ok_lists || !(o.project_alpha_us >= 0) || !(o.project_mem_gbs > 0) || !(o.bucket_mb > 0)) {
+    return Usage(
+        "cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
+        "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
+        "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
+  }
+  PrintProjection(models, gbits, ranks, o.project_alpha_us, o.project_mem_gbs, o.bucket_mb);
+  return 0;
+}
+
+// Checks the measurement's options in a fixed order (the first fault is the one reported) and
+// fills the parsed fields. Returns 0, or Usage's exit status.
+int ValidateOptions(const CLI::App& app, BenchOptions* o) {
+  o->min_b = ParseSize(o->minbytes);
+  o->max_b = ParseSize(o->maxbytes);
+  if (o->min_b < 4 || o->max_b < o->min_b) {
+    return Usage(
+        "cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
+        "-b 8 -e 64M)\n",
+        o->minbytes.c_str(), o->maxbytes.c_str());
+  }
+  if (o->max_b > MaxBenchBytes()) {
+    return Usage(
+        "cpd-allreduce-bench: -e %s is not accepted: at most %s (4 GiB, or an eighth of "
+        "this machine's memory: each rank holds several buffers of this size)\n",
+        o->maxbytes.c_str(), FormatSize(MaxBenchBytes()).c_str());
+  }
+  if (!(o->bucket_mb > 0) || !(o->bucket_mb <= cpd::comm::kMaxBucketMb)) {
+    return Usage(
+        "cpd-allreduce-bench: --bucket-mb %g is not accepted: a number of MiB > 0 and "
+        "<= %g\n",
+        o->bucket_mb, cpd::comm::kMaxBucketMb);
+  }
+  if (app.count("--pipeline-kb") > 0 &&
+      (o->pipeline_kb < 0 || o->pipeline_kb > cpd::comm::kMaxPipelineKb)) {
+    return Usage(
+        "cpd-allreduce-bench: --pipeline-kb %d is not accepted: 0 (sequential) or "
+        "1..%d KiB of codes per round\n",
+        o->pipeline_kb, cpd::comm::kMaxPipelineKb);
+  }
+  if (!(o->stepfactor > 1.0)) {
+    return Usage("cpd-allreduce-bench: -f must be > 1, got %g\n", o->stepfactor);
+  }
+  if (o->aps != "on" && o->aps != "off") {
+    return Usage("cpd-allreduce-bench: --aps must be on or off, got '%s'\n", o->aps.c_str());
+  }
+  if (o->pipeline_kb < 0) o->pipeline_kb = GradientAllReduceOptions{}.pipeline_kb;
+  if (o->iters < 1 || o->warmup < 0 || o->threads < 0 || !(o->scale > 0.0) ||
+      !std::isfinite(o->scale)) {
+    return Usage(
+        "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
+        "--scale > 0\n");
+  }
+  if (o->device != "cpu" && o->device != "cuda") {
+    return Usage("cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n",
+                 o->device.c_str());
+  }
+  if (o->comm_kind != "mpi" && o->comm_kind != "nccl") {
+    return Usage("cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n",
+                 o->comm_kind.c_str());
+  }
+  if (o->comm_kind == "nccl" && o->device != "cuda") {
+    return Usage("cpd-allreduce-bench: --comm nccl needs --device cuda\n");
+  }
+  o->on_gpu = o->device == "cuda";
+  if (o->model && o->on_gpu) {
+    return Usage(
+        "cpd-allreduce-bench: --model predicts host gradients only (not "
+        "--device cuda)\n");
+  }
+  for (const std::string& a : cpd::bench::SplitList(o->algos_list)) {
+    auto parsed = cpd::comm::ParseAllReduceAlgo(a);
+    if (!parsed.ok()) {
+      return Usage("cpd-allreduce-bench: --algos: %s\n", parsed.status().ToString().c_str());
+    }
+    o->algos.push_back(parsed.value());
+  }
+  o->formats = cpd::bench::SplitList(o->formats_list);
+  for (const std::string& f : o->formats) {
+    auto parsed = cpd::Format::Parse(f);
+    if (!parsed.ok()) {
+      return Usage("cpd-allreduce-bench: --formats: %s\n", parsed.status().ToString().c_str());
+    }
+  }
+  return 0;
+}
+
+// The ranks and communicators of the run.
+struct BenchWorld {
+  std::unique_ptr<cpd::comm::MpiCommunicator> comm;
+  int rank = 0, np = 1;
+  MPI_Comm mc = MPI_COMM_NULL;
+  NodeRanks node;
+  int cores = 1;
+  // What the reducer and the baseline use: comm, or (--comm nccl) nccl.
+  cpd::comm::Communicator* reduce_comm = nullptr;
+#if CPD_WITH_NCCL
+  std::unique_ptr<cpd::comm::NcclCommunicator> nccl;  // destroyed before comm
+#endif
+  std::string gpu_name;  // --device cuda
+  const char* baseline = "mpi";
+
+  // The baseline all-reduces in place on the reducer's input (ncclAllReduce).
+  bool in_place_baseline(const BenchOptions& o) const {
+    return o.on_gpu && reduce_comm != comm.get();
+  }
+};
+
+// --device cuda: picks this rank's GPU. False (after rank 0 printed a SKIP line) when some rank
+// has none.
+bool SelectGpu(BenchWorld* w) {
+  int gpu_ok = 1;
+#if CPD_WITH_CUDA
+  int gpus = 0;
+  if (!cpd::CudaDeviceAvailable() || cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) {
+    gpu_ok = 0;
+  }
+#else
+  gpu_ok = 0;
+#endif
+  MPI_Allreduce(MPI_IN_PLACE, &gpu_ok, 1, MPI_INT, MPI_MIN, w->mc);
+  if (!gpu_ok) {
+    if (w->rank == 0) {
+      std::printf("SKIP: --device cuda: %s\n",
+                  CPD_WITH_CUDA ? "no CUDA device on some rank" : "this build has no CUDA");
+    }
+    return false;
+  }
+#if CPD_WITH_CUDA
+  if (cudaSetDevice(w->node.rank % gpus) != cudaSuccess) Fail("cudaSetDevice failed");
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, w->node.rank % gpus) == cudaSuccess) w->gpu_name = prop.name;
+#endif
+  return true;
+}
+
+// Starts MPI and the communicators, and fills o->threads' default. Returns -1 to go on, or the
+// exit status: 1 when MPI cannot start, 0 after a SKIP line (no GPU, or no NCCL in this build).
+int SetUpWorld(BenchOptions* o, BenchWorld* w) {
+  auto created = cpd::comm::MpiCommunicator::Create();
+  if (!created.ok()) {
+    std::fprintf(stderr, "cpd-allreduce-bench: %s\n", created.status().ToString().c_str());
+    return 1;
+  }
+  w->comm = std::move(created).value();
+  w->rank = w->comm->rank();
+  w->np = w->comm->size();
+  w->mc = w->comm->mpi_comm();
+  w->node = LocalRanks();
+  w->cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  if (o->threads == 0) o->threads = std::max(1, w->cores / w->node.size);
+
+  w->reduce_comm = w->comm.get();
+  if (o->on_gpu && !SelectGpu(w)) return 0;
+#if CPD_WITH_NCCL
+  if (o->comm_kind == "nccl") {
+    auto made = cpd::comm::NcclCommunicator::Create(w->comm.get(), -1);
+    Check(made.status(), "NcclCommunicator::Create");
+    w->nccl = std::move(made).value();
+    w->reduce_comm = w->nccl.get();
+  }
+#else
+  if (o->comm_kind == "nccl") {
+    if (w->rank == 0) std::printf("SKIP: --comm nccl: this build has no NCCL\n");
+    return 0;
+  }
+#endif
+  w->baseline = !o->on_gpu ? "mpi" : o->comm_kind == "nccl" ? "nccl" : "staged";
+  return -1;
+}
+
+void PrintRunHeader(const BenchOptions& o, const BenchWorld& w) {
+  cpd::bench::WarnIfUnoptimised();
+  std::string load = "?";
+  std::ifstream la("/proc/loadavg");
+  std::getline(la, load);
+  std::printf(
+      "# cpd-allreduce-bench: %d ranks (%d on this node, %d cores), %d quantisation "
+      "thread(s) per rank, APS %s, bucket %g MiB, pipeline %d KiB, median of %d after %d "
+      "warm-up\n",
+      w.np, w.node.size, w.cores, o.threads, o.aps.c_str(), o.bucket_mb, o.pipeline_kb, o.iters,
+      o.warmup);
+  if (o.on_gpu) {
+    std::printf(
+        "# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
+        "time / its time\n",
+        w.gpu_name.c_str(),
+        o.comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory", w.baseline);
+  }
+  std::printf("# load average at start: %s\n", load.c_str());
+}
+
+// --model: the machine's parameters, measured before the rows. Two links: the ping-pong's
+// (alpha, beta), and the same alpha with the bandwidth of every rank exchanging at once.
+struct MachineModel {
+  cpd::comm::perf::Link link_pp, link_loaded;
+  cpd::comm::perf::Host host;
+  std::vector<cpd::comm::perf::CodecCost> codec;  // per format (e4m3 without --formats)
+};
+
+MachineModel MeasureMachine(const BenchOptions& o, const BenchWorld& w) {
+  MachineModel m{{}, {}, {w.node.size, w.cores, o.threads}, {}};
+  if (!o.model) return m;
+  if (w.np < 2) Fail("--model needs at least 2 ranks (ping-pong)");
+  m.link_pp = MeasureLink(w.mc, w.rank);
+  m.link_loaded = {m.link_pp.alpha_s, MeasureLoadedBandwidth(w.mc, w.rank, w.np)};
+  for (const std::string& f : o.formats.empty() ? std::vector<std::string>{"e4m3"} : o.formats) {
+    m.codec.push_back(MeasureCodec(w.mc, w.rank, f));
+  }
+  if (w.rank == 0) {
+    const cpd::comm::perf::Host& host = m.host;
+    std::printf(
+        "# model: alpha %.1f us, beta %.1f MB/s (ping-pong 0-1), loaded beta %.1f MB/s "
+        "(all ranks at once); %d rank(s) on %d core(s), %d thread(s): parallelism "
+        "%.2f, overlap %s\n",
+        m.link_pp.alpha_s * 1e6, m.link_pp.beta_bytes_per_s / 1e6,
+        m.link_loaded.beta_bytes_per_s / 1e6, host.ranks, host.cores, host.threads,
+        host.Parallelism(), host.Overlaps() ? "yes" : "no");
+    for (std::size_t i = 0; i < o.formats.size(); ++i) {
+      std::printf(
+          "# model %s, ns/element on one thread: scan %.3f encode %.3f decode+add "
+          "%.3f decode %.3f; float32 add %.3f\n",
+          o.formats[i].c_str(), m.codec[i].scan * 1e9, m.codec[i].encode * 1e9,
+          m.codec[i].decode_add * 1e9, m.codec[i].decode * 1e9, m.codec[i].add * 1e9);
+    }
+  }
+  return m;
+}
+
+void PrintTableHeader(const BenchOptions& o) {
+  std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "size", "count", "format", "algo",
+              "time(us)", "algbw", "busbw", "fp32-busbw", o.on_gpu ? "x_base" : "x_mpi", "relerr",
+              "#wrong");
+  std::printf(o.model ? " %11s %7s %11s %7s\n" : "\n", "pp(us)", "err", "loaded(us)", "err");
+  std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "(B)", "(elems)", "", "", "",
+              "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
+  std::printf(o.model ? " %11s %7s %11s %7s\n" : "\n", "(model)", "(%)", "(model)", "(%)");
+}
+
+// Small integers: every fp32 sum of them is exact.
+float IntValue(size_t i, int r) { return float(int((i * 7 + size_t(r) * 3) % 17) - 8); }
+
+// One size's inputs, the same for every row: N(0, scale^2) floats, different on every rank,
+// with a float64 reference sum, and small integers for counting wrong elements.
+class RowInputs {
+ public:
+  RowInputs(size_t count, double scale, const BenchWorld& w)
+      : count_(count), np_(w.np), mc_(w.mc), x_(count), ref_(count), xi_(count) {
+    std::mt19937_64 rng(1234567u + uint64_t(w.rank));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (auto& v : x_) v = normal(rng) * float(scale);
+    ref_.assign(x_.begin(), x_.end());
+    MPI_Allreduce(MPI_IN_PLACE, ref_.data(), int(count), MPI_DOUBLE, MPI_SUM, mc_);
+    for (double v : ref_) ref2_ += v * v;
+    for (size_t i = 0; i < count; ++i) xi_[i] = IntValue(i, w.rank);
+  }
+
+  const std::vector<float>& x() const { return x_; }
+  const std::vector<float>& xi() const { return xi_; }
+  // ||o - sum|| / ||sum|| against the float64 sum of x.
+  double RelErr(const std::vector<float>& o) const {
+    double e2 = 0.0;
+    for (size_t i = 0; i < count_; ++i) e2 += (double(o[i]) - ref_[i]) * (double(o[i]) - ref_[i]);
+    return ref2_ > 0.0 ? std::sqrt(e2 / ref2_) : 0.0;
+  }
+  // Elements of o that differ from the exact sum of xi, over all ranks (a collective).
+  unsigned long long CountWrong(const std::vector<float>& o) const {
+    size_t wrong = 0;
+    for (size_t i = 0; i < count_; ++i) {
+      float e = 0.0f;
+      for (int r = 0; r < np_; ++r) e += IntValue(i, r);
+      wrong += o[i] != e;
+    }
+    unsigned long long w = wrong, total = 0;
+    MPI_Allreduce(&w, &total, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, mc_);
+    return total;
+  }
+
+ private:
+  size_t count_;
+  int np_;
+  MPI_Comm mc_;
+  std::vector<float> x_;
+  std::vector<double> ref_;
+  double ref2_ = 0.0;
+  std::vector<float> xi_;
+};
+
+// The model's times (s) with the ping-pong and the loaded link, < 0 for none.
+using Predicted = std::pair<double, double>;
+
+// What one row measured.
+struct RowResult {
+  double t = 0;          // seconds
+  double sent = 0;       // bytes this rank sent
+  double err = 0;        // relerr
+  long long wrong = -1;  // -1: not counted
+  Predicted predicted{-1.0, -1.0};
+};
+
+// Rank 0 prints the rows of one size.
+class RowPrinter {
+ public:
+  RowPrinter(const BenchOptions& o, const BenchWorld& w, size_t count)
+      : rank_(w.rank),
+        model_(o.model),
+        count_(count),
+        bytes_(count * sizeof(float)),
+        ring_(2.0 * (w.np - 1) / w.np * double(bytes_)) {}
+
+  // Bytes an fp32 ring all-reduce sends per rank.
+  double ring() const { return ring_; }
+
+  void Print(const char* format, const char* algo, const RowResult& r, double t_mpi) const {
+    if (rank_ != 0) return;
+    char wrong_s[24];
+    if (r.wrong < 0) {
+      std::snprintf(wrong_s, sizeof wrong_s, "-");
+    } else {
+      std::snprintf(wrong_s, sizeof wrong_s, "%lld", r.wrong);
+    }
+    const double t = r.t;
+    std::printf("%10s %10zu %7s %8s %11.1f %8.2f %8.2f %10.2f %7.3f %9.2e %7s",
+                FormatSize(bytes_).c_str(), count_, format, algo, t * 1e6, bytes_ / t / 1e9,
+                r.sent / t / 1e9, ring_ / t / 1e9, t / t_mpi, r.err, wrong_s);
+    if (!model_) {
+      std::printf("\n");
+    } else if (r.predicted.first < 0.0) {
+      std::printf(" %11s %7s %11s %7s\n", "-", "-", "-", "-");
+    } else {
+      std::printf(" %11.1f %+7.1f %11.1f %+7.1f\n", r.predicted.first * 1e6,
+                  (r.predicted.first - t) / t * 100.0, r.predicted.second * 1e6,
+                  (r.predicted.second - t) / t * 100.0);
+    }
+    std::fflush(stdout);
+  }
+
+ private:
+  int rank_;
+  bool model_;
+  size_t count_;
+  size_t bytes_;
+  double ring_;
+};
+
+// The baseline's float32 all-reduce of `src` into mem->out(): MPI_Allreduce on host buffers; on
+// the GPU ncclAllReduce (in place on mem->in(), so src is copied there first) or staged through
+// the host (`staged`, count floats).
+void BaselineAllReduce(const BenchOptions& o, const BenchWorld& w, size_t count,
+                       GradientMemory* mem, std::vector<float>* staged, float* src) {
+  if (!o.on_gpu) {
+    MPI_Allreduce(src, mem->out(), int(count), MPI_FLOAT, MPI_SUM, w.mc);
+  } else if (w.reduce_comm != w.comm.get()) {
+    mem->RestoreInput();  // ncclAllReduce works in place on mem.in()
+    Check(w.reduce_comm->AllReduce(mem->in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
+  } else {
+    mem->Download(staged, src);
+    MPI_Allreduce(MPI_IN_PLACE, staged->data(), int(count), MPI_FLOAT, MPI_SUM, w.mc);
+    mem->Upload(mem->out(), *staged);
+  }
+  mem->Wait();
+}
+
+// The baseline row (float32: MPI_Allreduce, NCCL or staged); prints it and returns its time.
+// Leaves mem->x() holding the inputs.
+double RunBaselineRow(const BenchOptions& o, const BenchWorld& w, const MachineModel& m,
+                      const RowInputs& in, const RowPrinter& printer, GradientMemory* mem) {
+  const size_t count = in.x().size();
+  std::vector<float> out(count);
+  std::vector<float> staged(o.on_gpu ? count : 0);
+  const bool in_place = w.in_place_baseline(o);
+  RowResult r;
+  r.t = TimeIt(w.mc, o.warmup, o.iters, [&](bool) {
+    if (in_place) mem->RestoreInput();
+    mem->Wait();
+    MPI_Barrier(w.mc);
+    const double t0 = MPI_Wtime();
+    if (in_place) {
+      Check(w.reduce_comm->AllReduce(mem->in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
+      mem->Wait();
+    } else {
+      BaselineAllReduce(o, w, count, mem, &staged, mem->x());
+    }
+    return MPI_Wtime() - t0;
+  });
+  auto result = [&]() -> const float* { return in_place ? mem->in() : mem->out(); };
+  mem->Download(&out, result());
+  r.err = in.RelErr(out);
+  mem->Upload(mem->x(), in.xi());
+  BaselineAllReduce(o, w, count, mem, &staged, mem->x());
+  mem->Download(&out, result());
+  mem->Upload(mem->x(), in.x());
+  if (o.model) {
+    const cpd::comm::perf::Case c{w.np, count, 32, false, false, 0};
+    r.predicted = {
+        cpd::comm::perf::PredictFp32Ring(c, m.link_pp, m.codec.front(), m.host).total,
+        cpd::comm::perf::PredictFp32Ring(c, m.link_loaded, m.codec.front(), m.host).total};
+  }
+  r.sent = printer.ring();
+  r.wrong = (long long)in.CountWrong(out);
+  printer.Print("fp32", w.baseline, r, r.t);
+  return r.t;
+}
+
+// --model: the packed algorithm's time for each of the reducer's buckets, summed.
+Predicted PredictPackedRow(const BenchWorld& w, const MachineModel& m,
+                           const cpd::comm::perf::CodecCost& codec,
+                           const GradientAllReduceOptions& opts, const GradientAllReducer& r) {
+  Predicted predicted{0.0, 0.0};
+  const int bits = cpd::Format::Parse(opts.format)->bits();
+  for (const cpd::comm::GradientBucket& bucket : r.buckets()) {
+    const std::size_t n = bucket.end - bucket.begin;
+    const cpd::comm::perf::Case c{w.np,
+                                  n,
+                                  bits,
+                                  opts.aps,
+                                  cpd::comm::UsesApsSumScaling(opts),
+                                  cpd::comm::perf::PipelineRounds(n, w.np, bits, opts.pipeline_kb)};
+    predicted.first += cpd::comm::perf::PredictPacked(c, m.link_pp, codec, m.host).total;
+    predicted.second += cpd::comm::perf::PredictPacked(c, m.link_loaded, codec, m.host).total;
+  }
+  return predicted;
+}
+
+// One reducer row: `algo` on format formats[fi] (fp32: no format), timed on mem's inputs.
+void RunReducerRow(const BenchOptions& o, const BenchWorld& w, const MachineModel& m,
+                   const RowInputs& in, const RowPrinter& printer, GradientMemory* mem,
+                   AllReduceAlgo algo, const std::string& f, std::size_t fi, double t_mpi) {
+  const size_t count = in.x().size();
+  GradientLayout layout;
+  layout.layer_names = {"grad"};
+  layout.offsets = {0, count};
+  GradientAllReduceOptions opts;
+  opts.algo = algo;
+  opts.format = algo == AllReduceAlgo::kFp32 ? "e4m3" : f;
+  opts.aps = o.aps == "on";
+  opts.bucket_mb = o.bucket_mb;
+  opts.threads = o.threads;
+  opts.pipeline_kb = o.pipeline_kb;
+  if (o.on_gpu) opts.gradients = cpd::comm::MemorySpace::kDevice;
+  auto red = GradientAllReducer::Create(w.reduce_comm, opts, layout, 1);
+  Check(red.status(), "GradientAllReducer::Create");
+  GradientAllReducer& r = *red.value();
+  float* ptrs[1] = {mem->in()};
+  RowResult row;
+  // The inputs may serve as scratch: restore them (untimed) before every run.
+  row.t = TimeIt(w.mc, o.warmup, o.iters, [&](bool) {
+    mem->RestoreInput();
+    mem->Wait();
+    MPI_Barrier(w.mc);
+    const double t0 = MPI_Wtime();
+    Check(r.Reduce(ptrs, mem->out(), 0), "Reduce");
+    mem->Wait();
+    return MPI_Wtime() - t0;
+  });
+  row.sent = double(r.last_bytes_sent());
+  std::vector<float> out(count);
+  mem->Download(&out, mem->out());
+  row.err = in.RelErr(out);
+  if (algo == AllReduceAlgo::kFp32) {
+    mem->Upload(mem->in(), in.xi());
+    Check(r.Reduce(ptrs, mem->out(), 0), "Reduce");
+    mem->Download(&out, mem->out());
+    row.wrong = (long long)in.CountWrong(out);
+  }
+  if (o.model && algo == AllReduceAlgo::kPacked) {
+    row.predicted = PredictPackedRow(w, m, m.codec[fi], opts, r);
+  }
+  printer.Print(algo == AllReduceAlgo::kFp32 ? "fp32" : f.c_str(),
+                cpd::comm::AllReduceAlgoName(algo), row, t_mpi);
+}
+
+// Every row of one size: the baseline, then each algorithm on each format (fp32 once).
+void RunSize(const BenchOptions& o, const BenchWorld& w, const MachineModel& m, size_t count) {
+  const RowInputs in(count, o.scale, w);
+  const RowPrinter printer(o, w, count);
+  GradientMemory mem(o.on_gpu);
+  mem.Resize(count);
+  mem.Upload(mem.x(), in.x());
+  const double t_mpi = RunBaselineRow(o, w, m, in, printer, &mem);
+  for (AllReduceAlgo algo : o.algos) {
+    const std::vector<std::string> fmts =
+        algo == AllReduceAlgo::kFp32 ? std::vector<std::string>{"fp32"} : o.formats;
+    for (std::size_t fi = 0; fi < fmts.size(); ++fi) {
+      RunReducerRow(o, w, m, in, printer, &mem, algo, fmts[fi], fi, t_mpi);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cpd-allreduce-bench: quantised gradient all-reduce vs MPI_Allreduce (fp32), "
+      "same buffers, same run. Run under mpirun."};
+  BenchOptions o;
+  AddOptions(&app, &o);
   try {
     app.parse(argc, argv);
   } catch (const CLI::Success& e) {  // --help
@@ -456,386 +977,17 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return Usage("cpd-allreduce-bench: %s\n", e.what());
   }
-  if (project) {
-    const std::vector<ProjectionModel> models = ParseProjectionModels(project_models);
-    std::vector<double> gbits;
-    std::vector<int> ranks;
-    try {
-      for (const std::string& g : cpd::bench::SplitList(project_gbits))
-        gbits.push_back(std::stod(g));
-      for (const std::string& p : cpd::bench::SplitList(project_ranks))
-        ranks.push_back(std::stoi(p));
-    } catch (const std::exception&) {
-      gbits.clear();
-    }
-    const bool ok_lists = !models.empty() && !gbits.empty() && !ranks.empty() &&
-                          std::all_of(gbits.begin(), gbits.end(), [](double g) { return g > 0; }) &&
-                          std::all_of(ranks.begin(), ranks.end(), [](int p) { return p >= 2; });
-    if (!ok_lists || !(project_alpha_us >= 0) || !(project_mem_gbs > 0) || !(bucket_mb > 0)) {
-      return Usage(
-          "cpd-allreduce-bench: --project needs --project-models NAME:PARAMS:STEP_MS,... "
-          "(PARAMS >= 1, STEP_MS >= 0), --project-gbits > 0, --project-ranks >= 2, "
-          "--project-alpha-us >= 0, --project-mem-gbs > 0, --bucket-mb > 0\n");
-    }
-    PrintProjection(models, gbits, ranks, project_alpha_us, project_mem_gbs, bucket_mb);
-    return 0;
-  }
+  if (o.project) return RunProjection(o);
+  if (int status = ValidateOptions(app, &o); status != 0) return status;
 
-  const size_t min_b = ParseSize(minbytes), max_b = ParseSize(maxbytes);
-  if (min_b < 4 || max_b < min_b) {
-    return Usage(
-        "cpd-allreduce-bench: bad -b/-e '%s'/'%s' (need 4 <= min <= max, e.g. "
-        "-b 8 -e 64M)\n",
-        minbytes.c_str(), maxbytes.c_str());
-  }
-  if (max_b > MaxBenchBytes()) {
-    return Usage(
-        "cpd-allreduce-bench: -e %s is not accepted: at most %s (4 GiB, or an eighth of "
-        "this machine's memory: each rank holds several buffers of this size)\n",
-        maxbytes.c_str(), FormatSize(MaxBenchBytes()).c_str());
-  }
-  if (!(bucket_mb > 0) || !(bucket_mb <= cpd::comm::kMaxBucketMb)) {
-    return Usage(
-        "cpd-allreduce-bench: --bucket-mb %g is not accepted: a number of MiB > 0 and "
-        "<= %g\n",
-        bucket_mb, cpd::comm::kMaxBucketMb);
-  }
-  if (app.count("--pipeline-kb") > 0 &&
-      (pipeline_kb < 0 || pipeline_kb > cpd::comm::kMaxPipelineKb)) {
-    return Usage(
-        "cpd-allreduce-bench: --pipeline-kb %d is not accepted: 0 (sequential) or "
-        "1..%d KiB of codes per round\n",
-        pipeline_kb, cpd::comm::kMaxPipelineKb);
-  }
-  if (!(stepfactor > 1.0)) {
-    return Usage("cpd-allreduce-bench: -f must be > 1, got %g\n", stepfactor);
-  }
-  if (aps != "on" && aps != "off") {
-    return Usage("cpd-allreduce-bench: --aps must be on or off, got '%s'\n", aps.c_str());
-  }
-  if (pipeline_kb < 0) pipeline_kb = GradientAllReduceOptions{}.pipeline_kb;
-  if (iters < 1 || warmup < 0 || threads < 0 || !(scale > 0.0) || !std::isfinite(scale)) {
-    return Usage(
-        "cpd-allreduce-bench: need --iters >= 1, --warmup >= 0, --threads >= 0, "
-        "--scale > 0\n");
-  }
-  if (device != "cpu" && device != "cuda") {
-    return Usage("cpd-allreduce-bench: --device must be cpu or cuda, got '%s'\n", device.c_str());
-  }
-  if (comm_kind != "mpi" && comm_kind != "nccl") {
-    return Usage("cpd-allreduce-bench: --comm must be mpi or nccl, got '%s'\n", comm_kind.c_str());
-  }
-  if (comm_kind == "nccl" && device != "cuda") {
-    return Usage("cpd-allreduce-bench: --comm nccl needs --device cuda\n");
-  }
-  const bool on_gpu = device == "cuda";
-  if (model && on_gpu) {
-    return Usage(
-        "cpd-allreduce-bench: --model predicts host gradients only (not "
-        "--device cuda)\n");
-  }
-  std::vector<AllReduceAlgo> algos;
-  for (const std::string& a : cpd::bench::SplitList(algos_list)) {
-    auto parsed = cpd::comm::ParseAllReduceAlgo(a);
-    if (!parsed.ok()) {
-      return Usage("cpd-allreduce-bench: --algos: %s\n", parsed.status().ToString().c_str());
-    }
-    algos.push_back(parsed.value());
-  }
-  const std::vector<std::string> formats = cpd::bench::SplitList(formats_list);
-  for (const std::string& f : formats) {
-    auto parsed = cpd::Format::Parse(f);
-    if (!parsed.ok()) {
-      return Usage("cpd-allreduce-bench: --formats: %s\n", parsed.status().ToString().c_str());
-    }
-  }
-
-  auto created = cpd::comm::MpiCommunicator::Create();
-  if (!created.ok()) {
-    std::fprintf(stderr, "cpd-allreduce-bench: %s\n", created.status().ToString().c_str());
-    return 1;
-  }
-  std::unique_ptr<cpd::comm::MpiCommunicator> comm = std::move(created).value();
-  const int rank = comm->rank(), np = comm->size();
-  const MPI_Comm mc = comm->mpi_comm();
-  const NodeRanks node = LocalRanks();
-  const int local = node.size;
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  if (threads == 0) threads = std::max(1, cores / local);
-
-  // --device cuda: this rank's GPU, and the communicator the reducer and the baseline use.
-  cpd::comm::Communicator* reduce_comm = comm.get();
-  std::string gpu_name;
-  if (on_gpu) {
-    int gpu_ok = 1;
-#if CPD_WITH_CUDA
-    int gpus = 0;
-    if (!cpd::CudaDeviceAvailable() || cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 1) {
-      gpu_ok = 0;
-    }
-#else
-    gpu_ok = 0;
-#endif
-    MPI_Allreduce(MPI_IN_PLACE, &gpu_ok, 1, MPI_INT, MPI_MIN, mc);
-    if (!gpu_ok) {
-      if (rank == 0) {
-        std::printf("SKIP: --device cuda: %s\n",
-                    CPD_WITH_CUDA ? "no CUDA device on some rank" : "this build has no CUDA");
-      }
-      return 0;
-    }
-#if CPD_WITH_CUDA
-    if (cudaSetDevice(node.rank % gpus) != cudaSuccess) Fail("cudaSetDevice failed");
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, node.rank % gpus) == cudaSuccess) gpu_name = prop.name;
-#endif
-  }
-#if CPD_WITH_NCCL
-  std::unique_ptr<cpd::comm::NcclCommunicator> nccl;
-  if (comm_kind == "nccl") {
-    auto made = cpd::comm::NcclCommunicator::Create(comm.get(), -1);
-    Check(made.status(), "NcclCommunicator::Create");
-    nccl = std::move(made).value();
-    reduce_comm = nccl.get();
-  }
-#else
-  if (comm_kind == "nccl") {
-    if (rank == 0) std::printf("SKIP: --comm nccl: this build has no NCCL\n");
-    return 0;
-  }
-#endif
-  const char* baseline = !on_gpu ? "mpi" : comm_kind == "nccl" ? "nccl" : "staged";
-
-  if (rank == 0) {
-    cpd::bench::WarnIfUnoptimised();
-    std::string load = "?";
-    std::ifstream la("/proc/loadavg");
-    std::getline(la, load);
-    std::printf(
-        "# cpd-allreduce-bench: %d ranks (%d on this node, %d cores), %d quantisation "
-        "thread(s) per rank, APS %s, bucket %g MiB, pipeline %d KiB, median of %d after %d "
-        "warm-up\n",
-        np, local, cores, threads, aps.c_str(), bucket_mb, pipeline_kb, iters, warmup);
-    if (on_gpu) {
-      std::printf(
-          "# gradients on the GPU (%s), transport %s; baseline '%s' (float32), x_base = "
-          "time / its time\n",
-          gpu_name.c_str(),
-          comm_kind == "nccl" ? "NCCL" : "MPI, packed bytes through pinned memory", baseline);
-    }
-    std::printf("# load average at start: %s\n", load.c_str());
-  }
-  // --model: the machine's parameters, measured before the rows. Two links: the ping-pong's
-  // (alpha, beta), and the same alpha with the bandwidth of every rank exchanging at once.
-  cpd::comm::perf::Link link_pp, link_loaded;
-  const cpd::comm::perf::Host host{local, cores, threads};
-  std::vector<cpd::comm::perf::CodecCost> codec;
-  if (model) {
-    if (np < 2) Fail("--model needs at least 2 ranks (ping-pong)");
-    link_pp = MeasureLink(mc, rank);
-    link_loaded = {link_pp.alpha_s, MeasureLoadedBandwidth(mc, rank, np)};
-    for (const std::string& f : formats.empty() ? std::vector<std::string>{"e4m3"} : formats) {
-      codec.push_back(MeasureCodec(mc, rank, f));
-    }
-    if (rank == 0) {
-      std::printf(
-          "# model: alpha %.1f us, beta %.1f MB/s (ping-pong 0-1), loaded beta %.1f MB/s "
-          "(all ranks at once); %d rank(s) on %d core(s), %d thread(s): parallelism "
-          "%.2f, overlap %s\n",
-          link_pp.alpha_s * 1e6, link_pp.beta_bytes_per_s / 1e6, link_loaded.beta_bytes_per_s / 1e6,
-          host.ranks, host.cores, host.threads, host.Parallelism(), host.Overlaps() ? "yes" : "no");
-      for (std::size_t i = 0; i < formats.size(); ++i) {
-        std::printf(
-            "# model %s, ns/element on one thread: scan %.3f encode %.3f decode+add "
-            "%.3f decode %.3f; float32 add %.3f\n",
-            formats[i].c_str(), codec[i].scan * 1e9, codec[i].encode * 1e9,
-            codec[i].decode_add * 1e9, codec[i].decode * 1e9, codec[i].add * 1e9);
-      }
-    }
-  }
-  if (rank == 0) {
-    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "size", "count", "format",
-                "algo", "time(us)", "algbw", "busbw", "fp32-busbw", on_gpu ? "x_base" : "x_mpi",
-                "relerr", "#wrong");
-    std::printf(model ? " %11s %7s %11s %7s\n" : "\n", "pp(us)", "err", "loaded(us)", "err");
-    std::printf("%10s %10s %7s %8s %11s %8s %8s %10s %7s %9s %7s", "(B)", "(elems)", "", "", "",
-                "(GB/s)", "(GB/s)", "(GB/s)", "", "", "");
-    std::printf(model ? " %11s %7s %11s %7s\n" : "\n", "(model)", "(%)", "(model)", "(%)");
-  }
-
-  for (double size_d = double(min_b); size_d <= double(max_b) * 1.0000001; size_d *= stepfactor) {
-    const size_t count = std::max<size_t>(1, size_t(size_d) / sizeof(float));
-    const size_t bytes = count * sizeof(float);
-    // N(0, 1) inputs, different on every rank; a float64 reference sum of them.
-    std::vector<float> x(count), out(count);
-    std::mt19937_64 rng(1234567u + uint64_t(rank));
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (auto& v : x) v = normal(rng) * float(scale);
-    std::vector<double> ref(x.begin(), x.end());
-    MPI_Allreduce(MPI_IN_PLACE, ref.data(), int(count), MPI_DOUBLE, MPI_SUM, mc);
-    double ref2 = 0.0;
-    for (double v : ref) ref2 += v * v;
-    auto relerr = [&](const std::vector<float>& o) {
-      double e2 = 0.0;
-      for (size_t i = 0; i < count; ++i) e2 += (double(o[i]) - ref[i]) * (double(o[i]) - ref[i]);
-      return ref2 > 0.0 ? std::sqrt(e2 / ref2) : 0.0;
-    };
-    // Small integers: every fp32 sum is exact.
-    std::vector<float> xi(count);
-    auto int_value = [](size_t i, int r) { return float(int((i * 7 + size_t(r) * 3) % 17) - 8); };
-    for (size_t i = 0; i < count; ++i) xi[i] = int_value(i, rank);
-    auto count_wrong = [&](const std::vector<float>& o) {
-      size_t wrong = 0;
-      for (size_t i = 0; i < count; ++i) {
-        float e = 0.0f;
-        for (int r = 0; r < np; ++r) e += int_value(i, r);
-        wrong += o[i] != e;
-      }
-      unsigned long long w = wrong, total = 0;
-      MPI_Allreduce(&w, &total, 1, MPI_UNSIGNED_LONG_LONG, MPI_SUM, mc);
-      return total;
-    };
-    const double ring = 2.0 * (np - 1) / np * double(bytes);
-
-    // predicted: the model's times (s) with the ping-pong and the loaded link, < 0 for none.
-    using Predicted = std::pair<double, double>;
-    auto print = [&](const char* format, const char* algo, double t, double sent, double err,
-                     long long wrong, double t_mpi, Predicted predicted) {
-      if (rank != 0) return;
-      char wrong_s[24];
-      if (wrong < 0) {
-        std::snprintf(wrong_s, sizeof wrong_s, "-");
-      } else {
-        std::snprintf(wrong_s, sizeof wrong_s, "%lld", wrong);
-      }
-      std::printf("%10s %10zu %7s %8s %11.1f %8.2f %8.2f %10.2f %7.3f %9.2e %7s",
-                  FormatSize(bytes).c_str(), count, format, algo, t * 1e6, bytes / t / 1e9,
-                  sent / t / 1e9, ring / t / 1e9, t / t_mpi, err, wrong_s);
-      if (!model) {
-        std::printf("\n");
-      } else if (predicted.first < 0.0) {
-        std::printf(" %11s %7s %11s %7s\n", "-", "-", "-", "-");
-      } else {
-        std::printf(" %11.1f %+7.1f %11.1f %+7.1f\n", predicted.first * 1e6,
-                    (predicted.first - t) / t * 100.0, predicted.second * 1e6,
-                    (predicted.second - t) / t * 100.0);
-      }
-      std::fflush(stdout);
-    };
-
-    GradientMemory mem(on_gpu);
-    mem.Resize(count);
-    mem.Upload(mem.x(), x);
-    // The baseline's float32 all-reduce of `src` into mem.out(): MPI_Allreduce on host buffers;
-    // on the GPU ncclAllReduce (in place, so src is copied first) or staged through the host.
-    std::vector<float> staged(on_gpu ? count : 0);
-    auto baseline_allreduce = [&](float* src) {
-      if (!on_gpu) {
-        MPI_Allreduce(src, mem.out(), int(count), MPI_FLOAT, MPI_SUM, mc);
-      } else if (reduce_comm != comm.get()) {
-        mem.RestoreInput();  // ncclAllReduce works in place on mem.in()
-        Check(reduce_comm->AllReduce(mem.in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
-      } else {
-        mem.Download(&staged, src);
-        MPI_Allreduce(MPI_IN_PLACE, staged.data(), int(count), MPI_FLOAT, MPI_SUM, mc);
-        mem.Upload(mem.out(), staged);
-      }
-      mem.Wait();
-    };
-    const bool in_place_baseline = on_gpu && reduce_comm != comm.get();
-    const double t_mpi = TimeIt(mc, warmup, iters, [&](bool) {
-      if (in_place_baseline) mem.RestoreInput();
-      mem.Wait();
-      MPI_Barrier(mc);
-      const double t0 = MPI_Wtime();
-      if (in_place_baseline) {
-        Check(reduce_comm->AllReduce(mem.in(), count, cpd::comm::ReduceOp::kSum), "AllReduce");
-        mem.Wait();
-      } else {
-        baseline_allreduce(mem.x());
-      }
-      return MPI_Wtime() - t0;
-    });
-    auto baseline_result = [&]() -> const float* {
-      return in_place_baseline ? mem.in() : mem.out();
-    };
-    mem.Download(&out, baseline_result());
-    const double err_mpi = relerr(out);
-    mem.Upload(mem.x(), xi);
-    baseline_allreduce(mem.x());
-    mem.Download(&out, baseline_result());
-    mem.Upload(mem.x(), x);
-    Predicted predicted_mpi{-1.0, -1.0};
-    if (model) {
-      const cpd::comm::perf::Case c{np, count, 32, false, false, 0};
-      predicted_mpi = {cpd::comm::perf::PredictFp32Ring(c, link_pp, codec.front(), host).total,
-                       cpd::comm::perf::PredictFp32Ring(c, link_loaded, codec.front(), host).total};
-    }
-    print("fp32", baseline, t_mpi, ring, err_mpi, (long long)count_wrong(out), t_mpi,
-          predicted_mpi);
-
-    GradientLayout layout;
-    layout.layer_names = {"grad"};
-    layout.offsets = {0, count};
-    for (AllReduceAlgo algo : algos) {
-      const std::vector<std::string> fmts =
-          algo == AllReduceAlgo::kFp32 ? std::vector<std::string>{"fp32"} : formats;
-      for (std::size_t fi = 0; fi < fmts.size(); ++fi) {
-        const std::string& f = fmts[fi];
-        GradientAllReduceOptions opts;
-        opts.algo = algo;
-        opts.format = algo == AllReduceAlgo::kFp32 ? "e4m3" : f;
-        opts.aps = aps == "on";
-        opts.bucket_mb = bucket_mb;
-        opts.threads = threads;
-        opts.pipeline_kb = pipeline_kb;
-        if (on_gpu) opts.gradients = cpd::comm::MemorySpace::kDevice;
-        auto red = GradientAllReducer::Create(reduce_comm, opts, layout, 1);
-        Check(red.status(), "GradientAllReducer::Create");
-        GradientAllReducer& r = *red.value();
-        float* ptrs[1] = {mem.in()};
-        // The inputs may serve as scratch: restore them (untimed) before every run.
-        const double t = TimeIt(mc, warmup, iters, [&](bool) {
-          mem.RestoreInput();
-          mem.Wait();
-          MPI_Barrier(mc);
-          const double t0 = MPI_Wtime();
-          Check(r.Reduce(ptrs, mem.out(), 0), "Reduce");
-          mem.Wait();
-          return MPI_Wtime() - t0;
-        });
-        const double sent = double(r.last_bytes_sent());
-        mem.Download(&out, mem.out());
-        const double err = relerr(out);
-        long long wrong = -1;
-        if (algo == AllReduceAlgo::kFp32) {
-          mem.Upload(mem.in(), xi);
-          Check(r.Reduce(ptrs, mem.out(), 0), "Reduce");
-          mem.Download(&out, mem.out());
-          wrong = (long long)count_wrong(out);
-        }
-        Predicted predicted{-1.0, -1.0};
-        if (model && algo == AllReduceAlgo::kPacked) {
-          predicted = {0.0, 0.0};
-          const int bits = cpd::Format::Parse(f)->bits();
-          for (const cpd::comm::GradientBucket& bucket : r.buckets()) {
-            const std::size_t n = bucket.end - bucket.begin;
-            const cpd::comm::perf::Case c{
-                np,
-                n,
-                bits,
-                opts.aps,
-                cpd::comm::UsesApsSumScaling(opts),
-                cpd::comm::perf::PipelineRounds(n, np, bits, opts.pipeline_kb)};
-            predicted.first += cpd::comm::perf::PredictPacked(c, link_pp, codec[fi], host).total;
-            predicted.second +=
-                cpd::comm::perf::PredictPacked(c, link_loaded, codec[fi], host).total;
-          }
-        }
-        print(algo == AllReduceAlgo::kFp32 ? "fp32" : f.c_str(), cpd::comm::AllReduceAlgoName(algo),
-              t, sent, err, wrong, t_mpi, predicted);
-      }
-    }
+  BenchWorld w;
+  if (int status = SetUpWorld(&o, &w); status >= 0) return status;
+  if (w.rank == 0) PrintRunHeader(o, w);
+  const MachineModel m = MeasureMachine(o, w);
+  if (w.rank == 0) PrintTableHeader(o);
+  for (double size_d = double(o.min_b); size_d <= double(o.max_b) * 1.0000001;
+       size_d *= o.stepfactor) {
+    RunSize(o, w, m, std::max<size_t>(1, size_t(size_d) / sizeof(float)));
   }
   return 0;
 }

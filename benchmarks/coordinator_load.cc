@@ -219,34 +219,41 @@ double Percentile(std::vector<float>& v, double p) {
   return v[k];
 }
 
-Row RunRow(const Options& o, const std::string& name, int layers, const std::string& address,
-           pid_t pid, const std::string& dir) {
-  Row row;
-  row.name = name;
-  row.layers = layers;
-  const int ranks = o.workers / o.jobs;
-  const int nchan = o.channels > 0 ? o.channels : o.jobs;
+// The driver's gRPC connections to the coordinator: nchan channels, jobs spread over them.
+struct Clients {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   std::vector<std::unique_ptr<cpd::v1::WorkerService::Stub>> stubs;
   std::vector<std::unique_ptr<grpc::GenericStub>> generic;
-  for (int c = 0; c < nchan; ++c) {
+};
+
+Clients Connect(const std::string& address, int nchan) {
+  Clients c;
+  for (int i = 0; i < nchan; ++i) {
     grpc::ChannelArguments args;
     // Each channel its own connection, like separate jobs' workers.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    args.SetInt("cpd.load.channel", c);
-    channels.push_back(
+    args.SetInt("cpd.load.channel", i);
+    c.channels.push_back(
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
-    stubs.push_back(cpd::v1::WorkerService::NewStub(channels.back()));
-    generic.push_back(std::make_unique<grpc::GenericStub>(channels.back()));
+    c.stubs.push_back(cpd::v1::WorkerService::NewStub(c.channels.back()));
+    c.generic.push_back(std::make_unique<grpc::GenericStub>(c.channels.back()));
   }
-  auto context = [&](int ms) {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
-    if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
-    return ctx;
-  };
+  return c;
+}
 
-  // Register the jobs and build each worker's report template.
+// A context for one blocking call: its deadline and the token.
+std::unique_ptr<grpc::ClientContext> CallContext(const Options& o, int ms) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+  if (!o.token.empty()) ctx->AddMetadata("authorization", "Bearer " + o.token);
+  return ctx;
+}
+
+// Registers o.jobs jobs of `layers` layers, named after the row and this process; their ids.
+std::vector<int64_t> RegisterJobs(const Options& o, const std::string& name, int layers,
+                                  const Clients& clients) {
+  const int ranks = o.workers / o.jobs;
+  const size_t nchan = clients.stubs.size();
   std::vector<int64_t> job_ids(size_t(o.jobs));
   const std::string prefix = "load-" + name + "-" + std::to_string(getpid()) + "-";
   for (int j = 0; j < o.jobs; ++j) {
@@ -264,130 +271,170 @@ Row RunRow(const Options& o, const std::string& name, int layers, const std::str
     f->set_site(cpd::v1::SITE_W);
     f->set_spec("e4m3");
     cpd::v1::RegisterJobResponse resp;
-    grpc::Status s = stubs[size_t(j % nchan)]->RegisterJob(context(30000).get(), req, &resp);
+    grpc::Status s =
+        clients.stubs[size_t(j) % nchan]->RegisterJob(CallContext(o, 30000).get(), req, &resp);
     if (!s.ok()) Fail("RegisterJob: " + s.error_message());
     job_ids[size_t(j)] = resp.job_id();
   }
+  return job_ids;
+}
+
+// The report of worker `w` without step and time_ms: its job, rank and `layers` layer rows.
+cpd::v1::StatsReport FixedReport(const std::vector<int64_t>& job_ids, int ranks, int w,
+                                 int layers) {
+  cpd::v1::StatsReport r;
+  r.set_job_id(job_ids[size_t(w / ranks)]);
+  r.set_rank(w % ranks);
+  r.set_epoch(1);
+  r.set_loss(0.5);
+  r.set_lr(0.05);
+  r.set_bits(6);
+  r.set_schedule_version(1);
+  r.set_images_per_s(5000);
+  r.set_ranks_alive(ranks);
+  r.set_train_accuracy(-1);
+  r.set_test_accuracy(-1);
+  for (int l = 0; l < layers; ++l) {
+    auto* s = r.add_layers();
+    s->set_layer("layer" + std::to_string(l));
+    s->set_site(cpd::v1::Site(1 + l % 4));
+    s->set_format("e4m3");
+    s->set_bits(8);
+    s->set_aps_shift(l % 5);
+    s->set_max_abs(0.25 * (1 + l));
+    s->set_saturated(1e-4 * l);
+    s->set_flushed(1e-3);
+    s->set_rel_error(0.031 + 1e-4 * l);
+    s->set_flips(uint64_t(l));
+  }
+  return r;
+}
+
+// Fails unless ReportBytes of `fixed` (r serialized) parses as r with a step and time_ms: the
+// concatenation is the message a client would send.
+void CheckReportBytes(cpd::v1::StatsReport r, const std::string& fixed) {
+  r.set_step(7);
+  r.set_time_ms(8);
+  std::vector<grpc::Slice> sl;
+  if (!ReportBytes(fixed, 7, 8).Dump(&sl).ok()) Fail("ByteBuffer::Dump");
+  std::string bytes;
+  for (const auto& x : sl) bytes.append(reinterpret_cast<const char*>(x.begin()), x.size());
+  cpd::v1::StatsReport back;
+  if (!back.ParseFromString(bytes) || back.SerializeAsString() != r.SerializeAsString()) {
+    Fail("the pre-serialized report does not parse back to the intended message");
+  }
+}
+
+// Every worker's serialized fixed report (ReportBytes appends each call's step and time).
+std::vector<std::string> FixedReports(const Options& o, const std::vector<int64_t>& job_ids,
+                                      int layers) {
+  const int ranks = o.workers / o.jobs;
   std::vector<std::string> fixed(size_t(o.workers));
   for (int w = 0; w < o.workers; ++w) {
-    cpd::v1::StatsReport r;
-    r.set_job_id(job_ids[size_t(w / ranks)]);
-    r.set_rank(w % ranks);
-    r.set_epoch(1);
-    r.set_loss(0.5);
-    r.set_lr(0.05);
-    r.set_bits(6);
-    r.set_schedule_version(1);
-    r.set_images_per_s(5000);
-    r.set_ranks_alive(ranks);
-    r.set_train_accuracy(-1);
-    r.set_test_accuracy(-1);
-    for (int l = 0; l < layers; ++l) {
-      auto* s = r.add_layers();
-      s->set_layer("layer" + std::to_string(l));
-      s->set_site(cpd::v1::Site(1 + l % 4));
-      s->set_format("e4m3");
-      s->set_bits(8);
-      s->set_aps_shift(l % 5);
-      s->set_max_abs(0.25 * (1 + l));
-      s->set_saturated(1e-4 * l);
-      s->set_flushed(1e-3);
-      s->set_rel_error(0.031 + 1e-4 * l);
-      s->set_flips(uint64_t(l));
-    }
+    const cpd::v1::StatsReport r = FixedReport(job_ids, ranks, w, layers);
     fixed[size_t(w)] = r.SerializeAsString();
-    if (w == 0) {  // the concatenation is the message a client would send
-      r.set_step(7);
-      r.set_time_ms(8);
-      std::vector<grpc::Slice> sl;
-      if (!ReportBytes(fixed[0], 7, 8).Dump(&sl).ok()) Fail("ByteBuffer::Dump");
-      std::string bytes;
-      for (const auto& x : sl) bytes.append(reinterpret_cast<const char*>(x.begin()), x.size());
-      cpd::v1::StatsReport back;
-      if (!back.ParseFromString(bytes) || back.SerializeAsString() != r.SerializeAsString()) {
-        Fail("the pre-serialized report does not parse back to the intended message");
-      }
-    }
+    if (w == 0) CheckReportBytes(r, fixed[0]);
   }
+  return fixed;
+}
 
-  // Event n goes to worker n % W at t0 + n / (W * hz): every worker at hz, evenly staggered.
-  const uint64_t per_second = uint64_t(std::llround(double(o.workers) * o.hz));
-  const uint64_t warm_events = uint64_t(std::llround(o.warmup * double(per_second)));
-  const uint64_t total = warm_events + uint64_t(std::llround(o.seconds * double(per_second)));
-  std::vector<float> latency(total, -1.0f);
+// The load's schedule: event n goes to worker n % W at t0 + n / (W * hz), every worker at hz,
+// evenly staggered; the first `warm` events are the warm-up.
+struct Schedule {
+  uint64_t per_second = 0, warm = 0, total = 0;
+};
+
+Schedule MakeSchedule(const Options& o) {
+  Schedule s;
+  s.per_second = uint64_t(std::llround(double(o.workers) * o.hz));
+  s.warm = uint64_t(std::llround(o.warmup * double(s.per_second)));
+  s.total = s.warm + uint64_t(std::llround(o.seconds * double(s.per_second)));
+  return s;
+}
+
+// What the senders and the calls' callbacks record, shared by them.
+struct LoadCounters {
+  explicit LoadCounters(uint64_t total) : latency(total, -1.0f) {}
+  std::vector<float> latency;  // ms per event, -1 where the call failed
   std::atomic<uint64_t> ok{0}, errors{0}, completed{0};
   std::mutex err_mu;
   std::string first_error;
   std::mutex done_mu;
   std::condition_variable done_cv;
-
-  const double cpu0 = pid > 0 ? ProcCpuSeconds(pid) : -1;
-  const double self0 = SelfCpuSeconds();
-  const Clock::time_point t0 = Clock::now() + std::chrono::milliseconds(100);
-  std::atomic<uint64_t> late{0};
+  std::atomic<uint64_t> late{0};  // sends more than 5 ms after their time
   std::atomic<int64_t> max_lag_us{0};
-  auto sender = [&](int tid) {
-    for (uint64_t n = uint64_t(tid); n < total; n += uint64_t(o.threads)) {
-      const auto when =
-          t0 + std::chrono::nanoseconds(int64_t(1e9 * double(n) / double(per_second)));
-      std::this_thread::sleep_until(when);
-      const int64_t lag =
-          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - when).count();
-      if (lag > 5000) late.fetch_add(1);
-      int64_t prev = max_lag_us.load();
-      while (lag > prev && !max_lag_us.compare_exchange_weak(prev, lag)) {
-      }
-      const size_t w = size_t(n % uint64_t(o.workers));
-      auto* call = new Call;
-      call->req = ReportBytes(fixed[w], int64_t(n / uint64_t(o.workers)), int64_t(n));
-      call->index = size_t(n);
-      call->ctx.set_deadline(std::chrono::system_clock::now() +
-                             std::chrono::milliseconds(o.deadline_ms));
-      if (!o.token.empty()) call->ctx.AddMetadata("authorization", "Bearer " + o.token);
-      call->start = Clock::now();
-      const size_t job = w / size_t(ranks);
-      generic[job % size_t(nchan)]->UnaryCall(
-          &call->ctx, "/cpd.v1.WorkerService/ReportStats", grpc::StubOptions(), &call->req,
-          &call->resp, [&, call](grpc::Status s) {
-            const auto end = Clock::now();
-            if (s.ok()) {
-              latency[call->index] =
-                  float(std::chrono::duration<double, std::milli>(end - call->start).count());
-              ok.fetch_add(1);
-            } else {
-              errors.fetch_add(1);
-              std::lock_guard<std::mutex> l(err_mu);
-              if (first_error.empty()) {
-                first_error = std::to_string(int(s.error_code())) + " " + s.error_message();
-              }
-            }
-            delete call;
-            if (completed.fetch_add(1) + 1 == total) {
-              std::lock_guard<std::mutex> l(done_mu);
-              done_cv.notify_all();
-            }
-          });
+};
+
+// Sender `tid` of o.threads: sleeps until each of its events' time and starts its call.
+void SendEvents(const Options& o, const Schedule& sched, const std::vector<std::string>& fixed,
+                const Clients& clients, Clock::time_point t0, int tid, LoadCounters* c) {
+  const int ranks = o.workers / o.jobs;
+  const size_t nchan = clients.generic.size();
+  const uint64_t total = sched.total;
+  for (uint64_t n = uint64_t(tid); n < total; n += uint64_t(o.threads)) {
+    const auto when =
+        t0 + std::chrono::nanoseconds(int64_t(1e9 * double(n) / double(sched.per_second)));
+    std::this_thread::sleep_until(when);
+    const int64_t lag =
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - when).count();
+    if (lag > 5000) c->late.fetch_add(1);
+    int64_t prev = c->max_lag_us.load();
+    while (lag > prev && !c->max_lag_us.compare_exchange_weak(prev, lag)) {
     }
-  };
+    const size_t w = size_t(n % uint64_t(o.workers));
+    auto* call = new Call;
+    call->req = ReportBytes(fixed[w], int64_t(n / uint64_t(o.workers)), int64_t(n));
+    call->index = size_t(n);
+    call->ctx.set_deadline(std::chrono::system_clock::now() +
+                           std::chrono::milliseconds(o.deadline_ms));
+    if (!o.token.empty()) call->ctx.AddMetadata("authorization", "Bearer " + o.token);
+    call->start = Clock::now();
+    const size_t job = w / size_t(ranks);
+    clients.generic[job % nchan]->UnaryCall(
+        &call->ctx, "/cpd.v1.WorkerService/ReportStats", grpc::StubOptions(), &call->req,
+        &call->resp, [c, call, total](grpc::Status s) {
+          const auto end = Clock::now();
+          if (s.ok()) {
+            c->latency[call->index] =
+                float(std::chrono::duration<double, std::milli>(end - call->start).count());
+            c->ok.fetch_add(1);
+          } else {
+            c->errors.fetch_add(1);
+            std::lock_guard<std::mutex> l(c->err_mu);
+            if (c->first_error.empty()) {
+              c->first_error = std::to_string(int(s.error_code())) + " " + s.error_message();
+            }
+          }
+          delete call;
+          if (c->completed.fetch_add(1) + 1 == total) {
+            std::lock_guard<std::mutex> l(c->done_mu);
+            c->done_cv.notify_all();
+          }
+        });
+  }
+}
+
+// Runs the senders from t0 on and waits for every call's answer (or fails).
+void RunLoad(const Options& o, const Schedule& sched, const std::vector<std::string>& fixed,
+             const Clients& clients, Clock::time_point t0, LoadCounters* c) {
   std::vector<std::thread> threads;
-  for (int t = 0; t < o.threads; ++t) threads.emplace_back(sender, t);
+  for (int t = 0; t < o.threads; ++t) {
+    threads.emplace_back([&, t] { SendEvents(o, sched, fixed, clients, t0, t, c); });
+  }
   for (auto& t : threads) t.join();
   {
-    std::unique_lock<std::mutex> l(done_mu);
-    done_cv.wait_for(l, std::chrono::milliseconds(o.deadline_ms + 30000),
-                     [&] { return completed.load() == total; });
+    std::unique_lock<std::mutex> l(c->done_mu);
+    c->done_cv.wait_for(l, std::chrono::milliseconds(o.deadline_ms + 30000),
+                        [&] { return c->completed.load() == sched.total; });
   }
-  if (completed.load() != total) Fail("calls did not complete within their deadline");
-  row.driver_cpu = SelfCpuSeconds() - self0;
-  row.late = late.load();
-  row.max_lag_ms = double(max_lag_us.load()) / 1000.0;
-  row.sent = total;
-  row.ok = ok.load();
-  row.errors = errors.load();
-  row.first_error = first_error;
+  if (c->completed.load() != sched.total) Fail("calls did not complete within their deadline");
+}
 
-  // Stored: polled until it reaches the acknowledged count or stops moving for 5 s.
-  auto op = cpd::v1::OperatorService::NewStub(channels[0]);
+// The reports the coordinator has stored for the jobs, polled until it reaches `acknowledged` or
+// stops moving for 5 s (2 minutes at most).
+uint64_t PollStored(const Options& o, const Clients& clients, const std::vector<int64_t>& job_ids,
+                    uint64_t acknowledged) {
+  auto op = cpd::v1::OperatorService::NewStub(clients.channels[0]);
   uint64_t stored = 0, last = UINT64_MAX;
   auto still = Clock::now();
   const auto deadline = Clock::now() + std::chrono::seconds(120);
@@ -397,11 +444,11 @@ Row RunRow(const Options& o, const std::string& name, int layers, const std::str
       cpd::v1::JobRef ref;
       ref.set_job_id(id);
       cpd::v1::JobStatusResponse st;
-      grpc::Status s = op->JobStatus(context(30000).get(), ref, &st);
+      grpc::Status s = op->JobStatus(CallContext(o, 30000).get(), ref, &st);
       if (!s.ok()) Fail("JobStatus: " + s.error_message());
       stored += st.reports_stored();
     }
-    if (stored == row.ok) break;
+    if (stored == acknowledged) break;
     if (stored != last) {
       last = stored;
       still = Clock::now();
@@ -410,24 +457,122 @@ Row RunRow(const Options& o, const std::string& name, int layers, const std::str
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  row.stored = stored;
+  return stored;
+}
+
+// The latencies of the measured (not warm-up) calls that succeeded: max, p50, p99.
+void SetLatencies(const std::vector<float>& latency, uint64_t warm, Row* row) {
+  std::vector<float> measured;
+  measured.reserve(latency.size());
+  for (uint64_t n = warm; n < latency.size(); ++n) {
+    if (latency[n] >= 0) measured.push_back(latency[n]);
+  }
+  if (!measured.empty()) {
+    row->max = *std::max_element(measured.begin(), measured.end());
+    row->p50 = Percentile(measured, 0.50);
+    row->p99 = Percentile(measured, 0.99);
+  }
+}
+
+// One row: registers the jobs, sends the load, reads back what was stored and, where this
+// program started the coordinator (pid > 0), its CPU time, peak RSS and database size.
+Row RunRow(const Options& o, const std::string& name, int layers, const std::string& address,
+           pid_t pid, const std::string& dir) {
+  Row row;
+  row.name = name;
+  row.layers = layers;
+  const Clients clients = Connect(address, o.channels > 0 ? o.channels : o.jobs);
+  const std::vector<int64_t> job_ids = RegisterJobs(o, name, layers, clients);
+  const std::vector<std::string> fixed = FixedReports(o, job_ids, layers);
+  const Schedule sched = MakeSchedule(o);
+  LoadCounters counters(sched.total);
+
+  const double cpu0 = pid > 0 ? ProcCpuSeconds(pid) : -1;
+  const double self0 = SelfCpuSeconds();
+  RunLoad(o, sched, fixed, clients, Clock::now() + std::chrono::milliseconds(100), &counters);
+  row.driver_cpu = SelfCpuSeconds() - self0;
+  row.late = counters.late.load();
+  row.max_lag_ms = double(counters.max_lag_us.load()) / 1000.0;
+  row.sent = sched.total;
+  row.ok = counters.ok.load();
+  row.errors = counters.errors.load();
+  row.first_error = counters.first_error;
+
+  row.stored = PollStored(o, clients, job_ids, row.ok);
   if (pid > 0) {
     row.cpu = ProcCpuSeconds(pid) - cpu0;
     row.rss_peak = ProcStatusMiB(pid, "VmHWM:");
     row.db_mib = DirMiB(dir);
   }
-
-  std::vector<float> measured;
-  measured.reserve(total);
-  for (uint64_t n = warm_events; n < total; ++n) {
-    if (latency[n] >= 0) measured.push_back(latency[n]);
-  }
-  if (!measured.empty()) {
-    row.max = *std::max_element(measured.begin(), measured.end());
-    row.p50 = Percentile(measured, 0.50);
-    row.p99 = Percentile(measured, 0.99);
-  }
+  SetLatencies(counters.latency, sched.warm, &row);
   return row;
+}
+
+// A row against a coordinator of its own, started on a temporary database and stopped after
+// the row (its stderr shown when it did not exit cleanly).
+Row RunRowOnOwnCoordinator(const Options& o, const std::string& name, int layers) {
+  char tmpl[] = "/tmp/cpd_coord_load_XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  if (dir == nullptr) Fail(std::string("mkdtemp: ") + std::strerror(errno));
+  Row r;
+  {
+    Spawned c(o.coordinator_bin, o.coordinator_args, dir);
+    r = RunRow(o, name, layers, c.address(), c.pid(), dir);
+    r.clean_exit = c.Stop();
+  }
+  if (!r.clean_exit) {
+    std::ifstream in(std::string(dir) + "/stderr");
+    std::fprintf(stderr, "%s: the coordinator's stderr:\n%s\n", kTool,
+                 std::string(std::istreambuf_iterator<char>(in), {}).c_str());
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  return r;
+}
+
+// The table and a note per row; false when a row lost reports, saw errors or its coordinator
+// did not exit cleanly.
+bool PrintRows(const Options& o, const std::vector<Row>& rows) {
+  const double base_p99 = o.baseline ? rows.front().p99 : 0;
+  std::printf("%-9s %7s %6s %7s %5s %9s %9s %9s %7s %7s %7s %8s %7s %7s %8s\n", "row", "workers",
+              "layers", "rate/s", "secs", "sent", "ok", "stored", "p50_ms", "p99_ms", "max_ms",
+              "rss_MiB", "cpu_s", "db_MiB", "p99/base");
+  for (const Row& r : rows) {
+    char ratio[32] = "-";
+    if (base_p99 > 0) std::snprintf(ratio, sizeof(ratio), "%.2f", r.p99 / base_p99);
+    auto num = [](double v, const char* fmt) {
+      char b[32];
+      if (v < 0) return std::string("-");
+      std::snprintf(b, sizeof(b), fmt, v);
+      return std::string(b);
+    };
+    std::printf("%-9s %7d %6d %7.0f %5.0f %9llu %9llu %9llu %7.2f %7.2f %7.1f %8s %7s %7s %8s\n",
+                r.name.c_str(), o.workers, r.layers, double(o.workers) * o.hz, o.seconds,
+                static_cast<unsigned long long>(r.sent), static_cast<unsigned long long>(r.ok),
+                static_cast<unsigned long long>(r.stored), r.p50, r.p99, r.max,
+                num(r.rss_peak, "%.1f").c_str(), num(r.cpu, "%.1f").c_str(),
+                num(r.db_mib, "%.0f").c_str(), ratio);
+  }
+  bool good = true;
+  for (const Row& r : rows) {
+    std::printf("# %s: driver CPU %.1f s, %llu sends > 5 ms late (max lag %.1f ms)%s%s%s\n",
+                r.name.c_str(), r.driver_cpu, static_cast<unsigned long long>(r.late), r.max_lag_ms,
+                r.errors > 0 ? ", first error: " : "", r.first_error.c_str(),
+                r.clean_exit ? "" : "; the coordinator did NOT exit cleanly");
+    if (r.stored != r.ok && !o.coordinator_args.empty()) {
+      std::printf(
+          "# %s: %llu acknowledged, %llu stored: --coordinator-args may set retention, "
+          "which deletes reports by design\n",
+          r.name.c_str(), static_cast<unsigned long long>(r.ok),
+          static_cast<unsigned long long>(r.stored));
+    } else if (r.stored != r.ok) {
+      std::printf("# %s: MISMATCH: %llu acknowledged, %llu stored\n", r.name.c_str(),
+                  static_cast<unsigned long long>(r.ok), static_cast<unsigned long long>(r.stored));
+      good = false;
+    }
+    good = good && r.clean_exit && r.errors == 0;
+  }
+  return good;
 }
 
 }  // namespace
@@ -508,68 +653,11 @@ int main(int argc, char** argv) {
   if (o.baseline) plan.push_back({"baseline", 0});
   plan.push_back({"layers", o.layers});
   for (const auto& [name, layers] : plan) {
-    if (o.coordinator.empty()) {
-      char tmpl[] = "/tmp/cpd_coord_load_XXXXXX";
-      const char* dir = mkdtemp(tmpl);
-      if (dir == nullptr) Fail(std::string("mkdtemp: ") + std::strerror(errno));
-      Row r;
-      {
-        Spawned c(o.coordinator_bin, o.coordinator_args, dir);
-        r = RunRow(o, name, layers, c.address(), c.pid(), dir);
-        r.clean_exit = c.Stop();
-      }
-      if (!r.clean_exit) {
-        std::ifstream in(std::string(dir) + "/stderr");
-        std::fprintf(stderr, "%s: the coordinator's stderr:\n%s\n", kTool,
-                     std::string(std::istreambuf_iterator<char>(in), {}).c_str());
-      }
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-      rows.push_back(r);
-    } else {
-      rows.push_back(RunRow(o, name, layers, o.coordinator, -1, ""));
-    }
+    rows.push_back(o.coordinator.empty() ? RunRowOnOwnCoordinator(o, name, layers)
+                                         : RunRow(o, name, layers, o.coordinator, -1, ""));
   }
 
-  const double base_p99 = o.baseline ? rows.front().p99 : 0;
-  std::printf("%-9s %7s %6s %7s %5s %9s %9s %9s %7s %7s %7s %8s %7s %7s %8s\n", "row", "workers",
-              "layers", "rate/s", "secs", "sent", "ok", "stored", "p50_ms", "p99_ms", "max_ms",
-              "rss_MiB", "cpu_s", "db_MiB", "p99/base");
-  for (const Row& r : rows) {
-    char ratio[32] = "-";
-    if (base_p99 > 0) std::snprintf(ratio, sizeof(ratio), "%.2f", r.p99 / base_p99);
-    auto num = [](double v, const char* fmt) {
-      char b[32];
-      if (v < 0) return std::string("-");
-      std::snprintf(b, sizeof(b), fmt, v);
-      return std::string(b);
-    };
-    std::printf("%-9s %7d %6d %7.0f %5.0f %9llu %9llu %9llu %7.2f %7.2f %7.1f %8s %7s %7s %8s\n",
-                r.name.c_str(), o.workers, r.layers, double(o.workers) * o.hz, o.seconds,
-                static_cast<unsigned long long>(r.sent), static_cast<unsigned long long>(r.ok),
-                static_cast<unsigned long long>(r.stored), r.p50, r.p99, r.max,
-                num(r.rss_peak, "%.1f").c_str(), num(r.cpu, "%.1f").c_str(),
-                num(r.db_mib, "%.0f").c_str(), ratio);
-  }
-  bool good = true;
-  for (const Row& r : rows) {
-    std::printf("# %s: driver CPU %.1f s, %llu sends > 5 ms late (max lag %.1f ms)%s%s%s\n",
-                r.name.c_str(), r.driver_cpu, static_cast<unsigned long long>(r.late), r.max_lag_ms,
-                r.errors > 0 ? ", first error: " : "", r.first_error.c_str(),
-                r.clean_exit ? "" : "; the coordinator did NOT exit cleanly");
-    if (r.stored != r.ok && !o.coordinator_args.empty()) {
-      std::printf(
-          "# %s: %llu acknowledged, %llu stored: --coordinator-args may set retention, "
-          "which deletes reports by design\n",
-          r.name.c_str(), static_cast<unsigned long long>(r.ok),
-          static_cast<unsigned long long>(r.stored));
-    } else if (r.stored != r.ok) {
-      std::printf("# %s: MISMATCH: %llu acknowledged, %llu stored\n", r.name.c_str(),
-                  static_cast<unsigned long long>(r.ok), static_cast<unsigned long long>(r.stored));
-      good = false;
-    }
-    good = good && r.clean_exit && r.errors == 0;
-  }
+  const bool good = PrintRows(o, rows);
   std::printf("# loadavg at the end: %s\n", LoadAvg().c_str());
   return good ? 0 : 1;
 }

@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
   CLI::App* cand = app.add_subcommand(
       "candidates",
       "List the candidate formats of a data-format search (per-binade lists under an exact code "
-      "budget; the rules are in cpd/candidates.h and the README)");
+      "budget; the rules are in cpd/candidates.h and docs/formats.md)");
   cand->add_option("--bits", bits_list, "Comma-separated widths, each 2..16")
       ->capture_default_str();
   cand->add_flag("--specs", specs_only, "Print only the specs, one per line");

@@ -247,7 +247,7 @@ TEST_P(PropertyTest, NanIsCanonicalAndQuantisingTwiceChangesNoBit) {
   // A binades list without a NaN code makes NaN +max, in the top binade that room >= 1 keeps
   // empty; quantised again, that value moves the shift up one binade, and where the next binade
   // has fewer mantissa bits (fixed point, some hybrids) the values change by a step. A documented
-  // property of such lists (README), not of the other formats: only they skip the second check.
+  // property of such lists (docs/formats.md), not of the other formats: only they skip the second check.
   const std::vector<int> m = f.binade_mbits();
   const bool nan_moves_shift = f.family() == FormatFamily::kBinades && f.shift_rule().offset >= 1 &&
                                m.size() > 1 && m[0] > m[1];

@@ -887,7 +887,7 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_NE(md.find(cell), std::string::npos) << md;
   EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"), std::string::npos)
       << md;
-  // Issue 26 item 14: --reference's difference is in summary.md too, as the README says: e4m3
+  // Issue 26 item 14: --reference's difference is in summary.md too, as docs/cpd-study.md says: e4m3
   // is the reference (+0.00), e5m2's mean (0.014 + 0.3 + 0.6) / 3 is 49.53 points below it.
   EXPECT_NE(md.find("| vs ref |"), std::string::npos) << md;
   EXPECT_NE(md.find(" | +0.00 | "), std::string::npos) << md;

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks that every relative link in the repository's Markdown files resolves.
+"""Checks that every relative link in the repository's Markdown files resolves, and that their
+headings nest.
 
 For each tracked *.md file (git ls-files), every inline link or image `[text](target)`,
 `[text](target#anchor)` and every reference definition `[label]: target` must name a file or
@@ -10,9 +11,14 @@ dropped, spaces turned into '-', repeated headings numbered -1, -2, ...; an anch
 that is not Markdown is not checked. Links with a scheme (http:, https:, mailto:, ...) are
 skipped, and so is everything inside fenced code blocks and inline code spans.
 
+Headings (ATX, outside fenced code): a page has exactly one H1, its first heading, and no
+heading is more than one level deeper than the one before it (an H2 then an H4 skips a level),
+so that a page's outline and its table of contents read as a tree.
+
 Run from anywhere (ctest: test `markdown_links`); the repository is the folder above scripts/.
-Prints one line per broken link, `FILE:LINE: broken link 'TARGET' (REASON)`, and exits 1 when
-there is one; else prints a one-line summary and exits 0. Standard library only.
+Prints one line per problem, `FILE:LINE: broken link 'TARGET' (REASON)` or
+`FILE:LINE: heading ...`, and exits 1 when there is one; else prints a one-line summary and
+exits 0. Standard library only.
 """
 
 import os
@@ -239,6 +245,30 @@ def markdown_files(root):
         return sorted(found)
 
 
+def heading_problems(text):
+    """(line, problem) for each heading that breaks the nesting rules above."""
+    problems = []
+    previous = 0
+    h1_lines = []
+    for i, line in enumerate(mask_fences(text).split("\n")):
+        match = ATX_HEADING_RE.match(line)
+        if not match:
+            continue
+        level = len(match.group(1))
+        if level == 1:
+            h1_lines.append(i + 1)
+        if previous == 0 and level != 1:
+            problems.append((i + 1, "heading: the first heading is H%d, not the page's H1" % level))
+        elif previous and level > previous + 1:
+            problems.append((i + 1, "heading: H%d follows H%d (a level skipped)" % (level, previous)))
+        previous = level
+    for extra in h1_lines[1:]:
+        problems.append((extra, "heading: a second H1 (a page has one title)"))
+    if previous == 0:
+        problems.append((1, "heading: the page has no H1 title"))
+    return problems
+
+
 def main():
     # The repository is the folder above this script's, wherever it is run from.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,6 +279,9 @@ def main():
         md_path = os.path.join(root, relative)
         with open(md_path, encoding="utf-8") as f:
             text = f.read()
+        for line, problem in heading_problems(text):
+            broken += 1
+            print("%s:%d: %s" % (relative, line, problem))
         masked = mask_code(text)
         found = list(find_inline_links(masked))
         found += [(m.start(2), m.group(2).strip("<>")) for m in REFERENCE_DEF_RE.finditer(masked)]
@@ -262,10 +295,11 @@ def main():
                 line = masked.count("\n", 0, offset) + 1
                 print("%s:%d: broken link '%s' (%s)" % (relative, line, target, reason))
     if broken:
-        print("check_links: %d of %d relative links broken in %d Markdown files" %
-              (broken, links, len(files)))
+        print("check_links: %d problem(s) (broken links or headings) in %d Markdown files, "
+              "%d relative links" % (broken, len(files), links))
         return 1
-    print("check_links: %d links in %d Markdown files, all resolve" % (links, len(files)))
+    print("check_links: %d links in %d Markdown files, all resolve; headings nest" %
+          (links, len(files)))
     return 0
 
 

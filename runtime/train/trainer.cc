@@ -22,6 +22,7 @@
 #include "runtime/train/cost_plan.h"
 #include "runtime/train/data.h"
 #include "runtime/train/evaluate.h"
+#include "runtime/train/gradient_buffers.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
 #include "runtime/train/workers.h"
@@ -112,7 +113,7 @@ class Trainer {
   Status BuildReducer();
   Result<comm::GradientAllReduceOptions> ReducerOptionsFor(const PrecisionConfig& pc) const;
   Status RebuildReducerIfChanged();
-  Result<comm::Communicator*> AllReduceCommunicator(bool device_gradients);
+  Result<comm::Communicator*> AllReduceCommunicator();
   Result<bool> RanksShareAGpu();
   Status BuildOutputs();
   Status ResumeOrStart();
@@ -140,7 +141,7 @@ class Trainer {
   Dataset train_, test_;
   std::unique_ptr<Sequential> model_;
   std::vector<Layer*> quant_layers_;
-  Tensor flat_gradients_;  // on a GPU: every parameter's gradient, as views
+  std::unique_ptr<GradientBuffers> gradients_;  // every Param::grad, and the reducer's inputs
   std::unique_ptr<BatchIterator> iterator_;
   PrecisionConfig precision_;  // the policy in force
   std::unique_ptr<SiteQuantizer> quant_;
@@ -256,9 +257,9 @@ Status Trainer::BuildNetwork() {
         std::to_string(train_.height) + ", " + std::to_string(train_.classes) + ")");
   }
   CPD_ASSIGN_OR_RETURN(model_, BuildModel(o_.arch, in_ch, size, classes, o_.seed));
-  if (device_ != Device::kCpu && !o_.print_model) {
-    MoveToDevice(model_.get(), device_);
-    flat_gradients_ = UseFlatGradients(model_.get(), device_);
+  if (!o_.print_model) {
+    if (device_ != Device::kCpu) MoveToDevice(model_.get(), device_);
+    gradients_ = std::make_unique<GradientBuffers>(model_->Params(), device_);
   }
   for (Layer* l : model_->Flatten()) {
     if (l->Quantizable()) quant_layers_.push_back(l);
@@ -381,7 +382,8 @@ Status Trainer::BuildReducer() {
   const bool device_gradients =
       device_ == Device::kCuda && o_.device_gradients && comm::DeviceGradientsSupported();
   allreduce_.gradients = device_gradients ? comm::MemorySpace::kDevice : comm::MemorySpace::kHost;
-  CPD_ASSIGN_OR_RETURN(reduce_comm_, AllReduceCommunicator(device_gradients));
+  gradients_->PlaceReducerInputs(allreduce_.gradients, group_.local_workers);
+  CPD_ASSIGN_OR_RETURN(reduce_comm_, AllReduceCommunicator());
   layout_ = LayoutOf(model_->Params());
   for (Layer* l : model_->Flatten()) {
     if (std::string(l->kind()) == "BatchNorm") batchnorm_layers_.push_back(l->name());
@@ -391,8 +393,8 @@ Status Trainer::BuildReducer() {
                                                                   group_.local_workers));
   reducer_rules_ = precision_.allreduce_layers;
   workers_ =
-      std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_, flat_gradients_,
-                                     device_gradients, o_.debug_nan_step, o_.debug_nan_steps);
+      std::make_unique<LocalWorkers>(model_.get(), quant_.get(), device_, group_, gradients_.get(),
+                                     o_.debug_nan_step, o_.debug_nan_steps);
   return Status::Ok();
 }
 
@@ -448,10 +450,10 @@ Result<bool> Trainer::RanksShareAGpu() {
 
 // The run's own communicator, or NCCL (AllReduceComm). Collective: whether every rank keeps its
 // gradients on a GPU is agreed on, so that all ranks choose alike.
-Result<comm::Communicator*> Trainer::AllReduceCommunicator(bool device_gradients) {
+Result<comm::Communicator*> Trainer::AllReduceCommunicator() {
   if (o_.allreduce_comm == AllReduceComm::kWorld) return comm_;
   const bool want = o_.allreduce_comm == AllReduceComm::kNccl;
-  int32_t host_somewhere = device_gradients ? 0 : 1;
+  int32_t host_somewhere = gradients_->reducer_memory() == comm::MemorySpace::kHost ? 1 : 0;
   CPD_RETURN_IF_ERROR(comm_->AllReduce(&host_somewhere, 1, comm::ReduceOp::kMax));
   if (!CPD_WITH_NCCL || host_somewhere != 0) {
     if (!want) return comm_;
@@ -650,7 +652,7 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   const bool measure = o_.measure_error_every > 0 && step_ % o_.measure_error_every == 0;
   workers_->set_loss_scale(scaler_.scale());
   const BatchTotals local = workers_->ForwardBackward(x, y, step_, collect);
-  CPD_RETURN_IF_ERROR(reducer_->Reduce(workers_->gradients(), workers_->sum(), step_, measure));
+  CPD_RETURN_IF_ERROR(reducer_->Reduce(gradients_->inputs(), gradients_->sum(), step_, measure));
   const double lr = lr_.At(step_);
   const bool skipped = reducer_->last_nonfinite();  // NaN/Inf on some rank: skip everywhere
   const float scale = scaler_.scale();
@@ -659,7 +661,7 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
     ++result_.skipped_steps;
     reporter_->StepSkipped(step_, scale, scaler_.scale());
   } else {
-    workers_->LoadAveragedGradients();
+    gradients_->LoadAverage(group_.workers, scale);
     optimizer_->Step(lr);
   }
   if (workers_->averages_buffers()) {

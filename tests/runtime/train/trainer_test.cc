@@ -810,8 +810,8 @@ TEST(TrainerEmulatedRanks, NonFiniteGradientSkipsTheStep) {
 }
 
 // Loss scaling (issue 26 item 16). In float32 a power-of-two scale multiplies every gradient
-// exactly and LoadAveragedGradients divides it out exactly: the run is the unscaled one, bit for
-// bit (the scale reaches every layer, and nothing but the division removes it).
+// exactly and GradientBuffers::LoadAverage divides it out exactly: the run is the unscaled one,
+// bit for bit (the scale reaches every layer, and nothing but the division removes it).
 TEST(TrainerLossScale, PowerOfTwoScaleInFp32IsBitIdenticalToNone) {
   TrainOptions o = SmallRun();
   o.max_steps = 30;

@@ -1,7 +1,7 @@
 // The layers of runtime/nn/layers.h that own parameters (Linear, Conv2d, BatchNorm), their
-// initialisation and MoveToDevice, and the checks every layer shares (runtime/nn/layers_internal.h).
-// The parameter-free layers and the loss are in layers_parameter_free.cc, the composites in
-// layers_composite.cc.
+// initialisation and MoveToDevice, and the checks every layer shares
+// (runtime/nn/layers_internal.h). The parameter-free layers and the loss are in
+// layers_parameter_free.cc, the composites in layers_composite.cc.
 #include "runtime/nn/layers.h"
 
 #include <algorithm>
@@ -56,16 +56,11 @@ std::string FormatFloat(double v) {
   return buf;
 }
 
-}  // namespace internal
-
-using internal::FormatFloat;
-using internal::Misfit;
-using internal::RequireDevice;
-using internal::RequireReady;
-using internal::RequireShape;
-using internal::Where;
-
-namespace {
+void RequireCpu(const Layer& layer, const Tensor& t) {
+  if (t.device() == Device::kCuda) {
+    throw std::invalid_argument(Where(layer) + ": not yet implemented on the GPU");
+  }
+}
 
 // A hook may rewrite a tensor's values, not its shape or device.
 void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>& shape,
@@ -76,21 +71,28 @@ void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>
   }
 }
 
-// The quantisation sites shared by Linear and Conv2d. Without hooks each returns its input.
-// A and W: the input and weight forward uses (x_q and w_q are the layer's workspaces).
-std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, const Tensor& x,
-                                       const Tensor& w_master, Tensor* x_q, Tensor* w_q) {
-  if (hooks == nullptr) return {x, w_master};
+Tensor ActivationSite(const Layer& layer, QuantHooks* hooks, const Tensor& x, Tensor* x_q) {
+  if (hooks == nullptr) return x;
   ResizeOn(x_q, x.shape(), x.device());
   hooks->QuantizeActivation(layer, x, x_q);
   CheckHooked(layer, *x_q, x.shape(), x.device(), "activation");
+  return *x_q;
+}
+
+Tensor WeightSite(const Layer& layer, QuantHooks* hooks, const Tensor& w_master, Tensor* w_q) {
+  if (hooks == nullptr) return w_master;
   ResizeOn(w_q, w_master.shape(), w_master.device());
   hooks->QuantizeWeight(layer, w_master, w_q);
   CheckHooked(layer, *w_q, w_master.shape(), w_master.device(), "weight");
-  return {*x_q, *w_q};
+  return *w_q;
 }
 
-// E: the error backward uses.
+std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, const Tensor& x,
+                                       const Tensor& w_master, Tensor* x_q, Tensor* w_q) {
+  const Tensor xin = ActivationSite(layer, hooks, x, x_q);
+  return {xin, WeightSite(layer, hooks, w_master, w_q)};
+}
+
 Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor* dy_q) {
   if (hooks == nullptr) return dy;
   ResizeOn(dy_q, dy.shape(), dy.device());
@@ -99,7 +101,6 @@ Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor
   return *dy_q;
 }
 
-// G: the freshly computed weight gradient, in place.
 void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw) {
   if (hooks == nullptr) return;
   const std::vector<int64_t> shape = dw->shape();
@@ -117,7 +118,6 @@ Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight
   return p;
 }
 
-// Leaf layers' records: one row.
 std::vector<int64_t> TraceLeaf(ShapedLayer* layer, const std::vector<int64_t>& in,
                                std::vector<LayerShapeRecord>* out) {
   LayerShapeRecord r;
@@ -129,13 +129,37 @@ std::vector<int64_t> TraceLeaf(ShapedLayer* layer, const std::vector<int64_t>& i
   return r.output;
 }
 
-}  // namespace
+}  // namespace internal
+
+using internal::ErrorSite;
+using internal::FormatFloat;
+using internal::ForwardSites;
+using internal::MakeParam;
+using internal::Misfit;
+using internal::RequireDevice;
+using internal::RequireReady;
+using internal::RequireShape;
+using internal::TraceLeaf;
+using internal::WeightGradSite;
+using internal::Where;
 
 void FillUniform(Tensor* t, float bound, std::mt19937_64* gen) {
   float* d = t->data();
   for (size_t i = 0; i < t->numel(); ++i) {
     const double u = double((*gen)() >> 40) * 0x1p-24;  // [0, 1) on a 2^-24 grid
     d[i] = float((2.0 * u - 1.0) * double(bound));
+  }
+}
+
+void FillNormal(Tensor* t, float std, std::mt19937_64* gen) {
+  float* d = t->data();
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  for (size_t i = 0; i < t->numel(); i += 2) {
+    const double u1 = double(((*gen)() >> 40) + 1) * 0x1p-24;  // (0, 1]: log is finite
+    const double u2 = double((*gen)() >> 40) * 0x1p-24;
+    const double r = std::sqrt(-2.0 * std::log(u1));
+    d[i] = float(r * std::cos(kTwoPi * u2) * double(std));
+    if (i + 1 < t->numel()) d[i + 1] = float(r * std::sin(kTwoPi * u2) * double(std));
   }
 }
 
@@ -178,32 +202,53 @@ Linear::Linear(std::string name, int64_t in, int64_t out, bool bias, uint64_t se
   }
 }
 
+Linear::Linear(std::string name, Param* tied_weight)
+    : ShapedLayer(std::move(name)), in_(0), out_(0), has_bias_(false), tied_(tied_weight) {
+  if (tied_ == nullptr || tied_->value.ndim() != 2) {
+    throw std::invalid_argument(this->name() +
+                                " (Linear): a tied weight must be a matrix [out, in]");
+  }
+  out_ = tied_->value.dim(0);
+  in_ = tied_->value.dim(1);
+}
+
 std::string Linear::Describe() const {
   return "Linear(" + std::to_string(in_) + " -> " + std::to_string(out_) +
-         (has_bias_ ? ", bias)" : ", no bias)");
+         (tied_ != nullptr ? ", no bias, weight tied to " + tied_->name + ")"
+          : has_bias_      ? ", bias)"
+                           : ", no bias)");
 }
 
 std::vector<int64_t> Linear::OutputShape(const std::vector<int64_t>& in) const {
-  if (in.size() != 2 || in[1] != in_) Misfit(*this, in, "[N, " + std::to_string(in_) + "]");
-  return {in[0], out_};
+  if (in.size() < 2 || in.back() != in_) {
+    Misfit(*this, in, "[N, " + std::to_string(in_) + "] or [N, ..., " + std::to_string(in_) + "]");
+  }
+  std::vector<int64_t> out = in;
+  out.back() = out_;
+  return out;
 }
 
 double Linear::ForwardMacs(const std::vector<int64_t>& in) const {
-  return double(OutputShape(in)[0]) * double(in_) * double(out_);
+  const std::vector<int64_t> out = OutputShape(in);
+  return double(NumelOf(out) / size_t(out_)) * double(in_) * double(out_);
 }
 
 std::vector<Param*> Linear::Params() {
+  if (tied_ != nullptr) return {};  // the owner of the tied weight lists it
   if (has_bias_) return {&weight_, &bias_};
   return {&weight_};
 }
 
 Tensor Linear::Forward(const Tensor& x, bool train) {
-  const Device dev = weight_.value.device();
+  Param& weight = this->weight();
+  const Device dev = weight.value.device();
   RequireDevice(*this, x, "the input", dev);
   const std::vector<int64_t> out_shape = OutputShape(x.shape());
-  const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
+  const auto [xin, w] = ForwardSites(*this, hooks_, x, weight.value, &x_q_, &w_q_);
   ResizeOn(&y_, out_shape, dev);
-  CPD_DISPATCH(dev, LinearForward(x.dim(0), in_, out_, xin.data(), w.data(),
+  // Leading dimensions flatten into rows: [B, T, in] is the matrix [B * T, in].
+  const int64_t rows = int64_t(x.numel() / size_t(in_));
+  CPD_DISPATCH(dev, LinearForward(rows, in_, out_, xin.data(), w.data(),
                                   has_bias_ ? bias_.value.data() : nullptr, y_.data()));
   ready_ = train;
   x_saved_ = train ? xin : Tensor();
@@ -213,18 +258,19 @@ Tensor Linear::Forward(const Tensor& x, bool train) {
 
 Tensor Linear::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  const int64_t n = x_saved_.dim(0);
+  const int64_t n = int64_t(x_saved_.numel() / size_t(in_));
   const Device dev = x_saved_.device();
-  RequireShape(*this, dy, {n, out_}, dev);
+  RequireShape(*this, dy, OutputShape(x_saved_.shape()), dev);
   const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
   ResizeOn(&dw_, {out_, in_}, dev);
   if (has_bias_) ResizeOn(&db_, {out_}, dev);
-  ResizeOn(&dx_, {n, in_}, dev);
+  ResizeOn(&dx_, x_saved_.shape(), dev);
   CPD_DISPATCH(dev, LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(),
                                    dx_.data(), dw_.data(), has_bias_ ? db_.data() : nullptr));
   WeightGradSite(*this, hooks_, &dw_);
-  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
-  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  Param& weight = this->weight();
+  RequireDevice(*this, weight.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight.grad.data()));
   if (has_bias_) CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   return dx_;
 }

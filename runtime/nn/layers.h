@@ -2,14 +2,15 @@
 // Dropout, the Sequential and BasicBlock composites, and the softmax cross-entropy loss.
 //
 // Contracts shared by every layer here:
-//  * Devices: a layer computes where its tensors are, on the CPU (runtime/engine/cpu_ops.h) or, in a
-//    CUDA build, on the GPU (runtime/engine/cuda_ops.h: cuBLAS, cuDNN and own kernels). Parameters and
-//    buffers start on the CPU; MoveToDevice moves a model. An input (or output gradient) on
+//  * Devices: a layer computes where its tensors are, on the CPU (runtime/engine/cpu_ops.h) or, in
+//  a
+//    CUDA build, on the GPU (runtime/engine/cuda_ops.h: cuBLAS, cuDNN and own kernels). Parameters
+//    and buffers start on the CPU; MoveToDevice moves a model. An input (or output gradient) on
 //    another device than the layer's parameters, or than its last forward, throws
 //    std::invalid_argument naming the layer and both devices; the layers' workspaces follow the
 //    device on their own. Shapes that do not fit throw std::invalid_argument as well. CUDA
-//    errors throw std::runtime_error (runtime/engine/cuda_ops.h). CUDA layers queue their work on the
-//    runtime's stream and return without waiting (SoftmaxCrossEntropy::Forward waits, as it
+//    errors throw std::runtime_error (runtime/engine/cuda_ops.h). CUDA layers queue their work on
+//    the runtime's stream and return without waiting (SoftmaxCrossEntropy::Forward waits, as it
 //    returns the loss).
 //  * Inputs are never modified. Forward(x, train = true) keeps a handle to x (not a copy, unless
 //    quantisation hooks are installed), so x must stay unchanged until Backward has run.
@@ -44,8 +45,8 @@
 #include <vector>
 
 #include "runtime/engine/cpu_ops.h"
-#include "runtime/nn/layer.h"
 #include "runtime/engine/tensor.h"
+#include "runtime/nn/layer.h"
 
 namespace cpd::runtime {
 
@@ -75,13 +76,20 @@ class ShapedLayer : public Layer {
                                            std::vector<LayerShapeRecord>* out);
 };
 
-// y = x W^T + b for x [N, in], W [out, in], b [out]. Quantisable: with hooks installed, the
-// forward uses A = QuantizeActivation(x into a workspace) and W = QuantizeWeight(master), the
-// backward E = QuantizeError(dy into a workspace), W for dx, and G = QuantizeWeightGrad(dW)
-// before dW is added to weight.grad (the bias gradient is not quantised).
+// y = x W^T + b for x [N, in], W [out, in], b [out]; an input of higher rank [N, ..., in] is
+// the matrix [N * ..., in] (output [N, ..., out]), as torch.nn.Linear. Quantisable: with hooks
+// installed, the forward uses A = QuantizeActivation(x into a workspace) and
+// W = QuantizeWeight(master), the backward E = QuantizeError(dy into a workspace), W for dx, and
+// G = QuantizeWeightGrad(dW) before dW is added to weight.grad (the bias gradient is not
+// quantised).
 class Linear : public ShapedLayer {
  public:
   Linear(std::string name, int64_t in, int64_t out, bool bias = true, uint64_t seed = 0);
+  // A Linear without bias whose weight is another layer's parameter (a language model's output
+  // head tied to the token embedding, [vocab, embed]): Params() is empty (the owner lists the
+  // parameter, and MoveToDevice moves it), the backward accumulates into tied_weight->grad.
+  // REQUIRED: tied_weight is a matrix [out, in] and outlives this layer.
+  Linear(std::string name, Param* tied_weight);
 
   const char* kind() const override { return "Linear"; }
   std::string Describe() const override;
@@ -94,13 +102,15 @@ class Linear : public ShapedLayer {
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
-  Param& weight() { return weight_; }
+  Param& weight() { return tied_ != nullptr ? *tied_ : weight_; }
   Param* bias() { return has_bias_ ? &bias_ : nullptr; }
+  bool tied() const { return tied_ != nullptr; }
 
  private:
   int64_t in_, out_;
   bool has_bias_;
   Param weight_, bias_;
+  Param* tied_ = nullptr;  // the weight in use when tied (not owned)
   bool ready_ = false;
   Tensor x_saved_, w_saved_;  // what the last training forward used (handles)
   Tensor x_q_, w_q_, dy_q_;   // hook copies
@@ -401,6 +411,13 @@ class SoftmaxCrossEntropy {
   // to the host for it).
   static int64_t CountCorrect(const Tensor& logits, const std::vector<int32_t>& labels);
 };
+
+// A normal draw N(0, std^2) per element from `gen` by the Box-Muller transform over the same
+// 24-bit uniform draw: for each pair, u1 = ((gen() >> 40) + 1) / 2^24 in (0, 1] and
+// u2 = (gen() >> 40) / 2^24, r = sqrt(-2 ln u1), values r cos(2 pi u2) and r sin(2 pi u2) (an odd
+// count drops the last sine), each times std and rounded once to float. Used for GPT-2's
+// initialisation; machine-independent, unlike std::normal_distribution.
+void FillNormal(Tensor* t, float std, std::mt19937_64* gen);
 
 // The uniform initialisation of Linear and Conv2d: fills `t` with U(-bound, bound), one draw
 // per element from `gen`: u = (gen() >> 40) / 2^24 in [0, 1), value = (2u - 1) * bound,

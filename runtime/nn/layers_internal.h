@@ -1,15 +1,18 @@
-// Internal to the layers of runtime/nn/layers.h (layers.cc, layers_parameter_free.cc,
-// layers_composite.cc): the dispatch between the CPU and CUDA math, and the checks and messages
-// the layers share. Not part of the public interface.
+// Internal to the layers of runtime/nn (layers.h and the Transformer layers of embedding.h,
+// normalization.h, attention.h, transformer.h): the dispatch between the CPU and CUDA math, and the
+// checks and messages the layers share, and the quantisation sites. Not part of the public
+// interface.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpd/config.h"
-#include "runtime/nn/layer.h"
 #include "runtime/engine/tensor.h"
+#include "runtime/nn/layer.h"
+#include "runtime/nn/layers.h"
 #if CPD_WITH_CUDA
 #include "runtime/engine/cuda_ops.h"
 #endif
@@ -50,5 +53,27 @@ void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_
 
 // printf's %g, for hyper-parameters in messages and Describe().
 std::string FormatFloat(double v);
+
+// The Transformer layers compute on the CPU only so far: throws std::invalid_argument
+// "NAME (KIND): not yet implemented on the GPU" when `t` is a CUDA tensor.
+void RequireCpu(const Layer& layer, const Tensor& t);
+
+// The quantisation sites (runtime/nn/layer.h's QuantHooks). Without hooks each returns its
+// input untouched; with hooks, A, W and E fill the layer's workspace (x_q, w_q, dy_q) and return
+// it, G rewrites dw in place. A hook that changes a shape or device throws std::logic_error.
+Tensor ActivationSite(const Layer& layer, QuantHooks* hooks, const Tensor& x, Tensor* x_q);
+Tensor WeightSite(const Layer& layer, QuantHooks* hooks, const Tensor& w_master, Tensor* w_q);
+// A, then W (the order Linear and Conv2d call them in).
+std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, const Tensor& x,
+                                       const Tensor& w_master, Tensor* x_q, Tensor* w_q);
+Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor* dy_q);
+void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw);
+
+// A zero-filled parameter "name" of the given shape with its gradient.
+Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay);
+
+// A leaf layer's row of a shape trace (ShapedLayer::TraceShapes).
+std::vector<int64_t> TraceLeaf(ShapedLayer* layer, const std::vector<int64_t>& in,
+                               std::vector<LayerShapeRecord>* out);
 
 }  // namespace cpd::runtime::internal

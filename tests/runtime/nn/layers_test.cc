@@ -1,6 +1,9 @@
-// Tests of runtime/nn/layers.h and runtime/engine/cpu_ops.h: forward passes against double-precision
-// references, finite-difference gradient checks of every input and parameter gradient, the
-// quantisation hook sites, BatchNorm statistics, dropout masks, initialisation and errors.
+// Tests of runtime/nn/layers.h and runtime/engine/cpu_ops.h: forward passes against
+// double-precision references, finite-difference gradient checks of every input and parameter
+// gradient, the quantisation hook sites, BatchNorm statistics, dropout masks, initialisation and
+// errors.
+#include "runtime/nn/layers.h"
+
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -20,156 +23,12 @@
 #include "cpd/config.h"
 #include "kernels/grid.h"
 #include "runtime/engine/cpu_ops.h"
-#include "runtime/nn/layers.h"
+#include "tests/runtime/nn/grad_check.h"
 
 namespace cpd::runtime {
 namespace {
 
-// ---- Helpers ------------------------------------------------------------------------------
-
-Tensor Random(std::vector<int64_t> shape, uint64_t seed, float lo = -1.f, float hi = 1.f) {
-  Tensor t(std::move(shape));
-  std::mt19937_64 gen(seed);
-  std::uniform_real_distribution<float> u(lo, hi);
-  for (size_t i = 0; i < t.numel(); ++i) t.data()[i] = u(gen);
-  return t;
-}
-
-// Values bounded away from 0 (ReLU kinks) by more than any finite-difference step used here.
-Tensor AwayFromZero(std::vector<int64_t> shape, uint64_t seed) {
-  Tensor t = Random(std::move(shape), seed, 0.05f, 1.f);
-  std::mt19937_64 gen(seed + 1);
-  for (size_t i = 0; i < t.numel(); ++i) {
-    if (gen() & 1) t.data()[i] = -t.data()[i];
-  }
-  return t;
-}
-
-// Distinct values at least 0.03 apart, shuffled (max pooling: no ties a step of 0.01 can flip).
-Tensor Distinct(std::vector<int64_t> shape, uint64_t seed) {
-  Tensor t(std::move(shape));
-  std::vector<float> v(t.numel());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = -1.f + 0.03f * float(i);
-  std::mt19937_64 gen(seed);
-  std::shuffle(v.begin(), v.end(), gen);
-  std::copy(v.begin(), v.end(), t.data());
-  return t;
-}
-
-double WeightedSum(const Tensor& y, const Tensor& r) {
-  double s = 0;
-  for (size_t i = 0; i < y.numel(); ++i) s += double(y.data()[i]) * double(r.data()[i]);
-  return s;
-}
-
-std::vector<size_t> SampleIndices(size_t n, size_t max_count, uint64_t seed) {
-  std::vector<size_t> idx(n);
-  std::iota(idx.begin(), idx.end(), size_t(0));
-  if (n <= max_count) return idx;
-  std::mt19937_64 gen(seed);
-  std::shuffle(idx.begin(), idx.end(), gen);
-  idx.resize(max_count);
-  return idx;
-}
-
-struct GradCheck {
-  double eps = 1e-2;
-  double tol = 1e-2;         // norm-wise relative error bound over the sampled elements
-  double elem_tol = 2e-2;    // per element: |num - ana| <= elem_tol * (|ana| + scale / 10)
-  size_t max_elements = 64;  // sampled elements per tensor
-  double dir_tol = 1e-2;     // directional derivative along a random direction, relative
-  // Piecewise-linear layers inside (ReLU after BatchNorm): a finite-difference step can move a
-  // pre-activation across 0, which spoils that one difference quotient. With kinks = true each
-  // quotient is taken at steps eps, eps/4 and eps/16 and the one closest to the analytic value
-  // counts: an analytic error shows at every step, a kink crossing at one.
-  bool kinks = false;
-};
-
-constexpr GradCheck kWithKinks = {.eps = 4e-3, .max_elements = 48, .kinks = true};
-
-// Compares numerical and analytic derivatives of L = sum(r * layer(x)) (train mode) for the
-// input and for every parameter of `layer`: per sampled element, norm-wise over the sample, and
-// along a random direction through the whole tensor.
-void CheckGradients(Layer& layer, const Tensor& x, const GradCheck& opt = {}) {
-  SCOPED_TRACE(layer.name());
-  const Tensor y0 = layer.Forward(x, true).Clone();
-  const Tensor r = Random(y0.shape(), 99);
-  for (Param* p : layer.Params()) p->grad.Zero();
-  const Tensor dx = layer.Backward(r).Clone();
-  ASSERT_EQ(dx.shape(), x.shape());
-
-  // The difference quotient of eval() when `set(h)` moves the point by h along some direction.
-  auto quotient = [&](const std::function<void(double)>& set, const std::function<double()>& eval,
-                      double ana) {
-    double best = 0;
-    const int steps = opt.kinks ? 3 : 1;
-    for (int k = 0; k < steps; ++k) {
-      const double h = opt.eps / double(1 << (2 * k));
-      set(h);
-      const double lp = eval();
-      set(-h);
-      const double lm = eval();
-      set(0);
-      const double q = (lp - lm) / (2 * h);
-      if (k == 0 || std::abs(q - ana) < std::abs(best - ana)) best = q;
-    }
-    return best;
-  };
-  auto loss = [&](const Tensor& in) { return WeightedSum(layer.Forward(in, true), r); };
-  auto compare = [&](const std::string& what, const std::vector<double>& num,
-                     const std::vector<double>& ana) {
-    double diff = 0, nn = 0, na = 0, scale = 0;
-    for (size_t i = 0; i < num.size(); ++i) {
-      diff += (num[i] - ana[i]) * (num[i] - ana[i]);
-      nn += num[i] * num[i];
-      na += ana[i] * ana[i];
-      scale = std::max(scale, std::abs(ana[i]));
-    }
-    const double rel = std::sqrt(diff) / std::max({std::sqrt(nn), std::sqrt(na), 1e-4});
-    EXPECT_LT(rel, opt.tol) << what << ": norm-wise relative error";
-    for (size_t i = 0; i < num.size(); ++i) {
-      EXPECT_LE(std::abs(num[i] - ana[i]), opt.elem_tol * (std::abs(ana[i]) + 0.1 * scale + 1e-4))
-          << what << "[" << i << "]: numerical " << num[i] << " analytic " << ana[i];
-    }
-  };
-  // Moves tensor t (starting at t0) to t0 + h * dir.
-  auto mover = [](Tensor* t, const Tensor& t0, const Tensor& dir) {
-    return [t, &t0, &dir](double h) {
-      for (size_t i = 0; i < t->numel(); ++i) {
-        t->data()[i] = float(double(t0.data()[i]) + h * double(dir.data()[i]));
-      }
-    };
-  };
-  auto check_tensor = [&](const std::string& what, Tensor* t, const Tensor& grad,
-                          const std::function<double()>& eval, uint64_t seed) {
-    const Tensor t0 = t->Clone();
-    // Directional derivative along a random v: <grad, v>.
-    const Tensor v = Random(t->shape(), 1234 + seed);
-    const double ana_dir = WeightedSum(grad, v);
-    const double num_dir = quotient(mover(t, t0, v), eval, ana_dir);
-    EXPECT_NEAR(num_dir, ana_dir, opt.dir_tol * (std::abs(ana_dir) + 1e-3))
-        << what << ": directional derivative";
-    // Sampled coordinates.
-    std::vector<double> num, ana;
-    for (size_t i : SampleIndices(t->numel(), opt.max_elements, seed)) {
-      Tensor e(t->shape());
-      e.data()[i] = 1.f;
-      ana.push_back(grad.data()[i]);
-      num.push_back(quotient(mover(t, t0, e), eval, ana.back()));
-    }
-    t->CopyFrom(t0);
-    compare(what, num, ana);
-  };
-
-  Tensor xv = x.Clone();
-  check_tensor(
-      "dx", &xv, dx, [&] { return loss(xv); }, 1);
-  uint64_t seed = 2;
-  for (Param* p : layer.Params()) {
-    check_tensor(
-        p->name, &p->value, p->grad, [&] { return loss(x); }, seed++);
-  }
-}
+using namespace gradcheck;  // NOLINT: the shared helpers of the layer tests
 
 // Direct double-precision convolution: x [n, c, h, w], w [oc, c, k, k].
 std::vector<double> NaiveConv(const Tensor& x, const Tensor& w, const float* bias, int64_t stride,

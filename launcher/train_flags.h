@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cpd/status.h"
-#include "runtime/train/trainer.h"
+#include "runtime/train/train_options.h"
 
 namespace YAML {
 class Node;

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <unordered_set>
 
-#include "runtime/train/trainer.h"
+#include "runtime/train/train_options.h"
 
 namespace cpd::launcher::study {
 

@@ -1,5 +1,7 @@
-// ValidateTrainOptions (runtime/train/trainer.h): the one check of a run's options, before any
-// work.
+// ValidateTrainOptions (runtime/train/train_options.h): the one check of a run's options, before
+// any work.
+#include "runtime/train/train_options.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -8,7 +10,6 @@
 
 #include "cpd/message.h"
 #include "cpd/threads.h"
-#include "runtime/train/trainer.h"
 
 namespace cpd::runtime {
 

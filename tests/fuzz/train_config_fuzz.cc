@@ -7,7 +7,7 @@
 #include <string>
 
 #include "launcher/train_flags.h"
-#include "runtime/train/trainer.h"
+#include "runtime/train/train_options.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

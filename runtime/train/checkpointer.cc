@@ -30,7 +30,7 @@ Status MakeDirectory(const std::string& dir) {
 
 }  // namespace
 
-Checkpointer::Checkpointer(const TrainOptions& options, int64_t global_batch,
+Checkpointer::Checkpointer(const CheckpointOptions& options, int64_t global_batch,
                            int64_t batches_per_epoch, TrainingState state, const Replicas* replicas)
     : o_(options),
       global_batch_(global_batch),

@@ -20,11 +20,23 @@
 #include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
 #include "runtime/train/data.h"
+#include "runtime/train/loss_scale.h"
 #include "runtime/train/replicas.h"
 #include "runtime/train/reporter.h"
-#include "runtime/train/trainer.h"
 
 namespace cpd::runtime {
+
+// What the checkpointer reads of a run's options. Every field is REQUIRED: the trainer copies
+// each from the TrainOptions field of the same name (runtime/train/train_options.h).
+struct CheckpointOptions {
+  std::string checkpoint_dir;    // "": no checkpoints
+  int64_t checkpoint_every = 0;  // steps (0: at the end of each epoch)
+  // The run, recorded in each checkpoint; a resume must match arch and dataset and be within
+  // epochs.
+  std::string arch, dataset;
+  uint64_t seed = 0;
+  int epochs = 0;
+};
 
 // What a checkpoint saves and restores. REQUIRED: all but `control` and `scaler`.
 struct TrainingState {
@@ -50,8 +62,8 @@ struct ResumePoint {
 
 class Checkpointer {
  public:
-  // `options`, `replicas` and what `state` points to must outlive the checkpointer.
-  Checkpointer(const TrainOptions& options, int64_t global_batch, int64_t batches_per_epoch,
+  // `replicas` and what `state` points to must outlive the checkpointer.
+  Checkpointer(const CheckpointOptions& options, int64_t global_batch, int64_t batches_per_epoch,
                TrainingState state, const Replicas* replicas);
 
   void set_control(const JobControl* control) { state_.control = control; }
@@ -80,7 +92,7 @@ class Checkpointer {
   Status SaveEverywhere(int64_t step, int epoch, const EpochSums& sums);
   Status Write(int64_t step, int epoch, const EpochSums& sums) const;
 
-  const TrainOptions& o_;
+  const CheckpointOptions o_;
   int64_t global_batch_, batches_per_epoch_;
   TrainingState state_;
   const Replicas* replicas_;

@@ -99,7 +99,7 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
 }
 
 // The progress display of stdout: --progress, with auto resolved for this process.
-ProgressOptions ConsoleProgress(const TrainOptions& o, bool quiet) {
+ProgressOptions ConsoleProgress(const ReporterOptions& o, bool quiet) {
   ProgressOptions p;
   p.mode = quiet ? ProgressMode::kOff : ResolveProgressMode(o.progress);
   p.interval_s = o.progress_interval_s;
@@ -108,14 +108,15 @@ ProgressOptions ConsoleProgress(const TrainOptions& o, bool quiet) {
 
 }  // namespace
 
-Reporter::Reporter(ReporterSetup setup)
+Reporter::Reporter(const ReporterOptions& options, ReporterSetup setup)
     : setup_(setup),
-      o_(*setup.options),
+      o_(options),
       quiet_(o_.quiet || setup.rank != 0),
       progress_(ConsoleProgress(o_, quiet_)) {}
 
-Result<std::unique_ptr<Reporter>> Reporter::Create(ReporterSetup setup) {
-  std::unique_ptr<Reporter> r(new Reporter(setup));
+Result<std::unique_ptr<Reporter>> Reporter::Create(const ReporterOptions& options,
+                                                   ReporterSetup setup) {
+  std::unique_ptr<Reporter> r(new Reporter(options, setup));
   const std::string& requested = r->o_.metrics_out;
   if (requested.empty()) return r;
   std::string path = requested;

@@ -15,17 +15,48 @@
 #include <vector>
 
 #include "comm/gradient_allreduce.h"
+#include "cpd/progress.h"
+#include "cpd/schedule.h"
 #include "cpd/status.h"
 #include "runtime/control/job_control.h"
+#include "runtime/nn/optimizer.h"
 #include "runtime/nn/quant_sites.h"
+#include "runtime/train/loss_scale.h"
 #include "runtime/train/progress.h"
 #include "runtime/train/replicas.h"
-#include "runtime/train/trainer.h"
 
 namespace cpd::runtime {
 
+// What the reporter reads of a run's options. Every field is REQUIRED: the trainer copies each
+// from the TrainOptions field of the same name (runtime/train/train_options.h), where they are
+// described; the values here only keep a field from being indeterminate.
+struct ReporterOptions {
+  // Where the reports go: the metrics file ("": none), the console (rank 0, unless quiet) and
+  // its progress display.
+  std::string metrics_out;
+  bool quiet = false;
+  ProgressMode progress = ProgressMode::kOff;
+  double progress_interval_s = 0;
+  // The run as the "run" record, the progress and the epoch lines describe it.
+  std::string arch, dataset;
+  int epochs = 0;
+  int64_t max_steps = 0;
+  uint64_t seed = 0;
+  OptimizerKind optimizer = OptimizerKind::kSgd;
+  double lr = 0, momentum = 0, weight_decay = 0;
+  LrScaling lr_scaling = LrScaling::kNone;
+  int64_t lr_base_batch = 0;
+  LrSchedule::Kind lr_schedule = LrSchedule::kConstant;
+  double lars_eta = 0;
+  LarsExclude lars_exclude = LarsExclude::kBiasBn;
+  double lars_excluded_lr_ratio = 0;
+  comm::GradientAllReduceOptions allreduce;
+  LossScaleOptions loss_scale;
+  StepBits cost_reference;
+};
+
+// The run around the reporter: where this process stands, and the parts it reports on.
 struct ReporterSetup {
-  const TrainOptions* options = nullptr;  // REQUIRED; outlives the reporter
   int rank = 0, world = 1, workers = 1;
   int64_t global_batch = 0, batches_per_epoch = 0;
   SiteQuantizer* quant = nullptr;                     // REQUIRED
@@ -88,7 +119,8 @@ struct EpochDone {
 class Reporter {
  public:
   // Opens the metrics file (rank 0, or every rank when the path holds "{rank}").
-  static Result<std::unique_ptr<Reporter>> Create(ReporterSetup setup);
+  static Result<std::unique_ptr<Reporter>> Create(const ReporterOptions& options,
+                                                  ReporterSetup setup);
 
   // The coordinator's reports go through `control` (null: none).
   void set_control(JobControl* control) { control_ = control; }
@@ -131,12 +163,12 @@ class Reporter {
   void AfterEpoch(const EpochDone& epoch);
 
  private:
-  explicit Reporter(ReporterSetup setup);
+  Reporter(const ReporterOptions& options, ReporterSetup setup);
   StepReport MakeStepReport(int epoch, int64_t step, double loss, double lr, double images_per_s,
                             int64_t skipped_steps) const;
 
   ReporterSetup setup_;
-  const TrainOptions& o_;
+  const ReporterOptions o_;
   bool quiet_;
   JobControl* control_ = nullptr;
   std::ofstream metrics_;

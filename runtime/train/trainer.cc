@@ -480,10 +480,49 @@ Result<comm::Communicator*> Trainer::AllReduceCommunicator() {
 #endif
 }
 
+// The options the reporter reads: each the TrainOptions field of the same name.
+ReporterOptions ReporterOptionsOf(const TrainOptions& o) {
+  ReporterOptions r;
+  r.metrics_out = o.metrics_out;
+  r.quiet = o.quiet;
+  r.progress = o.progress;
+  r.progress_interval_s = o.progress_interval_s;
+  r.arch = o.arch;
+  r.dataset = o.dataset;
+  r.epochs = o.epochs;
+  r.max_steps = o.max_steps;
+  r.seed = o.seed;
+  r.optimizer = o.optimizer;
+  r.lr = o.lr;
+  r.momentum = o.momentum;
+  r.weight_decay = o.weight_decay;
+  r.lr_scaling = o.lr_scaling;
+  r.lr_base_batch = o.lr_base_batch;
+  r.lr_schedule = o.lr_schedule;
+  r.lars_eta = o.lars_eta;
+  r.lars_exclude = o.lars_exclude;
+  r.lars_excluded_lr_ratio = o.lars_excluded_lr_ratio;
+  r.allreduce = o.allreduce;
+  r.loss_scale = o.loss_scale;
+  r.cost_reference = o.cost_reference;
+  return r;
+}
+
+// The options the checkpointer reads: each the TrainOptions field of the same name.
+CheckpointOptions CheckpointOptionsOf(const TrainOptions& o) {
+  CheckpointOptions c;
+  c.checkpoint_dir = o.checkpoint_dir;
+  c.checkpoint_every = o.checkpoint_every;
+  c.arch = o.arch;
+  c.dataset = o.dataset;
+  c.seed = o.seed;
+  c.epochs = o.epochs;
+  return c;
+}
+
 // The reporter (console, metrics, coordinator reports), checkpoints and the cost model.
 Status Trainer::BuildOutputs() {
   ReporterSetup rs;
-  rs.options = &o_;
   rs.rank = comm_->rank();
   rs.world = comm_->size();
   rs.workers = group_.workers;
@@ -492,7 +531,7 @@ Status Trainer::BuildOutputs() {
   rs.quant = quant_.get();
   rs.replicas = &replicas_;
   rs.reducer = reducer_.get();
-  CPD_ASSIGN_OR_RETURN(reporter_, Reporter::Create(rs));
+  CPD_ASSIGN_OR_RETURN(reporter_, Reporter::Create(ReporterOptionsOf(o_), rs));
   scaler_ = LossScaler(o_.loss_scale);
   TrainingState state;
   state.scaler = &scaler_;
@@ -500,8 +539,8 @@ Status Trainer::BuildOutputs() {
   state.optimizer = optimizer_.get();
   state.quant = quant_.get();
   state.iterator = iterator_.get();
-  checkpointer_ =
-      std::make_unique<Checkpointer>(o_, global_batch_, batches_per_epoch_, state, &replicas_);
+  checkpointer_ = std::make_unique<Checkpointer>(CheckpointOptionsOf(o_), global_batch_,
+                                                 batches_per_epoch_, state, &replicas_);
   CPD_RETURN_IF_ERROR(checkpointer_->CheckDirectory());
   cost_ = std::make_unique<CostPlan>(total_steps_, precision_, o_.cost_reference);
   return Status::Ok();

@@ -54,7 +54,7 @@ struct Run {
                                                   replicas.get());
   }
 
-  TrainOptions options;
+  CheckpointOptions options;
   Dataset data;
   std::unique_ptr<Sequential> model;
   std::vector<Layer*> layers;

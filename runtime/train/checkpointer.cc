@@ -164,179 +164,234 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-}  // namespace
+// A checkpoint being restored: the file, named in every refusal, and the run it must fit.
+struct RestoreCheck {
+  const std::string& path;
+  const CheckpointOptions& run;
+  int64_t global_batch, batches_per_epoch;
 
-// Every field is checked against this run and this model before any of it is used: a
-// checkpoint either fits whole or leaves the state untouched.
-Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
-  CPD_ASSIGN_OR_RETURN(const Checkpoint ck, ReadCheckpoint(path));
-  auto corrupt = [&](const std::string& why) { return CorruptCheckpoint(path, why); };
-  auto corrupt_if = [&](const Status& s) { return s.ok() ? s : corrupt(s.message()); };
-  const json meta = json::parse(ck.meta_json, nullptr, false);
-  if (!meta.is_object()) return corrupt("the metadata is not a JSON object");
-  {
-    const auto v = meta.find("version");
-    if (v == meta.end() || !v->is_number_integer() || v->get<int64_t>() != kCheckpointVersion) {
-      return corrupt("unsupported version " + (v == meta.end() ? "(none)" : v->dump()) +
+  // A bad file: CorruptCheckpoint naming it. CorruptIf keeps OK as it is.
+  Status Corrupt(const std::string& why) const { return CorruptCheckpoint(path, why); }
+  Status CorruptIf(const Status& s) const { return s.ok() ? s : Corrupt(s.message()); }
+};
+
+// The metadata, a JSON object of the version this build reads.
+Result<json> ReadMeta(const RestoreCheck& c, const Checkpoint& ck) {
+  json meta = json::parse(ck.meta_json, nullptr, false);
+  if (!meta.is_object()) return c.Corrupt("the metadata is not a JSON object");
+  const auto v = meta.find("version");
+  if (v == meta.end() || !v->is_number_integer() || v->get<int64_t>() != kCheckpointVersion) {
+    return c.Corrupt("unsupported version " + (v == meta.end() ? "(none)" : v->dump()) +
                      " (this build reads version " + std::to_string(kCheckpointVersion) + ")");
-    }
   }
-  // The run it came from: the same model, data and global batch.
+  return meta;
+}
+
+// The run it came from: the same model, data and global batch.
+Status CheckSameRun(const RestoreCheck& c, const json& meta) {
   auto arch = StringField(meta, "arch", "meta.");
   auto dataset = StringField(meta, "dataset", "meta.");
   // Version-1 checkpoints of single-process runs stored the batch as "batch_size".
   auto saved_global =
       IntField(meta, meta.contains("global_batch") ? "global_batch" : "batch_size", "meta.");
   for (const Status& s : {arch.status(), dataset.status(), saved_global.status()}) {
-    CPD_RETURN_IF_ERROR(corrupt_if(s));
+    CPD_RETURN_IF_ERROR(c.CorruptIf(s));
   }
-  if (*arch != o_.arch || *dataset != o_.dataset || *saved_global != global_batch_) {
-    return Status::InvalidArgument("checkpoint " + path + " was written by a run with --arch " +
+  if (*arch != c.run.arch || *dataset != c.run.dataset || *saved_global != c.global_batch) {
+    return Status::InvalidArgument("checkpoint " + c.path + " was written by a run with --arch " +
                                    *arch + " --dataset " + *dataset + " and global batch " +
                                    std::to_string(*saved_global) + "; this run has --arch " +
-                                   o_.arch + " --dataset " + o_.dataset + " and global batch " +
-                                   std::to_string(global_batch_));
+                                   c.run.arch + " --dataset " + c.run.dataset +
+                                   " and global batch " + std::to_string(c.global_batch));
   }
+  return Status::Ok();
+}
 
-  // Where it stands: step, epoch and the iterator, in range and consistent with each other.
-  ResumePoint point;
-  IteratorState it;
-  {
-    auto step = IntField(meta, "step", "meta.");
-    auto epoch = IntField(meta, "epoch", "meta.");
-    CPD_RETURN_IF_ERROR(corrupt_if(step.status()));
-    CPD_RETURN_IF_ERROR(corrupt_if(epoch.status()));
-    const auto iter = meta.find("iterator");
-    if (iter == meta.end() || !iter->is_object()) return corrupt("meta.iterator is not an object");
-    auto it_epoch = IntField(*iter, "epoch", "meta.iterator.");
-    auto it_next = IntField(*iter, "next_batch", "meta.iterator.");
-    CPD_RETURN_IF_ERROR(corrupt_if(it_epoch.status()));
-    CPD_RETURN_IF_ERROR(corrupt_if(it_next.status()));
-    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*step, 0, int64_t(1) << 53, "meta.step")));
-    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*it_epoch, 0, 1 << 30, "meta.iterator.epoch")));
-    CPD_RETURN_IF_ERROR(
-        corrupt_if(CheckInRange(*it_next, 0, batches_per_epoch_, "meta.iterator.next_batch")));
-    // The recorded epoch is the iterator's, or the next one once its last batch is done.
-    if (!(*epoch == *it_epoch || (*epoch == *it_epoch + 1 && *it_next == batches_per_epoch_))) {
-      return corrupt("meta.epoch " + std::to_string(*epoch) +
+// Where it stands: step, epoch and the iterator, in range and consistent with each other.
+Status ReadPosition(const RestoreCheck& c, const json& meta, ResumePoint* point,
+                    IteratorState* it) {
+  auto step = IntField(meta, "step", "meta.");
+  auto epoch = IntField(meta, "epoch", "meta.");
+  CPD_RETURN_IF_ERROR(c.CorruptIf(step.status()));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(epoch.status()));
+  const auto iter = meta.find("iterator");
+  if (iter == meta.end() || !iter->is_object()) return c.Corrupt("meta.iterator is not an object");
+  auto it_epoch = IntField(*iter, "epoch", "meta.iterator.");
+  auto it_next = IntField(*iter, "next_batch", "meta.iterator.");
+  CPD_RETURN_IF_ERROR(c.CorruptIf(it_epoch.status()));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(it_next.status()));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*step, 0, int64_t(1) << 53, "meta.step")));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*it_epoch, 0, 1 << 30, "meta.iterator.epoch")));
+  CPD_RETURN_IF_ERROR(
+      c.CorruptIf(CheckInRange(*it_next, 0, c.batches_per_epoch, "meta.iterator.next_batch")));
+  // The recorded epoch is the iterator's, or the next one once its last batch is done.
+  if (!(*epoch == *it_epoch || (*epoch == *it_epoch + 1 && *it_next == c.batches_per_epoch))) {
+    return c.Corrupt("meta.epoch " + std::to_string(*epoch) +
                      " does not go with the iterator at "
                      "batch " +
                      std::to_string(*it_next) + " of epoch " + std::to_string(*it_epoch));
-    }
-    // Steps done: every past epoch's batches plus this one's. A run of one worker keeps the
-    // last partial batch that several workers drop, so each past epoch may differ by one.
-    const int64_t expected = *it_epoch * batches_per_epoch_ + *it_next;
-    if (*step < expected - *it_epoch || *step > expected + *it_epoch) {
-      return corrupt("meta.step " + std::to_string(*step) + " does not go with batch " +
-                     std::to_string(*it_next) + " of epoch " + std::to_string(*it_epoch) + " (" +
-                     std::to_string(batches_per_epoch_) + " batches per epoch)");
-    }
-    if (*epoch > o_.epochs) {
-      return Status::InvalidArgument("checkpoint " + path + " is at epoch " +
-                                     std::to_string(*epoch) + ", beyond this run's --epochs " +
-                                     std::to_string(o_.epochs));
-    }
-    point.step = *step;
-    point.epoch = int(*epoch);
-    it.epoch = *it_epoch;
-    it.next_batch = *it_next;
   }
+  // Steps done: every past epoch's batches plus this one's. A run of one worker keeps the
+  // last partial batch that several workers drop, so each past epoch may differ by one.
+  const int64_t expected = *it_epoch * c.batches_per_epoch + *it_next;
+  if (*step < expected - *it_epoch || *step > expected + *it_epoch) {
+    return c.Corrupt("meta.step " + std::to_string(*step) + " does not go with batch " +
+                     std::to_string(*it_next) + " of epoch " + std::to_string(*it_epoch) + " (" +
+                     std::to_string(c.batches_per_epoch) + " batches per epoch)");
+  }
+  if (*epoch > c.run.epochs) {
+    return Status::InvalidArgument("checkpoint " + c.path + " is at epoch " +
+                                   std::to_string(*epoch) + ", beyond this run's --epochs " +
+                                   std::to_string(c.run.epochs));
+  }
+  point->step = *step;
+  point->epoch = int(*epoch);
+  it->epoch = *it_epoch;
+  it->next_batch = *it_next;
+  return Status::Ok();
+}
+
+// The schedule in force and the random stream's version, where the file recorded them.
+Status ReadScheduleAndStream(const RestoreCheck& c, const json& meta, ResumePoint* point) {
   if (const auto sched = meta.find("schedule"); sched != meta.end()) {
-    if (!sched->is_object()) return corrupt("meta.schedule is not an object");
-    point.schedule_json = sched->dump();
+    if (!sched->is_object()) return c.Corrupt("meta.schedule is not an object");
+    point->schedule_json = sched->dump();
   }
   if (const auto rs = meta.find("random_stream"); rs != meta.end()) {
     if (!rs->is_number_integer() || rs->get<int64_t>() < 1) {
-      return corrupt("meta.random_stream is not a version number");
+      return c.Corrupt("meta.random_stream is not a version number");
     }
-    point.random_stream = int(rs->get<int64_t>());
+    point->random_stream = int(rs->get<int64_t>());
   }
-  // The dynamic loss scale where it stood (a static one, or none, is the command line's).
-  LossScaler scaler = state_.scaler != nullptr ? *state_.scaler : LossScaler(LossScaleOptions{});
-  if (const auto ls = meta.find("loss_scale"); ls != meta.end()) {
-    if (!ls->is_object()) return corrupt("meta.loss_scale is not an object");
-    auto in_a_row = IntField(*ls, "finite_in_a_row", "meta.loss_scale.");
-    CPD_RETURN_IF_ERROR(corrupt_if(in_a_row.status()));
-    const auto scale = ls->find("scale");
-    if (scale == ls->end() || !scale->is_number()) {
-      return corrupt("meta.loss_scale.scale is not a number");
-    }
-    const Status s = scaler.Restore({scale->get<double>(), *in_a_row});
-    if (!s.ok()) return corrupt("meta.loss_scale: " + s.message());
-  }
-  // The sums of a mid-epoch checkpoint, consistent with its position in the epoch (absent from
-  // checkpoints written before they were kept: the resumed epoch then reports its later steps).
-  if (const auto sums = meta.find("epoch_sums"); sums != meta.end()) {
-    if (!sums->is_object()) return corrupt("meta.epoch_sums is not an object");
-    auto correct = IntField(*sums, "correct", "meta.epoch_sums.");
-    auto seen = IntField(*sums, "seen", "meta.epoch_sums.");
-    auto steps = IntField(*sums, "steps", "meta.epoch_sums.");
-    for (const Status& s : {correct.status(), seen.status(), steps.status()}) {
-      CPD_RETURN_IF_ERROR(corrupt_if(s));
-    }
-    const auto loss = sums->find("loss");
-    if (loss == sums->end() || !loss->is_number() || !std::isfinite(loss->get<double>()) ||
-        loss->get<double>() < 0) {
-      return corrupt("meta.epoch_sums.loss is not a finite number >= 0");
-    }
-    CPD_RETURN_IF_ERROR(
-        corrupt_if(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
-    CPD_RETURN_IF_ERROR(
-        corrupt_if(CheckInRange(*seen, 0, *steps * global_batch_, "meta.epoch_sums.seen")));
-    CPD_RETURN_IF_ERROR(corrupt_if(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
-    if (it.next_batch > 0 && it.next_batch < batches_per_epoch_) {
-      point.epoch_sums = {loss->get<double>(), *correct, *seen, *steps};
-    }
-  }
+  return Status::Ok();
+}
 
-  // Tensors: the model's parameters and buffers with their shapes, the optimiser's state and
-  // the hysteresis state of weight layers; all finite, running variances >= 0; nothing else.
-  std::map<std::string, Tensor*> targets;
-  for (Param* p : state_.model->Params()) targets["param/" + p->name] = &p->value;
-  for (auto& [name, t] : state_.model->Buffers()) targets["buffer/" + name] = t;
-  std::map<std::string, size_t> weight_sizes;
-  for (Param* p : state_.model->Params()) weight_sizes[p->name] = p->value.numel();
+// The dynamic loss scale where it stood, restored into `scaler` (a static one, or none, is the
+// command line's).
+Status ReadLossScale(const RestoreCheck& c, const json& meta, LossScaler* scaler) {
+  const auto ls = meta.find("loss_scale");
+  if (ls == meta.end()) return Status::Ok();
+  if (!ls->is_object()) return c.Corrupt("meta.loss_scale is not an object");
+  auto in_a_row = IntField(*ls, "finite_in_a_row", "meta.loss_scale.");
+  CPD_RETURN_IF_ERROR(c.CorruptIf(in_a_row.status()));
+  const auto scale = ls->find("scale");
+  if (scale == ls->end() || !scale->is_number()) {
+    return c.Corrupt("meta.loss_scale.scale is not a number");
+  }
+  const Status s = scaler->Restore({scale->get<double>(), *in_a_row});
+  if (!s.ok()) return c.Corrupt("meta.loss_scale: " + s.message());
+  return Status::Ok();
+}
+
+// The sums of a mid-epoch checkpoint, consistent with its position `it` in the epoch (absent
+// from checkpoints written before they were kept: the resumed epoch then reports its later
+// steps).
+Status ReadEpochSums(const RestoreCheck& c, const json& meta, const IteratorState& it,
+                     ResumePoint* point) {
+  const auto sums = meta.find("epoch_sums");
+  if (sums == meta.end()) return Status::Ok();
+  if (!sums->is_object()) return c.Corrupt("meta.epoch_sums is not an object");
+  auto correct = IntField(*sums, "correct", "meta.epoch_sums.");
+  auto seen = IntField(*sums, "seen", "meta.epoch_sums.");
+  auto steps = IntField(*sums, "steps", "meta.epoch_sums.");
+  for (const Status& s : {correct.status(), seen.status(), steps.status()}) {
+    CPD_RETURN_IF_ERROR(c.CorruptIf(s));
+  }
+  const auto loss = sums->find("loss");
+  if (loss == sums->end() || !loss->is_number() || !std::isfinite(loss->get<double>()) ||
+      loss->get<double>() < 0) {
+    return c.Corrupt("meta.epoch_sums.loss is not a finite number >= 0");
+  }
+  CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
+  CPD_RETURN_IF_ERROR(
+      c.CorruptIf(CheckInRange(*seen, 0, *steps * c.global_batch, "meta.epoch_sums.seen")));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
+  if (it.next_batch > 0 && it.next_batch < c.batches_per_epoch) {
+    point->epoch_sums = {loss->get<double>(), *correct, *seen, *steps};
+  }
+  return Status::Ok();
+}
+
+// The checkpoint's tensors, checked and sorted by where each goes. The pointers point into the
+// checkpoint and the model.
+struct TensorsToLoad {
+  std::map<std::string, Tensor*> targets;  // the model's parameters and buffers by name
   std::map<std::string, std::vector<float>> opt_state;
-  std::vector<std::pair<std::string, const std::vector<float>*>> hysteresis;
+  std::vector<std::pair<std::string, const std::vector<float>*>> hysteresis;  // by layer
+};
+
+// The model's parameters and buffers with their shapes, the optimiser's state and the
+// hysteresis state of weight layers; all finite, running variances >= 0; nothing else.
+Result<TensorsToLoad> CheckTensors(const RestoreCheck& c, const Checkpoint& ck, Sequential* model) {
+  TensorsToLoad out;
+  for (Param* p : model->Params()) out.targets["param/" + p->name] = &p->value;
+  for (auto& [name, t] : model->Buffers()) out.targets["buffer/" + name] = t;
+  std::map<std::string, size_t> weight_sizes;
+  for (Param* p : model->Params()) weight_sizes[p->name] = p->value.numel();
   for (const std::string& name : ck.order) {
     const std::vector<float>& v = ck.data.at(name);
     if (const int64_t bad = FirstNonFinite(v); bad >= 0) {
-      return corrupt(name + " holds a non-finite value (" + std::to_string(v[size_t(bad)]) +
-                     " at index " + std::to_string(bad) + ")");
+      return c.Corrupt(name + " holds a non-finite value (" + std::to_string(v[size_t(bad)]) +
+                       " at index " + std::to_string(bad) + ")");
     }
-    if (targets.count(name) > 0) {
-      const Tensor& t = *targets.at(name);
+    if (out.targets.count(name) > 0) {
+      const Tensor& t = *out.targets.at(name);
       if (ck.shapes.at(name) != t.shape()) {
-        return corrupt(name + " has shape " + ShapeText(ck.shapes.at(name)) + "; the model's is " +
-                       ShapeText(t.shape()));
+        return c.Corrupt(name + " has shape " + ShapeText(ck.shapes.at(name)) +
+                         "; the model's is " + ShapeText(t.shape()));
       }
       const std::string suffix = ".running_var";
       if (name.size() > suffix.size() &&
           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
           std::any_of(v.begin(), v.end(), [](float x) { return x < 0; })) {
-        return corrupt(name + " holds a negative variance");
+        return c.Corrupt(name + " holds a negative variance");
       }
     } else if (name.rfind("opt/", 0) == 0) {
-      opt_state[name.substr(4)] = v;
+      out.opt_state[name.substr(4)] = v;
     } else if (name.rfind("hyst/", 0) == 0) {
       const auto w = weight_sizes.find(name.substr(5) + ".weight");
       if (w == weight_sizes.end() || w->second != v.size()) {
-        return corrupt(name + " is not the hysteresis state of a weight layer of this model");
+        return c.Corrupt(name + " is not the hysteresis state of a weight layer of this model");
       }
-      hysteresis.emplace_back(name.substr(5), &v);
+      out.hysteresis.emplace_back(name.substr(5), &v);
     } else {
-      return corrupt("it holds '" + name + "', which this model does not have");
+      return c.Corrupt("it holds '" + name + "', which this model does not have");
     }
   }
-  for (const auto& [name, t] : targets) {
-    if (!ck.Has(name)) return corrupt("missing " + name);
+  for (const auto& [name, t] : out.targets) {
+    if (!ck.Has(name)) return c.Corrupt("missing " + name);
   }
+  return out;
+}
+
+}  // namespace
+
+// Every field is checked against this run and this model before any of it is used: a
+// checkpoint either fits whole or leaves the state untouched.
+Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
+  CPD_ASSIGN_OR_RETURN(const Checkpoint ck, ReadCheckpoint(path));
+  const RestoreCheck c{path, o_, global_batch_, batches_per_epoch_};
+  CPD_ASSIGN_OR_RETURN(const json meta, ReadMeta(c, ck));
+  CPD_RETURN_IF_ERROR(CheckSameRun(c, meta));
+  ResumePoint point;
+  IteratorState it;
+  CPD_RETURN_IF_ERROR(ReadPosition(c, meta, &point, &it));
+  CPD_RETURN_IF_ERROR(ReadScheduleAndStream(c, meta, &point));
+  LossScaler scaler = state_.scaler != nullptr ? *state_.scaler : LossScaler(LossScaleOptions{});
+  CPD_RETURN_IF_ERROR(ReadLossScale(c, meta, &scaler));
+  CPD_RETURN_IF_ERROR(ReadEpochSums(c, meta, it, &point));
+  CPD_ASSIGN_OR_RETURN(const TensorsToLoad tensors, CheckTensors(c, ck, state_.model));
+
   // The optimiser and the iterator check their parts whole before taking any of it (the
   // iterator's range is checked above, so it cannot refuse after the optimiser took its state).
-  CPD_RETURN_IF_ERROR(corrupt_if(state_.optimizer->LoadState(opt_state)));
-  CPD_RETURN_IF_ERROR(corrupt_if(state_.iterator->Restore(it)));
-  for (const auto& [name, t] : targets) t->CopyFromHost(ck.data.at(name).data());  // any device
-  for (const auto& [layer, q] : hysteresis) state_.quant->RestoreHysteresisState(layer, *q);
+  CPD_RETURN_IF_ERROR(c.CorruptIf(state_.optimizer->LoadState(tensors.opt_state)));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(state_.iterator->Restore(it)));
+  for (const auto& [name, t] : tensors.targets) {
+    t->CopyFromHost(ck.data.at(name).data());  // any device
+  }
+  for (const auto& [layer, q] : tensors.hysteresis) {
+    state_.quant->RestoreHysteresisState(layer, *q);
+  }
   if (state_.scaler != nullptr) *state_.scaler = scaler;
   // The file resumed from is this step's checkpoint: the end of the run must not write it again.
   last_saved_step_ = point.step;

@@ -1,7 +1,7 @@
-// Internal to the layers of runtime/nn (layers.h and the Transformer layers of embedding.h,
-// normalization.h, attention.h, transformer.h): the dispatch between the CPU and CUDA math, and the
-// checks and messages the layers share, and the quantisation sites. Not part of the public
-// interface.
+// Internal to the layers of runtime/nn (layers.h, the Transformer layers of embedding.h,
+// normalization.h, attention.h, transformer.h, and the LSTM of recurrent.h): the dispatch between
+// the CPU and CUDA math, and the checks and messages the layers share, and the quantisation sites.
+// Not part of the public interface.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +54,7 @@ void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_
 // printf's %g, for hyper-parameters in messages and Describe().
 std::string FormatFloat(double v);
 
-// The Transformer layers compute on the CPU only so far: throws std::invalid_argument
+// The Transformer layers and the LSTM compute on the CPU only so far: throws std::invalid_argument
 // "NAME (KIND): not yet implemented on the GPU" when `t` is a CUDA tensor.
 void RequireCpu(const Layer& layer, const Tensor& t);
 

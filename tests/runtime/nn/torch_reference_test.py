@@ -1,22 +1,25 @@
 #!/usr/bin/python3
-"""PyTorch as the reference of CPD's Transformer layers (runtime/nn/transformer.h).
+"""PyTorch as the reference of CPD's language-model layers (runtime/nn/transformer.h, recurrent.h).
 
     torch_reference_test.py DUMP_EXE WORK_DIR
 
 Runs DUMP_EXE (tests/runtime/nn/transformer_reference_dump.cc), which writes the forward and
-backward of LayerNorm, GELU, CausalSelfAttention, TransformerBlock and two two-block GPTs with
-their per-token cross-entropy, with their weights and inputs, to WORK_DIR/transformer_reference.json.
-Recomputes each case in PyTorch (nanoGPT's formulation, float32 on the CPU) from the same weights
-and inputs, and compares the output (or loss), dL/dx and every parameter gradient.
+backward of LayerNorm, GELU, CausalSelfAttention, TransformerBlock, a two-layer LSTM, two two-block
+GPTs and two LSTM language models with their per-token cross-entropy, with their weights and
+inputs, to WORK_DIR/transformer_reference.json. Recomputes each case in PyTorch (nanoGPT's
+formulation; torch.nn.LSTM itself, batch_first, for the LSTM; float32 on the CPU) from the same
+weights and inputs, and compares the output (or loss), dL/dx and every parameter gradient.
 
 The bound: each tensor's error is measured norm-wise, ||cpd - torch|| / ||torch|| (2-norms). Both
 sides round every operation to float32 (unit roundoff u = 2^-24 = 6e-8) but sum in different
 orders, so each differs from the exact result by a few u times the condition of the computation
-(sums of up to ~100 terms here, softmax and LayerNorm divisions, two blocks deep). The same
+(sums of up to ~100 terms here, softmax and LayerNorm divisions, two blocks deep, 16 timesteps of
+a recurrence). The same
 computation in float64 shows how large that is for PyTorch itself: its own float32 error is
 printed beside CPD's, and CPD must stay within 1e-5 (~170 u) of PyTorch, and within 10 times
 PyTorch's own error against float64 plus 1e-6 of float64. A wrong formula (a missing mask, the
-tanh GELU, a biased/unbiased variance mix-up) shows as errors of 1e-3 and more.
+tanh GELU, a biased/unbiased variance mix-up, LSTM gates in another order) shows as errors of 1e-3
+and more.
 
 Torch is Debian's python3-torch (1.13, CPU), installed with apt-get on first use when this runs
 as root with a network; otherwise the test exits 77 (ctest: skipped).
@@ -101,6 +104,26 @@ def main():
         h = linear(p, name + ".mlp.c_proj", F.gelu(linear(p, name + ".mlp.c_fc", h)))
         return x + h
 
+    def lstm(p, name, x, cfg, modules):
+        """torch.nn.LSTM over x [B, T, C] with the weights p[NAME.weight_ih_l0] ... (its own
+        parameters, copied in: their gradients are copied back to p after the backward)."""
+        m = torch.nn.LSTM(cfg["input"], cfg["hidden"], cfg["layers"], batch_first=True)
+        m = m.to(x.dtype)
+        with torch.no_grad():
+            for k, v in m.named_parameters():
+                v.copy_(p[name + "." + k])
+        modules.append((name, m))
+        return m(x)[0]
+
+    def lstm_lm(p, case, modules):
+        cfg = case["config"]
+        ids = tensor(case["ids"], torch.float64).long()
+        y = lstm(p, "lstm", p["wte.weight"][ids], cfg, modules)
+        head = p["wte.weight"] if cfg["tied"] else p["lm_head.weight"]
+        logits = F.linear(y, head)
+        labels = torch.tensor(case["labels"], dtype=torch.long)
+        return F.cross_entropy(logits.view(-1, cfg["vocab"]), labels), logits
+
     def gpt(p, case, dtype):
         cfg = case["config"]
         ids = tensor(case["ids"], torch.float64).long()
@@ -118,16 +141,20 @@ def main():
         """The case's outputs and gradients in torch, at `dtype`."""
         p = {k: tensor(v, dtype).requires_grad_() for k, v in case["params"].items()}
         out = {}
-        if case["kind"] == "gpt":
-            loss, logits = gpt(p, case, dtype)
+        modules = []  # (name, torch module) whose parameters stand in for p's
+        if case["kind"] in ("gpt", "lstm_lm"):
+            loss, logits = (gpt(p, case, dtype) if case["kind"] == "gpt" else
+                            lstm_lm(p, case, modules))
             loss.backward()
             out["loss"] = loss.detach().reshape(1)
             out["logits"] = logits.detach()
         else:
             x = tensor(case["x"], dtype).requires_grad_()
-            heads = case["config"]["heads"]
+            heads = case["config"].get("heads")
             kind = case["kind"]
-            if kind == "layernorm":
+            if kind == "lstm":
+                y = lstm(p, "lstm", x, case["config"], modules)
+            elif kind == "layernorm":
                 y = layer_norm(p, "ln", x)
             elif kind == "gelu":
                 y = F.gelu(x)
@@ -138,13 +165,16 @@ def main():
             (y * tensor(case["dy"], dtype)).sum().backward()
             out["y"] = y.detach()
             out["dx"] = x.grad
+        for name, m in modules:
+            for k, v in m.named_parameters():
+                p[name + "." + k].grad = v.grad
         for k, v in p.items():
             out["grad " + k] = v.grad
         return out
 
     def cpd(case):
         out = {}
-        if case["kind"] == "gpt":
+        if case["kind"] in ("gpt", "lstm_lm"):
             out["loss"] = torch.tensor([case["loss"]], dtype=torch.float64)
             out["logits"] = tensor(case["logits"], torch.float64)
         else:
@@ -161,7 +191,7 @@ def main():
     failures = 0
     for case in cases:
         name = case["kind"] + (("-tied" if case["config"]["tied"] else "-untied")
-                               if case["kind"] == "gpt" else "")
+                               if case["kind"] in ("gpt", "lstm_lm") else "")
         ours, t32, t64 = cpd(case), run(case, torch.float32), run(case, torch.float64)
         if set(ours) != set(t32):
             print(f"FAIL {name}: CPD reports {sorted(set(ours) ^ set(t32))} differently")

@@ -1,12 +1,14 @@
-// Writes the Transformer layers' forward and backward on fixed inputs to a JSON file, for
+// Writes the language-model layers' forward and backward on fixed inputs to a JSON file, for
 // torch_reference_test.py to recompute in PyTorch from the same weights and inputs:
 //
 //   transformer_reference_dump OUT.json
 //
-// Cases: LayerNorm, GELU, CausalSelfAttention and TransformerBlock on x [B, T, C] with an output
-// gradient dy (their output, dL/dx and every parameter gradient of L = sum(y * dy)), and two
-// two-block GPTs with the per-token cross-entropy (the loss and every parameter gradient): one
-// at GPT-2's initialisation with a tied head, one untied at O(1) weights. Dropout is 0.
+// Cases: LayerNorm, GELU, CausalSelfAttention, TransformerBlock and a two-layer LSTM on x [B, T, C]
+// with an output gradient dy (their output, dL/dx and every parameter gradient of
+// L = sum(y * dy)), two two-block GPTs with the per-token cross-entropy (the loss and every
+// parameter gradient): one at GPT-2's initialisation with a tied head, one untied at O(1) weights,
+// and two two-layer LSTM language models likewise (tied at their initialisation, untied with O(1)
+// token vectors). Dropout is 0.
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -16,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/nn/recurrent.h"
 #include "runtime/nn/transformer.h"
 
 namespace cpd::runtime {
@@ -66,6 +69,31 @@ json LayerCase(const std::string& kind, Layer& layer, const json& config, const 
   return c;
 }
 
+// A language model's case: the per-token cross-entropy of `model` on fixed ids and labels [3, t],
+// its logits, loss and every parameter gradient, added to `c` (kind, config, params).
+json LmCase(Sequential& model, json c, int64_t vocab, int64_t t) {
+  const int64_t b = 3;
+  Tensor ids({b, t});
+  std::vector<int32_t> labels(size_t(b * t));
+  std::mt19937_64 g(17);
+  for (size_t i = 0; i < labels.size(); ++i) {
+    ids.data()[i] = float(g() % uint64_t(vocab));
+    labels[i] = int32_t(g() % uint64_t(vocab));
+  }
+  for (Param* p : model.Params()) p->grad.Zero();
+  const Tensor logits = model.Forward(ids, true).Clone();
+  SoftmaxCrossEntropy ce;
+  Tensor dlogits;
+  const float loss = ce.Forward(logits.Reshaped({b * t, vocab}), labels, &dlogits);
+  model.Backward(dlogits.Reshaped(logits.shape()));
+  c["ids"] = ToJson(ids);
+  c["labels"] = labels;
+  c["logits"] = ToJson(logits);
+  c["loss"] = loss;
+  c["grads"] = ParamsJson(model, true);
+  return c;
+}
+
 json GptCase(const GptOptions& o, bool unit_scale) {
   auto gpt = BuildGpt(o, 3);
   if (unit_scale) {  // O(1) activations everywhere, as in transformer_layers_test.cc
@@ -78,14 +106,6 @@ json GptCase(const GptOptions& o, bool unit_scale) {
     }
     PerturbVectors(*gpt, 13);
   }
-  const int64_t b = 3, t = o.block_size;
-  Tensor ids({b, t});
-  std::vector<int32_t> labels(size_t(b * t));
-  std::mt19937_64 g(17);
-  for (size_t i = 0; i < labels.size(); ++i) {
-    ids.data()[i] = float(g() % uint64_t(o.vocab));
-    labels[i] = int32_t(g() % uint64_t(o.vocab));
-  }
   json c = {{"kind", "gpt"},
             {"config",
              {{"vocab", o.vocab},
@@ -95,18 +115,24 @@ json GptCase(const GptOptions& o, bool unit_scale) {
               {"layers", o.transformer.layers},
               {"tied", o.tied_head}}},
             {"params", ParamsJson(*gpt, false)}};
-  for (Param* p : gpt->Params()) p->grad.Zero();
-  const Tensor logits = gpt->Forward(ids, true).Clone();
-  SoftmaxCrossEntropy ce;
-  Tensor dlogits;
-  const float loss = ce.Forward(logits.Reshaped({b * t, o.vocab}), labels, &dlogits);
-  gpt->Backward(dlogits.Reshaped(logits.shape()));
-  c["ids"] = ToJson(ids);
-  c["labels"] = labels;
-  c["logits"] = ToJson(logits);
-  c["loss"] = loss;
-  c["grads"] = ParamsJson(*gpt, true);
-  return c;
+  return LmCase(*gpt, c, o.vocab, o.block_size);
+}
+
+json LstmLmCase(const LstmLmOptions& o, int64_t t, bool unit_scale) {
+  auto lm = BuildLstm(o, 3);
+  if (unit_scale) {  // O(1) token vectors: the gates leave their linear range
+    std::mt19937_64 g(11);
+    FillNormal(&lm->Params()[0]->value, 1.f, &g);
+  }
+  json c = {{"kind", "lstm_lm"},
+            {"config",
+             {{"vocab", o.vocab},
+              {"input", o.embed},
+              {"hidden", o.hidden == 0 ? o.embed : o.hidden},
+              {"layers", o.layers},
+              {"tied", o.tied_head}}},
+            {"params", ParamsJson(*lm, false)}};
+  return LmCase(*lm, c, o.vocab, t);
 }
 
 int Main(int argc, char** argv) {
@@ -136,6 +162,11 @@ int Main(int argc, char** argv) {
   cases.push_back(GptCase(g, false));
   g.tied_head = false;
   cases.push_back(GptCase(g, true));
+  Lstm lstm("lstm", LstmOptions{.input = o.embed, .hidden = 24, .layers = 2}, 4);
+  cases.push_back(LayerCase("lstm", lstm, {{"input", o.embed}, {"hidden", 24}, {"layers", 2}}, x));
+  cases.push_back(LstmLmCase({.vocab = 50, .embed = 24, .layers = 2}, 16, false));
+  cases.push_back(LstmLmCase(
+      {.vocab = 50, .embed = 24, .hidden = 20, .layers = 2, .tied_head = false}, 16, true));
   std::ofstream out(argv[1]);
   out << json{{"cases", cases}}.dump();
   if (!out) {

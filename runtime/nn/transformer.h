@@ -8,7 +8,7 @@
 // h<i>.ln_2, h<i>.mlp.{c_fc, gelu, c_proj, dropout}, ln_f, lm_head. Quantisation sites: wte and
 // wpe (W, G), every Linear (W, A, E, G: c_attn, c_proj, c_fc, lm_head), and the attention
 // products h<i>.attn.qk and h<i>.attn.pv (A, E); see attention.h and
-// docs/transformer-layers.md.
+// docs/language-model-layers.md.
 #pragma once
 
 #include <cstdint>

@@ -329,6 +329,15 @@ TEST(LstmLm, NamesShapesAndTiedHead) {
   EXPECT_EQ(logits.shape(), (std::vector<int64_t>{3, 4, 11}));
   std::vector<LayerShapeRecord> trace;
   EXPECT_EQ(lm->TraceShapes({3, 4}, &trace), (std::vector<int64_t>{3, 4, 11}));
+  // --print-model's table traces the model for one sequence of block_size tokens.
+  const std::string table = DescribeModel(*lm);
+  EXPECT_NE(table.find("lstm.l0.hh"), std::string::npos) << table;
+  EXPECT_NE(table.find("[1, 7, 24]"), std::string::npos) << table;
+  EXPECT_EQ(table.find("unavailable"), std::string::npos) << table;
+  const auto macs = LayerMacs(*lm, {3, 4});
+  ASSERT_EQ(macs.size(), 6u);  // wte, two products per layer, lm_head
+  EXPECT_EQ(macs[2].first, "lstm.l0.hh");
+  EXPECT_EQ(macs[2].second, 3.0 * 4 * 6 * 24);
   // Untied: the head has its own weight [vocab, hidden]; tied with hidden != embed is refused.
   auto untied = BuildLstm(TinyLm(false), 1);
   EXPECT_EQ(untied->Params().back()->name, "lm_head.weight");

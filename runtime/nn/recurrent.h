@@ -8,10 +8,9 @@
 // Quantisation sites: every matrix product is one. Each LSTM layer k has two quantisable child
 // layers, so that the precision policy and per-layer overrides address them by name:
 //   NAME.l<k>.ih  the input projection x W_ih^T + b_ih, one product over all timesteps (an
-//                 InputProjection):
-//                 W = weight_ih_l<k>, A = the layer's input sequence (one call), E = the gradient
-//                 of the gate pre-activations over all timesteps (one call), G = its weight
-//                 gradient;
+//                 InputProjection): W = weight_ih_l<k>, A = the layer's input sequence (one
+//                 call), E = the gradient of the gate pre-activations over all timesteps (one
+//                 call), G = its weight gradient;
 //   NAME.l<k>.hh  the recurrent projection h_{t-1} W_hh^T + b_hh at each timestep (a
 //                 RecurrentProduct): W = weight_hh_l<k> (once per forward), A = h_{t-1} (one
 //                 call per timestep), E = the gradient of the gate pre-activations at t (one call

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -162,6 +163,20 @@ inline void CheckGradients(Layer& layer, const Tensor& x, const GradCheck& opt =
   for (Param* p : layer.Params()) {
     CheckTensorGradient(
         p->name, &p->value, p->grad, [&] { return loss(x); }, seed++, opt);
+  }
+}
+
+// Whether two tensors have the same shape and the same bits.
+inline bool SameBits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.numel() * sizeof(float)) == 0;
+}
+
+// Every element of `got` within tol * (1 + |want|) of a double-precision reference.
+inline void ExpectClose(const Tensor& got, const std::vector<double>& want, double tol,
+                        const std::string& what) {
+  ASSERT_EQ(got.numel(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR(got.data()[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << "[" << i << "]";
   }
 }
 

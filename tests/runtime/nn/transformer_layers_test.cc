@@ -26,18 +26,6 @@ namespace {
 
 using namespace gradcheck;  // NOLINT: the shared helpers of the layer tests
 
-bool SameBits(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && std::memcmp(a.data(), b.data(), a.numel() * sizeof(float)) == 0;
-}
-
-void ExpectClose(const Tensor& got, const std::vector<double>& want, double tol,
-                 const std::string& what) {
-  ASSERT_EQ(got.numel(), want.size()) << what;
-  for (size_t i = 0; i < want.size(); ++i) {
-    ASSERT_NEAR(got.data()[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << "[" << i << "]";
-  }
-}
-
 // Token ids [b, t] as floats, each in [0, vocab).
 Tensor Ids(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
   Tensor ids({b, t});

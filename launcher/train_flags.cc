@@ -98,12 +98,31 @@ Result<cpd::runtime::SiteFormat> CheckSite(const std::string& flag, const std::s
 }
 
 void AddDataAndModelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
-  app->add_option("--dataset", o->dataset, "fashion-mnist | mnist | cifar10 | cifar100 | synthetic")
+  app->add_option("--dataset", o->dataset,
+                  "fashion-mnist | mnist | cifar10 | cifar100 | synthetic | text (byte-level "
+                  "over the text files of --data-dir, a file or a folder) | tokens (GPT-2 "
+                  "tokens: --data-dir's train.bin and val.bin, nanoGPT's or llm.c's)")
       ->capture_default_str();
   app->add_option("--data-dir", o->data_dir,
                   "Dataset directory (default for fashion-mnist: "
-                  "/usr/share/datasets/fashion-mnist)");
-  app->add_option("--arch", o->arch, "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...)")
+                  "/usr/share/datasets/fashion-mnist; for text: /usr/share/games/fortunes)");
+  app->add_option("--arch", o->arch,
+                  "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...) | gpt (a language "
+                  "model: --dataset text or tokens)")
+      ->capture_default_str();
+  app->add_option("--n-layer", o->lm.n_layer, "gpt: Transformer blocks")->capture_default_str();
+  app->add_option("--n-head", o->lm.n_head, "gpt: attention heads (divide --n-embd)")
+      ->capture_default_str();
+  app->add_option("--n-embd", o->lm.n_embd, "gpt: embedding width")->capture_default_str();
+  app->add_option("--block-size", o->lm.block_size, "gpt: tokens per window (the context)")
+      ->capture_default_str();
+  app->add_option("--dropout", o->lm.dropout, "gpt: attention, residual and MLP dropout")
+      ->capture_default_str();
+  app->add_flag("--untied-head", f->untied_head,
+                "gpt: lm_head gets a table of its own (default: tied to wte, as GPT-2)");
+  app->add_option("--tokens-per-epoch", o->lm.tokens_per_epoch,
+                  "Language models: training tokens per epoch (windows x --block-size; default "
+                  "0: as many as the training stream holds)")
       ->capture_default_str();
   app->add_option("--in-channels", o->in_channels, "Input channels (default: the dataset's)")
       ->check(IntegerIn(1, 4096));
@@ -398,6 +417,16 @@ Status ApplyAndCheck(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
   if (!f->preset.empty()) CPD_RETURN_IF_ERROR(ApplyPreset(app, f, o));
   if (f->augment && f->no_augment) return bad("--augment and --no-augment exclude each other");
+  if (!runtime::IsLanguageModel(o->arch)) {
+    for (const char* flag : {"--n-layer", "--n-head", "--n-embd", "--block-size", "--dropout",
+                             "--untied-head", "--tokens-per-epoch"}) {
+      if (given(flag)) {
+        return bad(std::string(flag) + " applies to language models (--arch gpt), not --arch " +
+                   o->arch);
+      }
+    }
+  }
+  o->lm.tied_head = !f->untied_head;
   if (!o->coordinator.address.empty()) {
     std::string host;
     int port = 0;

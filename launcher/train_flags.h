@@ -22,6 +22,7 @@ namespace cpd::launcher {
 struct TrainFlags {
   std::string config_path, preset;
   bool augment = false, no_augment = false;
+  bool untied_head = false;  // --untied-head
   std::string wf = "fp32", af = "fp32", ef = "fp32", gf = "fp32";
   std::string wr = "nearest", ar = "nearest", er = "nearest", gr = "nearest";
   std::vector<std::string> layer_formats;

@@ -3,6 +3,9 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <stdexcept>
+
+#include "runtime/nn/transformer.h"
 
 namespace cpd::runtime {
 
@@ -131,6 +134,33 @@ Result<std::unique_ptr<Sequential>> BuildModel(const std::string& arch, int in_c
   }
   model->set_input_shape({in_channels, image_size, image_size});
   return model;
+}
+
+Result<std::unique_ptr<Sequential>> BuildLanguageModel(const std::string& arch,
+                                                       const LanguageModelShape& shape,
+                                                       uint64_t seed) {
+  if (arch == "lstm") {
+    // The hook for issue 28's LSTM: BuildLstm (runtime/nn/recurrent.h) is not on main yet.
+    return Status::InvalidArgument(
+        "--arch lstm is not available yet in this build (the LSTM language model lands with "
+        "runtime/nn/recurrent.h); use --arch gpt");
+  }
+  if (arch != "gpt") {
+    return Status::InvalidArgument("unknown language model '" + arch + "' (accepted: gpt)");
+  }
+  GptOptions g;
+  g.vocab = shape.vocab;
+  g.block_size = shape.block_size;
+  g.transformer.embed = shape.n_embd;
+  g.transformer.heads = shape.n_head;
+  g.transformer.layers = shape.n_layer;
+  g.transformer.dropout = shape.dropout;
+  g.tied_head = shape.tied_head;
+  try {
+    return BuildGpt(g, seed);
+  } catch (const std::invalid_argument& e) {
+    return Status::InvalidArgument(std::string("model 'gpt': ") + e.what());
+  }
 }
 
 int64_t CountParams(Layer& model) {

@@ -30,6 +30,26 @@ namespace cpd::runtime {
 Result<std::unique_ptr<Sequential>> BuildModel(const std::string& arch, int in_channels,
                                                int image_size, int classes, uint64_t seed);
 
+// A language model's shape (cpd-train's --n-layer, --n-head, --n-embd, --block-size, --dropout,
+// --untied-head; the vocabulary is the dataset's).
+struct LanguageModelShape {
+  int64_t vocab = 0, block_size = 0;
+  int64_t n_layer = 0, n_head = 1, n_embd = 0;
+  double dropout = 0;
+  bool tied_head = true;
+};
+
+// A language model mapping token ids [N, T] (floats, T <= block_size) to logits [N, T, vocab],
+// initialised from `seed`. Accepted `arch`:
+//  * "gpt": runtime/nn/transformer.h's BuildGpt (nanoGPT's GPT; layers wte, wpe, h<i>..., ln_f,
+//    lm_head; biases in every Linear but lm_head). input_shape() is {block_size}.
+//  * "lstm": refused for now (InvalidArgument): the LSTM language model of issue 28 is wired
+//    here once runtime/nn/recurrent.h's BuildLstm lands.
+// Errors: InvalidArgument for another arch or a shape BuildGpt refuses.
+Result<std::unique_ptr<Sequential>> BuildLanguageModel(const std::string& arch,
+                                                       const LanguageModelShape& shape,
+                                                       uint64_t seed);
+
 // The number of trainable values (sum of Param sizes).
 int64_t CountParams(Layer& model);
 

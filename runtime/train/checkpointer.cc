@@ -303,8 +303,8 @@ Status ReadEpochSums(const RestoreCheck& c, const json& meta, const IteratorStat
     return c.Corrupt("meta.epoch_sums.loss is not a finite number >= 0");
   }
   CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*steps, 0, it.next_batch, "meta.epoch_sums.steps")));
-  CPD_RETURN_IF_ERROR(
-      c.CorruptIf(CheckInRange(*seen, 0, *steps * c.global_batch, "meta.epoch_sums.seen")));
+  CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(
+      *seen, 0, *steps * c.global_batch * c.run.labels_per_sample, "meta.epoch_sums.seen")));
   CPD_RETURN_IF_ERROR(c.CorruptIf(CheckInRange(*correct, 0, *seen, "meta.epoch_sums.correct")));
   if (it.next_batch > 0 && it.next_batch < c.batches_per_epoch) {
     point->epoch_sums = {loss->get<double>(), *correct, *seen, *steps};

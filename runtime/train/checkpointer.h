@@ -36,6 +36,9 @@ struct CheckpointOptions {
   std::string arch, dataset;
   uint64_t seed = 0;
   int epochs = 0;
+  // Labels per sample (a language model's window has block_size): bounds the label count of
+  // the epoch's sums that a checkpoint may hold.
+  int64_t labels_per_sample = 1;
 };
 
 // What a checkpoint saves and restores. REQUIRED: all but `control` and `scaler`.

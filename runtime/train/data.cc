@@ -16,6 +16,8 @@
 #include <utility>
 
 #include "kernels/grid.h"
+#include "runtime/train/split_mix.h"
+#include "runtime/train/token_data.h"
 
 namespace cpd::runtime {
 
@@ -152,45 +154,12 @@ std::string CifarDir(const std::string& dir, const char* first_file, const char*
   return dir;
 }
 
-// splitmix64 as a stream: outputs mix(key + k * golden) for k = 1, 2, ... (Steele et al. 2014),
-// with Lemire's unbiased multiply-and-reject for bounded draws (Lemire 2019). Both are exact
-// integer arithmetic, so permutations are identical on every platform and library.
-class SplitMixStream {
- public:
-  explicit SplitMixStream(uint64_t key) : state_(key) {}
-  uint64_t Next() {
-    const uint64_t r = kernels::SplitMix64(state_);
-    state_ += 0x9e3779b97f4a7c15ull;
-    return r;
-  }
-  // Uniform in [0, n), n >= 1.
-  uint64_t Below(uint64_t n) {
-    unsigned __int128 m = (unsigned __int128)Next() * n;
-    uint64_t low = uint64_t(m);
-    if (low < n) {
-      const uint64_t threshold = (0 - n) % n;
-      while (low < threshold) {
-        m = (unsigned __int128)Next() * n;
-        low = uint64_t(m);
-      }
-    }
-    return uint64_t(m >> 64);
-  }
-
- private:
-  uint64_t state_;
-};
-
 // Domain separators so that shuffling, augmentation and synthetic data draw unrelated bits from
 // the same user seed.
 constexpr uint64_t kShuffleDomain = 0x53485546464c4531ull;      // "SHUFFLE1"
 constexpr uint64_t kAugmentDomain = 0x4155474d454e5431ull;      // "AUGMENT1"
 constexpr uint64_t kSynthProtoDomain = 0x53594e5450524f31ull;   // "SYNTPRO1"
 constexpr uint64_t kSynthSampleDomain = 0x53594e5453414d31ull;  // "SYNTSAM1"
-
-uint64_t Hash2(uint64_t key, uint64_t i) {
-  return kernels::SplitMix64(key ^ kernels::SplitMix64(i));
-}
 
 // [0, 1) from the top 24 bits.
 float Unit24(uint64_t bits) { return float(bits >> 40) * (1.0f / 16777216.0f); }
@@ -430,7 +399,8 @@ Result<Dataset> LoadIdxFromDir(const std::string& dir, const std::string& prefix
 }  // namespace
 
 Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
-                                                    const std::string& data_dir, uint64_t seed) {
+                                                    const std::string& data_dir, uint64_t seed,
+                                                    const TokenWindows& windows) {
   const auto need_dir = [&](const char* holds) {
     return Status::InvalidArgument("dataset '" + name +
                                    "' needs a data directory (--data-dir) holding " + holds);
@@ -456,6 +426,14 @@ Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
     CPD_ASSIGN_OR_RETURN(Dataset test, LoadCifar(data_dir, false, classes));
     return std::make_pair(std::move(train), std::move(test));
   }
+  if (name == "text" || name == "tokens") {
+    if (windows.block_size < 1) {
+      return Status::InvalidArgument("dataset '" + name + "' needs a block size >= 1");
+    }
+    if (name == "text") return LoadTextPair(data_dir.empty() ? kTextDefaultDir : data_dir, windows);
+    if (data_dir.empty()) return need_dir("train.bin and val.bin (GPT-2 tokens, nanoGPT or llm.c)");
+    return LoadTokenBinPair(data_dir, windows);
+  }
   if (name == "synthetic") {
     // One draw split in two, so that both sets share the class patterns.
     constexpr int64_t kTrain = 8192, kTest = 2048;
@@ -474,8 +452,8 @@ Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
     return std::make_pair(std::move(a), std::move(test));
   }
   return Status::InvalidArgument("unknown dataset '" + name +
-                                 "': expected fashion-mnist, mnist, cifar10, cifar100 or "
-                                 "synthetic");
+                                 "': expected fashion-mnist, mnist, cifar10, cifar100, "
+                                 "synthetic, text or tokens");
 }
 
 // ---- Normalisation ----------------------------------------------------------------------------
@@ -552,9 +530,14 @@ BatchIterator::BatchIterator(const Dataset& data, int64_t batch_size, bool shuff
       drop_last_(drop_last),
       seed_(seed) {
   Require(batch_size >= 1, "BatchIterator: batch_size must be >= 1");
-  Require(data.count >= 0 && data.labels.size() == size_t(data.count) &&
-              data.images.size() == size_t(data.count * data.sample_size()),
-          "BatchIterator: dataset images/labels sizes do not match its count and shape");
+  Require(
+      data.count >= 0 &&
+          (data.is_tokens() ? int64_t(data.tokens.size()) > data.block_size &&
+                                  (data.random_windows ||
+                                   data.count * data.block_size < int64_t(data.tokens.size()))
+                            : data.labels.size() == size_t(data.count) &&
+                                  data.images.size() == size_t(data.count * data.sample_size())),
+      "BatchIterator: dataset images/labels sizes do not match its count and shape");
   BuildOrder();
 }
 
@@ -618,6 +601,13 @@ bool BatchIterator::Next(Tensor* x, std::vector<int32_t>* y) {
   const int64_t lo = start + n * rank_ / world_size_;
   const int64_t hi = start + n * (rank_ + 1) / world_size_;
   const int64_t b = hi - lo;
+  if (data_.is_tokens()) {
+    // Windows are drawn by (seed, epoch, sample index), like augmentation: the same for any
+    // batch size, sharding or resumption.
+    FillTokenWindows(data_, seed_, epoch_, order_.data() + lo, b, x, y);
+    ++next_batch_;
+    return true;
+  }
   const int C = data_.channels, H = data_.height, W = data_.width;
   const int64_t sample = data_.sample_size();
 

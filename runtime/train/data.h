@@ -1,6 +1,7 @@
 // Training data: image-classification datasets held in memory as float32 NCHW, their loaders
 // (MNIST/Fashion-MNIST IDX, CIFAR-10/100 binary, a seeded synthetic task), per-channel
-// normalisation, and a seeded, resumable, shardable batch iterator.
+// normalisation, token streams for language models (runtime/train/token_data.h), and a seeded,
+// resumable, shardable batch iterator over either.
 //
 // Loaders report every problem as a Status whose one-line message names the file and what was
 // expected; nothing here throws except std::bad_alloc when memory runs out.
@@ -16,7 +17,14 @@
 
 namespace cpd::runtime {
 
-// An in-memory labelled image set.
+// How a token stream is cut into samples (the "text" and "tokens" datasets).
+struct TokenWindows {
+  int64_t block_size = 0;        // tokens a model sees at once (T); REQUIRED >= 1 for tokens
+  int64_t tokens_per_epoch = 0;  // training windows per epoch x block_size; 0: the train tokens
+};
+
+// An in-memory labelled image set, or a token stream cut into windows (a language model's data,
+// block_size > 0; see runtime/train/token_data.h).
 struct Dataset {
   std::string name;  // e.g. "fashion-mnist/train"
   int64_t count = 0;
@@ -26,7 +34,22 @@ struct Dataset {
   std::vector<float> images;
   std::vector<int32_t> labels;  // count values in [0, classes)
 
+  // A token stream (block_size > 0): sample i is a window of block_size + 1 consecutive tokens,
+  // x its first block_size (as floats), its labels the block_size tokens that follow each of
+  // them. count is the windows per epoch; classes the vocabulary; images and labels stay empty.
+  // random_windows: window i of epoch e starts at an offset drawn uniformly from
+  // [0, tokens.size() - block_size) by the seeded stream of (seed, e, i) (the training set);
+  // otherwise window i starts at i * block_size (the validation set: disjoint windows in order).
+  std::vector<uint16_t> tokens;
+  int64_t block_size = 0;
+  bool random_windows = false;
+  bool byte_level = false;  // tokens are the bytes of text (so bits per byte = loss / ln 2)
+  double unigram_bits = 0;  // entropy of the token frequencies, bits per token (train set)
+
   int64_t sample_size() const { return int64_t(channels) * height * width; }
+  bool is_tokens() const { return block_size > 0; }
+  // Labels per sample: block_size for a token stream, 1 for an image.
+  int64_t labels_per_sample() const { return is_tokens() ? block_size : 1; }
 };
 
 // MNIST-style IDX pair: images (magic 0x00000803, u8, [count, rows, cols]) and labels (magic
@@ -66,8 +89,12 @@ inline constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fash
 //                    two sets share class patterns and have disjoint samples.
 // `seed` only affects "synthetic". Errors: InvalidArgument for an unknown name (the message
 // lists the accepted ones) or a missing data_dir; the loaders' errors otherwise.
+//   "text", "tokens"  token streams for language models: LoadTokenDatasetPair
+//                    (runtime/train/token_data.h) with `windows`, which they REQUIRE
+//                    (block_size >= 1; InvalidArgument otherwise).
 Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
-                                                    const std::string& data_dir, uint64_t seed);
+                                                    const std::string& data_dir, uint64_t seed,
+                                                    const TokenWindows& windows = {});
 
 // Per-channel mean and population standard deviation (size = channels each).
 struct ChannelStats {
@@ -130,8 +157,10 @@ class BatchIterator {
   void StartEpoch(int64_t epoch);
 
   // Fills x with a [b, C, H, W] CPU tensor (Resize()d; b = batch_size except possibly in the
-  // last batch, see sharding) and y with its b labels, and returns true; returns false, leaving
-  // x, y and state() untouched, when the epoch is exhausted (call StartEpoch for the next one).
+  // last batch, see sharding) and y with its b labels (for a token stream: x is [b, block_size]
+  // token ids as floats and y holds b * block_size labels, window-major), and returns true; returns
+  // false, leaving x, y and state() untouched, when the epoch is exhausted (call StartEpoch for the
+  // next one).
   bool Next(Tensor* x, std::vector<int32_t>* y);
 
   // Global batches per epoch: ceil(count / (batch_size * world_size)), or floor with drop_last.

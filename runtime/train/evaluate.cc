@@ -1,13 +1,22 @@
 #include "runtime/train/evaluate.h"
 
+#include <algorithm>
 #include <vector>
+
+#include "runtime/train/gradients.h"
 
 namespace cpd::runtime {
 
 Result<Evaluation> Evaluate(Sequential* model, SiteQuantizer* quant, const Dataset& test,
                             Device device, const Replicas& replicas, uint64_t seed) {
   quant->SetEval(true);
-  BatchIterator it(test, 500, /*shuffle=*/false, /*augment=*/false, seed, /*drop_last=*/false);
+  // A language model's logits are [batch, T, vocab]: its batch keeps them near 2^24 floats
+  // (64 MiB), at most 64 windows (one for GPT-2's 1024 x 50257).
+  const int64_t batch =
+      test.is_tokens()
+          ? std::clamp<int64_t>((int64_t(1) << 24) / (test.block_size * test.classes), 1, 64)
+          : 500;
+  BatchIterator it(test, batch, /*shuffle=*/false, /*augment=*/false, seed, /*drop_last=*/false);
   CPD_RETURN_IF_ERROR(it.SetShard(replicas.rank(), replicas.size()));
   it.StartEpoch(0);
   Tensor x, x_device, dlogits;
@@ -17,7 +26,7 @@ Result<Evaluation> Evaluate(Sequential* model, SiteQuantizer* quant, const Datas
   int64_t correct = 0, seen = 0;
   while (it.Next(&x, &y)) {
     if (y.empty()) continue;  // this rank's share of the last batch
-    const Tensor logits = model->Forward(StagedOn(x, device, &x_device), /*train=*/false);
+    const Tensor logits = LossRows(model->Forward(StagedOn(x, device, &x_device), /*train=*/false));
     loss_sum += double(ce.Forward(logits, y, &dlogits)) * double(y.size());
     correct += SoftmaxCrossEntropy::CountCorrect(logits, y);
     seen += int64_t(y.size());

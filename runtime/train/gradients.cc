@@ -23,6 +23,12 @@ void ScaleInPlace(Tensor* t, float s) {
 
 }  // namespace
 
+Tensor LossRows(const Tensor& logits) {
+  if (logits.ndim() <= 2) return logits;
+  const int64_t classes = logits.dim(-1);
+  return logits.Reshaped({int64_t(logits.numel()) / classes, classes});
+}
+
 GradientPass::GradientPass(Sequential* model) : model_(model), params_(model->Params()) {}
 
 BatchTotals GradientPass::Run(const Tensor& x, const std::vector<int32_t>& y) {
@@ -32,8 +38,11 @@ BatchTotals GradientPass::Run(const Tensor& x, const std::vector<int32_t>& y) {
 }
 
 BatchTotals GradientPass::Forward(const Tensor& x, const std::vector<int32_t>& y) {
-  const Tensor logits = model_->Forward(x, /*train=*/true);
+  const Tensor out = model_->Forward(x, /*train=*/true);
+  const Tensor logits = LossRows(out);
   const float loss = loss_.Forward(logits, y, &dlogits_);
+  // The backward starts from the model's own output shape.
+  if (out.ndim() > 2) dlogits_ = dlogits_.Reshaped(out.shape());
   if (loss_scale_ != 1) ScaleInPlace(&dlogits_, loss_scale_);
   BatchTotals t;
   t.loss_sum = loss * float(y.size());

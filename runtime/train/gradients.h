@@ -12,6 +12,11 @@
 
 namespace cpd::runtime {
 
+// The logits as the loss takes them: one row per label. An image model's [N, classes] as they
+// are; a language model's [N, T, vocab] as [N * T, vocab] (the same storage), so that the
+// cross-entropy is the mean over every token of the batch, as nanoGPT's F.cross_entropy.
+Tensor LossRows(const Tensor& logits);
+
 class GradientPass {
  public:
   // `model` (REQUIRED) must outlive the pass; its parameter list is taken now.
@@ -21,7 +26,8 @@ class GradientPass {
   // softmax cross-entropy against `y` and the backward pass: afterwards each Param::grad holds
   // the gradient of the batch's mean loss, computed through whatever quantisation hooks are
   // installed on the layers (a SiteQuantizer's policy at its current step and worker).
-  // Returns the batch's loss sum (mean x samples), correct predictions and sample count.
+  // Returns the batch's loss sum (mean x labels), correct predictions and label count (a
+  // language model has a label per token).
   BatchTotals Run(const Tensor& x, const std::vector<int32_t>& y);
 
   // Run() in two halves, for callers that reuse one forward pass under several backward

@@ -20,16 +20,17 @@ void Progress::Update(int epoch, int epochs, int64_t batch, int64_t batches, dou
     const int filled = batches > 0 ? int(width * batch / batches) : width;
     std::string bar(size_t(filled), '#');
     bar.resize(size_t(width), '.');
-    std::fprintf(o_.out, "\r  epoch %d/%d [%s] %lld/%lld loss %.4f %6.0f img/s ETA %5.0fs%s", epoch,
+    std::fprintf(o_.out, "\r  epoch %d/%d [%s] %lld/%lld loss %.4f %6.0f %s ETA %5.0fs%s", epoch,
                  epochs, bar.c_str(), static_cast<long long>(batch),
-                 static_cast<long long>(batches), loss, images_per_s, eta_s,
+                 static_cast<long long>(batches), loss, images_per_s, o_.rate_unit, eta_s,
                  bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
     std::fflush(o_.out);
     dirty_ = true;
   } else if (line_rate_.Due(batch, batches, Now())) {
-    std::fprintf(o_.out, "  epoch %d/%d step %lld/%lld loss %.4f %.0f img/s eta %.0fs%s\n", epoch,
+    std::fprintf(o_.out, "  epoch %d/%d step %lld/%lld loss %.4f %.0f %s eta %.0fs%s\n", epoch,
                  epochs, static_cast<long long>(batch), static_cast<long long>(batches), loss,
-                 images_per_s, eta_s, bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
+                 images_per_s, o_.rate_unit, eta_s,
+                 bits > 0 ? (" bits " + std::to_string(bits)).c_str() : "");
     std::fflush(o_.out);
   }
 }

@@ -17,7 +17,8 @@ struct ProgressOptions {
   // Plain lines at least this many seconds and a tenth of an epoch apart, plus the epoch's
   // last batch (ProgressLineRate); >= 0.
   double interval_s = 30;
-  std::FILE* out = stdout;  // where lines go
+  std::FILE* out = stdout;          // where lines go
+  const char* rate_unit = "img/s";  // what the rate counts ("tok/s" for a language model)
   // The clock of the interval (tests inject one); null: std::chrono::steady_clock::now.
   std::function<std::chrono::steady_clock::time_point()> now;
 };

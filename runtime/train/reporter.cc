@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "cpd/format.h"
@@ -99,10 +100,11 @@ std::vector<LayerReport> LayerReports(const std::vector<SiteRecord>& records,
 }
 
 // The progress display of stdout: --progress, with auto resolved for this process.
-ProgressOptions ConsoleProgress(const ReporterOptions& o, bool quiet) {
+ProgressOptions ConsoleProgress(const ReporterOptions& o, bool quiet, bool language_model) {
   ProgressOptions p;
   p.mode = quiet ? ProgressMode::kOff : ResolveProgressMode(o.progress);
   p.interval_s = o.progress_interval_s;
+  if (language_model) p.rate_unit = "tok/s";
   return p;
 }
 
@@ -112,7 +114,7 @@ Reporter::Reporter(const ReporterOptions& options, ReporterSetup setup)
     : setup_(setup),
       o_(options),
       quiet_(o_.quiet || setup.rank != 0),
-      progress_(ConsoleProgress(o_, quiet_)) {}
+      progress_(ConsoleProgress(o_, quiet_, setup.language_model)) {}
 
 Result<std::unique_ptr<Reporter>> Reporter::Create(const ReporterOptions& options,
                                                    ReporterSetup setup) {
@@ -171,6 +173,13 @@ void Reporter::Started(const RunStart& run) {
             {"precision", run.precision},
             {"device", run.device}};
   if (!run.conv_algos.empty()) j["conv_algos"] = run.conv_algos;
+  if (setup_.language_model) {
+    j["vocab"] = run.classes;
+    j["block_size"] = run.block_size;
+    j["params"] = run.params;
+    j["byte_level"] = setup_.byte_level;
+    j["unigram_bits"] = run.unigram_bits;
+  }
   if (o_.optimizer == OptimizerKind::kLars) {
     j["lars_eta"] = o_.lars_eta;
     j["lars_exclude"] = LarsExcludeName(o_.lars_exclude);
@@ -256,8 +265,9 @@ Status Reporter::AfterStep(const StepDone& s) {
   }
   const double elapsed = SecondsSince(epoch_start_);
   const double ips = elapsed > 0 ? double(sums_.seen - carried_.seen) / elapsed : 0.0;
-  const double eta =
-      ips > 0 ? double((setup_.batches_per_epoch - s.next_batch) * setup_.global_batch) / ips : 0.0;
+  const double remaining = double((setup_.batches_per_epoch - s.next_batch) * setup_.global_batch *
+                                  setup_.labels_per_sample);
+  const double eta = ips > 0 ? remaining / ips : 0.0;
   progress_.Update(s.epoch, o_.epochs, s.next_batch, setup_.batches_per_epoch, s.batch.loss, ips,
                    eta, setup_.quant->CurrentBits());
   if (control_ && (s.statistics || control_->SummaryDue())) {
@@ -319,9 +329,23 @@ void Reporter::AfterEpoch(const EpochDone& e) {
       std::snprintf(buf, sizeof(buf), " loss-scale %g", e.loss_scale);
       extra += buf;
     }
-    std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
-                e.epoch, o_.epochs, e.totals.train_loss, 100 * e.totals.train_accuracy,
-                100 * e.test_accuracy, e.totals.images_per_s, e.totals.ms_per_step, extra.c_str());
+    if (setup_.language_model) {
+      // Validation loss per token, perplexity exp(loss), and bits per byte loss / ln 2 where a
+      // token is a byte.
+      std::string bpb;
+      if (setup_.byte_level) {
+        std::snprintf(buf, sizeof(buf), " bpb %.3f", e.test_loss / std::log(2.0));
+        bpb = buf;
+      }
+      std::printf("epoch %d/%d loss %.4f val loss %.4f ppl %.2f%s %.0f tok/s %.1f ms/step%s\n",
+                  e.epoch, o_.epochs, e.totals.train_loss, e.test_loss, std::exp(e.test_loss),
+                  bpb.c_str(), e.totals.images_per_s, e.totals.ms_per_step, extra.c_str());
+    } else {
+      std::printf("epoch %d/%d loss %.4f train %.2f%% test %.2f%% %.0f img/s %.1f ms/step%s\n",
+                  e.epoch, o_.epochs, e.totals.train_loss, 100 * e.totals.train_accuracy,
+                  100 * e.test_accuracy, e.totals.images_per_s, e.totals.ms_per_step,
+                  extra.c_str());
+    }
     std::fflush(stdout);
   }
   json record = {{"type", "epoch"},
@@ -338,6 +362,13 @@ void Reporter::AfterEpoch(const EpochDone& e) {
                  {"skipped_steps", e.skipped_steps},
                  {"flips", flips_json}};
   if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) record["loss_scale"] = e.loss_scale;
+  if (setup_.language_model) {
+    // images_per_s stays the rate of samples (windows); the tokens' rate is its own key.
+    record["images_per_s"] = e.totals.images_per_s / double(setup_.labels_per_sample);
+    record["tokens_per_s"] = e.totals.images_per_s;
+    record["test_perplexity"] = std::exp(e.test_loss);
+    if (setup_.byte_level) record["test_bits_per_byte"] = e.test_loss / std::log(2.0);
+  }
   Log(record);
   if (control_) {
     StepReport r = MakeStepReport(e.epoch, e.step - 1, e.totals.train_loss, e.lr,

@@ -59,6 +59,11 @@ struct ReporterOptions {
 struct ReporterSetup {
   int rank = 0, world = 1, workers = 1;
   int64_t global_batch = 0, batches_per_epoch = 0;
+  // A language model's run (a token dataset): the rates count tokens (labels_per_sample of them
+  // per sample), the epoch line shows the validation loss, perplexity and, for byte-level text,
+  // bits per byte where an image model's shows accuracy.
+  int64_t labels_per_sample = 1;
+  bool language_model = false, byte_level = false;
   SiteQuantizer* quant = nullptr;                     // REQUIRED
   const Replicas* replicas = nullptr;                 // REQUIRED
   const comm::GradientAllReducer* reducer = nullptr;  // REQUIRED
@@ -67,7 +72,12 @@ struct ReporterSetup {
 // A run (re)starting, as the "run" record needs it beyond the options and the setup.
 struct RunStart {
   int64_t step = 0;  // the first step this process runs (> 0 on a resume)
-  int classes = 0;   // the dataset's classes (chance level = 1 / classes)
+  int classes = 0;   // the dataset's classes (chance level = 1 / classes); a vocabulary
+  // A language model's: tokens per window, the unigram entropy of the training tokens (bits per
+  // token) and the parameter count.
+  int64_t block_size = 0;
+  double unigram_bits = 0;
+  int64_t params = 0;
   int64_t total_steps = 0;
   double lr_effective = 0;   // the schedule's base lr after --lr-scaling
   int64_t warmup_steps = 0;  // after --warmup-epochs
@@ -96,7 +106,8 @@ struct EpochSums {
   int64_t correct = 0, seen = 0, steps = 0;
 };
 
-// The epoch's totals over the global batches it ran.
+// The epoch's totals over the global batches it ran (images_per_s: labels per second, which for
+// a language model are tokens).
 struct EpochTotals {
   double train_loss = 0, train_accuracy = 0, images_per_s = 0, ms_per_step = 0;
   int64_t steps = 0;

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "cpd/message.h"
@@ -22,8 +23,66 @@ Status CheckGlobalBatchSplit(int64_t global_batch, int ranks, int emulate_ranks)
                                  std::to_string(emulate_ranks) + " emulated)");
 }
 
+bool IsTokenDataset(const std::string& dataset) { return dataset == "text" || dataset == "tokens"; }
+
+bool IsLanguageModel(const std::string& arch) { return arch == "gpt" || arch == "lstm"; }
+
+namespace {
+
+// The language model's sizes, each bounded before anything is allocated, and the pairing of a
+// language model with a token dataset.
+Status ValidateLanguageModel(const TrainOptions& o) {
+  auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  const bool lm = IsLanguageModel(o.arch), tokens = IsTokenDataset(o.dataset);
+  if (lm && !tokens) {
+    return bad("--arch " + o.arch +
+               " is a language model: it needs --dataset text or tokens, got " + o.dataset);
+  }
+  if (tokens && !lm) {
+    return bad("--dataset " + o.dataset + " is a token stream: it needs --arch gpt, got " + o.arch);
+  }
+  if (!lm) return Status::Ok();
+  const LanguageModelOptions& m = o.lm;
+  using L = LanguageModelOptions;
+  for (const auto& [flag, v, hi] :
+       {std::tuple<const char*, int, int>{"--n-layer", m.n_layer, L::kMaxLayers},
+        {"--n-head", m.n_head, L::kMaxHeads},
+        {"--n-embd", m.n_embd, L::kMaxEmbd},
+        {"--block-size", m.block_size, L::kMaxBlock}}) {
+    if (v < 1 || v > hi) {
+      return bad(std::string(flag) + " " + std::to_string(v) + " is not accepted: 1.." +
+                 std::to_string(hi));
+    }
+  }
+  if (m.n_embd % m.n_head != 0) {
+    return bad("--n-embd " + std::to_string(m.n_embd) + " is not a multiple of --n-head " +
+               std::to_string(m.n_head) + " (each head takes n_embd / n_head channels)");
+  }
+  if (!(m.dropout >= 0 && m.dropout < 1)) {
+    return bad("--dropout " + NumberText(m.dropout) + " is not accepted: a number in [0, 1)");
+  }
+  if (m.tokens_per_epoch < 0) {
+    return bad("--tokens-per-epoch must be >= 0 (0: the training tokens), got " +
+               std::to_string(m.tokens_per_epoch));
+  }
+  // GPT-2's count: 12 C^2 + 13 C per block, the embeddings, the final LayerNorm and an untied
+  // head (the vocabulary is at most GPT-2's 50257 here).
+  const int64_t C = m.n_embd, vocab = o.dataset == "text" ? 256 : 50257;
+  const int64_t params = int64_t(m.n_layer) * (12 * C * C + 13 * C) + (vocab + m.block_size) * C +
+                         2 * C + (m.tied_head ? 0 : vocab * C);
+  if (params > L::kMaxParams) {
+    return bad("--n-layer " + std::to_string(m.n_layer) + " --n-embd " + std::to_string(C) +
+               " make a model of " + std::to_string(params) + " parameters, more than " +
+               std::to_string(L::kMaxParams));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
+  CPD_RETURN_IF_ERROR(ValidateLanguageModel(o));
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
   if (o.max_steps < 0) {
     return bad("--max-steps must be >= 0 (0: all epochs), got " + std::to_string(o.max_steps));

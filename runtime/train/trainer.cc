@@ -91,6 +91,24 @@ std::string AllReduceDescription(const comm::GradientAllReduceOptions& ar) {
   return out;
 }
 
+// "text: 2,254,431 train / 250,481 val tokens (byte-level, vocab 256), block 128, 17612
+// windows per epoch, 843,392 parameters; unigram baseline 4.62 bits/byte": the language model's
+// data, and the entropy that a model knowing only the token frequencies would reach.
+std::string DescribeTokens(const Dataset& train, const Dataset& val, Sequential* model) {
+  char line[384];
+  const std::string name = train.name.substr(0, train.name.find('/'));
+  std::snprintf(line, sizeof line,
+                "%s: %lld train / %lld val tokens (%s, vocab %d), block %lld, %lld windows per "
+                "epoch, %lld parameters; unigram baseline %.3f bits/%s",
+                name.c_str(), static_cast<long long>(train.tokens.size()),
+                static_cast<long long>(val.tokens.size()),
+                train.byte_level ? "byte-level" : "GPT-2 BPE", train.classes,
+                static_cast<long long>(train.block_size), static_cast<long long>(train.count),
+                static_cast<long long>(CountParams(*model)), train.unigram_bits,
+                train.byte_level ? "byte" : "token");
+  return line;
+}
+
 // One training run: set up in Create (one short phase per part), then Run: epochs of steps.
 class Trainer {
  public:
@@ -106,6 +124,7 @@ class Trainer {
   Status PlaceWorkers();
   Status LoadData();
   Status BuildNetwork();
+  Status PlaceNetwork();
   Status BuildIterator();
   Status BuildPrecision();
   Status BuildOptimizer();
@@ -235,9 +254,18 @@ Status Trainer::PlaceWorkers() {
 }
 
 Status Trainer::LoadData() {
-  CPD_ASSIGN_OR_RETURN(auto data, LoadDatasetPair(o_.dataset, o_.data_dir, o_.seed));
-  train_ = std::move(data.first);
-  test_ = std::move(data.second);
+  const TokenWindows windows{o_.lm.block_size, o_.lm.tokens_per_epoch};
+  auto data = LoadDatasetPair(o_.dataset, o_.data_dir, o_.seed, windows);
+  if (!data.ok() && data.status().code() == Status::Code::kCorruption &&
+      IsTokenDataset(o_.dataset)) {
+    // A malformed token file is the user's input, like a bad flag (issue 28: exit 2); the image
+    // sets keep their data failure (exit 1).
+    return Status::InvalidArgument(data.status().message());
+  }
+  if (!data.ok()) return data.status();
+  train_ = std::move(data->first);
+  test_ = std::move(data->second);
+  if (train_.is_tokens()) return Status::Ok();  // token ids are not normalised
   const ChannelStats norm = ComputeChannelStats(train_);
   Normalize(&train_, norm);
   Normalize(&test_, norm);
@@ -246,6 +274,18 @@ Status Trainer::LoadData() {
 
 // The model for the dataset's shapes, on its device, and its quantisable layers.
 Status Trainer::BuildNetwork() {
+  if (train_.is_tokens()) {
+    LanguageModelShape shape;
+    shape.vocab = train_.classes;
+    shape.block_size = train_.block_size;
+    shape.n_layer = o_.lm.n_layer;
+    shape.n_head = o_.lm.n_head;
+    shape.n_embd = o_.lm.n_embd;
+    shape.dropout = o_.lm.dropout;
+    shape.tied_head = o_.lm.tied_head;
+    CPD_ASSIGN_OR_RETURN(model_, BuildLanguageModel(o_.arch, shape, o_.seed));
+    return PlaceNetwork();
+  }
   const int in_ch = o_.in_channels > 0 ? o_.in_channels : train_.channels;
   const int size = o_.image_size > 0 ? o_.image_size : train_.height;
   const int classes = o_.classes > 0 ? o_.classes : train_.classes;
@@ -257,6 +297,11 @@ Status Trainer::BuildNetwork() {
         std::to_string(train_.height) + ", " + std::to_string(train_.classes) + ")");
   }
   CPD_ASSIGN_OR_RETURN(model_, BuildModel(o_.arch, in_ch, size, classes, o_.seed));
+  return PlaceNetwork();
+}
+
+// The model on its device, its gradient buffers, and its quantisable layers.
+Status Trainer::PlaceNetwork() {
   if (!o_.print_model) {
     if (device_ != Device::kCpu) MoveToDevice(model_.get(), device_);
     gradients_ = std::make_unique<GradientBuffers>(model_->Params(), device_);
@@ -271,7 +316,8 @@ Status Trainer::BuildNetwork() {
 // gets its K workers' slices in one piece. Several workers drop the last partial batch, so that
 // every worker's gradient is a mean over the same number of samples.
 Status Trainer::BuildIterator() {
-  const bool augment = o_.augment_set ? o_.augment : o_.dataset.rfind("cifar", 0) == 0;
+  const bool augment =
+      !train_.is_tokens() && (o_.augment_set ? o_.augment : o_.dataset.rfind("cifar", 0) == 0);
   iterator_ = std::make_unique<BatchIterator>(train_, global_batch_ / comm_->size(),
                                               /*shuffle=*/true, augment, o_.seed,
                                               /*drop_last=*/group_.workers > 1);
@@ -517,6 +563,7 @@ CheckpointOptions CheckpointOptionsOf(const TrainOptions& o) {
   c.dataset = o.dataset;
   c.seed = o.seed;
   c.epochs = o.epochs;
+  c.labels_per_sample = IsTokenDataset(o.dataset) ? o.lm.block_size : 1;
   return c;
 }
 
@@ -528,6 +575,9 @@ Status Trainer::BuildOutputs() {
   rs.workers = group_.workers;
   rs.global_batch = global_batch_;
   rs.batches_per_epoch = batches_per_epoch_;
+  rs.labels_per_sample = train_.labels_per_sample();
+  rs.language_model = train_.is_tokens();
+  rs.byte_level = train_.byte_level;
   rs.quant = quant_.get();
   rs.replicas = &replicas_;
   rs.reducer = reducer_.get();
@@ -597,11 +647,17 @@ void Trainer::Announce() {
                 static_cast<long long>(global_batch_ / group_.workers), parallel.c_str(), o_.epochs,
                 static_cast<long long>(batches_per_epoch_));
   reporter_->Say(line);
+  if (train_.is_tokens()) reporter_->Say(DescribeTokens(train_, test_, model_.get()));
   reporter_->Say(DescribeLr());
   if (scaler_.enabled()) reporter_->Say("loss scale " + DescribeLossScale(o_.loss_scale));
   RunStart run;
   run.step = step_;
   run.classes = train_.classes;
+  if (train_.is_tokens()) {
+    run.block_size = train_.block_size;
+    run.unigram_bits = train_.unigram_bits;
+    run.params = CountParams(*model_);
+  }
   run.total_steps = total_steps_;
   run.lr_effective = result_.lr_effective;
   run.warmup_steps = result_.warmup_steps;

@@ -56,13 +56,15 @@ BatchTotals LocalWorkers::ForwardBackward(const Tensor& x, const std::vector<int
     SnapshotBuffers(buffers_, buffers_before_.data());
     buffers_after_.assign(buffer_floats_ * size_t(K), 0.0f);
   }
-  const int64_t n = int64_t(y.size());
+  // Rows of x are samples; a language model's sample has a label per token.
+  const int64_t n = x.ndim() > 0 ? x.dim(0) : 0;
+  const int64_t labels = n > 0 ? int64_t(y.size()) / n : 1;
   BatchTotals totals;
   for (int k = 0; k < K; ++k) {
     const uint64_t worker = uint64_t(group_.rank) * uint64_t(K) + uint64_t(k);
     const int64_t begin = n * k / K, end = n * (k + 1) / K;
     const Tensor xk = StagedOn(K == 1 ? x : SliceRows(x, begin, end), device_, &x_device_);
-    const std::vector<int32_t> yk(y.begin() + begin, y.begin() + end);
+    const std::vector<int32_t> yk(y.begin() + begin * labels, y.begin() + end * labels);
     quant_->SetWorker(worker);
     // Dropout masks: a stream per (step, worker); worker 0 of a 1-worker run keeps `step`.
     model_->SetStep(uint64_t(step) * uint64_t(group_.workers) + worker);

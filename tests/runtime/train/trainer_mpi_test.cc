@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -180,6 +181,101 @@ TEST(TrainerMpi, CheckpointWrittenOnceResumesAtAnotherWorldSize) {
     fs::remove_all(dir);
   }
   ASSERT_TRUE(World()->Barrier().ok());
+}
+
+// A small GPT on byte-level text that rank 0 writes (the same path on every rank).
+class LanguageModelRun {
+ public:
+  LanguageModelRun() {
+    int32_t pid = World()->rank() == 0 ? int32_t(getpid()) : 0;
+    EXPECT_TRUE(World()->AllReduce(&pid, 1, comm::ReduceOp::kMax).ok());
+    dir_ = "/tmp/cpd_trainer_mpi_lm." + std::to_string(pid);
+    if (World()->rank() == 0) {
+      fs::remove_all(dir_);
+      fs::create_directories(dir_);
+      std::ofstream out(dir_ + "/corpus.txt");
+      const char* words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dogs ", "run\n"};
+      uint64_t x = 1;
+      for (int i = 0; i < 6000; ++i) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        out << words[(x >> 33) % 8];
+      }
+    }
+    EXPECT_TRUE(World()->Barrier().ok());
+  }
+  ~LanguageModelRun() {
+    EXPECT_TRUE(World()->Barrier().ok());
+    if (World()->rank() == 0) fs::remove_all(dir_);
+  }
+  TrainOptions Options() const {
+    TrainOptions o = SmallRun("gpt");
+    o.dataset = "text";
+    o.data_dir = dir_ + "/corpus.txt";
+    o.lm.n_layer = 1;
+    o.lm.n_head = 2;
+    o.lm.n_embd = 16;
+    o.lm.block_size = 16;
+    o.lm.dropout = 0.1;  // the masks are drawn per (step, worker): the same for ranks and workers
+    o.max_steps = 6;
+    return o;
+  }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+};
+
+// A language model over ranks: replicas bit-identical with every all-reduce, P ranks equal to
+// P emulated workers in one process, and a checkpoint resumed at another world size equal to
+// the uninterrupted run.
+TEST(TrainerMpi, LanguageModelIsDataParallelAndResumable) {
+  LanguageModelRun lm;
+  const int p = World()->size();
+  for (const AlgoCase& c : kAlgos) {
+    TrainOptions o = lm.Options();
+    o.allreduce.algo = c.algo;
+    o.allreduce.format = c.format;
+    o.allreduce.aps = c.aps;
+    o.allreduce.aps_scaling = comm::ApsScaling::kPaper;
+    auto ranks = Train(o, World());
+    ASSERT_TRUE(ranks.ok()) << c.name << ": " << ranks.status().message();
+    EXPECT_TRUE(ranks->replicas_identical) << c.name;
+    EXPECT_TRUE(SameOnAllRanks(ranks->param_hash)) << c.name;
+    const bool comparable =
+        !(c.algo == comm::AllReduceAlgo::kFp32 && p > 2) && std::string(c.format) != "int8";
+    if (comparable && World()->rank() == 0) {
+      TrainOptions one = o;
+      one.emulate_ranks = p;
+      auto emulated = Train(one);
+      ASSERT_TRUE(emulated.ok()) << c.name << ": " << emulated.status().message();
+      EXPECT_EQ(emulated->param_hash, ranks->param_hash) << c.name;
+      EXPECT_EQ(emulated->step_losses, ranks->step_losses) << c.name;
+    }
+    ASSERT_TRUE(World()->Barrier().ok());
+  }
+
+  TrainOptions full = lm.Options();
+  full.max_steps = 8;
+  full.allreduce.algo = comm::AllReduceAlgo::kEmulate;
+  full.allreduce.aps = true;
+  auto uninterrupted = Train(full, World());
+  ASSERT_TRUE(uninterrupted.ok()) << uninterrupted.status().message();
+  TrainOptions first = full;
+  first.max_steps = 5;
+  first.checkpoint_dir = lm.dir() + "/ckpt";
+  first.checkpoint_every = 5;
+  ASSERT_TRUE(Train(first, World()).ok());
+  ASSERT_TRUE(World()->Barrier().ok());
+  if (World()->rank() == 0) {
+    TrainOptions rest = full;
+    rest.emulate_ranks = p;
+    rest.checkpoint_dir = first.checkpoint_dir;
+    rest.resume = "auto";
+    auto resumed = Train(rest);
+    ASSERT_TRUE(resumed.ok()) << resumed.status().message();
+    EXPECT_EQ(resumed->steps, 8);
+    EXPECT_EQ(resumed->param_hash, uninterrupted->param_hash);
+  }
 }
 
 }  // namespace

@@ -14,6 +14,9 @@ PACKAGES=(
   libgrpc++-dev libabsl-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libsqlite3-dev libyaml-cpp-dev libspdlog-dev zlib1g-dev
   dataset-fashion-mnist python3 python3-numpy python3-matplotlib openssl
+  # The default corpus of cpd-train --dataset text (language models): Debian's fortune cookies,
+  # about 2.5 MB of English in /usr/share/games/fortunes.
+  fortunes
   # The emulated cluster network of benchmarks/allreduce_netns.sh (ip netns, tc).
   iproute2
   # The sanitizer and fuzzing builds (scripts/sanitize.sh, scripts/fuzz.sh): clang with its

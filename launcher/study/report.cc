@@ -26,6 +26,7 @@ struct EpochRow {
   int64_t step = 0;
   double loss = kNaN, train_accuracy = kNaN, test_accuracy = kNaN, test_loss = kNaN;
   double images_per_s = kNaN, relative_cost = kNaN;
+  double test_perplexity = kNaN, test_bits_per_byte = kNaN;  // language models
   int64_t skipped_steps = 0;
   std::string cost_reference;
 };
@@ -38,7 +39,8 @@ struct LayerSums {
 // What one run's metrics say.
 struct RunMetrics {
   std::map<int, EpochRow> epochs;
-  int classes = 0;  // from a "run" record; 0 when there is none
+  int classes = 0;              // from a "run" record; 0 when there is none
+  bool language_model = false;  // its "run" record has a block_size
   bool stopped = false;
   int64_t last_comm_step = -1;  // steps up to here are counted (a resumed run repeats steps)
   LayerSums all;
@@ -139,6 +141,8 @@ void ReadRecord(const json& j, RunMetrics* m) {
     e.test_loss = Num(j, "test_loss");
     e.images_per_s = Num(j, "images_per_s");
     e.relative_cost = Num(j, "relative_cost");
+    e.test_perplexity = Num(j, "test_perplexity");
+    e.test_bits_per_byte = Num(j, "test_bits_per_byte");
     e.skipped_steps = j.value("skipped_steps", int64_t{0});
     if (auto it = j.find("cost_reference"); it != j.end()) {
       e.cost_reference = it->is_string() ? it->get<std::string>() : it->dump();
@@ -146,6 +150,7 @@ void ReadRecord(const json& j, RunMetrics* m) {
     m->epochs[j.value("epoch", 0)] = e;  // the last record of an epoch wins
   } else if (type == "run") {
     m->classes = j.value("classes", 0);
+    m->language_model = m->language_model || j.contains("block_size");
   } else if (type == "stop") {
     m->stopped = true;
   } else if (type == "step") {
@@ -297,6 +302,9 @@ std::string AxesCells(const PlannedRun& r) {
 // always empty only hide the others), the reference's only with --reference.
 struct Columns {
   bool allreduce = false, reference = false;
+  // Validation perplexity and bits per byte where accuracy is: only when some run is a language
+  // model (the image studies' tables keep their columns).
+  bool language_model = false;
 };
 
 // "nan" when that is what the loss was, empty when it is not known.
@@ -310,6 +318,7 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
   std::string csv = "run" + AxesHeader(s) +
                     ",seed,state,epochs,final_test_accuracy,best_test_accuracy,final_loss,"
                     "final_test_loss,skipped_steps,collapsed,diverged_step,diverged_loss,classes";
+  if (c.language_model) csv += ",final_test_perplexity,final_test_bits_per_byte";
   if (c.allreduce) csv += ",mean_aps_shift,mean_allreduce_flushed";
   csv += ",images_per_s,wall_s,relative_cost,cost_reference,accuracy_vs_reference\n";
   for (const RunRow& r : rows) {
@@ -320,6 +329,9 @@ std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double refe
            (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
            "," + (r.diverged_step >= 0 ? std::to_string(r.diverged_step) : "") + "," +
            DivergedLossCell(r) + "," + std::to_string(r.classes);
+    if (c.language_model) {
+      csv += "," + Fmt(last.test_perplexity) + "," + Fmt(last.test_bits_per_byte);
+    }
     if (c.allreduce) csv += "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed);
     csv += "," + Fmt(r.images_per_s) + "," + Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," +
            CsvField(r.cost_reference) + "," + Fmt(r.final_acc - reference) + "\n";
@@ -496,17 +508,21 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
 }
 
 // Diverged marks which run diverged, so that the plots can say so.
-std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows) {
+std::string CurvesCsv(const Study& s, const std::vector<RunRow>& rows, const Columns& c) {
   std::string csv = "run" + AxesHeader(s) +
                     ",seed,epoch,step,loss,train_accuracy,test_accuracy,test_loss,images_per_s,"
-                    "diverged\n";
+                    "diverged" +
+                    std::string(c.language_model ? ",test_perplexity,test_bits_per_byte" : "") +
+                    "\n";
   for (const RunRow& r : rows) {
     const std::string head =
         CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + ",";
     for (const auto& [n, e] : r.m.epochs) {
       csv += head + std::to_string(n) + "," + std::to_string(e.step) + "," + Fmt(e.loss) + "," +
              Fmt(e.train_accuracy) + "," + Fmt(e.test_accuracy) + "," + Fmt(e.test_loss) + "," +
-             Fmt(e.images_per_s) + "," + (r.diverged ? "1" : "0") + "\n";
+             Fmt(e.images_per_s) + "," + (r.diverged ? "1" : "0");
+      if (c.language_model) csv += "," + Fmt(e.test_perplexity) + "," + Fmt(e.test_bits_per_byte);
+      csv += "\n";
     }
   }
   return csv;
@@ -568,7 +584,10 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
   CPD_ASSIGN_OR_RETURN(const double reference, ReferenceAccuracy(rows, o.reference_glob));
   Columns columns;
   columns.reference = !o.reference_glob.empty();
-  for (const RunRow& r : rows) columns.allreduce = columns.allreduce || r.m.all.n > 0;
+  for (const RunRow& r : rows) {
+    columns.allreduce = columns.allreduce || r.m.all.n > 0;
+    columns.language_model = columns.language_model || r.m.language_model;
+  }
   const std::string dir = o.out_dir + "/report";
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -578,7 +597,7 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
       {dir + "/runs.csv", RunsCsv(study, rows, reference, columns)},
       {dir + "/summary.csv", SummaryCsv(study, groups, columns)},
       {dir + "/summary.md", SummaryMd(study, groups, runs.size(), columns, o.reference_glob)},
-      {dir + "/curves.csv", CurvesCsv(study, rows)},
+      {dir + "/curves.csv", CurvesCsv(study, rows, columns)},
       {dir + "/layers.csv", LayersCsv(study, rows)}};
   std::vector<std::string> wrote;
   for (const auto& [path, text] : files) {

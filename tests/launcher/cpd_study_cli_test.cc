@@ -810,6 +810,39 @@ std::string ZeroFc2Step(int step) {
          std::to_string(step) + R"(,"type":"step"})" + "\n";
 }
 
+// A study of language models: the report's tables carry validation perplexity and bits per
+// byte where accuracy is (the image studies' tables have no such column).
+TEST(CpdStudyCli, LanguageModelStudyReportsPerplexityAndBitsPerByte) {
+  TempDir dir("cpd_study_lm");
+  const std::string out = dir.File("out");
+  std::string text;
+  for (int i = 0; i < 3000; ++i)
+    text += (i % 3 == 0 ? "the cat " : i % 3 == 1 ? "sat on " : "a mat\n");
+  Write(dir.File("corpus.txt"), text);
+  Write(dir.File("s.yaml"),
+        "name: lm\nbase:\n  arch: gpt\n  dataset: text\n  data-dir: " + dir.File("corpus.txt") +
+            "\n  n-layer: 1\n  n-head: 2\n  n-embd: 16\n  block-size: 16\n  threads: 1\n"
+            "  epochs: 2\n  batch-size: 8\n  tokens-per-epoch: 256\ngrid:\n  lr: [0.05, 0.1]\n"
+            "seeds: [1]\n");
+  const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out, "--parallel", "2"});
+  ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
+  const RunResult rep = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot"});
+  ASSERT_EQ(rep.exit_code, 0) << rep.err;
+  const auto rows = ReadCsv(out + "/report/runs.csv");
+  ASSERT_EQ(rows.size(), 2u);
+  for (const auto& row : rows) {
+    const double loss = std::stod(row.at("final_test_loss"));
+    EXPECT_NEAR(std::stod(row.at("final_test_perplexity")), std::exp(loss), 1e-3 * std::exp(loss))
+        << row.at("run");
+    EXPECT_NEAR(std::stod(row.at("final_test_bits_per_byte")), loss / std::log(2.0), 1e-4)
+        << row.at("run");
+    EXPECT_EQ(row.at("classes"), "256");
+  }
+  const auto curves = ReadCsv(out + "/report/curves.csv");
+  ASSERT_EQ(curves.size(), 4u);
+  EXPECT_FALSE(curves[0].at("test_bits_per_byte").empty());
+}
+
 TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   TempDir dir("cpd_study_report");
   const std::string out = dir.File("out");
@@ -887,8 +920,8 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
   EXPECT_NE(md.find(cell), std::string::npos) << md;
   EXPECT_NE(md.find("| 25.00 | 1.5 | 0 | 100 | - | -10.00 % vs cpt-max-bits |"), std::string::npos)
       << md;
-  // Issue 26 item 14: --reference's difference is in summary.md too, as docs/cpd-study.md says: e4m3
-  // is the reference (+0.00), e5m2's mean (0.014 + 0.3 + 0.6) / 3 is 49.53 points below it.
+  // Issue 26 item 14: --reference's difference is in summary.md too, as docs/cpd-study.md says:
+  // e4m3 is the reference (+0.00), e5m2's mean (0.014 + 0.3 + 0.6) / 3 is 49.53 points below it.
   EXPECT_NE(md.find("| vs ref |"), std::string::npos) << md;
   EXPECT_NE(md.find(" | +0.00 | "), std::string::npos) << md;
   EXPECT_NE(md.find(" | -49.53 | "), std::string::npos) << md;

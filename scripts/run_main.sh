@@ -5,6 +5,7 @@
 # auto-precision scaling; rank 0 prints one line per epoch (loss, train/test accuracy, bits,
 # images/s, relative training cost).
 #   scripts/run_main.sh [cpd-train flags...]     e.g. --preset lee2022, --epochs 3, --arch mlp
+#   scripts/run_main.sh --arch gpt               a GPT on Debian's fortunes (docs/language-models.md)
 #   RANKS=4 scripts/run_main.sh                  more ranks (oversubscribed beyond the cores)
 #   RANKS=1 scripts/run_main.sh                  one process, no mpirun
 set -euo pipefail
@@ -17,11 +18,29 @@ RANKS=${RANKS:-2}
 # Embedded defaults, each dropped when the same flag is given.
 has() { local flag=$1; shift; [[ " $* " == *" $flag "* ]]; }
 defaults=()
-has --preset "$@" || has --cyclic-bits "$@" || defaults+=(--preset cpt)
-has --epochs "$@" || defaults+=(--epochs 10)
-has --arch "$@" || defaults+=(--arch lenet5)
-has --dataset "$@" || defaults+=(--dataset fashion-mnist)
-has --global-batch "$@" || has --batch-size "$@" || defaults+=(--global-batch 128)
+if has "--arch gpt" "$@"; then
+  # A language model: the default GPT (about 0.84 M parameters) on Debian's fortunes, byte-level,
+  # in float32 (add --preset cpt for cyclic precision), with LARS (plain SGD stays on the unigram
+  # plateau for hundreds of steps); 4 epochs of 2^19 tokens take a few minutes on two cores.
+  # Each epoch prints the validation loss, perplexity and bits per byte, the header the unigram
+  # baseline.
+  has --dataset "$@" || defaults+=(--dataset text)
+  has --epochs "$@" || defaults+=(--epochs 4)
+  has --tokens-per-epoch "$@" || defaults+=(--tokens-per-epoch 524288)
+  has --global-batch "$@" || has --batch-size "$@" || defaults+=(--global-batch 32)
+  if ! has --optimizer "$@"; then
+    defaults+=(--optimizer lars)
+    has --lr "$@" || defaults+=(--lr 20)
+  fi
+  has --warmup-steps "$@" || has --warmup-epochs "$@" || defaults+=(--warmup-steps 20)
+  has --weight-decay "$@" || defaults+=(--weight-decay 0)
+else
+  has --preset "$@" || has --cyclic-bits "$@" || defaults+=(--preset cpt)
+  has --epochs "$@" || defaults+=(--epochs 10)
+  has --arch "$@" || defaults+=(--arch lenet5)
+  has --dataset "$@" || defaults+=(--dataset fashion-mnist)
+  has --global-batch "$@" || has --batch-size "$@" || defaults+=(--global-batch 128)
+fi
 has --allreduce "$@" || defaults+=(--allreduce packed --allreduce-format e4m3 --aps)
 cores=$(nproc)
 has --threads "$@" || defaults+=(--threads $(( cores / RANKS > 0 ? cores / RANKS : 1 )))

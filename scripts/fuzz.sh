@@ -12,7 +12,7 @@ shopt -s nullglob
 cd "$(dirname "$0")/.."
 secs=${1:-30}
 shift || true
-TARGETS=(format_fuzz checkpoint_raw_fuzz checkpoint_fuzz idx_fuzz cifar_fuzz train_config_fuzz
+TARGETS=(format_fuzz checkpoint_raw_fuzz checkpoint_fuzz idx_fuzz cifar_fuzz token_stream_fuzz train_config_fuzz
          coordinator_validate_fuzz format_search_partial_fuzz token_file_fuzz study_file_fuzz
          run_state_fuzz)
 if [ $# -gt 0 ]; then TARGETS=("$@"); fi

@@ -220,6 +220,17 @@ Status Trainer::CheckOptions() {
       return Status::InvalidArgument("--report-interval must be a positive number of seconds");
     }
   }
+  if (IsLanguageModel(o_.arch) && o_.device != DeviceChoice::kCpu) {
+    // The Transformer layers compute on the CPU only so far (docs/transformer-layers.md): auto
+    // resolves to it, and --device cuda is refused before any work.
+    if (o_.device == DeviceChoice::kCuda) {
+      return Status::InvalidArgument("--arch " + o_.arch +
+                                     " runs on the CPU only so far (its layers have no GPU "
+                                     "path yet); use --device cpu or auto");
+    }
+    device_ = Device::kCpu;
+    return Status::Ok();
+  }
   CPD_ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
   return Status::Ok();
 }
@@ -638,11 +649,11 @@ void Trainer::Announce() {
   const bool fast_conv = device_ == Device::kCuda && o_.fast_conv_algos;
   char line[512];
   std::snprintf(line, sizeof line,
-                "cpd-train: %s on %s (%lld train / %lld test), %s%s, %d threads, batch %lld (%lld "
+                "cpd-train: %s on %s (%lld train / %lld %s), %s%s, %d threads, batch %lld (%lld "
                 "per worker)%s, %d epochs x %lld steps",
                 o_.arch.c_str(), o_.dataset.c_str(), static_cast<long long>(train_.count),
-                static_cast<long long>(test_.count), DeviceName(device_),
-                fast_conv ? " (fast conv algorithms)" : "", threads_,
+                static_cast<long long>(test_.count), train_.is_tokens() ? "val windows" : "test",
+                DeviceName(device_), fast_conv ? " (fast conv algorithms)" : "", threads_,
                 static_cast<long long>(global_batch_),
                 static_cast<long long>(global_batch_ / group_.workers), parallel.c_str(), o_.epochs,
                 static_cast<long long>(batches_per_epoch_));

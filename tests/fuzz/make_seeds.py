@@ -93,6 +93,14 @@ for mode in range(4):
     put("idx_fuzz", "pair-%d" % mode, struct.pack("<BH", mode, len(img)) + img + lab)
 put("idx_fuzz", "gzip-bytes", struct.pack("<BH", 0, 40) + gzip.compress(img)[:40] + lab)
 
+# ---- token_stream_fuzz: a GPT-2 token file (nanoGPT raw uint16, or llm.c's header + tokens) ---
+toks = struct.pack("<12H", *[(i * 4099) % 50257 for i in range(12)])
+put("token_stream_fuzz", "nanogpt", toks)
+put("token_stream_fuzz", "llmc", struct.pack("<256i", 20240520, 1, 12, *([0] * 253)) + toks)
+put("token_stream_fuzz", "llmc-truncated",
+    struct.pack("<256i", 20240520, 1, 13, *([0] * 253)) + toks)
+put("token_stream_fuzz", "out-of-vocab", struct.pack("<3H", 1, 50257, 2))
+
 # ---- cifar_fuzz: mode (bit 0: CIFAR-100, bit 1: gzip), records --------------------------------
 rec10 = bytes([3]) + bytes((i * 13) % 256 for i in range(3072))
 rec100 = bytes([7, 42]) + bytes((i * 11) % 256 for i in range(3072))

@@ -87,11 +87,12 @@ inline constexpr const char* kFashionMnistDefaultDir = "/usr/share/datasets/fash
 //   "cifar10", "cifar100"  LoadCifar(data_dir, ...) (data_dir required)
 //   "synthetic"      8192 train / 2048 test, 1x28x28, 10 classes, from MakeSynthetic(seed); the
 //                    two sets share class patterns and have disjoint samples.
+//   "text"           LoadTextPair(data_dir, default kTextDefaultDir) and
+//   "tokens"         LoadTokenBinPair(data_dir, required) of runtime/train/token_data.h: token
+//                    streams for language models, cut as `windows` says (REQUIRED there:
+//                    block_size >= 1, else InvalidArgument).
 // `seed` only affects "synthetic". Errors: InvalidArgument for an unknown name (the message
 // lists the accepted ones) or a missing data_dir; the loaders' errors otherwise.
-//   "text", "tokens"  token streams for language models: LoadTokenDatasetPair
-//                    (runtime/train/token_data.h) with `windows`, which they REQUIRE
-//                    (block_size >= 1; InvalidArgument otherwise).
 Result<std::pair<Dataset, Dataset>> LoadDatasetPair(const std::string& name,
                                                     const std::string& data_dir, uint64_t seed,
                                                     const TokenWindows& windows = {});
@@ -157,10 +158,10 @@ class BatchIterator {
   void StartEpoch(int64_t epoch);
 
   // Fills x with a [b, C, H, W] CPU tensor (Resize()d; b = batch_size except possibly in the
-  // last batch, see sharding) and y with its b labels (for a token stream: x is [b, block_size]
-  // token ids as floats and y holds b * block_size labels, window-major), and returns true; returns
-  // false, leaving x, y and state() untouched, when the epoch is exhausted (call StartEpoch for the
-  // next one).
+  // last batch, see sharding) and y with its b labels (a token stream: x is [b, block_size] of
+  // token ids as floats, y holds b * block_size labels, window-major), and returns true; returns
+  // false, leaving x, y and state() untouched, when the epoch is exhausted (call StartEpoch for
+  // the next one).
   bool Next(Tensor* x, std::vector<int32_t>* y);
 
   // Global batches per epoch: ceil(count / (batch_size * world_size)), or floor with drop_last.

@@ -107,19 +107,25 @@ void AddDataAndModelOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "Dataset directory (default for fashion-mnist: "
                   "/usr/share/datasets/fashion-mnist; for text: /usr/share/games/fortunes)");
   app->add_option("--arch", o->arch,
-                  "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...) | gpt (a language "
-                  "model: --dataset text or tokens)")
+                  "mlp | lenet5 | resnet<6n+2> (resnet20, resnet32, ...) | gpt | lstm (language "
+                  "models: --dataset text or tokens)")
       ->capture_default_str();
-  app->add_option("--n-layer", o->lm.n_layer, "gpt: Transformer blocks")->capture_default_str();
+  app->add_option("--n-layer", o->lm.n_layer, "gpt: Transformer blocks; lstm: LSTM layers")
+      ->capture_default_str();
   app->add_option("--n-head", o->lm.n_head, "gpt: attention heads (divide --n-embd)")
       ->capture_default_str();
-  app->add_option("--n-embd", o->lm.n_embd, "gpt: embedding width")->capture_default_str();
-  app->add_option("--block-size", o->lm.block_size, "gpt: tokens per window (the context)")
+  app->add_option("--n-embd", o->lm.n_embd,
+                  "gpt: embedding width; lstm: embedding and hidden width")
       ->capture_default_str();
-  app->add_option("--dropout", o->lm.dropout, "gpt: attention, residual and MLP dropout")
+  app->add_option("--block-size", o->lm.block_size,
+                  "Language models: tokens per window (the context; an LSTM's unrolled steps)")
+      ->capture_default_str();
+  app->add_option("--dropout", o->lm.dropout,
+                  "gpt: attention, residual and MLP dropout; lstm: on the embeddings, between "
+                  "layers and on the output")
       ->capture_default_str();
   app->add_flag("--untied-head", f->untied_head,
-                "gpt: lm_head gets a table of its own (default: tied to wte, as GPT-2)");
+                "Language models: lm_head gets a table of its own (default: tied to wte)");
   app->add_option("--tokens-per-epoch", o->lm.tokens_per_epoch,
                   "Language models: training tokens per epoch (windows x --block-size; default "
                   "0: as many as the training stream holds)")
@@ -417,12 +423,15 @@ Status ApplyAndCheck(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
   auto given = [&](const char* flag) { return app.get_option(flag)->count() > 0; };
   if (!f->preset.empty()) CPD_RETURN_IF_ERROR(ApplyPreset(app, f, o));
   if (f->augment && f->no_augment) return bad("--augment and --no-augment exclude each other");
+  if (o->arch == "lstm" && given("--n-head")) {
+    return bad("--n-head applies to --arch gpt; an LSTM has no attention heads");
+  }
   if (!runtime::IsLanguageModel(o->arch)) {
     for (const char* flag : {"--n-layer", "--n-head", "--n-embd", "--block-size", "--dropout",
                              "--untied-head", "--tokens-per-epoch"}) {
       if (given(flag)) {
-        return bad(std::string(flag) + " applies to language models (--arch gpt), not --arch " +
-                   o->arch);
+        return bad(std::string(flag) +
+                   " applies to language models (--arch gpt or lstm), not --arch " + o->arch);
       }
     }
   }

@@ -5,6 +5,7 @@
 #include <map>
 #include <stdexcept>
 
+#include "runtime/nn/recurrent.h"
 #include "runtime/nn/transformer.h"
 
 namespace cpd::runtime {
@@ -140,13 +141,24 @@ Result<std::unique_ptr<Sequential>> BuildLanguageModel(const std::string& arch,
                                                        const LanguageModelShape& shape,
                                                        uint64_t seed) {
   if (arch == "lstm") {
-    // The hook for issue 28's LSTM: BuildLstm (runtime/nn/recurrent.h) is not on main yet.
-    return Status::InvalidArgument(
-        "--arch lstm is not available yet in this build (the LSTM language model lands with "
-        "runtime/nn/recurrent.h); use --arch gpt");
+    LstmLmOptions l;
+    l.vocab = shape.vocab;
+    l.embed = shape.n_embd;
+    l.hidden = shape.n_embd;
+    l.layers = shape.n_layer;
+    l.dropout = shape.dropout;
+    l.tied_head = shape.tied_head;
+    l.block_size = shape.block_size;
+    try {
+      auto model = BuildLstm(l, seed);
+      model->set_input_shape({shape.block_size});
+      return model;
+    } catch (const std::invalid_argument& e) {
+      return Status::InvalidArgument(std::string("model 'lstm': ") + e.what());
+    }
   }
   if (arch != "gpt") {
-    return Status::InvalidArgument("unknown language model '" + arch + "' (accepted: gpt)");
+    return Status::InvalidArgument("unknown language model '" + arch + "' (accepted: gpt, lstm)");
   }
   GptOptions g;
   g.vocab = shape.vocab;

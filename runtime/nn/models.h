@@ -43,8 +43,9 @@ struct LanguageModelShape {
 // initialised from `seed`. Accepted `arch`:
 //  * "gpt": runtime/nn/transformer.h's BuildGpt (nanoGPT's GPT; layers wte, wpe, h<i>..., ln_f,
 //    lm_head; biases in every Linear but lm_head). input_shape() is {block_size}.
-//  * "lstm": refused for now (InvalidArgument): the LSTM language model of issue 28 is wired
-//    here once runtime/nn/recurrent.h's BuildLstm lands.
+//  * "lstm": runtime/nn/recurrent.h's BuildLstm (wte, drop, lstm, lstm_drop, lm_head) with
+//    embed = hidden = n_embd, n_layer layers, dropout, tied or untied; n_head is not used.
+//    input_shape() is {block_size} (the sequence length of a window).
 // Errors: InvalidArgument for another arch or a shape BuildGpt refuses.
 Result<std::unique_ptr<Sequential>> BuildLanguageModel(const std::string& arch,
                                                        const LanguageModelShape& shape,

@@ -39,7 +39,8 @@ Status ValidateLanguageModel(const TrainOptions& o) {
                " is a language model: it needs --dataset text or tokens, got " + o.dataset);
   }
   if (tokens && !lm) {
-    return bad("--dataset " + o.dataset + " is a token stream: it needs --arch gpt, got " + o.arch);
+    return bad("--dataset " + o.dataset + " is a token stream: it needs --arch gpt or lstm, got " +
+               o.arch);
   }
   if (!lm) return Status::Ok();
   const LanguageModelOptions& m = o.lm;
@@ -54,7 +55,7 @@ Status ValidateLanguageModel(const TrainOptions& o) {
                  std::to_string(hi));
     }
   }
-  if (m.n_embd % m.n_head != 0) {
+  if (o.arch == "gpt" && m.n_embd % m.n_head != 0) {
     return bad("--n-embd " + std::to_string(m.n_embd) + " is not a multiple of --n-head " +
                std::to_string(m.n_head) + " (each head takes n_embd / n_head channels)");
   }
@@ -66,10 +67,14 @@ Status ValidateLanguageModel(const TrainOptions& o) {
                std::to_string(m.tokens_per_epoch));
   }
   // GPT-2's count: 12 C^2 + 13 C per block, the embeddings, the final LayerNorm and an untied
-  // head (the vocabulary is at most GPT-2's 50257 here).
+  // head; the LSTM's: 8 C^2 + 8 C per layer (four gates of two products), the embedding and an
+  // untied head. The vocabulary is at most GPT-2's 50257 here.
   const int64_t C = m.n_embd, vocab = o.dataset == "text" ? 256 : 50257;
-  const int64_t params = int64_t(m.n_layer) * (12 * C * C + 13 * C) + (vocab + m.block_size) * C +
-                         2 * C + (m.tied_head ? 0 : vocab * C);
+  const int64_t head = m.tied_head ? 0 : vocab * C;
+  const int64_t params =
+      o.arch == "gpt"
+          ? int64_t(m.n_layer) * (12 * C * C + 13 * C) + (vocab + m.block_size) * C + 2 * C + head
+          : int64_t(m.n_layer) * (8 * C * C + 8 * C) + vocab * C + head;
   if (params > L::kMaxParams) {
     return bad("--n-layer " + std::to_string(m.n_layer) + " --n-embd " + std::to_string(C) +
                " make a model of " + std::to_string(params) + " parameters, more than " +

@@ -31,13 +31,13 @@ namespace cpd::runtime {
 // metrics, the end-of-run replica check) in every case.
 enum class AllReduceComm { kAuto, kWorld, kNccl };
 
-// A language model's shape and data windows (--arch gpt with --dataset text or tokens; see
+// A language model's shape and data windows (--arch gpt or lstm, --dataset text or tokens; see
 // docs/language-models.md). The defaults are a GPT of about 0.84 M parameters that learns
 // byte-level English visibly within minutes on two cores.
 struct LanguageModelOptions {
-  int n_layer = 4;               // Transformer blocks, 1..kMaxLayers
-  int n_head = 4;                // attention heads, 1..kMaxHeads; must divide n_embd
-  int n_embd = 128;              // the residual stream's width, 1..kMaxEmbd
+  int n_layer = 4;               // Transformer blocks (LSTM layers), 1..kMaxLayers
+  int n_head = 4;                // attention heads, 1..kMaxHeads; divides n_embd (gpt only)
+  int n_embd = 128;              // the residual stream's (LSTM's) width, 1..kMaxEmbd
   int block_size = 128;          // tokens per window (the context), 1..kMaxBlock
   double dropout = 0;            // attention, residual and MLP dropout, [0, 1)
   bool tied_head = true;         // lm_head uses wte's table (GPT-2), else a table of its own
@@ -57,7 +57,7 @@ struct TrainOptions {
   // fashion-mnist | mnist | cifar10 | cifar100 | synthetic | text | tokens
   std::string dataset = "fashion-mnist";
   std::string data_dir;         // default per dataset (see runtime/train/data.h)
-  std::string arch = "lenet5";  // mlp | lenet5 | resnet<6n+2> | gpt
+  std::string arch = "lenet5";  // mlp | lenet5 | resnet<6n+2> | gpt | lstm
   LanguageModelOptions lm;      // gpt's shape and the token windows
   int in_channels = 0, image_size = 0, classes = 0;  // 0: from the dataset
   bool augment = false;                              // random crop + flip (default on for CIFAR)

@@ -125,17 +125,22 @@ TEST_F(LmCli, EveryNewFlagAndItsBadValues) {
   ExpectUsageError(with({"--n-layer", "256", "--n-embd", "16384"}), "parameters, more than");
   // Language-model flags and data belong to language models, and the reverse.
   ExpectUsageError(Train({"--arch", "lenet5", "--n-layer", "2", "--check"}),
-                   "--n-layer applies to language models (--arch gpt), not --arch lenet5");
+                   "--n-layer applies to language models (--arch gpt or lstm), not --arch lenet5");
   ExpectUsageError(Train({"--arch", "mlp", "--untied-head", "--check"}), "--untied-head");
   ExpectUsageError(Train({"--arch", "gpt", "--check"}),
                    "--arch gpt is a language model: it needs --dataset text or tokens");
   ExpectUsageError(Train({"--dataset", "text", "--arch", "mlp", "--check"}),
-                   "--dataset text is a token stream: it needs --arch gpt");
+                   "--dataset text is a token stream: it needs --arch gpt or lstm");
   // The Transformer layers have no GPU path yet: --device cuda is refused before any work.
   ExpectUsageError(Train(TinyGpt(text_, "1", {"--device", "cuda"})),
                    "--arch gpt runs on the CPU only so far");
-  // The LSTM's place is held until its layers land.
-  ExpectUsageError(Train(TinyGpt(text_, "1", {}, "text", "lstm")), "--arch lstm is not available");
+  // The LSTM takes the same flags but --n-head.
+  EXPECT_EQ(Train({"--arch", "lstm", "--dataset", "text", "--n-layer", "2", "--n-embd", "650",
+                   "--dropout", "0.5", "--block-size", "35", "--check"})
+                .exit_code,
+            0);
+  ExpectUsageError(Train({"--arch", "lstm", "--dataset", "text", "--n-head", "2", "--check"}),
+                   "--n-head applies to --arch gpt");
 }
 
 TEST_F(LmCli, BadDataIsOneLineNamingTheFile) {
@@ -225,6 +230,16 @@ TEST_F(LmCli, ShortRunReportsValidationLossPerplexityAndBitsPerByte) {
   EXPECT_NEAR(epoch["test_bits_per_byte"].get<double>(), loss / std::log(2.0), 1e-12);
   EXPECT_NEAR(epoch["tokens_per_s"].get<double>(), 16 * epoch["images_per_s"].get<double>(),
               1e-6 * epoch["tokens_per_s"].get<double>());
+}
+
+// The LSTM language model trains through the same path and reports the same columns.
+TEST_F(LmCli, LstmTrainsAndReportsBitsPerByte) {
+  std::vector<std::string> a = TinyGpt(text_, "3", {}, "text", "lstm");
+  a.erase(std::find(a.begin(), a.end(), "--n-head"), std::find(a.begin(), a.end(), "--n-head") + 2);
+  const RunResult r = Train(a);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("cpd-train: lstm on text"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(" bpb "), std::string::npos) << r.out;
 }
 
 // A run checkpointed at step 3 and resumed ends with the loss of an uninterrupted run.

@@ -207,8 +207,8 @@ class LanguageModelRun {
     EXPECT_TRUE(World()->Barrier().ok());
     if (World()->rank() == 0) fs::remove_all(dir_);
   }
-  TrainOptions Options() const {
-    TrainOptions o = SmallRun("gpt");
+  TrainOptions Options(const std::string& arch = "gpt") const {
+    TrainOptions o = SmallRun(arch);
     o.dataset = "text";
     o.data_dir = dir_ + "/corpus.txt";
     o.lm.n_layer = 1;
@@ -225,33 +225,35 @@ class LanguageModelRun {
   std::string dir_;
 };
 
-// A language model over ranks: replicas bit-identical with every all-reduce, P ranks equal to
-// P emulated workers in one process, and a checkpoint resumed at another world size equal to
-// the uninterrupted run.
+// Language models over ranks (the GPT and the LSTM): replicas bit-identical with every
+// all-reduce, P ranks equal to P emulated workers in one process, and (the GPT) a checkpoint
+// resumed at another world size equal to the uninterrupted run.
 TEST(TrainerMpi, LanguageModelIsDataParallelAndResumable) {
   LanguageModelRun lm;
   const int p = World()->size();
   for (const AlgoCase& c : kAlgos) {
-    TrainOptions o = lm.Options();
-    o.allreduce.algo = c.algo;
-    o.allreduce.format = c.format;
-    o.allreduce.aps = c.aps;
-    o.allreduce.aps_scaling = comm::ApsScaling::kPaper;
-    auto ranks = Train(o, World());
-    ASSERT_TRUE(ranks.ok()) << c.name << ": " << ranks.status().message();
-    EXPECT_TRUE(ranks->replicas_identical) << c.name;
-    EXPECT_TRUE(SameOnAllRanks(ranks->param_hash)) << c.name;
-    const bool comparable =
-        !(c.algo == comm::AllReduceAlgo::kFp32 && p > 2) && std::string(c.format) != "int8";
-    if (comparable && World()->rank() == 0) {
-      TrainOptions one = o;
-      one.emulate_ranks = p;
-      auto emulated = Train(one);
-      ASSERT_TRUE(emulated.ok()) << c.name << ": " << emulated.status().message();
-      EXPECT_EQ(emulated->param_hash, ranks->param_hash) << c.name;
-      EXPECT_EQ(emulated->step_losses, ranks->step_losses) << c.name;
+    for (const char* arch : {"gpt", "lstm"}) {
+      TrainOptions o = lm.Options(arch);
+      o.allreduce.algo = c.algo;
+      o.allreduce.format = c.format;
+      o.allreduce.aps = c.aps;
+      o.allreduce.aps_scaling = comm::ApsScaling::kPaper;
+      auto ranks = Train(o, World());
+      ASSERT_TRUE(ranks.ok()) << c.name << " " << arch << ": " << ranks.status().message();
+      EXPECT_TRUE(ranks->replicas_identical) << c.name << " " << arch;
+      EXPECT_TRUE(SameOnAllRanks(ranks->param_hash)) << c.name << " " << arch;
+      const bool comparable =
+          !(c.algo == comm::AllReduceAlgo::kFp32 && p > 2) && std::string(c.format) != "int8";
+      if (comparable && World()->rank() == 0) {
+        TrainOptions one = o;
+        one.emulate_ranks = p;
+        auto emulated = Train(one);
+        ASSERT_TRUE(emulated.ok()) << c.name << ": " << emulated.status().message();
+        EXPECT_EQ(emulated->param_hash, ranks->param_hash) << c.name << " " << arch;
+        EXPECT_EQ(emulated->step_losses, ranks->step_losses) << c.name << " " << arch;
+      }
+      ASSERT_TRUE(World()->Barrier().ok());
     }
-    ASSERT_TRUE(World()->Barrier().ok());
   }
 
   TrainOptions full = lm.Options();

@@ -1,5 +1,5 @@
-// The optimiser's update kernels of runtime/engine/cuda_ops.h (see cuda_ops.cu for the layout and the
-// bit-exactness rules).
+// The optimiser's update kernels of runtime/engine/cuda_ops.h (see cuda_ops.cu for the layout and
+// the bit-exactness rules).
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -47,13 +47,39 @@ __global__ void sgd_update_kernel(const OptimizerChunk* __restrict__ chunks,
   }
 }
 
-// Block 2c sums w^2 of chunk c, block 2c + 1 its g^2: thread t folds the 64-element block t in
-// the CPU's 8 float lanes, then thread 0 adds the blocks and the tail in double, in order.
+// The CPU's AdamW loop (runtime/nn/optimizer.cc) element by element: sqrtf and '/' are IEEE
+// round-to-nearest without --use_fast_math, and -fmad=false keeps every product rounded.
+__global__ void adamw_update_kernel(const OptimizerChunk* __restrict__ chunks,
+                                    const OptimizerCoeffs* __restrict__ coeffs, AdamWCoeffs c) {
+  const OptimizerChunk ch = chunks[blockIdx.x];
+  const OptimizerCoeffs k = coeffs[ch.param];
+  float* __restrict__ w = ch.w;
+  const float* __restrict__ g = ch.g;
+  float* __restrict__ m = ch.buf;
+  float* __restrict__ v = ch.buf2;
+  for (uint32_t i = threadIdx.x; i < ch.len; i += blockDim.x) {
+    float x = w[i];
+    if (k.decay) x = x * k.wd;
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
+    const float vi = c.b2 * v[i] + (c.one_minus_b2 * gi) * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
+    w[i] = x - (c.step_size * mi) / denom;
+  }
+}
+
+// Block 2c sums w^2 of chunk c, block 2c + 1 its g^2 (kGradsOnly: block c sums g^2 of chunk c
+// into partial[2c + 1]): thread t folds the 64-element block t in the CPU's 8 float lanes, then
+// thread 0 adds the blocks and the tail in double, in order.
+template <bool kGradsOnly>
 __global__ void chunk_sum_squares_kernel(const OptimizerChunk* __restrict__ chunks,
                                          double* __restrict__ partial) {
   __shared__ double block_sums[kThreads];
-  const OptimizerChunk ch = chunks[blockIdx.x / 2];
-  const float* __restrict__ x = (blockIdx.x & 1) != 0 ? ch.g : ch.w;
+  const OptimizerChunk ch = chunks[kGradsOnly ? blockIdx.x : blockIdx.x / 2];
+  const bool grads = kGradsOnly || (blockIdx.x & 1) != 0;
+  const float* __restrict__ x = grads ? ch.g : ch.w;
   const uint32_t blocks = ch.len / 64;  // <= kThreads (len <= 16384)
   const uint32_t t = threadIdx.x;
   if (t < blocks) {
@@ -69,7 +95,7 @@ __global__ void chunk_sum_squares_kernel(const OptimizerChunk* __restrict__ chun
     double total = 0.0;
     for (uint32_t i = 0; i < blocks; ++i) total += block_sums[i];
     for (uint32_t i = blocks * 64; i < ch.len; ++i) total += double(x[i]) * double(x[i]);
-    partial[blockIdx.x] = total;
+    partial[kGradsOnly ? 2 * blockIdx.x + 1 : blockIdx.x] = total;
   }
 }
 
@@ -106,13 +132,29 @@ void SgdUpdate(const OptimizerChunk* chunks, size_t num_chunks, const OptimizerC
   CPD_CHECK_LAUNCH();
 }
 
-void ChunkSumSquares(const OptimizerChunk* chunks, size_t num_chunks, double* partial) {
+void AdamWUpdate(const OptimizerChunk* chunks, size_t num_chunks, const OptimizerCoeffs* coeffs,
+                 const AdamWCoeffs& c) {
+  if (num_chunks == 0) return;
+  if (num_chunks > size_t(kMaxIndex32)) {
+    throw std::invalid_argument("cuda AdamWUpdate: too many chunks");
+  }
+  adamw_update_kernel<<<unsigned(num_chunks), kThreads, 0, StreamHandle()>>>(chunks, coeffs, c);
+  CPD_CHECK_LAUNCH();
+}
+
+void ChunkSumSquares(const OptimizerChunk* chunks, size_t num_chunks, double* partial,
+                     bool grads_only) {
   if (num_chunks == 0) return;
   if (2 * num_chunks > size_t(kMaxIndex32)) {
     throw std::invalid_argument("cuda ChunkSumSquares: too many chunks");
   }
-  chunk_sum_squares_kernel<<<unsigned(2 * num_chunks), kThreads, 0, StreamHandle()>>>(chunks,
-                                                                                      partial);
+  cudaStream_t stream = StreamHandle();
+  if (grads_only) {
+    chunk_sum_squares_kernel<true><<<unsigned(num_chunks), kThreads, 0, stream>>>(chunks, partial);
+  } else {
+    chunk_sum_squares_kernel<false>
+        <<<unsigned(2 * num_chunks), kThreads, 0, stream>>>(chunks, partial);
+  }
   CPD_CHECK_LAUNCH();
 }
 

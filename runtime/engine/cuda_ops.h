@@ -14,7 +14,8 @@
 //    counter-based mask), MaxPool2dForward/Backward (argmax and gradient, NaN and ties
 //    included), AvgPool2dForward/Backward, GlobalAvgPoolBackward, the bias gradient of
 //    LinearBackward, BatchNormEvalForward, BatchNormUpdateRunning given the same batch
-//    statistics, and the optimiser updates (SgdUpdate; ChunkSumSquares sums in the CPU's order);
+//    statistics, and the optimiser updates (SgdUpdate, AdamWUpdate; ChunkSumSquares sums in the
+//    CPU's order);
 //  * to float32 rounding (a different summation order): LinearForward/Backward's GEMMs,
 //    Conv2dForward/Backward (under ConvAlgoPolicy::kExact), the batch statistics of
 //    BatchNormTrainForward and the sums of BatchNormBackward (accumulated in double),
@@ -140,7 +141,8 @@ double SoftmaxCrossEntropy(int64_t n, int64_t k, const float* logits, const int3
 struct OptimizerChunk {
   float* w;        // master value
   const float* g;  // gradient
-  float* buf;      // momentum buffer (null without momentum)
+  float* buf;      // momentum buffer (null without momentum); AdamW: the first moment m
+  float* buf2;     // AdamW: the second moment v (null otherwise)
   uint32_t len;    // elements
   uint32_t param;  // index into the coefficient array
 };
@@ -156,11 +158,25 @@ struct OptimizerCoeffs {
 // Update<> for the same inputs.
 void SgdUpdate(const OptimizerChunk* chunks, size_t num_chunks, const OptimizerCoeffs* coeffs,
                float momentum, bool lars, bool use_momentum, bool nesterov);
+// One AdamW step's scalars (Optimizer::StepAdamW forms them in double and rounds each once).
+struct AdamWCoeffs {
+  float b1, one_minus_b1, b2, one_minus_b2;
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float step_size;  // lr / (1 - beta1^t)
+  float eps;
+};
+// AdamW of runtime/nn/optimizer.h over `num_chunks` chunks (buf = m, buf2 = v); per param,
+// coeffs[param].wd holds the decoupled decay factor 1 - lr * wd, applied where decay is 1.
+// Bit-identical to the CPU's loop for the same inputs (IEEE sqrt and division, no FMA).
+void AdamWUpdate(const OptimizerChunk* chunks, size_t num_chunks, const OptimizerCoeffs* coeffs,
+                 const AdamWCoeffs& c);
 // For each chunk c: partial[2c] = sum w^2 and partial[2c + 1] = sum g^2 (device doubles), each in
 // the order of the CPU optimiser's SumSquares (float lanes over 64-element blocks, blocks and
-// the tail added in double in order), so the LARS norms equal the CPU's bit for bit. REQUIRES
+// the tail added in double in order), so the LARS norms equal the CPU's bit for bit. With
+// grads_only, only partial[2c + 1] is written (the global gradient norm of clipping). REQUIRES
 // every chunk's len <= 16384 (the Optimizer's chunk size).
-void ChunkSumSquares(const OptimizerChunk* chunks, size_t num_chunks, double* partial);
+void ChunkSumSquares(const OptimizerChunk* chunks, size_t num_chunks, double* partial,
+                     bool grads_only = false);
 
 }  // namespace cpd::runtime::cuda
 

@@ -77,6 +77,49 @@ UpdateFn Select(bool lars, bool decay, bool momentum, bool nesterov) {
   return kUpdates[(lars ? 8 : 0) | (decay ? 4 : 0) | (momentum ? 2 : 0) | (nesterov ? 1 : 0)];
 }
 
+// One AdamW step's scalars, formed in double and rounded once (cuda::AdamWCoeffs likewise).
+struct AdamCoeffs {
+  float decay;  // 1 - lr * wd, for params that decay
+  float b1, one_minus_b1, b2, one_minus_b2;
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float step_size;  // lr / (1 - beta1^t)
+  float eps;
+};
+
+// AdamW as optimizer.h writes it, in torch.optim.AdamW's order of operations (its single-tensor
+// path: mul_, mul_().add_(alpha), mul_().addcmul_(value), sqrt() / bc2_sqrt + eps, addcdiv_).
+template <bool kDecay>
+void AdamWUpdate(float* __restrict w, const float* __restrict g, float* __restrict m,
+                 float* __restrict v, size_t n, const AdamCoeffs& c) {
+  for (size_t i = 0; i < n; ++i) {
+    float x = w[i];
+    if constexpr (kDecay) x = x * c.decay;
+    const float gi = g[i];
+    const float mi = c.b1 * m[i] + c.one_minus_b1 * gi;
+    const float vi = c.b2 * v[i] + (c.one_minus_b2 * gi) * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    w[i] = x - (c.step_size * mi) / denom;
+  }
+}
+
+AdamCoeffs MakeAdamCoeffs(const OptimizerOptions& o, double lr, int64_t t) {
+  AdamCoeffs c;
+  c.decay = float(1.0 - lr * o.weight_decay);
+  c.b1 = float(o.beta1);
+  c.one_minus_b1 = float(1.0 - o.beta1);
+  c.b2 = float(o.beta2);
+  c.one_minus_b2 = float(1.0 - o.beta2);
+  c.bc2_sqrt = float(std::sqrt(1.0 - std::pow(o.beta2, double(t))));
+  c.step_size = float(lr / (1.0 - std::pow(o.beta1, double(t))));
+  c.eps = float(o.eps);
+  return c;
+}
+
+// AdamW's step count in two floats that hold it exactly (optimizer.h: "adamw_step").
+constexpr double kStepSplit = 16777216.0;  // 2^24
+
 // Sum of x^2: float partial sums over 64-element blocks (8 interleaved lanes, which GCC
 // vectorises without -ffast-math), blocks added in double, all in a fixed order, so one input
 // gives one answer. Relative error ~1e-6, ample for a trust ratio (MLPerf's LARS uses fp32 norms).
@@ -104,11 +147,21 @@ int ThreadCount(int requested, size_t work) {
 Result<OptimizerKind> ParseOptimizerKind(std::string_view name) {
   if (name == "sgd") return OptimizerKind::kSgd;
   if (name == "lars") return OptimizerKind::kLars;
-  return Status::InvalidArgument("optimizer '" + std::string(name) + "' (accepted: sgd, lars)");
+  if (name == "adamw") return OptimizerKind::kAdamW;
+  return Status::InvalidArgument("optimizer '" + std::string(name) +
+                                 "' (accepted: sgd, lars, adamw)");
 }
 
 const char* OptimizerKindName(OptimizerKind kind) {
-  return kind == OptimizerKind::kLars ? "lars" : "sgd";
+  switch (kind) {
+    case OptimizerKind::kLars:
+      return "lars";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kSgd:
+      break;
+  }
+  return "sgd";
 }
 
 Result<LarsExclude> ParseLarsExclude(std::string_view name) {
@@ -131,6 +184,17 @@ Status OptimizerOptions::Validate() const {
     return bad("weight decay " + Str(weight_decay) + " must be a finite number >= 0");
   }
   if (nesterov && momentum == 0) return bad("Nesterov momentum needs momentum > 0");
+  if (nesterov && kind == OptimizerKind::kAdamW) {
+    return bad("Nesterov momentum applies to sgd and lars, not adamw");
+  }
+  for (const auto& [name, beta] : {std::pair{"beta1", beta1}, std::pair{"beta2", beta2}}) {
+    if (!(beta >= 0 && beta < 1)) {
+      return bad(std::string("AdamW ") + name + " " + Str(beta) + " must be a number in [0, 1)");
+    }
+  }
+  if (!(eps > 0) || !std::isfinite(eps)) {
+    return bad("AdamW eps " + Str(eps) + " must be a positive number");
+  }
   if (!(lars_eta > 0) || !std::isfinite(lars_eta)) {
     return bad("LARS eta " + Str(lars_eta) + " must be a positive number");
   }
@@ -183,7 +247,13 @@ Optimizer::Optimizer(std::vector<Param*> params, OptimizerOptions options)
   const Status s = Check(params_, options_);
   if (!s.ok()) throw std::invalid_argument(s.message());
   trust_.assign(params_.size(), 1.0);
-  if (options_.momentum != 0) {
+  if (adamw()) {
+    for (Param* p : params_) {
+      adam_m_.emplace_back(p->value.shape(), p->value.device());
+      adam_v_.emplace_back(p->value.shape(), p->value.device());
+    }
+    adam_step_state_ = Tensor({2});
+  } else if (options_.momentum != 0) {
     momentum_.reserve(params_.size());
     for (Param* p : params_) momentum_.emplace_back(p->value.shape(), p->value.device());
   }
@@ -192,11 +262,20 @@ Optimizer::Optimizer(std::vector<Param*> params, OptimizerOptions options)
     total_elements_ += n;
     for (size_t b = 0; b < n; b += kChunk) chunks_.push_back({i, b, std::min(n, b + kChunk)});
   }
-  if (lars()) partial_.assign(2 * chunks_.size(), 0.0);
+  partial_.assign(2 * chunks_.size(), 0.0);
 }
 
-std::string Optimizer::StateKey(size_t i) const {
-  return (lars() ? "lars_momentum/" : "momentum/") + params_[i]->name;
+std::vector<std::pair<std::string, Tensor*>> Optimizer::Slots() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  for (size_t i = 0; i < momentum_.size(); ++i) {
+    out.emplace_back((lars() ? "lars_momentum/" : "momentum/") + params_[i]->name, &momentum_[i]);
+  }
+  for (size_t i = 0; i < adam_m_.size(); ++i) {
+    out.emplace_back("adamw_m/" + params_[i]->name, &adam_m_[i]);
+    out.emplace_back("adamw_v/" + params_[i]->name, &adam_v_[i]);
+  }
+  if (adamw()) out.emplace_back("adamw_step", &adam_step_state_);
+  return out;
 }
 
 #if CPD_WITH_CUDA
@@ -252,6 +331,10 @@ double Optimizer::ParamLr(size_t i, double lr) const {
 }
 
 void Optimizer::Step(double lr) {
+  if (adamw()) {
+    StepAdamW(lr);
+    return;
+  }
   if (!params_.empty() && params_[0]->value.device() != Device::kCpu) {
     StepCuda(lr);
     return;
@@ -275,12 +358,94 @@ void Optimizer::Step(double lr) {
   }
 }
 
-void Optimizer::StepCuda(double lr) {
+void Optimizer::StepAdamW(double lr) {
+  ++adam_steps_;
+  adam_step_state_.data()[0] = float(std::floor(double(adam_steps_) / kStepSplit));
+  adam_step_state_.data()[1] = float(std::fmod(double(adam_steps_), kStepSplit));
+  if (!params_.empty() && params_[0]->value.device() != Device::kCpu) {
+    StepAdamWCuda(lr);
+    return;
+  }
+  const AdamCoeffs k = MakeAdamCoeffs(options_, lr, adam_steps_);
+  const int threads = ThreadCount(options_.threads, total_elements_);
+  const int64_t nc = int64_t(chunks_.size());
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t c = 0; c < nc; ++c) {
+    const Chunk& ch = chunks_[size_t(c)];
+    Param* p = params_[ch.param];
+    const bool decay = p->weight_decay && options_.weight_decay != 0;
+    auto* update = decay ? &AdamWUpdate<true> : &AdamWUpdate<false>;
+    update(p->value.data() + ch.begin, p->grad.data() + ch.begin,
+           adam_m_[ch.param].data() + ch.begin, adam_v_[ch.param].data() + ch.begin,
+           ch.end - ch.begin, k);
+  }
+}
+
+double Optimizer::ClipGradNorm(double max_norm) {
+  if (!(max_norm >= 0)) throw std::invalid_argument("optimizer: clip max_norm must be >= 0");
+  GradPartials();
+  double sum = 0.0;
+  for (size_t c = 0; c < chunks_.size(); ++c) sum += partial_[2 * c + 1];  // in chunk order
+  const double norm = std::sqrt(sum);
+  if (max_norm > 0 && std::isfinite(norm)) {
+    // torch.nn.utils.clip_grad_norm_: the coefficient clamped at 1, which multiplies nothing.
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) ScaleGrads(float(coef));
+  }
+  return norm;
+}
+
+void Optimizer::GradPartials() {
+  if (!params_.empty() && params_[0]->value.device() != Device::kCpu) {
+#if CPD_WITH_CUDA
+    SyncCudaChunks();
+    CudaState& cs = *cuda_;
+    const size_t bytes = partial_.size() * sizeof(double);
+    cs.d_partial.Reserve(bytes, params_[0]->value.device());
+    cuda::ChunkSumSquares(static_cast<const cuda::OptimizerChunk*>(cs.d_chunks.data()),
+                          chunks_.size(), static_cast<double*>(cs.d_partial.data()),
+                          /*grads_only=*/true);
+    cs.d_partial.CopyToHost(partial_.data(), bytes);
+    return;
+#else
+    throw std::logic_error("optimizer: CUDA params in a build without CUDA");
+#endif
+  }
+  const int threads = ThreadCount(options_.threads, total_elements_);
+  const int64_t nc = int64_t(chunks_.size());
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t c = 0; c < nc; ++c) {
+    const Chunk& ch = chunks_[size_t(c)];
+    const float* g = params_[ch.param]->grad.data();
+    partial_[2 * size_t(c) + 1] = SumSquares(g + ch.begin, ch.end - ch.begin);
+  }
+}
+
+void Optimizer::ScaleGrads(float factor) {
+  if (!params_.empty() && params_[0]->value.device() != Device::kCpu) {
+#if CPD_WITH_CUDA
+    for (Param* p : params_) cuda::Scale(p->grad.numel(), factor, p->grad.data(), p->grad.data());
+    return;
+#else
+    throw std::logic_error("optimizer: CUDA params in a build without CUDA");
+#endif
+  }
+  const int threads = ThreadCount(options_.threads, total_elements_);
+  const int64_t nc = int64_t(chunks_.size());
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t c = 0; c < nc; ++c) {
+    const Chunk& ch = chunks_[size_t(c)];
+    float* g = params_[ch.param]->grad.data();
+    for (size_t i = ch.begin; i < ch.end; ++i) g[i] = g[i] * factor;
+  }
+}
+
+void Optimizer::SyncCudaChunks() {
 #if CPD_WITH_CUDA
   if (cuda_ == nullptr) cuda_ = std::make_unique<CudaState>();
   CudaState& cs = *cuda_;
   const Device dev = params_[0]->value.device();
-  const bool momentum = options_.momentum != 0;
+  const bool momentum = !momentum_.empty();
   // The chunk table holds raw pointers: it is rebuilt when a param's storage has changed (a
   // checkpoint load keeps it; MoveToDevice or new gradient views replace it).
   std::vector<cuda::OptimizerChunk> table(chunks_.size());
@@ -288,18 +453,23 @@ void Optimizer::StepCuda(double lr) {
     const Chunk& ch = chunks_[c];
     Param* p = params_[ch.param];
     if (p->value.device() != dev || p->grad.device() != dev ||
-        (momentum && momentum_[ch.param].device() != dev)) {
+        (momentum && momentum_[ch.param].device() != dev) ||
+        (adamw() && (adam_m_[ch.param].device() != dev || adam_v_[ch.param].device() != dev))) {
       throw std::invalid_argument("optimizer: param '" + p->name +
                                   "' or its state is no longer on " + DeviceName(dev));
     }
     table[c].w = p->value.data() + ch.begin;
     table[c].g = p->grad.data() + ch.begin;
-    table[c].buf = momentum ? momentum_[ch.param].data() + ch.begin : nullptr;
+    table[c].buf = momentum  ? momentum_[ch.param].data() + ch.begin
+                   : adamw() ? adam_m_[ch.param].data() + ch.begin
+                             : nullptr;
+    table[c].buf2 = adamw() ? adam_v_[ch.param].data() + ch.begin : nullptr;
     table[c].len = uint32_t(ch.end - ch.begin);
     table[c].param = uint32_t(ch.param);
   }
   const auto same = [](const cuda::OptimizerChunk& a, const cuda::OptimizerChunk& b) {
-    return a.w == b.w && a.g == b.g && a.buf == b.buf && a.len == b.len && a.param == b.param;
+    return a.w == b.w && a.g == b.g && a.buf == b.buf && a.buf2 == b.buf2 && a.len == b.len &&
+           a.param == b.param;
   };
   const size_t table_bytes = table.size() * sizeof(cuda::OptimizerChunk);
   if (cs.chunks.size() != table.size() ||
@@ -308,6 +478,28 @@ void Optimizer::StepCuda(double lr) {
     cs.d_chunks.CopyFromHost(table.data(), table_bytes);
     cs.chunks = std::move(table);
   }
+#endif
+}
+
+#if CPD_WITH_CUDA
+namespace {
+
+// Per param: lr and decay (SGD, LARS) or the decay factor (AdamW), to the device.
+void UploadCoeffs(std::vector<cuda::OptimizerCoeffs>* coeffs, RawBuffer* d_coeffs, Device dev) {
+  const size_t bytes = coeffs->size() * sizeof(cuda::OptimizerCoeffs);
+  d_coeffs->Reserve(bytes, dev);
+  d_coeffs->CopyFromHost(coeffs->data(), bytes);
+}
+
+}  // namespace
+#endif
+
+void Optimizer::StepCuda(double lr) {
+#if CPD_WITH_CUDA
+  SyncCudaChunks();
+  CudaState& cs = *cuda_;
+  const Device dev = params_[0]->value.device();
+  const bool momentum = options_.momentum != 0;
   const auto* d_chunks = static_cast<const cuda::OptimizerChunk*>(cs.d_chunks.data());
   if (lars()) {
     // The norms in the CPU's summation order, per chunk on the GPU; the trust ratios on the
@@ -327,12 +519,35 @@ void Optimizer::StepCuda(double lr) {
     k.decay = decay ? 1 : 0;
     k.pad = 0;
   }
-  const size_t coeff_bytes = cs.coeffs.size() * sizeof(cuda::OptimizerCoeffs);
-  cs.d_coeffs.Reserve(coeff_bytes, dev);
-  cs.d_coeffs.CopyFromHost(cs.coeffs.data(), coeff_bytes);
+  UploadCoeffs(&cs.coeffs, &cs.d_coeffs, dev);
   cuda::SgdUpdate(d_chunks, chunks_.size(),
                   static_cast<const cuda::OptimizerCoeffs*>(cs.d_coeffs.data()),
                   float(options_.momentum), lars(), momentum, options_.nesterov);
+#else
+  (void)lr;
+  throw std::logic_error("optimizer: CUDA params in a build without CUDA");
+#endif
+}
+
+void Optimizer::StepAdamWCuda(double lr) {
+#if CPD_WITH_CUDA
+  SyncCudaChunks();
+  CudaState& cs = *cuda_;
+  const AdamCoeffs a = MakeAdamCoeffs(options_, lr, adam_steps_);
+  cs.coeffs.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const bool decay = params_[i]->weight_decay && options_.weight_decay != 0;
+    cuda::OptimizerCoeffs& k = cs.coeffs[i];
+    k.lr = float(lr);
+    k.wd = decay ? a.decay : 1.0f;
+    k.decay = decay ? 1 : 0;
+    k.pad = 0;
+  }
+  UploadCoeffs(&cs.coeffs, &cs.d_coeffs, params_[0]->value.device());
+  const cuda::AdamWCoeffs c{a.b1,       a.one_minus_b1, a.b2, a.one_minus_b2,
+                            a.bc2_sqrt, a.step_size,    a.eps};
+  cuda::AdamWUpdate(static_cast<const cuda::OptimizerChunk*>(cs.d_chunks.data()), chunks_.size(),
+                    static_cast<const cuda::OptimizerCoeffs*>(cs.d_coeffs.data()), c);
 #else
   (void)lr;
   throw std::logic_error("optimizer: CUDA params in a build without CUDA");
@@ -345,37 +560,61 @@ void Optimizer::ZeroGrad() {
 
 std::vector<std::pair<std::string, const Tensor*>> Optimizer::State() const {
   std::vector<std::pair<std::string, const Tensor*>> out;
-  for (size_t i = 0; i < momentum_.size(); ++i) out.emplace_back(StateKey(i), &momentum_[i]);
+  for (const auto& [key, t] : const_cast<Optimizer*>(this)->Slots()) out.emplace_back(key, t);
   return out;
 }
 
+namespace {
+
+// The --optimizer whose state a key is ("" if none), for a message that says why it does not fit.
+std::string WriterOf(const std::string& key) {
+  if (key.rfind("lars_momentum/", 0) == 0) return "lars";
+  if (key.rfind("momentum/", 0) == 0) return "sgd";
+  if (key.rfind("adamw_", 0) == 0) return "adamw";
+  return "";
+}
+
+}  // namespace
+
 Status Optimizer::LoadState(const std::map<std::string, std::vector<float>>& state) {
-  const char* kind = lars() ? "LARS" : "SGD";
-  std::map<std::string, size_t> expected;  // key -> param index
-  for (size_t i = 0; i < momentum_.size(); ++i) expected.emplace(StateKey(i), i);
+  const std::vector<std::pair<std::string, Tensor*>> slots = Slots();
+  std::map<std::string, Tensor*> expected(slots.begin(), slots.end());
+  const std::string kind = OptimizerKindName(options_.kind);
   for (const auto& [key, values] : state) {
     auto it = expected.find(key);
     if (it == expected.end()) {
-      return Status::InvalidArgument("optimizer state: unexpected entry '" + key + "' for " + kind +
-                                     " with momentum " + Str(options_.momentum) +
-                                     (momentum_.empty()
-                                          ? " (which keeps no state)"
-                                          : " (expected '" + StateKey(0) + "' and the like)"));
+      const std::string writer = WriterOf(key);
+      return Status::InvalidArgument(
+          "optimizer state: unexpected entry '" + key + "'" +
+          (writer.empty() || writer == kind ? "" : " (state of --optimizer " + writer + ")") +
+          " for --optimizer " + kind + (adamw() ? "" : " with momentum " + Str(options_.momentum)) +
+          (slots.empty() ? " (which keeps no state)"
+                         : " (expected '" + slots[0].first + "' and the like)"));
     }
-    if (values.size() != momentum_[it->second].numel()) {
+    if (values.size() != it->second->numel()) {
       return Status::InvalidArgument("optimizer state: '" + key + "' has " +
-                                     std::to_string(values.size()) + " values; the param has " +
-                                     std::to_string(momentum_[it->second].numel()));
+                                     std::to_string(values.size()) + " values; expected " +
+                                     std::to_string(it->second->numel()));
     }
   }
-  for (const auto& [key, i] : expected) {
+  for (const auto& [key, t] : slots) {
     if (state.find(key) == state.end()) {
       return Status::InvalidArgument("optimizer state: missing '" + key + "'");
     }
   }
-  for (const auto& [key, i] : expected) {
-    momentum_[i].CopyFromHost(state.at(key).data());  // any device
+  int64_t steps = 0;
+  if (adamw()) {
+    const std::vector<float>& t = state.at("adamw_step");
+    const double hi = t[0], lo = t[1];
+    if (!(hi >= 0 && hi < kStepSplit && hi == std::floor(hi) && lo >= 0 && lo < kStepSplit &&
+          lo == std::floor(lo))) {
+      return Status::InvalidArgument("optimizer state: 'adamw_step' [" + Str(hi) + ", " + Str(lo) +
+                                     "] is not a step count (two integers in [0, 2^24))");
+    }
+    steps = int64_t(hi) * int64_t(kStepSplit) + int64_t(lo);
   }
+  for (const auto& [key, t] : slots) t->CopyFromHost(state.at(key).data());  // any device
+  adam_steps_ = steps;
   return Status::Ok();
 }
 

@@ -1,20 +1,24 @@
 // First-order optimisers over fp32 master weights: SGD with (Nesterov) momentum and coupled
-// weight decay, and LARS for large batches. The update reads Param::grad and writes
-// Param::value in place; gradients stay as they are until ZeroGrad().
+// weight decay, LARS for large batches, and AdamW (decoupled weight decay); and the clipping of
+// the gradients by their global norm that precedes an update. The update reads Param::grad and
+// writes Param::value in place; gradients stay as they are until ZeroGrad() (ClipGradNorm scales
+// them).
 //
 // Determinism: every element is updated by the same fixed sequence of float operations (the
-// build forbids FMA contraction), and LARS's norms are summed in a fixed order (float within
-// 64-element blocks, double across blocks and across fixed 16 Ki-element chunks, chunks merged in
-// order), so results are bit-identical for any thread count and across runs. Thread-safety: one
+// build forbids FMA contraction), and the norms of LARS and of ClipGradNorm are summed in a fixed
+// order (float within 64-element blocks, double across blocks and across fixed 16 Ki-element
+// chunks, chunks merged in order), so results are bit-identical for any thread count and across
+// runs. Thread-safety: one
 // Optimizer must not be used from two threads at once; Step itself runs on OpenMP threads when
 // there is enough work.
 //
 // Devices: all params must be on one device. On the GPU (CUDA build), Step runs the same update
 // rules in CUDA kernels (runtime/engine/cuda_ops.h: one launch over all params, in the CPU's 16 Ki
-// chunks) with the same float operations and the same LARS summation order, so a GPU step
-// equals a CPU step bit for bit; LARS copies its per-chunk norms to the host (one wait per
-// step). Momentum buffers live with the params; State() points at them there (copy a CUDA
-// buffer to the host before reading it: Tensor::To/CopyToHost); LoadState copies in.
+// chunks) with the same float operations (AdamW's sqrt and division are IEEE-rounded on both)
+// and the same summation order of the norms, so a GPU step equals a CPU step bit for bit; LARS
+// and ClipGradNorm copy their per-chunk sums to the host (one wait each). Momentum buffers live
+// with the params; State() points at them there (copy a CUDA buffer to the host before reading it:
+// Tensor::To/CopyToHost); LoadState copies in.
 #pragma once
 
 #include <cstddef>
@@ -33,8 +37,8 @@
 namespace cpd::runtime {
 
 // The update rule (below).
-enum class OptimizerKind { kSgd, kLars };
-// "sgd" | "lars"; else InvalidArgument "optimizer 'NAME' (accepted: sgd, lars)".
+enum class OptimizerKind { kSgd, kLars, kAdamW };
+// "sgd" | "lars" | "adamw"; else InvalidArgument "optimizer 'NAME' (accepted: sgd, lars, adamw)".
 Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
 const char* OptimizerKindName(OptimizerKind kind);
 
@@ -50,10 +54,18 @@ const char* LarsExcludeName(LarsExclude exclude);
 // --learning-rate-weights 0.2, with LARS excluding biases and BatchNorm from adaptation).
 constexpr double kLarsExcludedLrRatio = 0.024;  // = 0.0048 / 0.2
 
+// AdamW's defaults: torch.optim.AdamW's (Loshchilov & Hutter, "Decoupled Weight Decay
+// Regularization", 2019). nanoGPT trains GPT-2 with beta2 0.95 instead, which forgets a burst of
+// large gradients sooner; that is a recipe's choice, given explicitly (docs/cpd-train.md).
+constexpr double kAdamBeta1 = 0.9;
+constexpr double kAdamBeta2 = 0.999;
+constexpr double kAdamEps = 1e-8;
+
 struct OptimizerOptions {
-  double momentum = 0.9;      // >= 0; 0 keeps no momentum buffers
-  double weight_decay = 0.0;  // >= 0; coupled L2, only for params with Param::weight_decay
-  bool nesterov = false;      // REQUIRES momentum > 0 (as torch.optim.SGD)
+  double momentum = 0.9;  // >= 0; 0 keeps no momentum buffers (SGD, LARS; AdamW ignores it)
+  // >= 0, only for params with Param::weight_decay: coupled L2 (SGD, LARS), decoupled (AdamW)
+  double weight_decay = 0.0;
+  bool nesterov = false;  // REQUIRES momentum > 0 (as torch.optim.SGD) and not AdamW
   OptimizerKind kind = OptimizerKind::kSgd;
   double lars_eta = 0.001;  // LARS trust coefficient, > 0
   // LARS only: kBiasBn leaves params with weight_decay == false (biases, BatchNorm) out of the
@@ -61,6 +73,8 @@ struct OptimizerOptions {
   // trust ratio to every param (the ratio is then unused).
   LarsExclude lars_exclude = LarsExclude::kBiasBn;
   double lars_excluded_lr_ratio = kLarsExcludedLrRatio;
+  // AdamW: the moments' decay rates, each in [0, 1), and the denominator's eps (finite, > 0).
+  double beta1 = kAdamBeta1, beta2 = kAdamBeta2, eps = kAdamEps;
   int threads = 0;  // OpenMP threads for Step; 0 = the OpenMP default
 
   // OK, or InvalidArgument naming the field, its value and what is accepted.
@@ -106,9 +120,17 @@ class Optimizer {
   ~Optimizer();
 
   // One update of every param from its current gradient at learning rate lr (REQUIRES finite,
-  // >= 0). Cost: one pass over value, grad and buffer (20 bytes per element); LARS adds a read
-  // pass over value and grad for the norms. Runs on OpenMP threads from 32 Ki elements in all.
+  // >= 0). Cost: one pass over value, grad and buffer (20 bytes per element; AdamW 28); LARS
+  // adds a read pass over value and grad for the norms. Runs on OpenMP threads from 32 Ki
+  // elements in all.
   void Step(double lr);
+  // The global L2 norm of every gradient (in double, summed in the fixed order above), and,
+  // when max_norm > 0 and the norm is finite and above max_norm, every gradient scaled as
+  // clip_grad_norm_ does (above). Returns the norm before clipping: NaN or Inf when a gradient
+  // is, or when float block sums overflow (|g| beyond ~1e18), which leaves the gradients as they
+  // are. max_norm REQUIRES >= 0 (0: only the norm). One read pass over the gradients, and a write
+  // pass when it clips.
+  double ClipGradNorm(double max_norm);
   // Sets every gradient to zero.
   void ZeroGrad();
 
@@ -122,6 +144,8 @@ class Optimizer {
 
   const OptimizerOptions& options() const { return options_; }
   const std::vector<Param*>& params() const { return params_; }
+  // AdamW: the steps taken (t of the last Step); 0 for SGD and LARS.
+  int64_t adam_steps() const { return adam_steps_; }
   // Per param, the LARS trust ratio used by the last Step (1 for SGD and for params that took
   // none: excluded, ||w|| = 0 or ||g|| = 0).
   const std::vector<double>& last_trust_ratios() const { return trust_; }
@@ -135,23 +159,35 @@ class Optimizer {
     size_t begin, end;
   };
   bool lars() const { return options_.kind == OptimizerKind::kLars; }
+  bool adamw() const { return options_.kind == OptimizerKind::kAdamW; }
   // LARS leaves param i out of the trust ratio (lars_exclude kBiasBn and no weight decay).
   bool Excluded(size_t i) const;
   static Status Check(const std::vector<Param*>& params, const OptimizerOptions& options);
-  std::string StateKey(size_t i) const;
+  // Every state tensor under its key, in param order (AdamW: m, v per param, then the step).
+  std::vector<std::pair<std::string, Tensor*>> Slots();
+  void StepAdamW(double lr);
+  // The per-chunk sums of g^2 (in partial_[2c + 1]) on the params' device.
+  void GradPartials();
+  void ScaleGrads(float factor);
   void ComputeTrustRatios(int threads);
   // Derives trust_ from per-chunk sums of squares (partial_), as ComputeTrustRatios does.
   void TrustFromPartials();
   void StepCuda(double lr);
+  void StepAdamWCuda(double lr);
+  // The GPU's chunk table, rebuilt when a param's storage has moved.
+  void SyncCudaChunks();
 
   struct CudaState;  // the GPU's chunk table and coefficients (optimizer.cc)
   std::unique_ptr<CudaState> cuda_;
 
   std::vector<Param*> params_;
   OptimizerOptions options_;
-  std::vector<Tensor> momentum_;  // per param; empty when options_.momentum == 0
-  std::vector<Chunk> chunks_;     // every param cut into <= kChunk-element pieces
-  std::vector<double> partial_;   // LARS: per chunk, sum w^2 and sum g^2
+  std::vector<Tensor> momentum_;         // per param; empty when options_.momentum == 0 or AdamW
+  std::vector<Tensor> adam_m_, adam_v_;  // AdamW: per param; empty otherwise
+  Tensor adam_step_state_;               // AdamW: [t / 2^24, t mod 2^24] on the host
+  int64_t adam_steps_ = 0;
+  std::vector<Chunk> chunks_;    // every param cut into <= kChunk-element pieces
+  std::vector<double> partial_;  // per chunk, sum w^2 (LARS) and sum g^2 (LARS, clipping)
   std::vector<double> trust_;
   size_t total_elements_ = 0;
 };

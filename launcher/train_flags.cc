@@ -155,12 +155,30 @@ void AddOptimisationOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--global-batch", o->global_batch,
                   "Global batch, split evenly over ranks x --emulate-ranks workers (default: "
                   "--batch-size per worker)");
-  app->add_option("--optimizer", f->optimizer, "sgd | lars")->capture_default_str();
+  app->add_option("--optimizer", f->optimizer,
+                  "sgd | lars | adamw (torch.optim.AdamW: decoupled --weight-decay on weights and "
+                  "embeddings, not on biases or norms)")
+      ->capture_default_str();
   app->add_option("--lr", o->lr, "Base learning rate")->capture_default_str();
   app->add_option("--momentum", o->momentum, "SGD momentum")->capture_default_str();
-  app->add_option("--weight-decay", o->weight_decay, "L2 weight decay (not on biases/BatchNorm)")
+  app->add_option("--weight-decay", o->weight_decay,
+                  "Weight decay on the params of 2+ dimensions (not on biases, LayerNorm or "
+                  "BatchNorm): coupled L2 for sgd/lars, decoupled for adamw (typical 0.01-0.1)")
       ->capture_default_str();
   app->add_flag("--nesterov", o->nesterov, "Nesterov momentum");
+  app->add_option("--beta1", o->beta1, "AdamW: decay rate of the first moment, in [0, 1)")
+      ->capture_default_str();
+  app->add_option("--beta2", o->beta2,
+                  "AdamW: decay rate of the second moment, in [0, 1); the default is torch's, "
+                  "so a recipe ported from PyTorch trains alike (nanoGPT's GPT-2 recipe sets "
+                  "0.95)")
+      ->capture_default_str();
+  app->add_option("--eps", o->adam_eps, "AdamW: added to sqrt(v), > 0")->capture_default_str();
+  app->add_option("--clip-grad-norm", o->clip_grad_norm,
+                  "Scale the averaged gradients to at most this global L2 norm before each "
+                  "update (torch's clip_grad_norm_; the norm goes into the metrics as grad_norm); "
+                  "0: off")
+      ->capture_default_str();
   app->add_option("--lars-eta", o->lars_eta, "LARS trust coefficient")->capture_default_str();
   app->add_option("--lars-exclude", f->lars_exclude,
                   "LARS: bias-bn (biases and BatchNorm take no trust ratio and run at lr x "

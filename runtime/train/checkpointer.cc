@@ -50,6 +50,7 @@ Status Checkpointer::Write(int64_t step, int epoch, const EpochSums& sums) const
   meta["dataset"] = o_.dataset;
   meta["global_batch"] = global_batch_;
   meta["seed"] = o_.seed;
+  meta["optimizer"] = OptimizerKindName(state_.optimizer->options().kind);
   meta["random_stream"] = kernels::kRandomStreamVersion;
   if (state_.scaler != nullptr && state_.scaler->enabled()) {
     const LossScaler::State ls = state_.scaler->state();
@@ -169,6 +170,7 @@ struct RestoreCheck {
   const std::string& path;
   const CheckpointOptions& run;
   int64_t global_batch, batches_per_epoch;
+  std::string optimizer;  // this run's --optimizer
 
   // A bad file: CorruptCheckpoint naming it. CorruptIf keeps OK as it is.
   Status Corrupt(const std::string& why) const { return CorruptCheckpoint(path, why); }
@@ -196,6 +198,14 @@ Status CheckSameRun(const RestoreCheck& c, const json& meta) {
       IntField(meta, meta.contains("global_batch") ? "global_batch" : "batch_size", "meta.");
   for (const Status& s : {arch.status(), dataset.status(), saved_global.status()}) {
     CPD_RETURN_IF_ERROR(c.CorruptIf(s));
+  }
+  // Older checkpoints do not say; their optimiser state's keys then decide (Optimizer::LoadState).
+  const auto optimizer = meta.find("optimizer");
+  if (optimizer != meta.end() && optimizer->is_string() && *optimizer != c.optimizer) {
+    return Status::InvalidArgument("checkpoint " + c.path +
+                                   " was written by a run with --optimizer " +
+                                   optimizer->get<std::string>() + "; this run has --optimizer " +
+                                   c.optimizer + " (resume with the optimizer that wrote it)");
   }
   if (*arch != c.run.arch || *dataset != c.run.dataset || *saved_global != c.global_batch) {
     return Status::InvalidArgument("checkpoint " + c.path + " was written by a run with --arch " +
@@ -370,7 +380,8 @@ Result<TensorsToLoad> CheckTensors(const RestoreCheck& c, const Checkpoint& ck, 
 // checkpoint either fits whole or leaves the state untouched.
 Result<ResumePoint> Checkpointer::Restore(const std::string& path) {
   CPD_ASSIGN_OR_RETURN(const Checkpoint ck, ReadCheckpoint(path));
-  const RestoreCheck c{path, o_, global_batch_, batches_per_epoch_};
+  const RestoreCheck c{path, o_, global_batch_, batches_per_epoch_,
+                       OptimizerKindName(state_.optimizer->options().kind)};
   CPD_ASSIGN_OR_RETURN(const json meta, ReadMeta(c, ck));
   CPD_RETURN_IF_ERROR(CheckSameRun(c, meta));
   ResumePoint point;

@@ -180,6 +180,12 @@ void Reporter::Started(const RunStart& run) {
     j["byte_level"] = setup_.byte_level;
     j["unigram_bits"] = run.unigram_bits;
   }
+  if (o_.optimizer == OptimizerKind::kAdamW) {
+    j["beta1"] = o_.beta1;
+    j["beta2"] = o_.beta2;
+    j["eps"] = o_.adam_eps;
+  }
+  if (o_.clip_grad_norm > 0) j["clip_grad_norm"] = o_.clip_grad_norm;
   if (o_.optimizer == OptimizerKind::kLars) {
     j["lars_eta"] = o_.lars_eta;
     j["lars_exclude"] = LarsExcludeName(o_.lars_exclude);
@@ -260,6 +266,8 @@ Status Reporter::AfterStep(const StepDone& s) {
               {"lr", s.lr},           {"bits", setup_.quant->CurrentBits()},
               {"skipped", s.skipped}, {"layers", StatsJson(records)}};
     if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) j["loss_scale"] = s.loss_scale;
+    // null where the step skipped before its norm was taken (JSON has no NaN).
+    if (o_.clip_grad_norm > 0) j["grad_norm"] = s.grad_norm;
     if (comm_stats) j["comm"] = CommStatsJson(setup_.reducer->last_stats());
     Log(j);
   }

@@ -50,6 +50,8 @@ struct ReporterOptions {
   double lars_eta = 0;
   LarsExclude lars_exclude = LarsExclude::kBiasBn;
   double lars_excluded_lr_ratio = 0;
+  double beta1 = 0, beta2 = 0, adam_eps = 0;  // AdamW's
+  double clip_grad_norm = 0;                  // > 0: step records carry grad_norm
   comm::GradientAllReduceOptions allreduce;
   LossScaleOptions loss_scale;
   StepBits cost_reference;
@@ -97,6 +99,9 @@ struct StepDone {
   int64_t next_batch = 0;     // the iterator's position in the epoch
   int64_t skipped_steps = 0;  // in the run so far
   double loss_scale = 1;      // the step's (runtime/train/loss_scale.h)
+  // The global gradient norm before clipping (--clip-grad-norm; NaN when the step skipped
+  // before clipping or clipping is off).
+  double grad_norm = 0;
 };
 
 // The running sums of an epoch's training loss and accuracy. A checkpoint keeps them, so that

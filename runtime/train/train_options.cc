@@ -146,6 +146,22 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
     return bad("--weight-decay " + NumberText(o.weight_decay) + " is not accepted: a number >= 0");
   }
+  for (const auto& [flag, beta] : {std::pair{"--beta1", o.beta1}, std::pair{"--beta2", o.beta2}}) {
+    if (!(beta >= 0 && beta < 1)) {
+      return bad(std::string(flag) + " " + NumberText(beta) +
+                 " is not accepted: a number in [0, 1)");
+    }
+  }
+  if (!(o.adam_eps > 0) || !std::isfinite(o.adam_eps)) {
+    return bad("--eps " + NumberText(o.adam_eps) + " is not accepted: a number > 0");
+  }
+  if (o.nesterov && o.optimizer == OptimizerKind::kAdamW) {
+    return bad("--nesterov applies to --optimizer sgd and lars, not adamw");
+  }
+  if (!(o.clip_grad_norm >= 0) || !std::isfinite(o.clip_grad_norm)) {
+    return bad("--clip-grad-norm " + NumberText(o.clip_grad_norm) +
+               " is not accepted: a number >= 0 (0: off)");
+  }
   if (o.stats_every < 0) return bad("--stats-every must be >= 0");
   if (!(o.progress_interval_s >= 0) || !std::isfinite(o.progress_interval_s)) {
     return bad("--progress-interval must be a number of seconds >= 0");

@@ -80,6 +80,11 @@ struct TrainOptions {
   // (runtime/nn/optimizer.h).
   LarsExclude lars_exclude = LarsExclude::kBiasBn;
   double lars_excluded_lr_ratio = kLarsExcludedLrRatio;
+  // AdamW (runtime/nn/optimizer.h): the moments' rates, each in [0, 1), and eps (> 0).
+  double beta1 = kAdamBeta1, beta2 = kAdamBeta2, adam_eps = kAdamEps;
+  // > 0: every step scales the averaged gradients to at most this global L2 norm
+  // (Optimizer::ClipGradNorm) and reports the norm; a non-finite norm skips the step. 0: off.
+  double clip_grad_norm = 0;
   LrSchedule::Kind lr_schedule = LrSchedule::kCosine;
   // The schedule's base lr is ScaleLr(lr, lr_scaling, global batch, lr_base_batch)
   // (cpd/schedule.h); the global batch is the real one (per-worker batch x workers).

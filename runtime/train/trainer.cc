@@ -364,6 +364,9 @@ Status Trainer::BuildOptimizer() {
   oo.lars_eta = o_.lars_eta;
   oo.lars_exclude = o_.lars_exclude;
   oo.lars_excluded_lr_ratio = o_.lars_excluded_lr_ratio;
+  oo.beta1 = o_.beta1;
+  oo.beta2 = o_.beta2;
+  oo.eps = o_.adam_eps;
   oo.threads = threads_;
   CPD_RETURN_IF_ERROR(oo.Validate());
   optimizer_ = std::make_unique<Optimizer>(model_->Params(), oo);
@@ -417,6 +420,15 @@ std::string Trainer::DescribeLr() const {
     out += ", warm-up " + std::to_string(result_.warmup_steps) + " steps";
   } else {
     out += ", no warm-up";
+  }
+  if (o_.optimizer == OptimizerKind::kAdamW) {
+    std::snprintf(buf, sizeof buf, ", AdamW betas (%g, %g) eps %g, decoupled weight decay %g",
+                  o_.beta1, o_.beta2, o_.adam_eps, o_.weight_decay);
+    out += buf;
+  }
+  if (o_.clip_grad_norm > 0) {
+    std::snprintf(buf, sizeof buf, ", gradients clipped to norm %g", o_.clip_grad_norm);
+    out += buf;
   }
   if (o_.optimizer == OptimizerKind::kLars) {
     if (o_.lars_exclude == LarsExclude::kBiasBn) {
@@ -559,6 +571,10 @@ ReporterOptions ReporterOptionsOf(const TrainOptions& o) {
   r.lars_eta = o.lars_eta;
   r.lars_exclude = o.lars_exclude;
   r.lars_excluded_lr_ratio = o.lars_excluded_lr_ratio;
+  r.beta1 = o.beta1;
+  r.beta2 = o.beta2;
+  r.adam_eps = o.adam_eps;
+  r.clip_grad_norm = o.clip_grad_norm;
   r.allreduce = o.allreduce;
   r.loss_scale = o.loss_scale;
   r.cost_reference = o.cost_reference;
@@ -760,14 +776,23 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   const BatchTotals local = workers_->ForwardBackward(x, y, step_, collect);
   CPD_RETURN_IF_ERROR(reducer_->Reduce(gradients_->inputs(), gradients_->sum(), step_, measure));
   const double lr = lr_.At(step_);
-  const bool skipped = reducer_->last_nonfinite();  // NaN/Inf on some rank: skip everywhere
+  bool skipped = reducer_->last_nonfinite();  // NaN/Inf on some rank: skip everywhere
   const float scale = scaler_.scale();
+  double grad_norm = std::nan("");
+  if (!skipped) {
+    gradients_->LoadAverage(group_.workers, scale);
+    // Clipping sees the unscaled average, bit-identical on every rank, so every rank clips alike
+    // and skips alike when the norm overflows.
+    if (o_.clip_grad_norm > 0) {
+      grad_norm = optimizer_->ClipGradNorm(o_.clip_grad_norm);
+      skipped = !std::isfinite(grad_norm);
+    }
+  }
   scaler_.AfterStep(skipped);  // dynamic loss scaling: halve after an overflow, grow after a run
   if (skipped) {
     ++result_.skipped_steps;
     reporter_->StepSkipped(step_, scale, scaler_.scale());
   } else {
-    gradients_->LoadAverage(group_.workers, scale);
     optimizer_->Step(lr);
   }
   if (workers_->averages_buffers()) {
@@ -778,9 +803,9 @@ Status Trainer::Step(int epoch, const Tensor& x, const std::vector<int32_t>& y) 
   result_.step_losses.push_back(batch.loss);
   ++step_;
   ++steps_this_run_;
-  CPD_RETURN_IF_ERROR(
-      reporter_->AfterStep({epoch + 1, step_ - 1, batch, lr, skipped, collect || measure,
-                            iterator_->state().next_batch, result_.skipped_steps, scale}));
+  CPD_RETURN_IF_ERROR(reporter_->AfterStep({epoch + 1, step_ - 1, batch, lr, skipped,
+                                            collect || measure, iterator_->state().next_batch,
+                                            result_.skipped_steps, scale, grad_norm}));
   CPD_RETURN_IF_ERROR(StopIfUnrecoverable(batch.loss, skipped));
   if (o_.debug_step_sleep_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(o_.debug_step_sleep_ms));

@@ -518,7 +518,9 @@ std::vector<Param> MakeParams(Device device) {
   return ps;
 }
 
-void CompareOptimizerSteps(const OptimizerOptions& oo, const std::string& tag) {
+// max_norm > 0: each step clips the gradients by their global norm first (norms ~14: it clips).
+void CompareOptimizerSteps(const OptimizerOptions& oo, const std::string& tag,
+                           double max_norm = 0) {
   std::vector<Param> pc = MakeParams(Device::kCpu), pg = MakeParams(Device::kCuda);
   std::vector<Param*> rc, rg;
   for (auto& p : pc) rc.push_back(&p);
@@ -531,6 +533,14 @@ void CompareOptimizerSteps(const OptimizerOptions& oo, const std::string& tag) {
       pg[i].grad.CopyFrom(g);
     }
     const double lr = 0.1 / (1 + step);
+    if (max_norm > 0) {
+      // The same per-chunk sums in the same order: the same double, and the same scaled bits.
+      ASSERT_EQ(oc.ClipGradNorm(max_norm), og.ClipGradNorm(max_norm)) << tag << " step " << step;
+      for (size_t i = 0; i < pc.size(); ++i) {
+        ExpectMatch(tag + " clipped step " + std::to_string(step) + " " + pc[i].name, pc[i].grad,
+                    pg[i].grad, kExact);
+      }
+    }
     oc.Step(lr);
     og.Step(lr);
     for (size_t i = 0; i < pc.size(); ++i) {
@@ -580,6 +590,22 @@ TEST(CudaOptimizer, LarsIsExactTrustRatiosIncluded) {
   CompareOptimizerSteps(oo, "lars excluded ratio 0.1");
   oo.lars_exclude = LarsExclude::kNone;
   CompareOptimizerSteps(oo, "lars exclude none");
+}
+
+TEST(CudaOptimizer, AdamWAndGradientClippingAreExact) {
+  CPD_REQUIRE_CUDA();
+  OptimizerOptions oo;
+  oo.kind = OptimizerKind::kAdamW;
+  oo.weight_decay = 0.1;
+  CompareOptimizerSteps(oo, "adamw");
+  oo.beta2 = 0.95;
+  oo.eps = 1e-6;
+  CompareOptimizerSteps(oo, "adamw clipped", /*max_norm=*/1.0);
+  OptimizerOptions sgd;
+  sgd.momentum = 0.9;
+  CompareOptimizerSteps(sgd, "sgd clipped", /*max_norm=*/1.0);
+  // A max_norm above the norm leaves the gradients alone on the device too.
+  CompareOptimizerSteps(sgd, "sgd not clipped", /*max_norm=*/1e30);
 }
 
 TEST(CudaOptimizer, LoadStateOnTheDevice) {

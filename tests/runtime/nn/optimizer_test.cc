@@ -1,17 +1,23 @@
 // SGD (torch.optim.SGD semantics), Nesterov, coupled weight decay and LARS, against values worked
-// out by hand from the formulas in runtime/nn/optimizer.h; state export/import for bit-identical
-// resume; determinism across thread counts.
+// out by hand from the formulas in runtime/nn/optimizer.h; AdamW's float32 rule and which params
+// it decays, gradient clipping by global norm (optimizer_torch_test.py compares both with
+// PyTorch); state export/import for bit-identical resume; determinism across thread counts.
 #include "runtime/nn/optimizer.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "runtime/nn/models.h"
+#include "runtime/nn/recurrent.h"
+#include "runtime/nn/transformer.h"
 
 namespace cpd::runtime {
 namespace {
@@ -326,11 +332,12 @@ bool SameBits(const Model& a, const Model& b) {
   return true;
 }
 
-class StateRoundTrip : public ::testing::TestWithParam<bool> {};
+class StateRoundTrip : public ::testing::TestWithParam<OptimizerKind> {};
 
 TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
-  OptimizerOptions o = Sgd(0.9, 5e-4, /*nesterov=*/true);
-  o.kind = GetParam() ? OptimizerKind::kLars : OptimizerKind::kSgd;
+  OptimizerOptions o = Sgd(0.9, 5e-4, /*nesterov=*/GetParam() != OptimizerKind::kAdamW);
+  o.kind = GetParam();
+  if (o.kind == OptimizerKind::kAdamW) o.weight_decay = 0.1;
   // Uninterrupted: 6 steps.
   Model a = MakeModel(1);
   Optimizer oa(a.Ptrs(), o);
@@ -347,7 +354,8 @@ TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
   }
   std::map<std::string, std::vector<float>> saved;
   for (const auto& [key, t] : ob.State()) saved[key].assign(t->data(), t->data() + t->numel());
-  EXPECT_EQ(saved.size(), 3u);
+  // AdamW: m and v per param, and the step count.
+  EXPECT_EQ(saved.size(), o.kind == OptimizerKind::kAdamW ? 7u : 3u);
   Model c = MakeModel(999);
   for (size_t i = 0; i < c.params.size(); ++i) c.params[i]->value.CopyFrom(b.params[i]->value);
   Optimizer oc(c.Ptrs(), o);
@@ -357,6 +365,7 @@ TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
     oc.Step(0.05 * (s + 1));
   }
   EXPECT_TRUE(SameBits(a, c));
+  EXPECT_EQ(oc.adam_steps(), oa.adam_steps());
   for (size_t i = 0; i < oa.State().size(); ++i) {
     const Tensor* x = oa.State()[i].second;
     const Tensor* y = oc.State()[i].second;
@@ -364,8 +373,10 @@ TEST_P(StateRoundTrip, ResumedRunIsBitIdentical) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(SgdAndLars, StateRoundTrip, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "Lars" : "Sgd"; });
+INSTANTIATE_TEST_SUITE_P(EveryKind, StateRoundTrip,
+                         ::testing::Values(OptimizerKind::kSgd, OptimizerKind::kLars,
+                                           OptimizerKind::kAdamW),
+                         [](const auto& info) { return OptimizerKindName(info.param); });
 
 TEST(OptimizerState, LoadStateRejectsMismatchesAndChangesNothing) {
   auto w = MakeParam("w", {1.0f, 2.0f});
@@ -458,6 +469,220 @@ TEST(Optimizer, ValidationNamesTheProblem) {
   expect(Optimizer::Create({w.get()}, o), "excluded-param lr ratio nan");
   EXPECT_THROW(Optimizer({w.get(), w2.get()}, OptimizerOptions{}), std::invalid_argument);
   EXPECT_TRUE(Optimizer::Create({w.get()}, {}).ok());
+}
+
+// ---- AdamW ----------------------------------------------------------------------------------
+
+OptimizerOptions AdamW(double wd) {
+  OptimizerOptions o;
+  o.kind = OptimizerKind::kAdamW;
+  o.weight_decay = wd;
+  return o;
+}
+
+// Every element of the big, chunked tensor follows optimizer.h's float32 rule exactly, with the
+// scalars formed in double and rounded once, as the rule says.
+TEST(AdamW, ParallelPathMatchesAScalarReference) {
+  Model m = MakeModel(3);
+  OptimizerOptions o = AdamW(0.1);
+  o.beta2 = 0.95;
+  o.eps = 1e-6;
+  o.threads = 3;
+  std::vector<float> w(m.params[0]->value.data(),
+                       m.params[0]->value.data() + m.params[0]->value.numel());
+  std::vector<float> mm(w.size(), 0.0f), vv(w.size(), 0.0f);
+  Optimizer opt(m.Ptrs(), o);
+  for (int t = 1; t <= 4; ++t) {
+    const double lr = 0.01 * t;
+    RandomGrads(&m, 70 + uint64_t(t));
+    const float* g = m.params[0]->grad.data();
+    const float decay = float(1 - lr * 0.1), b1 = 0.9f, c1 = float(1 - 0.9), b2 = 0.95f,
+                c2 = float(1 - 0.95), eps = 1e-6f;
+    const float bc2 = float(std::sqrt(1 - std::pow(0.95, t)));
+    const float step = float(lr / (1 - std::pow(0.9, t)));
+    for (size_t i = 0; i < w.size(); ++i) {
+      mm[i] = b1 * mm[i] + c1 * g[i];
+      vv[i] = b2 * vv[i] + (c2 * g[i]) * g[i];
+      w[i] = w[i] * decay - (step * mm[i]) / (std::sqrt(vv[i]) / bc2 + eps);
+    }
+    opt.Step(lr);
+    EXPECT_EQ(opt.adam_steps(), t);
+  }
+  EXPECT_EQ(std::memcmp(w.data(), m.params[0]->value.data(), w.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(mm.data(), opt.State()[0].second->data(), w.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(vv.data(), opt.State()[1].second->data(), w.size() * 4), 0);
+}
+
+TEST(AdamW, ResultsDoNotDependOnTheThreadCount) {
+  for (int threads : {2, 3, 8}) {
+    Model m = MakeModel(7), r = MakeModel(7);
+    OptimizerOptions o = AdamW(0.05);
+    o.threads = threads;
+    Optimizer many(m.Ptrs(), o);
+    o.threads = 1;
+    Optimizer single(r.Ptrs(), o);
+    for (int s = 0; s < 3; ++s) {
+      RandomGrads(&m, s);
+      RandomGrads(&r, s);
+      EXPECT_EQ(many.ClipGradNorm(1.0), single.ClipGradNorm(1.0));
+      many.Step(0.01);
+      single.Step(0.01);
+    }
+    EXPECT_TRUE(SameBits(m, r)) << "threads=" << threads;
+  }
+}
+
+// Which params decay, for every model: nanoGPT's rule (every param of two or more dimensions:
+// weights, convolution kernels, embeddings; no bias, LayerNorm or BatchNorm), through
+// Param::weight_decay. With zero gradients an AdamW step moves nothing but the decay, so the
+// decayed params are multiplied by exactly float(1 - lr wd) and the others keep their bits.
+TEST(AdamW, DecaysExactlyTheParamsOfTwoOrMoreDimensions) {
+  std::vector<std::pair<std::string, std::unique_ptr<Sequential>>> models;
+  for (const char* arch : {"mlp", "lenet5", "resnet8"}) {
+    auto m = BuildModel(arch, 3, 32, 10, 1);
+    ASSERT_TRUE(m.ok()) << arch;
+    models.emplace_back(arch, std::move(m).value());
+  }
+  GptOptions gpt;
+  gpt.vocab = 40;
+  gpt.block_size = 8;
+  gpt.transformer.embed = 16;
+  gpt.transformer.heads = 2;
+  gpt.transformer.layers = 2;
+  models.emplace_back("gpt", BuildGpt(gpt, 1));
+  LstmLmOptions lstm;
+  lstm.vocab = 40;
+  lstm.embed = 16;
+  lstm.layers = 2;
+  lstm.tied_head = false;
+  models.emplace_back("lstm", BuildLstm(lstm, 1));
+  const double lr = 0.5, wd = 0.1;
+  const float decay = float(1 - lr * wd);
+  for (auto& [arch, model] : models) {
+    const std::vector<Param*> params = model->Params();
+    std::vector<Tensor> before;
+    int decayed = 0;
+    for (Param* p : params) {
+      EXPECT_EQ(p->weight_decay, p->value.ndim() >= 2) << arch << " " << p->name;
+      decayed += p->weight_decay;
+      before.push_back(p->value.Clone());
+    }
+    EXPECT_GT(decayed, 0) << arch;
+    EXPECT_LT(decayed, int(params.size())) << arch;
+    Optimizer opt(params, AdamW(wd));
+    opt.ZeroGrad();
+    opt.Step(lr);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const float* a = before[i].data();
+      const float* b = params[i]->value.data();
+      for (size_t k = 0; k < before[i].numel(); ++k) {
+        ASSERT_EQ(b[k], params[i]->weight_decay ? a[k] * decay : a[k])
+            << arch << " " << params[i]->name << "[" << k << "]";
+      }
+    }
+  }
+}
+
+TEST(AdamW, OptionsAndStateAreChecked) {
+  auto w = MakeParam("w", {1.0f, 2.0f});
+  auto expect = [&](const OptimizerOptions& o, const std::string& part) {
+    auto r = Optimizer::Create({w.get()}, o);
+    ASSERT_FALSE(r.ok()) << part;
+    EXPECT_NE(r.status().message().find(part), std::string::npos) << r.status().message();
+  };
+  OptimizerOptions o = AdamW(0.1);
+  o.beta1 = 1;
+  expect(o, "AdamW beta1 1 must be a number in [0, 1)");
+  o.beta1 = std::nan("");
+  expect(o, "AdamW beta1 nan");
+  o = AdamW(0.1);
+  o.beta2 = -0.5;
+  expect(o, "AdamW beta2 -0.5");
+  o = AdamW(0.1);
+  o.eps = 0;
+  expect(o, "AdamW eps 0 must be a positive number");
+  o = AdamW(0.1);
+  o.nesterov = true;
+  expect(o, "Nesterov momentum applies to sgd and lars, not adamw");
+  EXPECT_EQ(ParseOptimizerKind("adamw").value(), OptimizerKind::kAdamW);
+  EXPECT_NE(ParseOptimizerKind("adam").status().message().find("accepted: sgd, lars, adamw"),
+            std::string::npos);
+
+  Optimizer opt({w.get()}, AdamW(0.1));
+  const auto status = [&](const std::map<std::string, std::vector<float>>& s) {
+    return opt.LoadState(s).message();
+  };
+  // SGD's state names its optimiser; a step count must be two integers below 2^24.
+  EXPECT_NE(
+      status({{"momentum/w", {0, 0}}}).find("(state of --optimizer sgd) for --optimizer adamw"),
+      std::string::npos)
+      << status({{"momentum/w", {0, 0}}});
+  std::map<std::string, std::vector<float>> good{
+      {"adamw_m/w", {1, 2}}, {"adamw_v/w", {3, 4}}, {"adamw_step", {1, 5}}};
+  auto bad = good;
+  bad["adamw_step"] = {0, 2.5f};
+  EXPECT_NE(status(bad).find("'adamw_step' [0, 2.5] is not a step count"), std::string::npos);
+  bad["adamw_step"] = {-1, 0};
+  EXPECT_NE(status(bad).find("is not a step count"), std::string::npos);
+  EXPECT_EQ(opt.adam_steps(), 0);
+  EXPECT_EQ(opt.State()[0].second->data()[0], 0.0f);  // untouched
+  ASSERT_TRUE(opt.LoadState(good).ok());
+  EXPECT_EQ(opt.adam_steps(), (int64_t(1) << 24) + 5);
+  EXPECT_EQ(opt.State()[1].second->data()[1], 4.0f);
+}
+
+// ---- Gradient clipping ----------------------------------------------------------------------
+
+// The norm against a double-precision sum, the scale exactly float(max / (norm + 1e-6)) on every
+// gradient, and clipping at a max_norm above the norm a no-op, bit for bit.
+TEST(ClipGradNorm, ScalesByTorchsCoefficientAndOnlyAboveTheMax) {
+  Model m = MakeModel(11);
+  RandomGrads(&m, 12);
+  Optimizer opt(m.Ptrs(), Sgd(0.9, 0, false));
+  double exact = 0;
+  std::vector<std::vector<float>> before;
+  for (auto& p : m.params) {
+    before.emplace_back(p->grad.data(), p->grad.data() + p->grad.numel());
+    for (float g : before.back()) exact += double(g) * double(g);
+  }
+  exact = std::sqrt(exact);  // ~ 0.1 sqrt(100276) = 31.7
+  for (double huge : {1e30, exact * 2, 0.0}) {
+    EXPECT_NEAR(opt.ClipGradNorm(huge), exact, 1e-6 * exact) << huge;
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      ASSERT_EQ(std::memcmp(before[i].data(), m.params[i]->grad.data(), before[i].size() * 4), 0)
+          << huge << " " << m.params[i]->name;
+    }
+  }
+  const double norm = opt.ClipGradNorm(1.0);
+  const float coef = float(1.0 / (norm + 1e-6));
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    for (size_t k = 0; k < before[i].size(); ++k) {
+      ASSERT_EQ(m.params[i]->grad.data()[k], before[i][k] * coef) << m.params[i]->name << k;
+    }
+  }
+  EXPECT_NEAR(opt.ClipGradNorm(0.0), 1.0, 1e-6);
+}
+
+TEST(ClipGradNorm, NonFiniteGradientsGiveANonFiniteNormAndAreLeftAlone) {
+  auto w = MakeParam("w", {1.0f, 2.0f, 3.0f});
+  Optimizer opt({w.get()}, AdamW(0));
+  SetGrad(w.get(), {3.0f, std::numeric_limits<float>::infinity(), 4.0f});
+  EXPECT_TRUE(std::isinf(opt.ClipGradNorm(1.0)));
+  EXPECT_EQ(w->grad.data()[0], 3.0f);
+  SetGrad(w.get(), {3.0f, std::nanf(""), 4.0f});
+  EXPECT_TRUE(std::isnan(opt.ClipGradNorm(1.0)));
+  EXPECT_EQ(w->grad.data()[2], 4.0f);
+  // Finite gradients whose squares overflow the float sums of a 64-element block: the norm is
+  // Inf (the trainer skips the step) and they stay as they are.
+  auto big = MakeParam("big", std::vector<float>(64, 1.0f));
+  Optimizer big_opt({big.get()}, AdamW(0));
+  SetGrad(big.get(), std::vector<float>(64, 3e20f));
+  EXPECT_TRUE(std::isinf(big_opt.ClipGradNorm(1.0)));
+  EXPECT_EQ(big->grad.data()[63], 3e20f);
+  SetGrad(w.get(), {3.0f, 0.0f, 4.0f});
+  EXPECT_EQ(opt.ClipGradNorm(10.0), 5.0);
+  Optimizer none(std::vector<Param*>{}, AdamW(0));
+  EXPECT_EQ(none.ClipGradNorm(1.0), 0.0);
 }
 
 }  // namespace

@@ -94,6 +94,29 @@ TEST(TrainerMpi, ReplicasStayBitIdentical) {
   }
 }
 
+// AdamW with clipping: every rank clips the same averaged gradients by the same norm, so the
+// replicas stay bit-identical (the end-of-run check), under the fp32 and the quantised all-reduce.
+TEST(TrainerMpi, AdamWWithClippingReplicasStayBitIdentical) {
+  for (const AlgoCase& c : {kAlgos[0], kAlgos[3]}) {
+    TrainOptions o = SmallRun("mlp");
+    o.optimizer = OptimizerKind::kAdamW;
+    o.lr = 0.002;
+    o.weight_decay = 0.1;
+    o.warmup_steps = 3;
+    o.clip_grad_norm = 0.5;
+    o.allreduce.algo = c.algo;
+    o.allreduce.format = c.format;
+    o.allreduce.aps = c.aps;
+    auto r = Train(o, World());
+    ASSERT_TRUE(r.ok()) << c.name << ": " << r.status().message();
+    EXPECT_TRUE(r->replicas_identical) << c.name;
+    EXPECT_EQ(r->steps, 10);
+    EXPECT_EQ(r->skipped_steps, 0);
+    EXPECT_TRUE(SameOnAllRanks(r->param_hash)) << c.name;
+    EXPECT_TRUE(SameOnAllRanks(HashLosses(r->step_losses))) << c.name;
+  }
+}
+
 // P ranks x 1 worker and 1 process x P emulated workers are the same computation: the same data
 // slices, the same stochastic-rounding streams per worker, the same quantised sum in worker order
 // and the same BatchNorm statistics averaging (ResNet-8 has BatchNorm). Bit for bit.

@@ -148,6 +148,56 @@ TEST(TrainerResume, LrScalingWarmupEpochsAndLarsAreBitIdentical) {
   ExpectBitIdenticalResume(o, 30, 80);
 }
 
+// AdamW's m, v and step count, warm-up, clipping (every step of this run clips at 0.5) and
+// dynamic loss scaling: the resumed run continues bit for bit.
+TEST(TrainerResume, AdamWWithClippingIsBitIdentical) {
+  TrainOptions o = SmallRun();
+  o.optimizer = OptimizerKind::kAdamW;
+  o.lr = 0.002;
+  o.weight_decay = 0.1;
+  o.beta2 = 0.95;
+  o.warmup_steps = 20;
+  o.clip_grad_norm = 0.5;
+  o.loss_scale.mode = LossScaleOptions::Mode::kDynamic;
+  ExpectBitIdenticalResume(o, 30, 80);
+}
+
+// A checkpoint of another optimiser is refused in one line naming both.
+TEST(TrainerCheckpoint, AnotherOptimizersCheckpointIsRefused) {
+  TempDir dir;
+  TrainOptions o = SmallRun();
+  o.checkpoint_dir = dir.path();
+  o.checkpoint_every = 5;
+  o.max_steps = 5;
+  ASSERT_TRUE(Train(o).ok());
+  o.optimizer = OptimizerKind::kAdamW;
+  o.resume = "auto";
+  o.max_steps = 10;
+  auto r = Train(o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find(
+                "was written by a run with --optimizer sgd; this run has --optimizer adamw"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(r.status().message().find('\n'), std::string::npos);
+}
+
+// With clipping on, a NaN gradient still skips the step before any norm is taken, and the run
+// goes on from the next step.
+TEST(TrainerDivergence, ClippingKeepsTheSkipOfANonFiniteGradient) {
+  TrainOptions o = SmallRun();
+  o.optimizer = OptimizerKind::kAdamW;
+  o.lr = 0.001;
+  o.max_steps = 6;
+  o.clip_grad_norm = 1;
+  o.debug_nan_step = 2;
+  auto r = Train(o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->skipped_steps, 1);
+  EXPECT_EQ(r->steps, 6);
+}
+
 // ---- Learning-rate rules -------------------------------------------------------------------
 
 // Runs `o` for 12 steps and returns the result (which must be OK).

@@ -8,17 +8,17 @@
 // build forbids FMA contraction), and the norms of LARS and of ClipGradNorm are summed in a fixed
 // order (float within 64-element blocks, double across blocks and across fixed 16 Ki-element
 // chunks, chunks merged in order), so results are bit-identical for any thread count and across
-// runs. Thread-safety: one
-// Optimizer must not be used from two threads at once; Step itself runs on OpenMP threads when
-// there is enough work.
+// runs. Thread-safety: one Optimizer must not be used from two threads at once; Step itself runs
+// on OpenMP threads when there is enough work.
 //
 // Devices: all params must be on one device. On the GPU (CUDA build), Step runs the same update
 // rules in CUDA kernels (runtime/engine/cuda_ops.h: one launch over all params, in the CPU's 16 Ki
 // chunks) with the same float operations (AdamW's sqrt and division are IEEE-rounded on both)
 // and the same summation order of the norms, so a GPU step equals a CPU step bit for bit; LARS
-// and ClipGradNorm copy their per-chunk sums to the host (one wait each). Momentum buffers live
-// with the params; State() points at them there (copy a CUDA buffer to the host before reading it:
-// Tensor::To/CopyToHost); LoadState copies in.
+// and ClipGradNorm copy their per-chunk sums to the host (one wait each). Momentum buffers and
+// AdamW's moments live with the params (AdamW's step count on the host); State() points at them
+// there (copy a CUDA buffer to the host before reading it: Tensor::To/CopyToHost); LoadState
+// copies in.
 #pragma once
 
 #include <cstddef>

@@ -125,6 +125,19 @@ TEST(CudaTraining, ResNet8Fp32LossCurveMatchesCpu) {
   ExpectSameCurve("resnet8 fp32", Options("resnet8"), kFp32);
 }
 
+// AdamW with warm-up and clipping on the GPU: its kernels give the CPU's bits for the same
+// gradients, so the curves differ only as the fp32 forward and backward do.
+TEST(CudaTraining, AdamWWithClippingLossCurveMatchesCpu) {
+  CPD_REQUIRE_CUDA();
+  TrainOptions o = Options("lenet5");
+  o.optimizer = OptimizerKind::kAdamW;
+  o.lr = 0.002;
+  o.weight_decay = 0.1;
+  o.warmup_steps = 10;
+  o.clip_grad_norm = 1;
+  ExpectSameCurve("lenet5 adamw clipped", o, kFp32);
+}
+
 TEST(CudaTraining, LeNet5CptLossCurveMatchesCpu) {
   CPD_REQUIRE_CUDA();
   TrainOptions o = Options("lenet5");
@@ -196,6 +209,32 @@ TEST(CudaTraining, CheckpointedRunResumesBitIdentically) {
   }
   EXPECT_EQ(part1.step_losses,
             std::vector<double>(straight.step_losses.begin(), straight.step_losses.begin() + 12));
+}
+
+// AdamW's moments (on the device) and step count (on the host) go to the checkpoint and back.
+TEST(CudaTraining, AdamWResumesBitIdentically) {
+  CPD_REQUIRE_CUDA();
+  TrainOptions o = Options("resnet8", DeviceChoice::kCuda);
+  o.optimizer = OptimizerKind::kAdamW;
+  o.lr = 0.002;
+  o.clip_grad_norm = 0.5;
+  TempDir straight_dir, resumed_dir;
+  o.max_steps = 16;
+  o.checkpoint_dir = straight_dir.path();
+  o.checkpoint_every = 8;
+  const TrainResult straight = MustTrain(o);
+  o.checkpoint_dir = resumed_dir.path();
+  o.max_steps = 8;
+  MustTrain(o);
+  o.max_steps = 16;
+  o.resume = "auto";
+  const TrainResult part2 = MustTrain(o);
+  ASSERT_EQ(part2.steps, 16);
+  EXPECT_EQ(part2.param_hash, straight.param_hash);
+  ASSERT_EQ(part2.step_losses.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(part2.step_losses[i], straight.step_losses[8 + i]) << "step " << 8 + i;
+  }
 }
 
 TEST(CudaTraining, CpuCheckpointContinuesOnTheGpu) {

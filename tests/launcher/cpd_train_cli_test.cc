@@ -235,13 +235,14 @@ TEST(CpdTrainCli, AdamWAndClippingValuesAreChecked) {
                                                         {"--eps", "inf"},
                                                         {"--clip-grad-norm", "-1"},
                                                         {"--clip-grad-norm", "nan"},
-                                                        {"--clip-grad-norm", "inf"},
-                                                        {"--optimizer", "adam"}}) {
+                                                        {"--clip-grad-norm", "inf"}}) {
     const RunResult r =
         Train({"--dataset", "synthetic", "--arch", "mlp", "--optimizer", "adamw", flag, value});
     ExpectUsageError(r, flag);
     EXPECT_TRUE(r.out.empty()) << flag << " " << value << ": " << r.out;
   }
+  ExpectUsageError(Train({"--optimizer", "adam"}),
+                   "--optimizer 'adam' (accepted: sgd, lars, adamw)");
   ExpectUsageError(Train({"--optimizer", "adamw", "--nesterov"}),
                    "--nesterov applies to --optimizer sgd and lars, not adamw");
   EXPECT_EQ(Train({"--optimizer", "adamw", "--beta2", "0.95", "--eps", "1e-6", "--clip-grad-norm",

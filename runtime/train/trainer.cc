@@ -335,9 +335,12 @@ Status Trainer::BuildIterator() {
   CPD_RETURN_IF_ERROR(iterator_->SetShard(comm_->rank(), comm_->size()));
   batches_per_epoch_ = iterator_->batches_per_epoch();
   if (batches_per_epoch_ < 1) {
-    return Status::InvalidArgument("global batch " + std::to_string(global_batch_) +
-                                   " exceeds the " + std::to_string(train_.count) +
-                                   " training samples");
+    // A language model's samples are its windows of --block-size tokens (token_data.h).
+    return Status::InvalidArgument(
+        "global batch " + std::to_string(global_batch_) + " exceeds the " +
+        std::to_string(train_.count) +
+        (train_.is_tokens() ? " training windows of an epoch (--tokens-per-epoch / --block-size)"
+                            : " training samples"));
   }
   total_steps_ = batches_per_epoch_ * o_.epochs;
   return Status::Ok();

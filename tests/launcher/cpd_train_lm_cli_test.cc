@@ -203,6 +203,20 @@ TEST_F(LmCli, TrainsOnNanoGptAndLlmcTokenFiles) {
   EXPECT_EQ(r.out.find(" bpb "), std::string::npos) << "bits per byte only for bytes: " << r.out;
 }
 
+// An epoch of fewer windows than the global batch: the one line says windows, and how an
+// epoch's count is set, where it said "training samples".
+TEST_F(LmCli, AGlobalBatchOverAnEpochsWindowsNamesWindows) {
+  // 4 windows; two workers drop the last partial batch, so no whole batch of 16 is left.
+  const RunResult r =
+      Train(TinyGpt(text_, "6", {"--tokens-per-epoch", "64", "--emulate-ranks", "2"}));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_NE(r.err.find("global batch 16 exceeds the 4 training windows of an epoch "
+                       "(--tokens-per-epoch / --block-size)"),
+            std::string::npos)
+      << r.err;
+}
+
 TEST_F(LmCli, ShortRunReportsValidationLossPerplexityAndBitsPerByte) {
   const std::string metrics = dir_.File("m.jsonl");
   const RunResult r = Train(TinyGpt(

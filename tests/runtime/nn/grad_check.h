@@ -16,6 +16,7 @@
 
 #include "runtime/engine/tensor.h"
 #include "runtime/nn/layer.h"
+#include "runtime/nn/layers.h"
 
 namespace cpd::runtime::gradcheck {
 
@@ -177,6 +178,50 @@ inline void ExpectClose(const Tensor& got, const std::vector<double>& want, doub
   ASSERT_EQ(got.numel(), want.size()) << what;
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_NEAR(got.data()[i], want[i], tol * (1.0 + std::abs(want[i]))) << what << "[" << i << "]";
+  }
+}
+
+// Token ids [b, t] as floats, each in [0, vocab).
+inline Tensor Ids(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
+  Tensor ids({b, t});
+  std::mt19937_64 gen(seed);
+  for (size_t i = 0; i < ids.numel(); ++i) ids.data()[i] = float(gen() % uint64_t(vocab));
+  return ids;
+}
+
+// A language model's mean per-token cross-entropy (logits [B, T, V] against B * T labels),
+// with the gradient of the logits in *dlogits when it is given (the layer's float loss), else
+// in double for the difference quotients (the layer rounds it to float).
+inline double LanguageModelLoss(Sequential& lm, const Tensor& ids,
+                                const std::vector<int32_t>& labels, Tensor* dlogits) {
+  const Tensor logits = lm.Forward(ids, true);
+  const int64_t n = int64_t(labels.size()), v = logits.dim(-1);
+  if (dlogits != nullptr) {
+    SoftmaxCrossEntropy ce;
+    return ce.Forward(logits.Reshaped({n, v}), labels, dlogits);
+  }
+  return cpu::SoftmaxCrossEntropy(n, v, logits.data(), labels.data(), nullptr);
+}
+
+// Every parameter gradient of a language model over `vocab` tokens (ids [2, 5], labels
+// (7i + 3) mod vocab) against difference quotients of LanguageModelLoss, and the shape of the
+// input gradient.
+inline void CheckLanguageModelGradients(Sequential& lm, int64_t vocab) {
+  const Tensor ids = Ids(2, 5, vocab, 1);
+  std::vector<int32_t> labels(10);
+  for (size_t i = 0; i < labels.size(); ++i) labels[i] = int32_t((i * 7 + 3) % size_t(vocab));
+  for (Param* p : lm.Params()) p->grad.Zero();
+  Tensor dlogits;
+  LanguageModelLoss(lm, ids, labels, &dlogits);
+  const Tensor dx = lm.Backward(dlogits.Reshaped({2, 5, vocab}));
+  EXPECT_EQ(dx.shape(), ids.shape());
+  GradCheck opt{.max_elements = 24};
+  uint64_t seed = 2;
+  for (Param* p : lm.Params()) {
+    const Tensor grad = p->grad.Clone();
+    CheckTensorGradient(
+        p->name, &p->value, grad, [&] { return LanguageModelLoss(lm, ids, labels, nullptr); },
+        seed++, opt);
   }
 }
 

@@ -289,13 +289,6 @@ LstmLmOptions TinyLm(bool tied) {
       .vocab = 11, .embed = 6, .hidden = tied ? 0 : 5, .layers = 2, .tied_head = tied};
 }
 
-Tensor Ids(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
-  Tensor ids({b, t});
-  std::mt19937_64 gen(seed);
-  for (size_t i = 0; i < ids.numel(); ++i) ids.data()[i] = float(gen() % uint64_t(vocab));
-  return ids;
-}
-
 TEST(LstmLm, NamesShapesAndTiedHead) {
   LstmLmOptions o = TinyLm(true);
   o.block_size = 7;
@@ -338,18 +331,6 @@ TEST(LstmLm, NamesShapesAndTiedHead) {
   EXPECT_EQ(CountParams(*medium), 10000 * 650 + 2 * (4 * 650 * (650 + 650) + 2 * 4 * 650));
 }
 
-double LmLoss(Sequential& lm, const Tensor& ids, const std::vector<int32_t>& labels,
-              Tensor* dlogits) {
-  const Tensor logits = lm.Forward(ids, true);
-  const int64_t n = int64_t(labels.size()), v = logits.dim(-1);
-  if (dlogits != nullptr) {
-    SoftmaxCrossEntropy ce;
-    return ce.Forward(logits.Reshaped({n, v}), labels, dlogits);
-  }
-  // The difference quotients take the loss in double (the layer rounds it to float).
-  return cpu::SoftmaxCrossEntropy(n, v, logits.data(), labels.data(), nullptr);
-}
-
 void CheckLmGradients(bool tied, double dropout) {
   SCOPED_TRACE(std::string(tied ? "tied head" : "untied head") + ", dropout " +
                std::to_string(dropout));
@@ -360,21 +341,7 @@ void CheckLmGradients(bool tied, double dropout) {
   // O(1) tables, so that the head's logits and their gradients are not tiny.
   std::mt19937_64 g(11);
   FillNormal(&lm->Params()[0]->value, 1.f, &g);
-  const Tensor ids = Ids(2, 5, 11, 1);
-  std::vector<int32_t> labels(10);
-  for (size_t i = 0; i < labels.size(); ++i) labels[i] = int32_t((i * 7 + 3) % 11);
-  for (Param* p : lm->Params()) p->grad.Zero();
-  Tensor dlogits;
-  LmLoss(*lm, ids, labels, &dlogits);
-  const Tensor dx = lm->Backward(dlogits.Reshaped({2, 5, 11}));
-  EXPECT_EQ(dx.shape(), ids.shape());
-  GradCheck opt{.max_elements = 24};
-  uint64_t seed = 2;
-  for (Param* p : lm->Params()) {
-    const Tensor grad = p->grad.Clone();
-    CheckTensorGradient(
-        p->name, &p->value, grad, [&] { return LmLoss(*lm, ids, labels, nullptr); }, seed++, opt);
-  }
+  CheckLanguageModelGradients(*lm, 11);
 }
 
 TEST(LstmLm, CrossEntropyGradientsTiedHead) { CheckLmGradients(true, 0); }

@@ -26,14 +26,6 @@ namespace {
 
 using namespace gradcheck;  // NOLINT: the shared helpers of the layer tests
 
-// Token ids [b, t] as floats, each in [0, vocab).
-Tensor Ids(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
-  Tensor ids({b, t});
-  std::mt19937_64 gen(seed);
-  for (size_t i = 0; i < ids.numel(); ++i) ids.data()[i] = float(gen() % uint64_t(vocab));
-  return ids;
-}
-
 TransformerOptions Small(double dropout = 0) {
   TransformerOptions o;
   o.embed = 8;
@@ -413,18 +405,6 @@ TEST(Gpt, NamesFollowNanoGpt) {
 }
 
 // The loss of the GPT on (ids, labels): the mean per-token cross-entropy.
-double GptLoss(Sequential& gpt, const Tensor& ids, const std::vector<int32_t>& labels,
-               Tensor* dlogits) {
-  const Tensor logits = gpt.Forward(ids, true);
-  const int64_t n = int64_t(labels.size()), v = logits.dim(-1);
-  if (dlogits != nullptr) {
-    SoftmaxCrossEntropy ce;
-    return ce.Forward(logits.Reshaped({n, v}), labels, dlogits);
-  }
-  // The difference quotients take the loss in double (the layer rounds it to float).
-  return cpu::SoftmaxCrossEntropy(n, v, logits.data(), labels.data(), nullptr);
-}
-
 void CheckGptGradients(bool tied) {
   SCOPED_TRACE(tied ? "tied head" : "untied head");
   auto gpt = BuildGpt(TinyGpt(tied), 4);
@@ -441,21 +421,7 @@ void CheckGptGradients(bool tied) {
       FillNormal(&p->value, 0.1f, &g);
     }
   }
-  const Tensor ids = Ids(2, 5, 13, 1);
-  std::vector<int32_t> labels(10);
-  for (size_t i = 0; i < labels.size(); ++i) labels[i] = int32_t((i * 7 + 3) % 13);
-  for (Param* p : gpt->Params()) p->grad.Zero();
-  Tensor dlogits;
-  GptLoss(*gpt, ids, labels, &dlogits);
-  const Tensor dx = gpt->Backward(dlogits.Reshaped({2, 5, 13}));
-  EXPECT_EQ(dx.shape(), ids.shape());
-  GradCheck opt{.max_elements = 24};
-  uint64_t seed = 2;
-  for (Param* p : gpt->Params()) {
-    const Tensor grad = p->grad.Clone();
-    CheckTensorGradient(
-        p->name, &p->value, grad, [&] { return GptLoss(*gpt, ids, labels, nullptr); }, seed++, opt);
-  }
+  CheckLanguageModelGradients(*gpt, 13);
 }
 
 TEST(Gpt, TwoBlockStackWithCrossEntropyGradientsTiedHead) { CheckGptGradients(true); }

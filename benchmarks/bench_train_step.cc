@@ -4,14 +4,19 @@
 // same run and prints the ratios.
 //
 //   bench_train_step --arch lenet5 --batch 128 --threads 2 [--steps 30] [--configs fp32,cpt8,...]
-//                    [--device cpu|cuda]
+//                    [--device cpu|cuda] [--block-size 128]
+//
+// Language models (--arch gpt | lstm): cpd-train's default shape (4 layers, 4 heads, width
+// 128, byte-level vocabulary 256) on --batch windows of --block-size random tokens, per-token
+// cross-entropy, AdamW (lr 1e-3, weight decay 0.1) instead of SGD.
 //
 // One line per configuration: `cpd <arch> <config> <batch> <threads> <ms/step>` (`cpd-cuda` with
 // --device cuda, where a step is timed until the GPU has finished it). Without a usable GPU,
 // --device cuda prints one line starting with "SKIP:" and exits 0.
 //
 // Configurations: fp32; cpt8 (CPT at 8/8 bits: uint8:minmax W per channel and A, E uint8
-// stochastic); fp134e (FP134 errors); lee2022 (log4 W with hysteresis, FP134 A and E).
+// stochastic); fp134e (FP134 errors); fp134ae (FP134 activations and errors); lee2022 (log4 W
+// with hysteresis, FP134 A and E).
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -55,6 +60,11 @@ cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
     pc.global[int(Site::kError)].spec = "fp134";
     return pc;
   }
+  if (name == "fp134ae") {
+    pc.global[int(Site::kActivation)].spec = "fp134";
+    pc.global[int(Site::kError)].spec = "fp134";
+    return pc;
+  }
   if (name == "lee2022") {
     pc.global[int(Site::kWeight)].spec = "log4";
     pc.global[int(Site::kActivation)].spec = "fp134";
@@ -64,7 +74,65 @@ cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
     return pc;
   }
   return cpd::Status::InvalidArgument("unknown config '" + name +
-                                      "' (accepted: fp32, cpt8, fp134e, lee2022)");
+                                      "' (accepted: fp32, cpt8, fp134e, fp134ae, lee2022)");
+}
+
+bool IsLanguageModel(const std::string& arch) { return arch == "gpt" || arch == "lstm"; }
+
+// One fixed random batch: images [batch, ch, size, size] with labels in [0, 10), or token
+// windows [batch, block] with next-token labels in [0, 256) per position.
+struct Batch {
+  Tensor x;
+  std::vector<int32_t> y;
+};
+
+Batch RandomBatch(const std::string& arch, int batch, int block, Device device) {
+  std::mt19937 rng(0);
+  Batch b;
+  if (IsLanguageModel(arch)) {
+    b.x = Tensor({batch, block});
+    for (size_t i = 0; i < b.x.numel(); ++i) b.x.data()[i] = float(rng() % 256);
+    b.y.resize(b.x.numel());
+    for (auto& v : b.y) v = int32_t(rng() % 256);
+  } else {
+    const bool cifar = arch.rfind("resnet", 0) == 0;
+    const int ch = cifar ? 3 : 1, size = cifar ? 32 : 28;
+    b.x = Tensor({batch, ch, size, size});
+    std::normal_distribution<float> nd;
+    for (size_t i = 0; i < b.x.numel(); ++i) b.x.data()[i] = nd(rng);
+    b.y.resize(size_t(batch));
+    for (auto& v : b.y) v = int32_t(rng() % 10);
+  }
+  if (device != Device::kCpu) b.x = b.x.To(device);
+  return b;
+}
+
+cpd::Result<std::unique_ptr<Sequential>> Model(const std::string& arch, int block) {
+  if (!IsLanguageModel(arch)) {
+    const bool cifar = arch.rfind("resnet", 0) == 0;
+    return BuildModel(arch, cifar ? 3 : 1, cifar ? 32 : 28, 10, 1);
+  }
+  LanguageModelShape shape;  // cpd-train's defaults
+  shape.vocab = 256;
+  shape.block_size = block;
+  shape.n_layer = 4;
+  shape.n_head = 4;
+  shape.n_embd = 128;
+  return BuildLanguageModel(arch, shape, 1);
+}
+
+// SGD with momentum for the image models, AdamW (nanoGPT's decay) for the language models.
+OptimizerOptions OptimizerFor(const std::string& arch, int threads) {
+  OptimizerOptions oo;
+  oo.threads = threads;
+  if (IsLanguageModel(arch)) {
+    oo.kind = OptimizerKind::kAdamW;
+    oo.weight_decay = 0.1;
+  } else {
+    oo.momentum = 0.9;
+    oo.weight_decay = 5e-4;
+  }
+  return oo;
 }
 
 }  // namespace
@@ -72,7 +140,7 @@ cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
 int main(int argc, char** argv) {
   CLI::App app{"bench_train_step: ms per training step of a cpd-train model"};
   std::string arch = "lenet5", configs = "fp32,cpt8,fp134e,lee2022", device_name = "cpu";
-  int batch = 128, threads = 2, steps = 30, warmup = 5;
+  int batch = 128, threads = 2, steps = 30, warmup = 5, block = 128;
   app.add_option("--arch", arch)->capture_default_str();
   app.add_option("--batch", batch)->capture_default_str();
   app.add_option("--threads", threads)->capture_default_str();
@@ -80,6 +148,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup)->capture_default_str();
   app.add_option("--configs", configs)->capture_default_str();
   app.add_option("--device", device_name, "cpu | cuda")->capture_default_str();
+  app.add_option("--block-size", block, "tokens per window (gpt, lstm)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   CLI11_PARSE(app, argc, argv);
   Device device = Device::kCpu;
   if (device_name == "cuda") {
@@ -98,15 +169,8 @@ int main(int argc, char** argv) {
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
 
-  const bool cifar = arch.rfind("resnet", 0) == 0;
-  const int ch = cifar ? 3 : 1, size = cifar ? 32 : 28;
-  Tensor x({batch, ch, size, size});
-  std::mt19937 rng(0);
-  std::normal_distribution<float> nd;
-  for (size_t i = 0; i < x.numel(); ++i) x.data()[i] = nd(rng);
-  std::vector<int32_t> y(static_cast<size_t>(batch));
-  for (auto& v : y) v = int32_t(rng() % 10);
-  if (device != Device::kCpu) x = x.To(device);
+  const Batch data = RandomBatch(arch, batch, block, device);
+  const double lr = IsLanguageModel(arch) ? 1e-3 : 0.05;
 
   std::stringstream ss(configs);
   std::string name;
@@ -116,7 +180,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bench_train_step: %s\n", pc.status().message().c_str());
       return 2;
     }
-    auto model = BuildModel(arch, ch, size, 10, 1);
+    auto model = Model(arch, block);
     if (!model.ok()) {
       std::fprintf(stderr, "bench_train_step: %s\n", model.status().message().c_str());
       return 2;
@@ -134,11 +198,7 @@ int main(int argc, char** argv) {
     for (Layer* l : qlayers) {
       l->SetQuantHooks((*quant)->Quantizes(l->name()) ? quant->get() : nullptr);
     }
-    OptimizerOptions oo;
-    oo.momentum = 0.9;
-    oo.weight_decay = 5e-4;
-    oo.threads = threads;
-    Optimizer opt((*model)->Params(), oo);
+    Optimizer opt((*model)->Params(), OptimizerFor(arch, threads));
     SoftmaxCrossEntropy ce;
     Tensor dlogits;
     std::vector<double> times;
@@ -146,10 +206,11 @@ int main(int argc, char** argv) {
       (*quant)->SetStep(i);
       const auto t0 = std::chrono::steady_clock::now();
       opt.ZeroGrad();
-      Tensor logits = (*model)->Forward(x, true);
-      ce.Forward(logits, y, &dlogits);
-      (*model)->Backward(dlogits);
-      opt.Step(0.05);
+      const Tensor logits = (*model)->Forward(data.x, true);
+      const int64_t classes = logits.dim(-1);
+      ce.Forward(logits.Reshaped({int64_t(logits.numel()) / classes, classes}), data.y, &dlogits);
+      (*model)->Backward(dlogits.Reshaped(logits.shape()));
+      opt.Step(lr);
 #if CPD_WITH_CUDA
       if (device == Device::kCuda) cuda::Synchronize();  // the step is done when the GPU is
 #endif

@@ -4,8 +4,10 @@
 # PyTorch fp32 (<= 1.0) and CPD quantised / CPD fp32 (<= 1.25).
 #   benchmarks/bench_train_vs_torch.sh [ARCH ...]      default: lenet5 resnet20
 #   (ARCH: lenet5, mlp or a CIFAR ResNet resnet<6n+2> such as resnet20, resnet56; the GPU
-#   machine's table, scripts/gpu_run.sh bench, is lenet5 resnet20 resnet56)
-# Environment: THREADS (2), BATCH (128), STEPS (30; resnet uses STEPS/3 on the CPU),
+#   machine's table, scripts/gpu_run.sh bench, is lenet5 resnet20 resnet56; gpt and lstm,
+#   cpd-train's default language models, with AdamW, on LM_BATCH windows of BLOCK tokens)
+# Environment: THREADS (2), BATCH (128), LM_BATCH (16), BLOCK (256), STEPS (30; resnet uses
+#   STEPS/3 on the CPU, gpt and lstm STEPS/5),
 #   DEVICES ("cpu cuda"): which tables to print. The CPU table compares with Debian's
 #   python3-torch (installed when missing). The GPU table (bench_train_step --device cuda against
 #   torch_step.py --device cuda) needs a GPU and a PyTorch built with CUDA: TORCH_PYTHON, else
@@ -19,6 +21,8 @@ BIN=$BUILD_DIR/bin
 THREADS=${THREADS:-2}
 BATCH=${BATCH:-128}
 STEPS=${STEPS:-30}
+LM_BATCH=${LM_BATCH:-16}
+BLOCK=${BLOCK:-256}
 DEVICES=${DEVICES:-"cpu cuda"}
 
 [ -x "$BIN/bench_train_step" ] || { echo "build first: scripts/build.sh" >&2; exit 2; }
@@ -35,11 +39,16 @@ header() {
 table() {
   local device=$1 py=$2 resnet_div=$3
   for arch in "${archs[@]}"; do
-    local steps=$STEPS
+    local steps=$STEPS batch=$BATCH lm=()
     [[ $arch == resnet* ]] && steps=$(( STEPS / resnet_div > 5 ? STEPS / resnet_div : 5 ))
+    if [[ $arch == gpt || $arch == lstm ]]; then
+      batch=$LM_BATCH
+      lm=(--block-size "$BLOCK")
+      [ "$device" = cpu ] && steps=$(( STEPS / 5 > 3 ? STEPS / 5 : 3 ))
+    fi
     local torch_ms="-"
     if [ -n "$py" ]; then
-      torch_ms=$("$py" benchmarks/torch_step.py --arch "$arch" --batch "$BATCH" \
+      torch_ms=$("$py" benchmarks/torch_step.py --arch "$arch" --batch "$batch" "${lm[@]}" \
         --threads "$THREADS" --steps "$steps" --device "$device" | awk '{print $5}')
     fi
     local fp32_ms=""
@@ -55,9 +64,15 @@ table() {
         printf "%-10s %-9s %6s %7s %12.3f %12s %10s\n" "$a" "$config" "$b" "$t" "$ms" "-" \
           "$(awk -v x="$ms" -v y="$fp32_ms" 'BEGIN{printf "%.3f x fp32", x/y}')"
       fi
-    done < <("$BIN/bench_train_step" --arch "$arch" --batch "$BATCH" --threads "$THREADS" \
-               --steps "$steps" --device "$device")
+    done < <("$BIN/bench_train_step" --arch "$arch" --batch "$batch" "${lm[@]}" \
+               --threads "$THREADS" --steps "$steps" --device "$device" $(lm_configs "$arch"))
   done
+}
+
+# The language models' quantised rows are the issue's: CPT at 8/8 bits and FP134 A+E.
+lm_configs() {
+  [[ $1 == gpt || $1 == lstm ]] && echo "--configs fp32,cpt8,fp134ae"
+  return 0
 }
 
 # A python whose torch sees a GPU, or nothing.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 
 #include "runtime/engine/cpu_transformer.h"
 #include "runtime/nn/layers_internal.h"
@@ -118,11 +119,11 @@ CausalSelfAttention::CausalSelfAttention(std::string name, const TransformerOpti
                                 ", layers " + std::to_string(o.layers));
   }
   head_dim_ = embed_ / heads_;
+  alpha_ = float(1.0 / std::sqrt(double(head_dim_)));
   const std::string& n = this->name();
   c_attn_ = std::make_unique<Linear>(n + ".c_attn", embed_, 3 * embed_, o.bias);
   InitGpt2Linear(c_attn_.get(), kGpt2Std, LayerSeed(seed, n + ".c_attn"));
-  qk_ = std::make_unique<AttentionProduct>(n + ".qk", true,
-                                           float(1.0 / std::sqrt(double(head_dim_))));
+  qk_ = std::make_unique<AttentionProduct>(n + ".qk", true, alpha_);
   attn_drop_ = std::make_unique<Dropout>(n + ".attn_dropout", o.dropout,
                                          LayerSeed(seed, n + ".attn_dropout"));
   pv_ = std::make_unique<AttentionProduct>(n + ".pv", false, 1.f);
@@ -193,10 +194,7 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, bool train) {
   const Tensor qkv = c_attn_->Forward(x, train);
   for (Tensor* w : {&q_, &k_, &v_}) ResizeOn(w, {b, h, t, d}, Device::kCpu);
   cpu::SplitHeads(b, t, h, d, qkv.data(), q_.data(), k_.data(), v_.data());
-  const Tensor s = qk_->Multiply(q_, k_, train);
-  ResizeOn(&p_, s.shape(), Device::kCpu);
-  cpu::CausalSoftmaxForward(b * h, t, s.data(), p_.data());
-  const Tensor o = pv_->Multiply(attn_drop_->Forward(p_, train), v_, train);
+  const Tensor& o = Attend(train);
   ResizeOn(&merged_, x.shape(), Device::kCpu);
   cpu::MergeHeads(b, t, h, d, o.data(), merged_.data());
   const Tensor y = resid_drop_->Forward(c_proj_->Forward(merged_, train), train);
@@ -204,6 +202,28 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, bool train) {
   b_ = b;
   t_ = t;
   return y;
+}
+
+const Tensor& CausalSelfAttention::Attend(bool train) {
+  fused_ = !qk_->HasQuantHooks() && !pv_->HasQuantHooks();
+  if (!fused_) {
+    const Tensor s = qk_->Multiply(q_, k_, train);
+    ResizeOn(&p_, s.shape(), Device::kCpu);
+    cpu::CausalSoftmaxForward(q_.dim(0) * heads_, q_.dim(2), s.data(), p_.data());
+    o_ = pv_->Multiply(attn_drop_->Forward(p_, train), v_, train);
+    return o_;
+  }
+  const int64_t pairs = q_.dim(0) * heads_, t = q_.dim(2);
+  ResizeOn(&o_, q_.shape(), Device::kCpu);
+  for (Tensor* w : {&row_max_, &row_inv_}) ResizeOn(w, {pairs, t}, Device::kCpu);
+  fused_dropout_ = {};
+  if (train && attn_drop_->threshold() != 0) {
+    fused_dropout_ = {attn_drop_->MaskKey(), attn_drop_->threshold(), attn_drop_->scale()};
+  }
+  cpu::FusedCausalAttentionForward(pairs, t, head_dim_, alpha_, q_.data(), k_.data(), v_.data(),
+                                   fused_dropout_, o_.data(), row_max_.data(), row_inv_.data());
+  p_ = Tensor();  // a materialised forward's probabilities are not needed any more
+  return o_;
 }
 
 Tensor CausalSelfAttention::Backward(const Tensor& dy) {
@@ -214,15 +234,27 @@ Tensor CausalSelfAttention::Backward(const Tensor& dy) {
   const Tensor dmerged = c_proj_->Backward(resid_drop_->Backward(dy));
   ResizeOn(&do_, {b, h, t, d}, Device::kCpu);
   cpu::MergeHeadsBackward(b, t, h, d, dmerged.data(), do_.data());
-  const auto [dp_dropped, dv] = pv_->MultiplyBackward(do_);
-  const Tensor dp = attn_drop_->Backward(dp_dropped);
-  ResizeOn(&ds_, p_.shape(), Device::kCpu);
-  // The softmax's derivative is taken at the exact P; only the pv product sees P quantised.
-  cpu::CausalSoftmaxBackward(b * h, t, p_.data(), dp.data(), ds_.data());
-  const auto [dq, dk] = qk_->MultiplyBackward(ds_);
+  AttendBackward();
   ResizeOn(&dqkv_, {b, t, 3 * embed_}, Device::kCpu);
-  cpu::SplitHeadsBackward(b, t, h, d, dq.data(), dk.data(), dv.data(), dqkv_.data());
+  cpu::SplitHeadsBackward(b, t, h, d, dq_.data(), dk_.data(), dv_.data(), dqkv_.data());
   return c_attn_->Backward(dqkv_);
+}
+
+void CausalSelfAttention::AttendBackward() {
+  if (!fused_) {
+    const auto [dp_dropped, dv] = pv_->MultiplyBackward(do_);
+    const Tensor dp = attn_drop_->Backward(dp_dropped);
+    ResizeOn(&ds_, p_.shape(), Device::kCpu);
+    // The softmax's derivative is taken at the exact P; only the pv product sees P quantised.
+    cpu::CausalSoftmaxBackward(b_ * heads_, t_, p_.data(), dp.data(), ds_.data());
+    std::tie(dq_, dk_) = qk_->MultiplyBackward(ds_);
+    dv_ = dv;
+    return;
+  }
+  for (Tensor* w : {&dq_, &dk_, &dv_}) ResizeOn(w, q_.shape(), Device::kCpu);
+  cpu::FusedCausalAttentionBackward(b_ * heads_, t_, head_dim_, alpha_, q_.data(), k_.data(),
+                                    v_.data(), o_.data(), row_max_.data(), row_inv_.data(),
+                                    fused_dropout_, do_.data(), dq_.data(), dk_.data(), dv_.data());
 }
 
 }  // namespace cpd::runtime

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/engine/cpu_attention.h"
 #include "runtime/nn/layers.h"
 
 namespace cpd::runtime {
@@ -79,11 +80,14 @@ class AttentionProduct : public Layer {
 // NAME.resid_dropout (nanoGPT's names). Initialisation: GPT-2's (InitGpt2Linear, std 0.02; c_proj
 // 0.02 / sqrt(2 * options.layers)), each child from LayerSeed(seed, its name).
 //
-// Memory: the scores S and probabilities P (and their gradients) are materialised, O(B H T^2)
-// floats per forward, which block sizes up to a few hundred afford on the CPU. A fused, tiled
-// path (flash attention: online softmax over key blocks, recomputing P in the backward) would
-// replace Forward's qk -> softmax -> pv sequence and the matching backward, keeping the two
-// products as the quantisation sites on each tile.
+// Two paths compute the same function:
+//  * fused (runtime/engine/cpu_attention.h), when neither NAME.qk nor NAME.pv has quantisation
+//    hooks: the scores and probabilities are formed per block of queries and never stored; the
+//    backward recomputes them. Memory O(threads * 64 * T) floats beyond Q, K, V and O.
+//  * materialised, when either product is a quantisation site: S and P (and their gradients)
+//    are stored, O(B H T^2) floats, because a per-tensor quantiser (CPT's min/max range, a
+//    scaled format's per-tensor scale) needs all of P before it can round any of it.
+// Both use the same dropout mask; their results agree to float32 rounding (cpu_attention.h).
 class CausalSelfAttention : public ShapedLayer {
  public:
   CausalSelfAttention(std::string name, const TransformerOptions& options, uint64_t seed);
@@ -107,15 +111,21 @@ class CausalSelfAttention : public ShapedLayer {
 
  private:
   std::vector<Layer*> Children() const;
+  // Q, K, V -> O [B, H, T, D] and back, on either path (the class comment).
+  const Tensor& Attend(bool train);
+  void AttendBackward();
 
   int64_t embed_, heads_, head_dim_;
+  float alpha_;  // 1 / sqrt(head_dim_), the scale of the scores
   std::unique_ptr<Linear> c_attn_, c_proj_;
   std::unique_ptr<AttentionProduct> qk_, pv_;
   std::unique_ptr<Dropout> attn_drop_, resid_drop_;
   bool ready_ = false;
-  int64_t b_ = 0, t_ = 0;  // the last training forward's batch and sequence length
-  Tensor q_, k_, v_, p_, merged_;
-  Tensor ds_, do_, dqkv_;
+  bool fused_ = false;                   // the last training forward took the fused path
+  cpu::AttentionDropout fused_dropout_;  // and the dropout mask it drew
+  int64_t b_ = 0, t_ = 0;                // the last training forward's batch and sequence length
+  Tensor q_, k_, v_, p_, o_, row_max_, row_inv_, merged_;
+  Tensor ds_, do_, dq_, dk_, dv_, dqkv_;
 };
 
 }  // namespace cpd::runtime

@@ -66,6 +66,9 @@ class Layer {
   // Layers that take quantisation hooks (Linear, Conv2d) return true; composites recurse.
   virtual bool Quantizable() const { return false; }
   virtual void SetQuantHooks(QuantHooks* hooks) { hooks_ = hooks; }
+  // Whether hooks are installed on this layer (SiteQuantizer installs them only on the layers
+  // it quantises).
+  bool HasQuantHooks() const { return hooks_ != nullptr; }
   // All layers in this subtree, pre-order (itself first). Composites override.
   virtual std::vector<Layer*> Flatten() { return {this}; }
   // The training step about to run: layers that draw random numbers (Dropout) derive them from

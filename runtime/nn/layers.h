@@ -299,6 +299,11 @@ class Dropout : public ShapedLayer {
 
   // The keep threshold: elements with RandomBits >= threshold() are kept.
   uint32_t threshold() const { return threshold_; }
+  // The mask key a training Forward draws at the current step (element i is kept iff
+  // kernels::RandomBits(MaskKey(), i) >= threshold()) and the scale 1 / (1 - p) of the kept
+  // elements: for a fused caller that applies this layer's mask itself.
+  uint64_t MaskKey() const;
+  float scale() const { return scale_; }
 
  private:
   double p_;

@@ -188,11 +188,13 @@ Dropout::Dropout(std::string name, double p, uint64_t seed)
 
 std::string Dropout::Describe() const { return "Dropout(p " + FormatFloat(p_) + ")"; }
 
+uint64_t Dropout::MaskKey() const { return kernels::MakeRandomKey(seed_, step_); }
+
 Tensor Dropout::Forward(const Tensor& x, bool train) {
   ready_ = train;
   identity_ = !train || threshold_ == 0;
   if (identity_) return x;
-  key_ = kernels::MakeRandomKey(seed_, step_);
+  key_ = MaskKey();
   ResizeOn(&y_, x.shape(), x.device());
   CPD_DISPATCH(x.device(), DropoutApply(x.numel(), key_, threshold_, scale_, x.data(), y_.data()));
   return y_;

@@ -318,6 +318,87 @@ TEST(CausalSelfAttention, ResultsDoNotDependOnThreadCount) {
   EXPECT_TRUE(SameBits(dw[0], dw[1]));
 }
 
+// Hooks that use every tensor as it is: installed on NAME.qk and NAME.pv they make the layer
+// take its materialised path without changing any value.
+class IdentityHooks : public QuantHooks {
+ public:
+  void QuantizeWeight(const Layer&, const Tensor& w, Tensor* used) override { Copy(w, used); }
+  void QuantizeActivation(const Layer&, const Tensor& x, Tensor* used) override { Copy(x, used); }
+  void QuantizeError(const Layer&, const Tensor& dy, Tensor* used) override { Copy(dy, used); }
+  void QuantizeWeightGrad(const Layer&, Tensor*) override {}
+
+ private:
+  static void Copy(const Tensor& from, Tensor* to) {
+    std::memcpy(to->data(), from.data(), from.numel() * sizeof(float));
+  }
+};
+
+// Forward output, input gradient and c_attn's weight gradient of one training step.
+struct AttentionStep {
+  Tensor y, dx, dw;
+};
+
+AttentionStep RunAttention(CausalSelfAttention& attn, const Tensor& x, const Tensor& dy) {
+  for (Param* p : attn.Params()) p->grad.Zero();
+  AttentionStep r;
+  r.y = attn.Forward(x, true).Clone();
+  r.dx = attn.Backward(dy).Clone();
+  r.dw = attn.c_attn().weight().grad.Clone();
+  return r;
+}
+
+double MaxRelDiff(const Tensor& a, const Tensor& b) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < a.numel(); ++i) scale = std::max(scale, double(std::abs(b.data()[i])));
+  for (size_t i = 0; i < a.numel(); ++i) {
+    worst = std::max(worst, std::abs(double(a.data()[i]) - b.data()[i]) / scale);
+  }
+  return worst;
+}
+
+// The fused path (no hooks on the products) against the materialised one (identity hooks),
+// over several query blocks (T = 150 is two full blocks of 64 and a partial one) and with
+// attention dropout: the same mask, the same function to float32 rounding.
+TEST(CausalSelfAttention, FusedAndMaterialisedPathsAgree) {
+  for (double dropout : {0.0, 0.3}) {
+    TransformerOptions o = Small(dropout);
+    o.embed = 16;
+    CausalSelfAttention attn("attn", o, 5);
+    attn.SetStep(7);
+    const Tensor x = Random({2, 150, 16}, 1), dy = Random({2, 150, 16}, 2);
+    const AttentionStep fused = RunAttention(attn, x, dy);
+    IdentityHooks identity;
+    attn.qk().SetQuantHooks(&identity);
+    attn.pv().SetQuantHooks(&identity);
+    const AttentionStep materialised = RunAttention(attn, x, dy);
+    SCOPED_TRACE("dropout " + std::to_string(dropout));
+    EXPECT_LT(MaxRelDiff(fused.y, materialised.y), 1e-5);
+    EXPECT_LT(MaxRelDiff(fused.dx, materialised.dx), 1e-5);
+    EXPECT_LT(MaxRelDiff(fused.dw, materialised.dw), 1e-5);
+  }
+}
+
+// Finite differences through the fused path across a query-block boundary (T = 70).
+TEST(CausalSelfAttention, FusedGradientsAcrossQueryBlocks) {
+  CausalSelfAttention attn("attn", Small(), 5);
+  CheckGradients(attn, Random({1, 70, 8}, 1));
+}
+
+TEST(CausalSelfAttention, FusedResultsDoNotDependOnThreadCount) {
+  CausalSelfAttention attn("attn", Small(0.1), 5);
+  const Tensor x = Random({3, 130, 8}, 1), dy = Random({3, 130, 8}, 2);
+  AttentionStep r[2];
+  const int threads = omp_get_max_threads();
+  for (int i = 0; i < 2; ++i) {
+    omp_set_num_threads(i == 0 ? 1 : 4);
+    r[i] = RunAttention(attn, x, dy);
+  }
+  omp_set_num_threads(threads);
+  EXPECT_TRUE(SameBits(r[0].y, r[1].y));
+  EXPECT_TRUE(SameBits(r[0].dx, r[1].dx));
+  EXPECT_TRUE(SameBits(r[0].dw, r[1].dw));
+}
+
 TEST(AttentionProduct, IsDrivenByItsParentOnly) {
   AttentionProduct qk("qk", true, 0.5f);
   EXPECT_TRUE(qk.Quantizable());

@@ -131,7 +131,9 @@ void Coordinator::FillSummary(const Job& j, int64_t now_ms, v1::JobSummary* out)
   out->set_epoch(j.latest_epoch);
   out->set_epochs(j.info.epochs());
   out->set_loss(j.latest_loss);
-  out->set_test_accuracy(j.test_accuracy);
+  out->set_test_accuracy(j.evaluations.test_accuracy);
+  out->set_test_perplexity(j.evaluations.test_perplexity);
+  out->set_test_bits_per_byte(j.evaluations.test_bits_per_byte);
 }
 
 grpc::Status Coordinator::ListJobs(const v1::ListJobsRequest& req, v1::ListJobsResponse* resp) {
@@ -161,8 +163,12 @@ grpc::Status Coordinator::JobStatus(const v1::JobRef& req, v1::JobStatusResponse
     const Job* j = FindLocked(id);
     FillSummary(*j, now, resp->mutable_job());
     resp->set_epochs(j->info.epochs());
-    resp->set_train_accuracy(j->train_accuracy);
-    resp->set_test_accuracy(j->test_accuracy);
+    const Evaluations& e = j->evaluations;
+    resp->set_train_accuracy(e.train_accuracy);
+    resp->set_test_accuracy(e.test_accuracy);
+    resp->set_test_loss(e.test_loss);
+    resp->set_test_perplexity(e.test_perplexity);
+    resp->set_test_bits_per_byte(e.test_bits_per_byte);
     *resp->mutable_schedule() = *j->schedule;
     resp->set_allreduce(j->info.allreduce());
     latest = j->latest;

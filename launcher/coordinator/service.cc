@@ -50,6 +50,17 @@ v1::RegisterJobRequest Meta(const v1::RegisterJobRequest& r) {
   return m;
 }
 
+void Evaluations::Take(const v1::StatsReport& r, bool newer) {
+  auto take = [newer](double v, bool measured, double* kept) {
+    if (measured && (newer || *kept < 0)) *kept = v;
+  };
+  take(r.train_accuracy(), r.train_accuracy() >= 0, &train_accuracy);
+  take(r.test_accuracy(), r.test_accuracy() >= 0, &test_accuracy);
+  take(r.test_loss(), Measured(r.test_loss()), &test_loss);
+  take(r.test_perplexity(), Measured(r.test_perplexity()), &test_perplexity);
+  take(r.test_bits_per_byte(), Measured(r.test_bits_per_byte()), &test_bits_per_byte);
+}
+
 std::string JobLabel(int64_t id, const std::string& name) {
   return "job " + std::to_string(id) + " ('" + name + "')";
 }
@@ -107,7 +118,8 @@ Status Coordinator::Load() {
                                 " has no schedule");
     }
     job->schedule = std::make_shared<const v1::PrecisionSchedule>(std::move(*sched));
-    // The latest report (highest step) and the last measured accuracies.
+    // The latest report (highest step) and the last measured accuracies (a language model's
+    // validation figures come in the report that has its accuracies).
     ReportQuery q;
     q.job_id = rec.job_id;
     q.descending = true;
@@ -129,13 +141,8 @@ Status Coordinator::Load() {
     CPD_RETURN_IF_ERROR(store_->QueryReports(q, [&](const StoredReport& r) {
       v1::StatsReport rep;
       if (!rep.ParseFromArray(r.blob.data(), int(r.blob.size()))) return true;
-      if (job->train_accuracy < 0 && rep.train_accuracy() >= 0) {
-        job->train_accuracy = rep.train_accuracy();
-      }
-      if (job->test_accuracy < 0 && rep.test_accuracy() >= 0) {
-        job->test_accuracy = rep.test_accuracy();
-      }
-      return job->train_accuracy < 0 || job->test_accuracy < 0;
+      job->evaluations.Take(rep, /*newer=*/false);
+      return !job->evaluations.accuracies_known();
     }));
     by_name_[rec.info.job_name()] = rec.job_id;
     jobs_[rec.job_id] = std::move(job);

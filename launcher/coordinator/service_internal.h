@@ -19,6 +19,23 @@ namespace cpd::coordinator {
 class ScheduleStream;
 class JobStream;
 
+// Whether a report measured a validation loss, perplexity or bits per byte: negative is "not
+// measured", and so is 0, what a worker older than these fields sends. NaN and +inf (a model
+// that diverged) are measurements, kept as they are.
+inline bool Measured(double v) { return !(v <= 0); }
+
+// What a job's evaluations measured, each figure as last measured (negative: none yet).
+struct Evaluations {
+  double train_accuracy = -1, test_accuracy = -1;
+  double test_loss = -1, test_perplexity = -1, test_bits_per_byte = -1;
+  // Takes the figures `r` measured. `newer`: r is newer than every report taken before (one as
+  // it arrives) and replaces them; otherwise (reports read newest first) it only fills the
+  // figures still missing.
+  void Take(const v1::StatsReport& r, bool newer);
+  // Every accuracy is known: older reports cannot change what a newest-first reading keeps.
+  bool accuracies_known() const { return train_accuracy >= 0 && test_accuracy >= 0; }
+};
+
 struct Coordinator::Job {
   int64_t id = 0;
   int64_t registered_ms = 0;
@@ -32,7 +49,7 @@ struct Coordinator::Job {
   double latest_loss = 0;
   int64_t last_report_ms = 0;  // coordinator clock; 0: none
   bool finished = false;
-  double train_accuracy = -1, test_accuracy = -1;
+  Evaluations evaluations;
   std::vector<ScheduleStream*> schedule_watchers;
   std::vector<JobStream*> job_watchers;
 };

@@ -73,6 +73,17 @@ Status CheckAccuracy(double v, const std::string& field) {
   return Status::Ok();
 }
 
+// A perplexity exp(loss) is at least 1; negative or 0 is "not measured", and NaN or +inf (a
+// model that diverged) is kept as it is, like a loss.
+Status CheckPerplexity(double v, const std::string& field) {
+  if (v > 0 && v < 1) {
+    return Bad(field, std::to_string(v) +
+                          " is not a perplexity (>= 1, the exponential of a loss; negative: not "
+                          "measured)");
+  }
+  return Status::Ok();
+}
+
 bool SiteKnown(int site) { return v1::Site_IsValid(site) && site != v1::SITE_UNSPECIFIED; }
 
 // Sites a schedule may set formats for: W, A, E, G (SITE_COMM carries statistics only).
@@ -320,6 +331,7 @@ Status ValidateReport(const v1::StatsReport& r, const Limits& limits) {
   }
   CPD_RETURN_IF_ERROR(CheckAccuracy(r.train_accuracy(), "train_accuracy"));
   CPD_RETURN_IF_ERROR(CheckAccuracy(r.test_accuracy(), "test_accuracy"));
+  CPD_RETURN_IF_ERROR(CheckPerplexity(r.test_perplexity(), "test_perplexity"));
   if (size_t(r.layers_size()) > limits.max_layers_per_report) {
     return Bad("layers", std::to_string(r.layers_size()) + " layer rows; at most " +
                              std::to_string(limits.max_layers_per_report) + " per report");

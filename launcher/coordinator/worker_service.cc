@@ -197,7 +197,8 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
   row.step = req.step();
   row.rank = req.rank();
   row.has_layers = req.layers_size() > 0;
-  row.keep = req.finished() || req.train_accuracy() >= 0 || req.test_accuracy() >= 0;
+  row.keep = req.finished() || req.train_accuracy() >= 0 || req.test_accuracy() >= 0 ||
+             Measured(req.test_loss()) || Measured(req.test_perplexity());
   row.finished = req.finished();
   row.time_ms = req.time_ms();
   row.received_ms = now;
@@ -228,8 +229,7 @@ grpc::Status Coordinator::ReportStats(const v1::StatsReport& req, v1::ReportStat
     }
     j->last_report_ms = now;
     if (req.finished()) j->finished = true;
-    if (req.train_accuracy() >= 0) j->train_accuracy = req.train_accuracy();
-    if (req.test_accuracy() >= 0) j->test_accuracy = req.test_accuracy();
+    j->evaluations.Take(req, /*newer=*/true);
     for (JobStream* w : j->job_watchers) {
       auto& m = w->with_layers() ? full : summary;
       if (!m) m = message(w->with_layers());  // a stream that started since the first look

@@ -168,6 +168,9 @@ void ReportToProto(const StepReport& r, int64_t job_id, uint64_t dropped, v1::St
   out->set_dropped_reports(dropped);
   out->set_train_accuracy(r.train_accuracy);
   out->set_test_accuracy(r.test_accuracy);
+  out->set_test_loss(r.test_loss);
+  out->set_test_perplexity(r.test_perplexity);
+  out->set_test_bits_per_byte(r.test_bits_per_byte);
   out->set_finished(r.finished);
   out->set_time_ms(r.time_ms);
   for (const LayerReport& l : r.layers) {

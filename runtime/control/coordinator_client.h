@@ -93,6 +93,9 @@ struct StepReport {
   int ranks_alive = 0;
   uint64_t skipped_steps = 0;
   double train_accuracy = -1, test_accuracy = -1;  // end of an epoch; < 0: not measured
+  // End of an evaluated epoch: the validation loss, and a language model's perplexity
+  // exp(test_loss) and (byte-level text) bits per byte test_loss / ln 2; < 0: not measured.
+  double test_loss = -1, test_perplexity = -1, test_bits_per_byte = -1;
   std::vector<LayerReport> layers;
   bool finished = false;  // the run's last report
   // When the report was made: wall-clock ms since the Unix epoch. Report() stamps a report that

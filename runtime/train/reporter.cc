@@ -371,21 +371,33 @@ void Reporter::AfterEpoch(const EpochDone& e) {
                  {"flips", flips_json}};
   if (o_.loss_scale.mode != LossScaleOptions::Mode::kOff) record["loss_scale"] = e.loss_scale;
   if (setup_.language_model) {
-    // images_per_s stays the rate of samples (windows); the tokens' rate is its own key.
+    // images_per_s stays the rate of samples (windows); the tokens' rate is its own key. An
+    // epoch whose validation set was not evaluated has no perplexity (not exp(0) = 1).
     record["images_per_s"] = e.totals.images_per_s / double(setup_.labels_per_sample);
     record["tokens_per_s"] = e.totals.images_per_s;
-    record["test_perplexity"] = std::exp(e.test_loss);
-    if (setup_.byte_level) record["test_bits_per_byte"] = e.test_loss / std::log(2.0);
+    if (e.evaluated) {
+      record["test_perplexity"] = std::exp(e.test_loss);
+      if (setup_.byte_level) record["test_bits_per_byte"] = e.test_loss / std::log(2.0);
+    }
   }
   Log(record);
-  if (control_) {
-    StepReport r = MakeStepReport(e.epoch, e.step - 1, e.totals.train_loss, e.lr,
-                                  e.totals.images_per_s, e.skipped_steps);
-    r.train_accuracy = e.totals.train_accuracy;
-    r.test_accuracy = e.test_accuracy;
-    r.finished = e.finished;
-    control_->Report(std::move(r));
+  if (control_) control_->Report(EpochReport(e));
+}
+
+StepReport Reporter::EpochReport(const EpochDone& e) const {
+  StepReport r = MakeStepReport(e.epoch, e.step - 1, e.totals.train_loss, e.lr,
+                                e.totals.images_per_s, e.skipped_steps);
+  r.train_accuracy = e.totals.train_accuracy;
+  r.test_accuracy = e.test_accuracy;
+  if (e.evaluated) {
+    r.test_loss = e.test_loss;
+    if (setup_.language_model) r.test_perplexity = std::exp(e.test_loss);
+    if (setup_.language_model && setup_.byte_level) {
+      r.test_bits_per_byte = e.test_loss / std::log(2.0);
+    }
   }
+  r.finished = e.finished;
+  return r;
 }
 
 }  // namespace cpd::runtime

@@ -124,6 +124,9 @@ struct EpochDone {
   int64_t step = 0;  // steps done in the run
   EpochTotals totals;
   double test_accuracy = 0, test_loss = 0;
+  // Whether the test set was evaluated (TrainOptions::eval_each_epoch = false evaluates the last
+  // epoch only): a language model's perplexity and bits per byte are reported only then.
+  bool evaluated = true;
   const PrecisionConfig* precision = nullptr;  // the policy in force
   double relative_cost = 0;
   int64_t skipped_steps = 0;
@@ -182,6 +185,9 @@ class Reporter {
   Reporter(const ReporterOptions& options, ReporterSetup setup);
   StepReport MakeStepReport(int epoch, int64_t step, double loss, double lr, double images_per_s,
                             int64_t skipped_steps) const;
+  // The coordinator's report of an epoch: its accuracies, and when evaluated the validation
+  // loss, and a language model's perplexity and bits per byte.
+  StepReport EpochReport(const EpochDone& e) const;
 
   ReporterSetup setup_;
   const ReporterOptions o_;

@@ -861,7 +861,8 @@ Status Trainer::EndEpoch(int epoch) {
   const EpochTotals totals = reporter_->Totals();
   const bool complete = iterator_->state().next_batch >= batches_per_epoch_;
   Evaluation eval;
-  if (o_.eval_each_epoch || epoch + 1 == o_.epochs || stop_) {
+  const bool evaluate = o_.eval_each_epoch || epoch + 1 == o_.epochs || stop_;
+  if (evaluate) {
     CPD_ASSIGN_OR_RETURN(eval,
                          Evaluate(model_.get(), quant_.get(), test_, device_, replicas_, o_.seed));
   }
@@ -871,6 +872,7 @@ Status Trainer::EndEpoch(int epoch) {
   done.totals = totals;
   done.test_accuracy = eval.accuracy;
   done.test_loss = eval.loss;
+  done.evaluated = evaluate;
   done.precision = &precision_;
   done.relative_cost = result_.relative_cost;
   done.skipped_steps = result_.skipped_steps;

@@ -151,11 +151,19 @@ TEST(CoordinatorProto, RoundTripsEveryMessage) {
   rep.set_finished(true);
   rep.set_train_accuracy(0.91);
   rep.set_test_accuracy(0.89);
+  rep.set_test_loss(1.25);
+  rep.set_test_perplexity(3.4903429574618414);
+  rep.set_test_bits_per_byte(1.8033688011112042);
   v1::JobStatusResponse st;
   st.mutable_job()->set_job_id(7);
   st.mutable_job()->set_state("stale");
   st.set_last_report_age_ms(-1);
   st.set_reports_stored(1ull << 40);
+  st.set_test_loss(1.25);
+  st.set_test_perplexity(3.5);
+  st.set_test_bits_per_byte(1.8);
+  st.mutable_job()->set_test_perplexity(3.5);
+  st.mutable_job()->set_test_bits_per_byte(1.8);
   *st.mutable_schedule() = reg.schedule();
   *st.add_layers() = reg.layers(0);
   *st.add_workers() = reg.workers(1);
@@ -335,6 +343,15 @@ TEST_F(CoordinatorTest, NonFiniteLossIsStoredAsIs) {
   EXPECT_TRUE(std::isinf(h[0].layers(0).max_abs()));
   EXPECT_EQ(h[1].loss(), -std::numeric_limits<double>::infinity());
   EXPECT_EQ(Status(id).loss(), -std::numeric_limits<double>::infinity());
+  // A language model that diverged: its validation loss and perplexity too.
+  r = Report(id, 5);
+  r.set_test_loss(std::numeric_limits<double>::quiet_NaN());
+  r.set_test_perplexity(std::numeric_limits<double>::infinity());
+  ASSERT_TRUE(Send(r).ok());
+  const v1::JobStatusResponse st = Status(id);
+  EXPECT_TRUE(std::isnan(st.test_loss()));
+  EXPECT_EQ(st.test_perplexity(), std::numeric_limits<double>::infinity());
+  EXPECT_EQ(st.test_bits_per_byte(), -1);
 }
 
 TEST_F(CoordinatorTest, ReRegisterReturnsSameJobAndCurrentSchedule) {
@@ -778,6 +795,8 @@ TEST_F(CoordinatorTest, RejectsBadReportsAndQueries) {
        "test_accuracy"},
       {"NaN accuracy", [](auto* r) { r->set_train_accuracy(std::nan("")); },
        StatusCode::INVALID_ARGUMENT, "train_accuracy"},
+      {"perplexity 0.5", [](auto* r) { r->set_test_perplexity(0.5); }, StatusCode::INVALID_ARGUMENT,
+       "test_perplexity: 0.500000 is not a perplexity (>= 1"},
       {"negative rate", [](auto* r) { r->set_images_per_s(-1); }, StatusCode::INVALID_ARGUMENT,
        "images_per_s"},
       {"4097 layer rows",
@@ -1288,6 +1307,88 @@ TEST_F(CoordinatorTest, StudyRunsAreListedWithStateAndAccuracyAndKeptAcrossResta
   EXPECT_EQ(ListStudy(op_.get(), "s2").jobs_size(), 2);
 }
 
+// ---- Language models ---------------------------------------------------------------------------
+
+// The end of a language model's epoch as cpd-train reports it: the next-token accuracies, the
+// validation loss per token, the perplexity exp(loss) and the bits per byte loss / ln 2.
+v1::StatsReport LmEpochEnd(int64_t id, int64_t step, int epoch, double test_loss) {
+  v1::StatsReport r = Report(id, step);
+  r.set_epoch(epoch);
+  r.set_train_accuracy(0.25);
+  r.set_test_accuracy(0.125);
+  r.set_test_loss(test_loss);
+  r.set_test_perplexity(std::exp(test_loss));
+  r.set_test_bits_per_byte(test_loss / std::log(2.0));
+  return r;
+}
+
+// Validation loss, perplexity and bits per byte go from a worker's report through the store to
+// JobStatus, ListJobs and JobHistory, survive retention and a restart; a vision job has none.
+TEST_F(CoordinatorTest, LanguageModelValidationFiguresAreStoredAndKeptAcrossRestarts) {
+  ServerOptions opt;
+  // All but the newest 2 reports are thinned to steps that are multiples of 1000.
+  opt.store.retention.keep_full = 2;
+  opt.store.retention.thin_every = 1000;
+  opt.store.retention.interval_ms = 3600000;
+  Start(opt);
+  const int64_t lm = Register(GptJob("gpt-text")), vision = Register(LenetJob("lenet", 1));
+  // Epoch 1 ends at step 15 in a report with no accuracy (perplexity alone marks it an epoch's
+  // end), epoch 2 at step 31 as cpd-train reports it; steps 32..35 measure nothing.
+  std::vector<v1::StatsReport> sent;
+  for (int step = 0; step < 36; ++step) {
+    v1::StatsReport r = step == 31 ? LmEpochEnd(lm, 31, 2, 1.75) : Report(lm, step);
+    if (step == 15) {
+      r = LmEpochEnd(lm, 15, 1, 2.5);
+      r.set_train_accuracy(-1);
+      r.set_test_accuracy(-1);
+    }
+    ASSERT_TRUE(Send(r).ok());
+    sent.push_back(r);
+  }
+  ASSERT_TRUE(Send(EpochEnd(vision, 467, 1, 0.5, 0.75)).ok());
+  server_->store()->Flush();
+  ASSERT_TRUE(server_->store()->ApplyRetention().ok());
+
+  const v1::JobStatusResponse st = Status(lm);
+  EXPECT_EQ(st.test_loss(), 1.75);
+  EXPECT_EQ(st.test_perplexity(), std::exp(1.75));
+  EXPECT_EQ(st.test_bits_per_byte(), 1.75 / std::log(2.0));
+  EXPECT_EQ(st.test_accuracy(), 0.125);
+  EXPECT_EQ(st.job().test_perplexity(), std::exp(1.75));
+  EXPECT_EQ(st.job().test_bits_per_byte(), 1.75 / std::log(2.0));
+  EXPECT_EQ(st.job().step(), 35);
+  const v1::JobStatusResponse vs = Status(vision);
+  EXPECT_EQ(vs.test_accuracy(), 0.75);
+  EXPECT_EQ(vs.test_loss(), -1);
+  EXPECT_EQ(vs.test_perplexity(), -1);
+  EXPECT_EQ(vs.test_bits_per_byte(), -1);
+  EXPECT_EQ(vs.job().test_perplexity(), -1);
+  EXPECT_EQ(vs.job().test_bits_per_byte(), -1);
+
+  // Both epochs' ends outlive the thinning (step 0 is a multiple, 34 and 35 the newest), every
+  // figure as sent.
+  const std::vector<v1::StatsReport> h = History(lm, false);
+  std::vector<int64_t> steps;
+  for (const auto& r : h) steps.push_back(r.step());
+  EXPECT_EQ(steps, (std::vector<int64_t>{0, 15, 31, 34, 35}));
+  for (const auto& r : h) EXPECT_EQ(Diff(r, sent[size_t(r.step())]), "") << r.step();
+
+  v1::ListJobsResponse before;
+  ASSERT_TRUE(op_->ListJobs(Ctx().get(), {}, &before).ok());
+  ASSERT_EQ(before.jobs_size(), 2);
+  EXPECT_EQ(before.jobs(0).test_perplexity(), std::exp(1.75));
+  Stop();
+  Start(opt);
+  v1::ListJobsResponse after;
+  ASSERT_TRUE(op_->ListJobs(Ctx().get(), {}, &after).ok());
+  EXPECT_EQ(Diff(after, before), "");
+  const v1::JobStatusResponse again = Status(lm);
+  EXPECT_EQ(again.test_loss(), 1.75);
+  EXPECT_EQ(again.test_perplexity(), std::exp(1.75));
+  EXPECT_EQ(again.test_bits_per_byte(), 1.75 / std::log(2.0));
+  EXPECT_EQ(Status(vision).test_perplexity(), -1);
+}
+
 // The first schema (version 1) as cpd-coordinator wrote it, without jobs.study.
 constexpr const char* kSchemaV1 = R"sql(
 CREATE TABLE jobs(
@@ -1368,13 +1469,19 @@ TEST_F(CoordinatorTest, OldSchemaDatabaseMigratesAndKeepsItsJobs) {
   EXPECT_EQ(all.jobs(0).step(), 41);
   EXPECT_EQ(all.jobs(0).epoch(), 1);
   EXPECT_EQ(all.jobs(0).test_accuracy(), 0.5);
+  // Its report predates the validation figures (read as 0): none measured, not 0.
+  EXPECT_EQ(all.jobs(0).test_perplexity(), -1);
+  EXPECT_EQ(all.jobs(0).test_bits_per_byte(), -1);
+  EXPECT_EQ(Status(7).test_loss(), -1);
   // The old job can be resumed into a study; new jobs get ids after it.
   v1::RegisterJobRequest old = LenetJob("old-job", 1);
   old.set_study("migrated");
   EXPECT_EQ(Register(old), 7);
-  v1::RegisterJobRequest fresh = LenetJob("migrated.new", 1);
+  v1::RegisterJobRequest fresh = GptJob("migrated.new");
   fresh.set_study("migrated");
-  EXPECT_GT(Register(fresh), 7);
+  const int64_t lm = Register(fresh);
+  EXPECT_GT(lm, 7);
+  ASSERT_TRUE(Send(LmEpochEnd(lm, 31, 2, 1.5)).ok());
   Stop();
   EXPECT_EQ(UserVersion(path), 2);
   Start(opt);
@@ -1382,6 +1489,10 @@ TEST_F(CoordinatorTest, OldSchemaDatabaseMigratesAndKeepsItsJobs) {
   ASSERT_EQ(study.jobs_size(), 2);
   EXPECT_EQ(study.jobs(0).job_name(), "old-job");
   EXPECT_EQ(study.jobs(1).job_name(), "migrated.new");
+  EXPECT_EQ(study.jobs(0).test_perplexity(), -1);
+  EXPECT_EQ(study.jobs(1).test_perplexity(), std::exp(1.5));
+  EXPECT_EQ(study.jobs(1).test_bits_per_byte(), 1.5 / std::log(2.0));
+  EXPECT_EQ(Status(lm).test_loss(), 1.5);
 }
 
 // ---- The store on its own: retention and opening errors ----------------------------------------

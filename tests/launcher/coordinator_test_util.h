@@ -78,6 +78,27 @@ inline v1::RegisterJobRequest LenetJob(const std::string& name, int world = 2) {
   return r;
 }
 
+// A GPT on byte-level text (cpd-train --arch gpt --dataset text): a language model.
+inline v1::RegisterJobRequest GptJob(const std::string& name) {
+  v1::RegisterJobRequest r;
+  r.set_job_name(name);
+  r.set_world_size(1);
+  r.set_emulated_workers_per_rank(1);
+  auto* w = r.add_workers();
+  w->set_rank(0);
+  w->set_host("node0");
+  w->set_pid(1000);
+  *r.add_layers() = Layer("h0.attn.qkv", "Linear", 816);
+  *r.add_layers() = Layer("lm_head", "Linear", 4096);
+  r.mutable_schedule()->set_effective_from_step(0);
+  r.set_arch("gpt");
+  r.set_dataset("text");
+  r.set_total_steps(64);
+  r.set_epochs(2);
+  r.set_allreduce("fp32");
+  return r;
+}
+
 // A report at `step`; `layers` rows when > 0.
 inline v1::StatsReport Report(int64_t job_id, int64_t step, int rank = 0, int layers = 0) {
   v1::StatsReport r;
@@ -95,6 +116,9 @@ inline v1::StatsReport Report(int64_t job_id, int64_t step, int rank = 0, int la
   r.set_dropped_reports(uint64_t(step / 50));
   r.set_train_accuracy(-1);
   r.set_test_accuracy(-1);
+  r.set_test_loss(-1);
+  r.set_test_perplexity(-1);
+  r.set_test_bits_per_byte(-1);
   r.set_time_ms(1700000000000 + step);
   for (int i = 0; i < layers; ++i) {
     auto* l = r.add_layers();

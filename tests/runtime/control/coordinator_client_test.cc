@@ -170,7 +170,13 @@ TEST_F(CoordinatorClientTest, RegistersReportsAndTakesPushedSchedules) {
   CoordinatorClient& c = **client;
   ASSERT_TRUE(WaitFor([&] { return c.job_id() > 0; }, 20)) << "never registered";
   EXPECT_TRUE(c.Report(Report(0, true)));
-  EXPECT_TRUE(c.Report(Report(1, false)));
+  // The end of a language model's epoch: its validation loss, perplexity and bits per byte.
+  StepReport epoch_end = Report(1, false);
+  epoch_end.test_accuracy = 0.125;
+  epoch_end.test_loss = 1.75;
+  epoch_end.test_perplexity = 5.75;
+  epoch_end.test_bits_per_byte = 2.5;
+  EXPECT_TRUE(c.Report(epoch_end));
   ASSERT_TRUE(WaitFor([&] { return c.sent() == 2; }, 20));
 
   v1::JobStatusResponse st;
@@ -181,6 +187,11 @@ TEST_F(CoordinatorClientTest, RegistersReportsAndTakesPushedSchedules) {
   EXPECT_EQ(st.schedule().version(), 1u);
   ASSERT_EQ(st.schedule().formats_size(), 1);
   EXPECT_EQ(st.schedule().formats(0).spec(), "e4m3");  // the command line's schedule
+  EXPECT_EQ(st.test_accuracy(), 0.125);
+  EXPECT_EQ(st.test_loss(), 1.75);
+  EXPECT_EQ(st.test_perplexity(), 5.75);
+  EXPECT_EQ(st.test_bits_per_byte(), 2.5);
+  EXPECT_EQ(st.train_accuracy(), -1);  // not measured: StepReport's default
 
   // The latest layer rows, as sent.
   grpc::ClientContext ctx;

@@ -4,7 +4,7 @@
 Input (--in): one JSON document {"job": JobStatusResponse, "schedules": [PrecisionSchedule],
 "reports": [StatsReport]} with the field names of proto/cpd/v1/coordinator.proto, as cpdctl
 writes it. Output (--out): a PNG with four panels over steps: forward bits and schedule version,
-loss (and test accuracy), the per-layer APS shift of the gradient all-reduce (SITE_COMM rows), and
+loss (and test accuracy, or a language model's validation perplexity), the per-layer APS shift of the gradient all-reduce (SITE_COMM rows), and
 the per-layer flushed (underflow) fraction.
 
 Needs Debian's python3-matplotlib; MPLBACKEND=Agg is set by cpdctl. On failure it prints one line
@@ -28,6 +28,13 @@ def series(reports, key):
         xs.append(r.get("step", 0))
         ys.append(r.get(key, 0))
     return xs, ys
+
+
+def measured(reports, key):
+    """(step, value) of the reports that measured `key` (a validation perplexity: > 0; a
+    negative value or 0 is none, and NaN, which JSON writes as null, is left out)."""
+    points = [(r.get("step", 0), r.get(key, -1)) for r in reports]
+    return [(x, v) for x, v in points if isinstance(v, (int, float)) and v > 0]
 
 
 def per_layer(reports, site, key):
@@ -116,7 +123,7 @@ def main():
             ax.axvline(s.get("effective_from_step", 0), color="C3", linestyle=":", linewidth=0.8)
     ax.set_title("precision schedule", fontsize=10)
 
-    # 2. Loss and test accuracy.
+    # 2. Loss and test accuracy (a language model: its validation perplexity instead).
     ax = axes[1]
     xs, loss = series(reports, "loss")
     if xs:
@@ -124,7 +131,12 @@ def main():
     ax.set_ylabel("loss")
     acc = [(r.get("step", 0), r.get("test_accuracy", -1)) for r in reports]
     acc = [(x, 100 * a) for x, a in acc if isinstance(a, (int, float)) and a >= 0]
-    if acc:
+    ppl = measured(reports, "test_perplexity")
+    if ppl:
+        ax2 = ax.twinx()
+        ax2.plot([x for x, _ in ppl], [p for _, p in ppl], "o-", color="C2", markersize=3)
+        ax2.set_ylabel("validation perplexity", color="C2")
+    elif acc:
         ax2 = ax.twinx()
         ax2.plot([x for x, _ in acc], [a for _, a in acc], "o-", color="C2", markersize=3)
         ax2.set_ylabel("test accuracy %", color="C2")

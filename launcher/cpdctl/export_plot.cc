@@ -47,15 +47,21 @@ size_t ReadHistory(Connection& c, const std::string& job, int64_t from, int64_t 
   return n;
 }
 
-std::string CsvHeader() {
-  return "step,rank,epoch,time_ms,loss,lr,bits,schedule_version,images_per_s,ranks_alive,"
-         "skipped_steps,dropped_reports,train_accuracy,test_accuracy,finished,layer,site,format,"
-         "format_bits,aps_shift,max_abs,saturated,flushed,rel_error,flips,nonfinite\n";
+// A language model's export (`language_model`) has its validation loss, perplexity and bits per
+// byte after the accuracies; a vision model's columns are those it always had.
+std::string CsvHeader(bool language_model) {
+  return std::string(
+             "step,rank,epoch,time_ms,loss,lr,bits,schedule_version,images_per_s,ranks_alive,"
+             "skipped_steps,dropped_reports,train_accuracy,test_accuracy,") +
+         (language_model ? "test_loss,test_perplexity,test_bits_per_byte," : "") +
+         "finished,layer,site,format,format_bits,aps_shift,max_abs,saturated,flushed,rel_error,"
+         "flips,nonfinite\n";
 }
 
 // One CSV row per layer row of the report, or one for the report alone when it has none.
-size_t CsvRows(const v1::StatsReport& r, FILE* out) {
+size_t CsvRows(const v1::StatsReport& r, bool language_model, FILE* out) {
   auto opt = [](double v) { return v < 0 ? std::string() : ShortestDouble(v); };
+  auto measured = [](double v) { return Measured(v) ? ShortestDouble(v) : std::string(); };
   const std::string head =
       std::to_string(r.step()) + "," + std::to_string(r.rank()) + "," + std::to_string(r.epoch()) +
       "," + std::to_string(r.time_ms()) + "," + ShortestDouble(r.loss()) + "," +
@@ -63,7 +69,11 @@ size_t CsvRows(const v1::StatsReport& r, FILE* out) {
       std::to_string(r.schedule_version()) + "," + ShortestDouble(r.images_per_s()) + "," +
       std::to_string(r.ranks_alive()) + "," + std::to_string(r.skipped_steps()) + "," +
       std::to_string(r.dropped_reports()) + "," + opt(r.train_accuracy()) + "," +
-      opt(r.test_accuracy()) + "," + (r.finished() ? "1" : "0");
+      opt(r.test_accuracy()) + "," +
+      (language_model ? measured(r.test_loss()) + "," + measured(r.test_perplexity()) + "," +
+                            measured(r.test_bits_per_byte()) + ","
+                      : "") +
+      (r.finished() ? "1" : "0");
   if (r.layers().empty()) {
     const std::string line = head + ",,,,,,,,,,,\n";
     std::fwrite(line.data(), 1, line.size(), out);
@@ -87,15 +97,19 @@ int RunExport(const Globals& g, const RangeArgs& a) {
   MakeRef(a.job);
   if (a.from >= 0 && a.to >= 0 && a.to < a.from) Usage("--from/--to: an empty range");
   Connection c(g);
+  // A language model (a job with a measured perplexity) gets its validation columns; the
+  // header is written before the history streams.
+  const bool language_model = Measured(GetStatus(c, a.job).test_perplexity());
   const bool to_stdout = a.out == "-";
   std::unique_ptr<AtomicFile> file;
   if (!to_stdout) file = std::make_unique<AtomicFile>(a.out);
   FILE* out = to_stdout ? stdout : file->stream();
-  const std::string header = CsvHeader();
+  const std::string header = CsvHeader(language_model);
   std::fwrite(header.data(), 1, header.size(), out);
   size_t rows = 0;
-  const size_t reports = ReadHistory(c, a.job, a.from, a.to,
-                                     [&](const v1::StatsReport& r) { rows += CsvRows(r, out); });
+  const size_t reports = ReadHistory(c, a.job, a.from, a.to, [&](const v1::StatsReport& r) {
+    rows += CsvRows(r, language_model, out);
+  });
   if (to_stdout) {
     FlushStdout();
     return 0;

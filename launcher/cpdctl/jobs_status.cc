@@ -109,8 +109,15 @@ std::string StatusBlock(const v1::JobStatusResponse& st, int64_t age_ms) {
                                std::to_string(j.world_size()) + " alive");
   kv.emplace_back("last report", age_ms < 0 ? "none yet" : FormatDuration(age_ms) + " ago");
   kv.emplace_back("loss", age_ms < 0 ? "-" : FormatG(st.loss(), 5));
-  kv.emplace_back("accuracy", "train " + FormatAccuracy(st.train_accuracy()) + ", test " +
-                                  FormatAccuracy(st.test_accuracy()));
+  std::string accuracy = "train " + FormatAccuracy(st.train_accuracy()) + ", test " +
+                         FormatAccuracy(st.test_accuracy());
+  if (Measured(st.test_perplexity())) {
+    // A language model: its perplexity where a vision model's accuracy is.
+    kv.emplace_back("perplexity", ValidationSummary(st.test_perplexity(), st.test_bits_per_byte(),
+                                                    st.test_loss()));
+    accuracy += " (next token)";
+  }
+  kv.emplace_back("accuracy", accuracy);
   kv.emplace_back("images/s", age_ms < 0 ? "-" : FormatG(st.images_per_s(), 4));
   kv.emplace_back("reports", std::to_string(st.reports_stored()) + " stored, " +
                                  std::to_string(st.dropped_reports()) + " dropped by the workers");

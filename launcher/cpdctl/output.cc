@@ -75,6 +75,24 @@ std::string FormatAccuracy(double fraction) {
   return buf;
 }
 
+bool Measured(double v) { return !(v <= 0); }
+
+std::string FormatMeasured(double v, int decimals) {
+  if (!Measured(v)) return "-";
+  if (std::isnan(v) || std::isinf(v)) return FormatG(v);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", decimals, v);
+  return buf;
+}
+
+std::string ValidationSummary(double perplexity, double bits_per_byte, double loss) {
+  std::string details;
+  if (Measured(bits_per_byte)) details += ", " + FormatMeasured(bits_per_byte, 3) + " bits/byte";
+  if (Measured(loss)) details += ", loss " + FormatMeasured(loss, 4);
+  if (!details.empty()) details = ";" + details.substr(1);
+  return FormatMeasured(perplexity, 2) + " (validation" + details + ")";
+}
+
 std::string FormatDuration(int64_t ms) {
   char buf[64];
   if (ms < 0) return "-";

@@ -44,6 +44,16 @@ std::string FormatG(double v, int digits = 3);
 std::string FormatPercent(double fraction);
 // An accuracy in [0, 1] as "85.20%"; negative (not measured) -> "-".
 std::string FormatAccuracy(double fraction);
+// Whether a validation loss, perplexity or bits per byte was measured: negative is "none", and
+// so is 0, what a coordinator or worker older than these fields sends; NaN and inf (a model that
+// diverged) are measurements. A job with a perplexity is a language model: cpdctl shows its
+// perplexity (and bits per byte) where it shows a vision model's accuracy.
+bool Measured(double v);
+// A validation figure with `decimals` decimals ("nan"/"inf" as such); "-" when not Measured.
+std::string FormatMeasured(double v, int decimals);
+// A language model's validation as the status block shows it: "5.75 (validation; 2.524
+// bits/byte, loss 1.7500)", each part only when measured.
+std::string ValidationSummary(double perplexity, double bits_per_byte, double loss);
 // A duration in milliseconds: "850 ms", "12.3 s", "4 min 05 s", "2 h 10 min", "3 d 4 h".
 std::string FormatDuration(int64_t ms);
 // Milliseconds since the Unix epoch as local time "YYYY-MM-DD HH:MM:SS"; 0 -> "-".

@@ -79,6 +79,39 @@ int ListStudies(Connection& c, bool json) {
   return 0;
 }
 
+// The runs' table: a language model's validation perplexity and bits per byte where a vision
+// model's test accuracy is (both when a study has both kinds of runs).
+Table RunsTable(const v1::ListJobsResponse& runs) {
+  bool lm = false, vision = false;
+  for (const auto& j : runs.jobs()) {
+    lm = lm || Measured(j.test_perplexity());
+    vision = vision || (!Measured(j.test_perplexity()) && j.test_accuracy() >= 0);
+  }
+  using A = Table::Align;
+  std::vector<Table::Column> cols = {
+      {"RUN", A::kLeft}, {"STATE", A::kLeft}, {"STEP", A::kRight}, {"EPOCH", A::kRight}};
+  if (vision || !lm) cols.push_back({"TEST ACC", A::kRight});
+  if (lm) cols.insert(cols.end(), {{"VAL PPL", A::kRight}, {"BPB", A::kRight}});
+  cols.insert(cols.end(), {{"LOSS", A::kRight}, {"LAST REPORT", A::kRight}});
+  Table t(std::move(cols));
+  const int64_t now = cpd::launcher::NowMs();
+  for (const auto& j : runs.jobs()) {
+    std::vector<std::string> cells = {j.job_name(), j.state(), Ratio(StepsDone(j), j.total_steps()),
+                                      Ratio(j.epoch(), j.epochs())};
+    if (vision || !lm) {
+      cells.push_back(Measured(j.test_perplexity()) ? "-" : FormatAccuracy(j.test_accuracy()));
+    }
+    if (lm) {
+      cells.push_back(FormatMeasured(j.test_perplexity(), 2));
+      cells.push_back(FormatMeasured(j.test_bits_per_byte(), 3));
+    }
+    cells.push_back(j.last_report_ms() > 0 ? FormatG(j.loss(), 4) : "-");
+    cells.push_back(ReportAge(j, now));
+    t.AddRow(std::move(cells));
+  }
+  return t;
+}
+
 int ShowStudy(Connection& c, const std::string& study, bool json) {
   const v1::ListJobsResponse runs = ListJobs(c, study);
   const std::vector<StudyTally> tally = TallyStudies(runs);
@@ -96,22 +129,7 @@ int ShowStudy(Connection& c, const std::string& study, bool json) {
     FlushStdout();
     return 0;
   }
-  using A = Table::Align;
-  Table t({{"RUN", A::kLeft},
-           {"STATE", A::kLeft},
-           {"STEP", A::kRight},
-           {"EPOCH", A::kRight},
-           {"TEST ACC", A::kRight},
-           {"LOSS", A::kRight},
-           {"LAST REPORT", A::kRight}});
-  const int64_t now = cpd::launcher::NowMs();
-  for (const auto& j : runs.jobs()) {
-    const bool reported = j.last_report_ms() > 0;
-    t.AddRow({j.job_name(), j.state(), Ratio(StepsDone(j), j.total_steps()),
-              Ratio(j.epoch(), j.epochs()), FormatAccuracy(j.test_accuracy()),
-              reported ? FormatG(j.loss(), 4) : "-", ReportAge(j, now)});
-  }
-  Print(t.Render() + CountsLine(counts));
+  Print(RunsTable(runs).Render() + CountsLine(counts));
   FlushStdout();
   return 0;
 }

@@ -46,8 +46,15 @@ std::string ReportLine(const v1::StatsReport& r, const v1::JobStatusResponse& st
   l += " schedule v" + std::to_string(r.schedule_version()) + " ranks " +
        std::to_string(r.ranks_alive()) + "/" + std::to_string(st.job().world_size()) + " " +
        FormatG(r.images_per_s(), 4) + " img/s";
-  if (r.train_accuracy() >= 0) l += " train " + FormatAccuracy(r.train_accuracy());
-  if (r.test_accuracy() >= 0) l += " test " + FormatAccuracy(r.test_accuracy());
+  if (Measured(r.test_perplexity())) {
+    // A language model's epoch: its validation where a vision model's accuracies are.
+    if (Measured(r.test_loss())) l += " val loss " + FormatMeasured(r.test_loss(), 4);
+    l += " ppl " + FormatMeasured(r.test_perplexity(), 2);
+    if (Measured(r.test_bits_per_byte())) l += " bpb " + FormatMeasured(r.test_bits_per_byte(), 3);
+  } else {
+    if (r.train_accuracy() >= 0) l += " train " + FormatAccuracy(r.train_accuracy());
+    if (r.test_accuracy() >= 0) l += " test " + FormatAccuracy(r.test_accuracy());
+  }
   if (r.skipped_steps() > 0) l += " skipped " + std::to_string(r.skipped_steps());
   if (r.layers_size() > 0) l += " layers " + std::to_string(r.layers_size());
   if (r.finished()) l += " finished";
@@ -65,6 +72,9 @@ void Absorb(const v1::StatsReport& r, v1::JobStatusResponse* st) {
   st->set_loss(r.loss());
   if (r.train_accuracy() >= 0) st->set_train_accuracy(r.train_accuracy());
   if (r.test_accuracy() >= 0) st->set_test_accuracy(r.test_accuracy());
+  if (Measured(r.test_loss())) st->set_test_loss(r.test_loss());
+  if (Measured(r.test_perplexity())) st->set_test_perplexity(r.test_perplexity());
+  if (Measured(r.test_bits_per_byte())) st->set_test_bits_per_byte(r.test_bits_per_byte());
   st->set_ranks_alive(r.ranks_alive());
   st->set_images_per_s(r.images_per_s());
   st->set_dropped_reports(r.dropped_reports());

@@ -13,7 +13,9 @@ checks with cpdctl:
   * a client without the token, or with a wrong one, is refused with one line and exit 1.
 
 With CASE `study` instead: two cpd-train runs with --study register, `cpdctl study` lists both
-with their state and test accuracy, and a coordinator restarted on the same database still does.
+with their state and test accuracy, a language model's run (a GPT on byte-level text) reports its
+validation loss, perplexity and bits per byte (the metrics' numbers, in `cpdctl status` and in the
+study's table where accuracy is), and a coordinator restarted on the same database still does.
 
 usage: coordinator_integration_test.py BIN_DIR MPIRUN [control|study]
 Every wait is bounded; the test stops by itself (exit 1 on the first failed check).
@@ -128,6 +130,44 @@ def study_runs(study):
     return json.loads(r.stdout)["jobs"] if r.returncode == 0 else []
 
 
+def language_model_run(study, name):
+    """A tiny GPT on Debian's fortunes (2 epochs of 128 windows) reporting to the coordinator;
+    returns its last epoch record."""
+    metrics = os.path.join(TMP, name + ".jsonl")
+    with open(os.path.join(TMP, name + ".log"), "w") as log:
+        rc = subprocess.run(
+            [os.path.join(BIN, "cpd-train"), "--arch", "gpt", "--dataset", "text", "--n-layer",
+             "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--tokens-per-epoch",
+             "2048", "--epochs", "2", "--batch-size", "8", "--threads", "1", "--no-progress",
+             "--coordinator", ADDR, "--job-name", name, "--study", study, "--token-file", TOKEN,
+             "--metrics-out", metrics], stdout=log, stderr=subprocess.STDOUT, timeout=300,
+            env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
+    check(rc == 0, "%s (a GPT on text) finished with exit 0 (log in %s)" % (name, TMP))
+    epochs = [json.loads(l) for l in open(metrics) if '"type":"epoch"' in l]
+    check(len(epochs) == 2, "%s logged 2 epochs" % name)
+    return epochs[-1]
+
+
+def check_language_model(study, name, last):
+    """The coordinator holds the run's validation figures exactly as its metrics logged them."""
+    st = ctl_json("status", name)
+    for key in ("test_loss", "test_perplexity", "test_bits_per_byte"):
+        check(st[key] == last[key], "%s: status %s %r is the metrics' %r" %
+              (name, key, st[key], last[key]))
+    check(st["job"]["test_perplexity"] == last["test_perplexity"] and
+          st["job"]["test_bits_per_byte"] == last["test_bits_per_byte"],
+          "%s: the job summary carries its perplexity and bits per byte" % name)
+    text = ctl("status", name).stdout
+    want = "perplexity   %.2f (validation; %.3f bits/byte, loss %.4f)" % (
+        last["test_perplexity"], last["test_bits_per_byte"], last["test_loss"])
+    check(want in text, "cpdctl status shows %r" % want)
+    table = ctl("study", study).stdout.splitlines()
+    check(table[0].split()[4:7] == ["VAL", "PPL", "BPB"] and
+          table[1].split()[8:10] == ["%.2f" % last["test_perplexity"],
+                                     "%.3f" % last["test_bits_per_byte"]],
+          "cpdctl study %s shows VAL PPL and BPB where accuracy is (%s)" % (study, table[:2]))
+
+
 def study_case():
     """Two runs of one study, as a study driver launches them, and a coordinator restart."""
     write_token()
@@ -167,6 +207,9 @@ def study_case():
     listing = ctl("study").stdout.splitlines()
     check(len(listing) == 2 and listing[1].split() == [study, "2", "0", "0", "2"],
           "cpdctl study lists the study with 2 finished runs (%s)" % listing)
+    lm_study, lm_name = "lm1", "lm1.gpt"
+    lm_last = language_model_run(lm_study, lm_name)
+    check_language_model(lm_study, lm_name, lm_last)
 
     # Restarted on the same database: the same runs, states and accuracies.
     coord.send_signal(signal.SIGTERM)
@@ -175,6 +218,7 @@ def study_case():
     after = finished_table()
     key = lambda jobs: [(j["job_name"], j["state"], j["test_accuracy"], j["step"]) for j in jobs]
     check(key(after) == key(before), "the restarted coordinator lists the same runs")
+    check_language_model(lm_study, lm_name, lm_last)
     stop_all()
 
 

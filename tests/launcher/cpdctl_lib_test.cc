@@ -3,7 +3,9 @@
 // `cpdctl schedule set` (local validation and application to a schedule).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,24 @@ TEST(CpdctlNumbers, HumanFormats) {
   EXPECT_EQ(FormatDuration(7'800'000), "2 h 10 min");
   EXPECT_EQ(FormatDuration(-1), "-");
   EXPECT_EQ(FormatTime(0), "-");
+}
+
+// A language model's validation figures: negative (none) and 0 (an older worker or
+// coordinator) are not measured; NaN and inf (a model that diverged) are.
+TEST(CpdctlNumbers, ValidationFigures) {
+  EXPECT_FALSE(Measured(-1));
+  EXPECT_FALSE(Measured(0));
+  EXPECT_TRUE(Measured(1e-300));
+  EXPECT_TRUE(Measured(std::nan("")));
+  EXPECT_TRUE(Measured(std::numeric_limits<double>::infinity()));
+  EXPECT_EQ(FormatMeasured(5.754602676, 2), "5.75");
+  EXPECT_EQ(FormatMeasured(0, 2), "-");
+  EXPECT_EQ(FormatMeasured(std::nan(""), 2), "nan");
+  EXPECT_EQ(FormatMeasured(std::numeric_limits<double>::infinity(), 3), "inf");
+  EXPECT_EQ(ValidationSummary(5.754602676, 2.524706, 1.75),
+            "5.75 (validation; 2.525 bits/byte, loss 1.7500)");
+  EXPECT_EQ(ValidationSummary(5.754602676, -1, 1.75), "5.75 (validation; loss 1.7500)");
+  EXPECT_EQ(ValidationSummary(5.754602676, 0, 0), "5.75 (validation)");
 }
 
 TEST(CpdctlNumbers, ShortestDoubleReadsBackExactly) {

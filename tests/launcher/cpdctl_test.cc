@@ -375,7 +375,8 @@ class CpdctlTest : public testing::Test {
   }
 
   // Reports reach the database through the coordinator's writer thread: wait for them.
-  void WaitStored(const std::string& addr, const std::string& token, uint64_t n) {
+  void WaitStored(const std::string& addr, const std::string& token, uint64_t n,
+                  const std::string& job = kJob) {
     auto ops =
         v1::OperatorService::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
     const auto deadline = Clock::now() + std::chrono::seconds(30);
@@ -384,7 +385,7 @@ class CpdctlTest : public testing::Test {
       grpc::ClientContext ctx;
       Prepare(&ctx, token);
       v1::JobRef ref;
-      ref.set_job_name(kJob);
+      ref.set_job_name(job);
       v1::JobStatusResponse st;
       if (ops->JobStatus(&ctx, ref, &st).ok()) stored = st.reports_stored();
       if (stored >= n) return;
@@ -1211,6 +1212,123 @@ TEST_F(CpdctlTest, PlotWritesAPng) {
               "cannot run /nonexistent/python3");
   EXPECT_EQ(access(png2.c_str(), F_OK), -1);
   ExpectError(Ctl({"plot", kJob, "--out", dir_ + "/plot.jpg"}), 2, "FILE.png");
+}
+
+// ---- language models ---------------------------------------------------------------------------
+
+// A language model's report at `step` of a one-rank run: epochs end at steps 4 (validation loss
+// 2.5) and 9 (1.75) with the next-token accuracies, the perplexity exp(loss) and the bits per
+// byte loss / ln 2, as cpd-train --arch gpt --dataset text sends them; layer rows at step 5.
+v1::StatsReport MakeLmReport(int64_t job_id, int64_t step) {
+  v1::StatsReport r = MakeReport(job_id, step, step == 5);
+  r.set_ranks_alive(1);
+  r.set_train_accuracy(-1);
+  r.set_test_accuracy(-1);
+  r.set_test_loss(-1);
+  r.set_test_perplexity(-1);
+  r.set_test_bits_per_byte(-1);
+  if (step == 4 || step == 9) {
+    const double loss = step == 4 ? 2.5 : 1.75;
+    r.set_epoch(step == 4 ? 1 : 2);
+    r.set_train_accuracy(0.25);
+    r.set_test_accuracy(0.125);
+    r.set_test_loss(loss);
+    r.set_test_perplexity(std::exp(loss));
+    r.set_test_bits_per_byte(loss / std::log(2.0));
+  }
+  return r;
+}
+
+// status, study, watch, export and plot show a language model's validation perplexity and bits
+// per byte where they show a vision model's accuracy (the vision job's output is pinned by the
+// tests above: no such line or column there).
+TEST_F(CpdctlTest, LanguageModelShowsPerplexityWhereAccuracyIs) {
+  const int64_t gpt = RegisterRun("lm.gpt", "lm");
+  RegisterRun("lm.lstm", "lm");  // no report yet
+  for (int64_t step = 0; step < 10; ++step) Report(addr_, "", MakeLmReport(gpt, step));
+  WaitStored(addr_, "", 10, "lm.gpt");
+
+  RunResult r = Ctl({"status", "lm.gpt"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\nperplexity   5.75 (validation; 2.525 bits/byte, loss 1.7500)\n"
+                       "accuracy     train 25.00%, test 12.50% (next token)\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("epoch        2 / 4"), std::string::npos) << r.out;
+  const json j = Json(Ctl({"--json", "status", "lm.gpt"}));
+  EXPECT_EQ(j["test_loss"], 1.75);
+  EXPECT_EQ(j["test_perplexity"], std::exp(1.75));
+  EXPECT_EQ(j["test_bits_per_byte"], 1.75 / std::log(2.0));
+  EXPECT_EQ(j["job"]["test_perplexity"], std::exp(1.75));
+  const RunResult vision = Ctl({"status", kJob});
+  EXPECT_EQ(vision.out.find("perplexity"), std::string::npos) << vision.out;
+  EXPECT_EQ(vision.out.find("next token"), std::string::npos) << vision.out;
+
+  // The study's table: VAL PPL and BPB in place of TEST ACC.
+  r = Ctl({"study", "lm"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto lines = SplitLines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  EXPECT_EQ(Words(lines[0]), (std::vector<std::string>{"RUN", "STATE", "STEP", "EPOCH", "VAL",
+                                                       "PPL", "BPB", "LOSS", "LAST", "REPORT"}))
+      << lines[0];
+  auto w = Words(lines[1]);
+  ASSERT_GE(w.size(), 11u) << lines[1];
+  EXPECT_EQ(std::vector<std::string>(w.begin(), w.begin() + 11),
+            (std::vector<std::string>{"lm.gpt", "running", "10", "/", "100", "2", "/", "4", "5.75",
+                                      "2.525", "0.2"}))
+      << lines[1];
+  EXPECT_EQ(Words(lines[2]), (std::vector<std::string>{"lm.lstm", "running", "0", "/", "100", "0",
+                                                       "/", "4", "-", "-", "-", "-"}))
+      << lines[2];
+
+  // watch: the epoch's line has the validation figures instead of the accuracies.
+  Child wt(CPDCTL_PATH, {"watch", "lm.gpt", "--count", "2", "--coordinator", addr_}, {},
+           dir_ + "/watch.err");
+  std::string line;
+  ASSERT_TRUE(wt.ReadLine(&line, 30)) << wt.err();
+  EXPECT_EQ(line.rfind("step 9/100 epoch 2/4 loss 0.2 ", 0), 0u) << line;
+  EXPECT_NE(line.find(" img/s val loss 1.7500 ppl 5.75 bpb 2.525"), std::string::npos) << line;
+  EXPECT_EQ(line.find(" train "), std::string::npos) << line;
+  Report(addr_, "", MakeLmReport(gpt, 10));
+  EXPECT_EQ(wt.Wait(30), 0) << wt.err();
+  const auto watched = SplitLines(wt.out());
+  ASSERT_EQ(watched.size(), 2u) << wt.out();
+  EXPECT_EQ(watched[1].find("ppl"), std::string::npos) << watched[1];
+
+  // export: test_loss, test_perplexity and test_bits_per_byte after the accuracies, filled at
+  // the epochs' ends, exactly as sent.
+  WaitStored(addr_, "", 11, "lm.gpt");
+  r = Ctl({"export", "lm.gpt", "--csv", "-"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto rows = ParseCsv(r.out);
+  ASSERT_EQ(rows.size(), 1u + 10u + 15u) << r.out;  // 10 summaries and step 5's 15 rows
+  const auto& h = rows[0];
+  ASSERT_EQ(h.size(), 29u);
+  EXPECT_EQ(std::vector<std::string>(h.begin() + 12, h.begin() + 18),
+            (std::vector<std::string>{"train_accuracy", "test_accuracy", "test_loss",
+                                      "test_perplexity", "test_bits_per_byte", "finished"}));
+  for (size_t i = 1; i < rows.size(); ++i) {
+    ASSERT_EQ(rows[i].size(), h.size()) << i;
+    const v1::StatsReport want = MakeLmReport(gpt, std::stoll(rows[i][0]));
+    if (want.test_perplexity() < 0) {
+      EXPECT_EQ(rows[i][14] + rows[i][15] + rows[i][16], "") << i;
+      continue;
+    }
+    EXPECT_EQ(std::strtod(rows[i][14].c_str(), nullptr), want.test_loss()) << i;
+    EXPECT_EQ(std::strtod(rows[i][15].c_str(), nullptr), want.test_perplexity()) << i;
+    EXPECT_EQ(std::strtod(rows[i][16].c_str(), nullptr), want.test_bits_per_byte()) << i;
+  }
+
+  // plot: the loss panel's second axis is the validation perplexity.
+  if (std::system((std::string(CPDCTL_PYTHON) + " -c 'import matplotlib' 2>/dev/null").c_str()) !=
+      0) {
+    GTEST_SKIP() << CPDCTL_PYTHON << " has no matplotlib (python3-matplotlib)";
+  }
+  const std::string png = dir_ + "/lm.png";
+  r = Ctl({"plot", "lm.gpt", "--out", png});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(ReadAll(png).substr(0, 4), "\x89PNG");
 }
 
 // ---- errors ----------------------------------------------------------------------------------

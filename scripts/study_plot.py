@@ -4,6 +4,9 @@
   accuracy  final test accuracy (mean over seeds, sample-std error bars) against --x-axis (the
             global batch when it is an axis, else the first axis: cpd-study names the file
             accuracy_vs_<axis>.png), one line per setting of the other axes
+  perplexity  (a study of language models, in place of `accuracy`) validation bits per byte per
+            epoch (byte-level text; the right axis reads them as perplexity 2^bpb), else the
+            validation perplexity on a log scale, one line per setting (mean over seeds)
   loss      training loss per epoch, one line per setting (mean over seeds), on a log scale so
             that a run that diverged (loss 1e10) does not flatten the others; a setting with a
             diverged seed is drawn with an x at its last point and says so in its label
@@ -29,6 +32,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def read_csv(path):
@@ -140,6 +145,51 @@ def accuracy(d, axes, out, x_axis):
     save(fig, out)
 
 
+def perplexity_curves(d, axes, out):
+    """A language model's validation per epoch, the mean over the seeds of each setting: bits per
+    byte when every run with a perplexity logged them (byte-level text), with the perplexity
+    2^bpb on a right-hand axis; otherwise the perplexity, on a log scale."""
+    rows = read_csv(os.path.join(d, "curves.csv"))
+    measured = [r for r in rows if number(r.get("test_perplexity")) > 0]
+    bpb = bool(measured) and all(number(r.get("test_bits_per_byte")) > 0 for r in measured)
+    key = "test_bits_per_byte" if bpb else "test_perplexity"
+    split = panel_axis(axes)
+    lines = [a for a in axes if a != split]
+    values, fig, subplots = panels(rows, split)
+    drawn = False
+    for ax, v in zip(subplots, values):
+        curves = OrderedDict()
+        for r in rows:
+            if split is None or r[split] == v:
+                per_epoch = curves.setdefault(label(r, lines), defaultdict(list))
+                y = number(r.get(key))
+                if math.isfinite(y) and y > 0:
+                    per_epoch[number(r["epoch"])].append(y)
+        for i, (name, per_epoch) in enumerate(curves.items()):
+            xs = sorted(per_epoch)
+            if xs:
+                ys = [sum(per_epoch[x]) / len(per_epoch[x]) for x in xs]
+                ax.plot(xs, ys, marker="o", linewidth=1, label=name, **style(i))
+                drawn = True
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if not drawn:
+        subplots[0].text(0.5, 0.5, "no validation perplexity yet", ha="center",
+                         transform=subplots[0].transAxes)
+    elif bpb:
+        right = subplots[-1].secondary_yaxis(
+            "right", functions=(lambda b: np.power(2.0, b), lambda p: np.log2(np.maximum(p, 1e-300))))
+        right.set_ylabel("perplexity (2^bpb)")
+    else:
+        for ax in subplots:
+            ax.set_yscale("log")
+    subplots[0].set_ylabel("validation bits per byte (mean over seeds)" if bpb else
+                           "validation perplexity (mean over seeds, log scale)")
+    finish(fig, subplots, split, values,
+           "validation " + ("bits per byte" if bpb else "perplexity") + " per epoch")
+    save(fig, out)
+
+
 def loss_curves(d, axes, out):
     """Training loss per epoch, the mean over the seeds of each setting, on a log scale (a
     diverged run's 1e10 would flatten every other line on a linear one). Losses that are not
@@ -219,7 +269,7 @@ def layer_flushed(d, axes, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True, help="the report directory (its CSVs; PNGs go there)")
-    p.add_argument("--plot", required=True, choices=["accuracy", "loss", "layers"])
+    p.add_argument("--plot", required=True, choices=["accuracy", "perplexity", "loss", "layers"])
     p.add_argument("--out", required=True, help="the PNG's file name in --dir")
     p.add_argument("--x-axis", help="accuracy: the axis on the x axis (default: the first)")
     a = p.parse_args()
@@ -228,6 +278,8 @@ def main():
     if a.plot == "accuracy":
         x_axis = a.x_axis if a.x_axis in axes else axes[0]
         accuracy(a.dir, axes, out, x_axis)
+    elif a.plot == "perplexity":
+        perplexity_curves(a.dir, axes, out)
     elif a.plot == "loss":
         loss_curves(a.dir, axes, out)
     else:

@@ -206,6 +206,10 @@ struct RunRow {
   RunState s;
   int classes = 10;
   double final_acc = kNaN, best_acc = kNaN, final_loss = kNaN;
+  // A language model's validation: perplexity and bits per byte of the last epoch and of the
+  // best (the lowest), and the last validation loss per token; NaN when not logged.
+  double final_ppl = kNaN, best_ppl = kNaN, final_bpb = kNaN, best_bpb = kNaN;
+  double final_test_loss = kNaN;
   // The all-reduce's flushed fraction and APS shift, means over the logged steps and layers
   // (NaN without all-reduce statistics).
   double mean_flushed = kNaN, mean_shift = kNaN;
@@ -224,6 +228,31 @@ struct RunRow {
   // A result to count: an epoch, or a divergence.
   bool has_result() const { return has_epochs || diverged; }
 };
+
+// The smaller of `best` and `v`; a NaN `v` (not logged) leaves `best` as it is.
+double Lowest(double best, double v) { return std::isnan(v) || v >= best ? best : v; }
+
+// What a run's epochs say: the final and best figures, throughput, cost and skipped steps.
+void SummariseEpochs(RunRow* row) {
+  const EpochRow& last = row->m.epochs.rbegin()->second;
+  row->final_acc = last.test_accuracy;
+  row->final_loss = last.loss;
+  row->final_ppl = last.test_perplexity;
+  row->final_bpb = last.test_bits_per_byte;
+  row->final_test_loss = last.test_loss;
+  double ips = 0;
+  for (const auto& [n, e] : row->m.epochs) {
+    if (!(row->best_acc >= e.test_accuracy)) row->best_acc = e.test_accuracy;
+    row->best_ppl = Lowest(row->best_ppl, e.test_perplexity);
+    row->best_bpb = Lowest(row->best_bpb, e.test_bits_per_byte);
+    ips += e.images_per_s;
+  }
+  row->images_per_s = ips / double(row->m.epochs.size());
+  row->relative_cost = last.relative_cost;
+  // Metrics from before --cost-reference measured against CPT's max bits.
+  row->cost_reference = last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference;
+  row->skipped_steps = last.skipped_steps;
+}
 
 RunRow Summarise(const PlannedRun& r, const std::string& out) {
   RunRow row;
@@ -247,21 +276,7 @@ RunRow Summarise(const PlannedRun& r, const std::string& out) {
     row.mean_shift = row.m.all.shift / double(row.m.all.n);
   }
   row.has_epochs = !row.m.epochs.empty();
-  if (row.has_epochs) {
-    const EpochRow& last = row.m.epochs.rbegin()->second;
-    row.final_acc = last.test_accuracy;
-    row.final_loss = last.loss;
-    double ips = 0;
-    for (const auto& [n, e] : row.m.epochs) {
-      if (!(row.best_acc >= e.test_accuracy)) row.best_acc = e.test_accuracy;
-      ips += e.images_per_s;
-    }
-    row.images_per_s = ips / double(row.m.epochs.size());
-    row.relative_cost = last.relative_cost;
-    // Metrics from before --cost-reference measured against CPT's max bits.
-    row.cost_reference = last.cost_reference.empty() ? "cpt-max-bits" : last.cost_reference;
-    row.skipped_steps = last.skipped_steps;
-  }
+  if (row.has_epochs) SummariseEpochs(&row);
   // Every attempt's wall time: the finished ones, and the one a kill ended (up to its last
   // write) or the one still running (up to now).
   if (row.s.attempts > 0) {
@@ -303,8 +318,15 @@ std::string AxesCells(const PlannedRun& r) {
 struct Columns {
   bool allreduce = false, reference = false;
   // Validation perplexity and bits per byte where accuracy is: only when some run is a language
-  // model (the image studies' tables keep their columns).
-  bool language_model = false;
+  // model (the image studies' tables keep their columns). summary.md shows bits per byte only
+  // when some run logged them (byte-level text).
+  bool language_model = false, bits_per_byte = false;
+};
+
+// What --reference's runs reached: the means of their final test accuracy, and of a language
+// model's final validation perplexity and bits per byte (NaN: none).
+struct Reference {
+  double accuracy = kNaN, perplexity = kNaN, bits_per_byte = kNaN;
 };
 
 // "nan" when that is what the loss was, empty when it is not known.
@@ -313,28 +335,38 @@ std::string DivergedLossCell(const RunRow& r) {
   return std::isnan(r.diverged_loss) && nan ? "nan" : Fmt(r.diverged_loss);
 }
 
-std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, double reference,
+std::string RunsCsv(const Study& s, const std::vector<RunRow>& rows, const Reference& ref,
                     const Columns& c) {
   std::string csv = "run" + AxesHeader(s) +
                     ",seed,state,epochs,final_test_accuracy,best_test_accuracy,final_loss,"
                     "final_test_loss,skipped_steps,collapsed,diverged_step,diverged_loss,classes";
-  if (c.language_model) csv += ",final_test_perplexity,final_test_bits_per_byte";
+  if (c.language_model) {
+    csv +=
+        ",final_test_perplexity,final_test_bits_per_byte,best_test_perplexity,"
+        "best_test_bits_per_byte";
+  }
   if (c.allreduce) csv += ",mean_aps_shift,mean_allreduce_flushed";
-  csv += ",images_per_s,wall_s,relative_cost,cost_reference,accuracy_vs_reference\n";
+  csv += ",images_per_s,wall_s,relative_cost,cost_reference,accuracy_vs_reference";
+  if (c.language_model) csv += ",perplexity_vs_reference,bits_per_byte_vs_reference";
+  csv += "\n";
   for (const RunRow& r : rows) {
-    const EpochRow last = r.has_epochs ? r.m.epochs.rbegin()->second : EpochRow{};
     csv += CsvField(r.run->name) + AxesCells(*r.run) + "," + std::to_string(r.run->seed) + "," +
            r.state + "," + std::to_string(r.m.epochs.size()) + "," + Fmt(r.final_acc) + "," +
-           Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(last.test_loss) + "," +
+           Fmt(r.best_acc) + "," + Fmt(r.final_loss) + "," + Fmt(r.final_test_loss) + "," +
            (r.has_epochs ? std::to_string(r.skipped_steps) : "") + "," + (r.collapsed ? "1" : "0") +
            "," + (r.diverged_step >= 0 ? std::to_string(r.diverged_step) : "") + "," +
            DivergedLossCell(r) + "," + std::to_string(r.classes);
     if (c.language_model) {
-      csv += "," + Fmt(last.test_perplexity) + "," + Fmt(last.test_bits_per_byte);
+      csv += "," + Fmt(r.final_ppl) + "," + Fmt(r.final_bpb) + "," + Fmt(r.best_ppl) + "," +
+             Fmt(r.best_bpb);
     }
     if (c.allreduce) csv += "," + Fmt(r.mean_shift) + "," + Fmt(r.mean_flushed);
     csv += "," + Fmt(r.images_per_s) + "," + Fmt(r.wall_s) + "," + Fmt(r.relative_cost) + "," +
-           CsvField(r.cost_reference) + "," + Fmt(r.final_acc - reference) + "\n";
+           CsvField(r.cost_reference) + "," + Fmt(r.final_acc - ref.accuracy);
+    if (c.language_model) {
+      csv += "," + Fmt(r.final_ppl - ref.perplexity) + "," + Fmt(r.final_bpb - ref.bits_per_byte);
+    }
+    csv += "\n";
   }
   return csv;
 }
@@ -362,13 +394,33 @@ struct Group {
   int results = 0;    // seeds with a result: an epoch, or a divergence
   int collapsed = 0;  // of those
   std::vector<double> final_acc, best_acc, final_loss, delta;  // seeds with an epoch
+  // A language model's, over the seeds with an epoch (NaN where a run logged none).
+  std::vector<double> final_ppl, best_ppl, final_bpb, best_bpb, final_test_loss;
   std::vector<double> flushed, shift;  // per run with all-reduce statistics: its step mean
   std::vector<double> images_per_s, wall_s, relative_cost;
   std::string cost_reference;  // the runs' reference; "mixed" when they differ
   int64_t skipped_steps = 0;   // over the seeds
 };
 
-std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double reference) {
+// Adds a run with an epoch to its group's language-model figures.
+void AddValidation(const RunRow& r, Group* g) {
+  g->final_ppl.push_back(r.final_ppl);
+  g->best_ppl.push_back(r.best_ppl);
+  g->final_bpb.push_back(r.final_bpb);
+  g->best_bpb.push_back(r.best_bpb);
+  g->final_test_loss.push_back(r.final_test_loss);
+}
+
+// A setting's mean final perplexity and bits per byte minus the reference's (the mean over the
+// seeds of each run's difference, but exactly 0 for the reference's own setting).
+MeanStd PerplexityVsReference(const Group& g, const Reference& ref) {
+  return {Stats(g.final_ppl).mean - ref.perplexity, kNaN};
+}
+MeanStd BitsPerByteVsReference(const Group& g, const Reference& ref) {
+  return {Stats(g.final_bpb).mean - ref.bits_per_byte, kNaN};
+}
+
+std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, const Reference& ref) {
   std::vector<Group> groups;
   std::map<std::vector<std::string>, size_t> at;
   for (const RunRow& r : rows) {
@@ -388,7 +440,8 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
     g.final_acc.push_back(r.final_acc);
     g.best_acc.push_back(r.best_acc);
     g.final_loss.push_back(r.final_loss);
-    g.delta.push_back(r.final_acc - reference);
+    g.delta.push_back(r.final_acc - ref.accuracy);
+    AddValidation(r, &g);
     g.skipped_steps += r.skipped_steps;
     g.images_per_s.push_back(r.images_per_s);
     if (!std::isnan(r.relative_cost)) g.relative_cost.push_back(r.relative_cost);
@@ -402,9 +455,29 @@ std::vector<Group> GroupOverSeeds(const std::vector<RunRow>& rows, double refere
   return groups;
 }
 
-std::string SummaryCsv(const Study& s, const std::vector<Group>& groups, const Columns& c) {
-  std::string csv = AxesHeader(s).substr(1) +
-                    ",n_seeds,n_collapsed,final_test_accuracy_mean,final_test_accuracy_std,"
+// A language model's columns of summary.csv, where the accuracy's are (which follow them: for a
+// language model they are the next-token accuracy).
+constexpr const char* kValidationCsvHeader =
+    ",final_test_perplexity_mean,final_test_perplexity_std,best_test_perplexity_mean,"
+    "best_test_perplexity_std,final_test_bits_per_byte_mean,final_test_bits_per_byte_std,"
+    "best_test_bits_per_byte_mean,best_test_bits_per_byte_std,final_test_loss_mean,"
+    "final_test_loss_std,perplexity_vs_reference_mean,bits_per_byte_vs_reference_mean";
+
+std::string ValidationCsvCells(const Group& g, const Reference& ref) {
+  std::string cells;
+  for (const auto* v : {&g.final_ppl, &g.best_ppl, &g.final_bpb, &g.best_bpb, &g.final_test_loss}) {
+    const MeanStd m = Stats(*v);
+    cells += "," + Fmt(m.mean) + "," + Fmt(m.std);
+  }
+  return cells + "," + Fmt(PerplexityVsReference(g, ref).mean) + "," +
+         Fmt(BitsPerByteVsReference(g, ref).mean);
+}
+
+std::string SummaryCsv(const Study& s, const std::vector<Group>& groups, const Reference& ref,
+                       const Columns& c) {
+  std::string csv = AxesHeader(s).substr(1) + ",n_seeds,n_collapsed" +
+                    (c.language_model ? kValidationCsvHeader : "") +
+                    ",final_test_accuracy_mean,final_test_accuracy_std,"
                     "best_test_accuracy_mean,best_test_accuracy_std,final_loss_mean,"
                     "final_loss_std,accuracy_vs_reference_mean";
   if (c.allreduce) csv += ",allreduce_flushed_mean,allreduce_flushed_std,aps_shift_mean";
@@ -413,9 +486,9 @@ std::string SummaryCsv(const Study& s, const std::vector<Group>& groups, const C
     const MeanStd fa = Stats(g.final_acc), ba = Stats(g.best_acc), fl = Stats(g.final_loss),
                   flushed = Stats(g.flushed);
     csv += AxesCells(*g.first).substr(1) + "," + std::to_string(g.results) + "," +
-           std::to_string(g.collapsed) + "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," +
-           Fmt(ba.mean) + "," + Fmt(ba.std) + "," + Fmt(fl.mean) + "," + Fmt(fl.std) + "," +
-           Fmt(Stats(g.delta).mean);
+           std::to_string(g.collapsed) + (c.language_model ? ValidationCsvCells(g, ref) : "") +
+           "," + Fmt(fa.mean) + "," + Fmt(fa.std) + "," + Fmt(ba.mean) + "," + Fmt(ba.std) + "," +
+           Fmt(fl.mean) + "," + Fmt(fl.std) + "," + Fmt(Stats(g.delta).mean);
     if (c.allreduce) {
       csv += "," + Fmt(flushed.mean) + "," + Fmt(flushed.std) + "," + Fmt(Stats(g.shift).mean);
     }
@@ -447,16 +520,30 @@ std::string CostCell(double relative_cost, const std::string& reference) {
   return buf + reference;
 }
 
-std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs,
-                      const Columns& c, const std::string& reference_glob) {
+// summary.md's opening paragraph: what each column is.
+std::string SummaryMdIntro(const Study& s, size_t runs, const Columns& c,
+                           const std::string& reference_glob) {
+  const bool lm = c.language_model;
   std::string md = "# Study " + s.name + "\n\n" + std::to_string(runs) + " runs, " +
                    std::to_string(s.seeds.size()) +
                    " seed(s) per setting. seeds: the seeds with a result (an epoch, or a "
-                   "divergence); collapsed: of those, the runs whose final test accuracy is <= "
-                   "1.5 x chance, whose loss is not finite, or that diverged (runs.csv gives the "
-                   "step and loss). Accuracy in %, mean ± sample std over the seeds with an "
-                   "epoch";
-  if (c.reference) {
+                   "divergence); collapsed: of those, the runs whose final " +
+                   (lm ? "next-token" : "test") +
+                   " accuracy is <= 1.5 x chance, whose loss is not finite, or that diverged "
+                   "(runs.csv gives the step and loss). ";
+  if (lm) {
+    md += std::string("Validation perplexity (val ppl), ") +
+          (c.bits_per_byte ? "bits per byte (bpb) " : "") +
+          "and loss per token (val loss), mean ± sample std over the seeds with an epoch; best: "
+          "the epoch with the lowest perplexity";
+  } else {
+    md += "Accuracy in %, mean ± sample std over the seeds with an epoch";
+  }
+  if (c.reference && lm) {
+    md += "; vs ref: the mean final validation perplexity minus that of the reference runs (" +
+          reference_glob + ")" +
+          (c.bits_per_byte ? ", and vs ref bpb the same in bits per byte" : "");
+  } else if (c.reference) {
     md += "; vs ref: final test accuracy minus the mean of the reference runs (" + reference_glob +
           "), in points, mean over the seeds";
   }
@@ -465,45 +552,73 @@ std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t r
         "; flushed: the fraction of gradient values the all-reduce flushed to zero and shift: "
         "the APS shift, means over the logged steps and layers, then over the seeds";
   }
-  md +=
-      "; skipped: steps skipped for non-finite gradients, over the seeds; img/s and wall s: "
-      "means over the seeds; cost: the relative training cost (CPT's BitOPs model) against the "
-      "reference it names.\n\n|";
-  std::string rule = "|";
-  for (const Axis& a : s.axes) {
-    md += " " + a.name + " |";
-    rule += "---|";
+  return md +
+         "; skipped: steps skipped for non-finite gradients, over the seeds; img/s and wall s: "
+         "means over the seeds; cost: the relative training cost (CPT's BitOPs model) against the "
+         "reference it names.\n\n";
+}
+
+// summary.md's header line and rule.
+std::string SummaryMdHeader(const Study& s, const Columns& c) {
+  std::string md = "|", rule = "|";
+  auto add = [&](const char* header, const char* align) {
+    md += header;
+    rule += align;
+  };
+  for (const Axis& a : s.axes) add((" " + a.name + " |").c_str(), "---|");
+  add(" seeds | collapsed |", "---:|---:|");
+  if (c.language_model) {
+    add(" final val ppl | best val ppl |", "---:|---:|");
+    if (c.bits_per_byte) add(" final bpb | best bpb |", "---:|---:|");
+    add(" final val loss |", "---:|");
+  } else {
+    add(" final test acc | best test acc |", "---:|---:|");
   }
-  md += " seeds | collapsed | final test acc | best test acc |";
-  rule += "---:|---:|---:|---:|";
-  if (c.reference) {
-    md += " vs ref |";
-    rule += "---:|";
-  }
-  md += " final loss |";
-  rule += "---:|";
-  if (c.allreduce) {
-    md += " flushed % | shift |";
-    rule += "---:|---:|";
-  }
-  md += " skipped | img/s | wall s | cost |\n" + rule + "---:|---:|---:|---:|\n";
-  for (const Group& g : groups) {
-    md += "|";
-    for (const auto& l : g.first->labels) md += " " + l + " |";
-    md += " " + std::to_string(g.results) + " | " + std::to_string(g.collapsed) + " | " +
-          PlusMinus(Stats(g.final_acc), 100, "%.2f") + " | " +
+  if (c.reference) add(" vs ref |", "---:|");
+  if (c.reference && c.language_model && c.bits_per_byte) add(" vs ref bpb |", "---:|");
+  add(" final loss |", "---:|");
+  if (c.allreduce) add(" flushed % | shift |", "---:|---:|");
+  add(" skipped | img/s | wall s | cost |", "---:|---:|---:|---:|");
+  return md + "\n" + rule + "\n";
+}
+
+// A setting's row of summary.md: a language model's validation where accuracy is.
+std::string SummaryMdRow(const Group& g, const Reference& ref, const Columns& c) {
+  std::string md = "|";
+  for (const auto& l : g.first->labels) md += " " + l + " |";
+  md += " " + std::to_string(g.results) + " | " + std::to_string(g.collapsed) + " | ";
+  if (c.language_model) {
+    md += PlusMinus(Stats(g.final_ppl), 1, "%.2f") + " | " +
+          PlusMinus(Stats(g.best_ppl), 1, "%.2f") + " | ";
+    if (c.bits_per_byte) {
+      md += PlusMinus(Stats(g.final_bpb), 1, "%.3f") + " | " +
+            PlusMinus(Stats(g.best_bpb), 1, "%.3f") + " | ";
+    }
+    md += PlusMinus(Stats(g.final_test_loss), 1, "%.4f") + " | ";
+    if (c.reference) md += PlusMinus(PerplexityVsReference(g, ref), 1, "%+.2f") + " | ";
+    if (c.reference && c.bits_per_byte) {
+      md += PlusMinus(BitsPerByteVsReference(g, ref), 1, "%+.3f") + " | ";
+    }
+  } else {
+    md += PlusMinus(Stats(g.final_acc), 100, "%.2f") + " | " +
           PlusMinus(Stats(g.best_acc), 100, "%.2f") + " | ";
     if (c.reference) md += PlusMinus(MeanStd{Stats(g.delta).mean, kNaN}, 100, "%+.2f") + " | ";
-    md += PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | ";
-    if (c.allreduce) {
-      md += PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
-            PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " | ";
-    }
-    md += std::to_string(g.skipped_steps) + " | " +
-          PlusMinus(MeanStd{Stats(g.images_per_s).mean, kNaN}, 1, "%.0f") + " | " +
-          PlusMinus(MeanStd{Stats(g.wall_s).mean, kNaN}, 1, "%.1f") + " | " +
-          CostCell(Stats(g.relative_cost).mean, g.cost_reference) + " |\n";
   }
+  md += PlusMinus(Stats(g.final_loss), 1, "%.4f") + " | ";
+  if (c.allreduce) {
+    md += PlusMinus(Stats(g.flushed), 100, "%.2f") + " | " +
+          PlusMinus(MeanStd{Stats(g.shift).mean, kNaN}, 1, "%.1f") + " | ";
+  }
+  return md + std::to_string(g.skipped_steps) + " | " +
+         PlusMinus(MeanStd{Stats(g.images_per_s).mean, kNaN}, 1, "%.0f") + " | " +
+         PlusMinus(MeanStd{Stats(g.wall_s).mean, kNaN}, 1, "%.1f") + " | " +
+         CostCell(Stats(g.relative_cost).mean, g.cost_reference) + " |\n";
+}
+
+std::string SummaryMd(const Study& s, const std::vector<Group>& groups, size_t runs,
+                      const Reference& ref, const Columns& c, const std::string& reference_glob) {
+  std::string md = SummaryMdIntro(s, runs, c, reference_glob) + SummaryMdHeader(s, c);
+  for (const Group& g : groups) md += SummaryMdRow(g, ref, c);
   return md;
 }
 
@@ -542,14 +657,17 @@ std::string LayersCsv(const Study& s, const std::vector<RunRow>& rows) {
   return csv;
 }
 
-Result<double> ReferenceAccuracy(const std::vector<RunRow>& rows, const std::string& glob) {
-  if (glob.empty()) return kNaN;
-  std::vector<double> acc;
+Result<Reference> ReferenceOf(const std::vector<RunRow>& rows, const std::string& glob) {
+  if (glob.empty()) return Reference{};
+  std::vector<double> acc, ppl, bpb;
   size_t matched = 0;
   for (const RunRow& r : rows) {
     if (::fnmatch(glob.c_str(), r.run->name.c_str(), 0) != 0) continue;
     ++matched;
-    if (r.has_epochs) acc.push_back(r.final_acc);
+    if (!r.has_epochs) continue;
+    acc.push_back(r.final_acc);
+    ppl.push_back(r.final_ppl);
+    bpb.push_back(r.final_bpb);
   }
   if (matched == 0) {
     return Status::InvalidArgument("--reference '" + glob + "' matches no run of the study");
@@ -558,21 +676,22 @@ Result<double> ReferenceAccuracy(const std::vector<RunRow>& rows, const std::str
     std::fprintf(stderr, "cpd-study: warning: the %zu reference run(s) have no results yet\n",
                  matched);
   }
-  return Stats(acc).mean;
+  return Reference{Stats(acc).mean, Stats(ppl).mean, Stats(bpb).mean};
 }
 
 }  // namespace
 
-std::vector<PlotSpec> Plots(const Study& study) {
+std::vector<PlotSpec> Plots(const Study& study, bool language_model) {
   // Accuracy against the global batch when it is an axis (what the plot was made for), else
-  // against the first axis; the file says which.
+  // against the first axis; the file says which. A language model's validation per epoch in
+  // its place.
   std::string x = study.axes.empty() ? "seed" : study.axes[0].name;
   for (const Axis& a : study.axes) {
     if (a.name == "global-batch") x = a.name;
   }
-  return {{"accuracy", "accuracy_vs_" + x + ".png", x},
-          {"loss", "loss_curves.png", ""},
-          {"layers", "layer_flushed.png", ""}};
+  PlotSpec first = {"accuracy", "accuracy_vs_" + x + ".png", x};
+  if (language_model) first = {"perplexity", "perplexity_curves.png", ""};
+  return {first, {"loss", "loss_curves.png", ""}, {"layers", "layer_flushed.png", ""}};
 }
 
 Result<std::vector<std::string>> WriteReport(const Study& study,
@@ -581,12 +700,13 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
   std::vector<RunRow> rows;
   rows.reserve(runs.size());
   for (const PlannedRun& r : runs) rows.push_back(Summarise(r, o.out_dir));
-  CPD_ASSIGN_OR_RETURN(const double reference, ReferenceAccuracy(rows, o.reference_glob));
+  CPD_ASSIGN_OR_RETURN(const Reference reference, ReferenceOf(rows, o.reference_glob));
   Columns columns;
   columns.reference = !o.reference_glob.empty();
   for (const RunRow& r : rows) {
     columns.allreduce = columns.allreduce || r.m.all.n > 0;
     columns.language_model = columns.language_model || r.m.language_model;
+    columns.bits_per_byte = columns.bits_per_byte || !std::isnan(r.best_bpb);
   }
   const std::string dir = o.out_dir + "/report";
   std::error_code ec;
@@ -595,8 +715,9 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
   const std::vector<Group> groups = GroupOverSeeds(rows, reference);
   const std::vector<std::pair<std::string, std::string>> files = {
       {dir + "/runs.csv", RunsCsv(study, rows, reference, columns)},
-      {dir + "/summary.csv", SummaryCsv(study, groups, columns)},
-      {dir + "/summary.md", SummaryMd(study, groups, runs.size(), columns, o.reference_glob)},
+      {dir + "/summary.csv", SummaryCsv(study, groups, reference, columns)},
+      {dir + "/summary.md",
+       SummaryMd(study, groups, runs.size(), reference, columns, o.reference_glob)},
       {dir + "/curves.csv", CurvesCsv(study, rows, columns)},
       {dir + "/layers.csv", LayersCsv(study, rows)}};
   std::vector<std::string> wrote;
@@ -608,7 +729,7 @@ Result<std::vector<std::string>> WriteReport(const Study& study,
   // One process per plot: a plot that fails (a matplotlib error, a crash) is one warning naming
   // it, and the tables and the other plots stand. The script writes each PNG under a temporary
   // name and renames it when whole.
-  for (const PlotSpec& plot : Plots(study)) {
+  for (const PlotSpec& plot : Plots(study, columns.language_model)) {
     std::vector<std::string> args = {"--dir", dir, "--plot", plot.kind, "--out", plot.file};
     if (!plot.x_axis.empty()) args.insert(args.end(), {"--x-axis", plot.x_axis});
     const Status drawn = RunPythonScript(o.python, o.script, args);

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -810,8 +811,44 @@ std::string ZeroFc2Step(int step) {
          std::to_string(step) + R"(,"type":"step"})" + "\n";
 }
 
-// A study of language models: the report's tables carry validation perplexity and bits per
-// byte where accuracy is (the image studies' tables have no such column).
+// Mean and sample standard deviation (n - 1) of `v`.
+std::pair<double, double> MeanAndStd(const std::vector<double>& v) {
+  double sum = 0, sq = 0;
+  for (double x : v) sum += x;
+  const double mean = sum / double(v.size());
+  for (double x : v) sq += (x - mean) * (x - mean);
+  return {mean, v.size() > 1 ? std::sqrt(sq / double(v.size() - 1)) : std::nan("")};
+}
+
+// The cells of summary.md's row whose first cell is `first`, trimmed ("" cells for none).
+std::vector<std::string> MdRow(const std::string& md, const std::string& first) {
+  for (const std::string& line : Lines(md)) {
+    if (line.rfind("| " + first + " |", 0) != 0) continue;
+    std::vector<std::string> cells;
+    std::stringstream s(line.substr(1));
+    for (std::string c; std::getline(s, c, '|');) cells.push_back(c.substr(1, c.size() - 2));
+    return cells;
+  }
+  return {};
+}
+
+// "39.71 ± 0.18" as {39.71, 0.18}; "+0.00" as {0, NaN}.
+std::pair<double, double> PlusMinusCell(const std::string& cell) {
+  const size_t pm = cell.find(" ± ");
+  return {std::stod(cell), pm == std::string::npos ? std::nan("") : std::stod(cell.substr(pm + 4))};
+}
+
+double Cell(const std::map<std::string, std::string>& row, const std::string& column) {
+  auto it = row.find(column);
+  EXPECT_TRUE(it != row.end()) << "no column " << column;
+  return it == row.end() || it->second.empty() ? std::nan("") : std::stod(it->second);
+}
+
+// A real study of language models (a tiny GPT on byte-level text, 2 settings x 2 seeds x 2
+// epochs): the report's tables carry validation perplexity and bits per byte where accuracy is,
+// its summary's means, sample stds and differences to --reference are those of runs.csv, and
+// the accuracy plot gives way to the validation per epoch. (The image studies' tables have no
+// such column: the tests above pin them.)
 TEST(CpdStudyCli, LanguageModelStudyReportsPerplexityAndBitsPerByte) {
   TempDir dir("cpd_study_lm");
   const std::string out = dir.File("out");
@@ -823,24 +860,107 @@ TEST(CpdStudyCli, LanguageModelStudyReportsPerplexityAndBitsPerByte) {
         "name: lm\nbase:\n  arch: gpt\n  dataset: text\n  data-dir: " + dir.File("corpus.txt") +
             "\n  n-layer: 1\n  n-head: 2\n  n-embd: 16\n  block-size: 16\n  threads: 1\n"
             "  epochs: 2\n  batch-size: 8\n  tokens-per-epoch: 256\ngrid:\n  lr: [0.05, 0.1]\n"
-            "seeds: [1]\n");
+            "seeds: [1, 2]\n");
   const RunResult run = Study({"run", dir.File("s.yaml"), "--out", out, "--parallel", "2"});
   ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
-  const RunResult rep = Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot"});
+  const bool plots = HaveMatplotlib();
+  std::vector<std::string> args = {"report", dir.File("s.yaml"), "--out",
+                                   out,      "--reference",      "lr_0.05.*"};
+  if (!plots) args.push_back("--no-plot");
+  const RunResult rep = Study(args);
   ASSERT_EQ(rep.exit_code, 0) << rep.err;
+  EXPECT_EQ(rep.err, "") << "every plot drawn, no warning";
   const auto rows = ReadCsv(out + "/report/runs.csv");
-  ASSERT_EQ(rows.size(), 2u);
-  for (const auto& row : rows) {
-    const double loss = std::stod(row.at("final_test_loss"));
-    EXPECT_NEAR(std::stod(row.at("final_test_perplexity")), std::exp(loss), 1e-3 * std::exp(loss))
-        << row.at("run");
-    EXPECT_NEAR(std::stod(row.at("final_test_bits_per_byte")), loss / std::log(2.0), 1e-4)
-        << row.at("run");
-    EXPECT_EQ(row.at("classes"), "256");
-  }
   const auto curves = ReadCsv(out + "/report/curves.csv");
-  ASSERT_EQ(curves.size(), 4u);
+  ASSERT_EQ(rows.size(), 4u);
+  ASSERT_EQ(curves.size(), 8u);
   EXPECT_FALSE(curves[0].at("test_bits_per_byte").empty());
+  std::map<std::string, std::vector<double>> final_ppl, best_ppl, final_bpb, best_bpb, loss;
+  for (const auto& row : rows) {
+    const double l = Cell(row, "final_test_loss");
+    EXPECT_NEAR(Cell(row, "final_test_perplexity"), std::exp(l), 1e-5 * std::exp(l))
+        << row.at("run");
+    EXPECT_NEAR(Cell(row, "final_test_bits_per_byte"), l / std::log(2.0), 1e-5) << row.at("run");
+    EXPECT_EQ(row.at("classes"), "256");
+    // Best: the epoch with the lowest perplexity, among this run's curves.
+    double lowest = INFINITY, lowest_bpb = INFINITY;
+    for (const auto& c : curves) {
+      if (c.at("run") != row.at("run")) continue;
+      lowest = std::min(lowest, Cell(c, "test_perplexity"));
+      lowest_bpb = std::min(lowest_bpb, Cell(c, "test_bits_per_byte"));
+    }
+    EXPECT_EQ(Cell(row, "best_test_perplexity"), lowest) << row.at("run");
+    EXPECT_EQ(Cell(row, "best_test_bits_per_byte"), lowest_bpb) << row.at("run");
+    const std::string lr = row.at("lr");
+    final_ppl[lr].push_back(Cell(row, "final_test_perplexity"));
+    best_ppl[lr].push_back(Cell(row, "best_test_perplexity"));
+    final_bpb[lr].push_back(Cell(row, "final_test_bits_per_byte"));
+    best_bpb[lr].push_back(Cell(row, "best_test_bits_per_byte"));
+    loss[lr].push_back(l);
+  }
+  const double ref_ppl = MeanAndStd(final_ppl["0.05"]).first;
+  const double ref_bpb = MeanAndStd(final_bpb["0.05"]).first;
+  for (const auto& row : rows) {
+    EXPECT_NEAR(Cell(row, "perplexity_vs_reference"), Cell(row, "final_test_perplexity") - ref_ppl,
+                1e-3)
+        << row.at("run");
+    EXPECT_NEAR(Cell(row, "bits_per_byte_vs_reference"),
+                Cell(row, "final_test_bits_per_byte") - ref_bpb, 1e-4)
+        << row.at("run");
+  }
+
+  // summary.csv: per setting, mean ± sample std over the seeds of what runs.csv says.
+  const auto sum = ReadCsv(out + "/report/summary.csv");
+  ASSERT_EQ(sum.size(), 2u);
+  const std::string md = ReadFile(out + "/report/summary.md");
+  for (const auto& g : sum) {
+    const std::string lr = g.at("lr");
+    EXPECT_EQ(g.at("n_seeds"), "2");
+    for (const auto& [column, values] : std::vector<std::pair<std::string, std::vector<double>>>{
+             {"final_test_perplexity", final_ppl[lr]},
+             {"best_test_perplexity", best_ppl[lr]},
+             {"final_test_bits_per_byte", final_bpb[lr]},
+             {"best_test_bits_per_byte", best_bpb[lr]},
+             {"final_test_loss", loss[lr]}}) {
+      const auto [mean, sd] = MeanAndStd(values);
+      EXPECT_NEAR(Cell(g, column + "_mean"), mean, 1e-5 * std::abs(mean)) << lr << " " << column;
+      EXPECT_NEAR(Cell(g, column + "_std"), sd, 1e-5 * std::abs(mean)) << lr << " " << column;
+    }
+    const double vs_ppl = MeanAndStd(final_ppl[lr]).first - ref_ppl;
+    const double vs_bpb = MeanAndStd(final_bpb[lr]).first - ref_bpb;
+    EXPECT_NEAR(Cell(g, "perplexity_vs_reference_mean"), vs_ppl, 1e-3) << lr;
+    EXPECT_NEAR(Cell(g, "bits_per_byte_vs_reference_mean"), vs_bpb, 1e-4) << lr;
+    // summary.md: the same numbers, rounded to its decimals (2 for perplexity, 3 for bits per
+    // byte, 4 for the loss).
+    const std::vector<std::string> cells = MdRow(md, lr);
+    ASSERT_EQ(cells.size(), 15u) << md;
+    EXPECT_EQ(cells[1] + " " + cells[2], "2 0") << md;
+    const std::vector<std::pair<std::vector<double>*, double>> shown = {{&final_ppl[lr], 0.006},
+                                                                        {&best_ppl[lr], 0.006},
+                                                                        {&final_bpb[lr], 6e-4},
+                                                                        {&best_bpb[lr], 6e-4},
+                                                                        {&loss[lr], 6e-5}};
+    for (size_t i = 0; i < shown.size(); ++i) {
+      const auto [mean, sd] = MeanAndStd(*shown[i].first);
+      const auto [m, s] = PlusMinusCell(cells[3 + i]);
+      EXPECT_NEAR(m, mean, shown[i].second) << lr << " cell " << 3 + i << ": " << cells[3 + i];
+      EXPECT_NEAR(s, sd, shown[i].second) << lr << " cell " << 3 + i << ": " << cells[3 + i];
+    }
+    EXPECT_NEAR(std::stod(cells[8]), vs_ppl, 0.006) << cells[8];
+    EXPECT_NEAR(std::stod(cells[9]), vs_bpb, 6e-4) << cells[9];
+  }
+  EXPECT_EQ(Cell(sum[0], "perplexity_vs_reference_mean"), 0) << "the reference's own setting";
+  EXPECT_NE(
+      md.find("| lr | seeds | collapsed | final val ppl | best val ppl | final bpb | best bpb "
+              "| final val loss | vs ref | vs ref bpb | final loss |"),
+      std::string::npos)
+      << md;
+  EXPECT_EQ(md.find("test acc"), std::string::npos) << md;
+  if (!plots) GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON << ": tables only";
+  for (const char* png : {"perplexity_curves.png", "loss_curves.png", "layer_flushed.png"}) {
+    EXPECT_EQ(ReadFile(out + "/report/" + png).substr(0, 4), "\x89PNG") << png;
+  }
+  EXPECT_FALSE(Exists(out + "/report/accuracy_vs_lr.png"));
 }
 
 TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
@@ -937,6 +1057,144 @@ TEST(CpdStudyCli, ReportMatchesStatisticsComputedByHand) {
       Study({"report", dir.File("s.yaml"), "--out", out, "--no-plot", "--reference", "nothing*"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--reference 'nothing*' matches no run"), std::string::npos) << bad.err;
+}
+
+// A language model's epoch written by hand: its validation perplexity, bits per byte (none when
+// `bpb` is negative: token-level data) and loss per token; the next-token accuracy 0.3.
+std::string LmEpoch(int epoch, double ppl, double bpb, double loss) {
+  std::string e = R"({"type":"epoch","epoch":)" + std::to_string(epoch) + R"(,"step":)" +
+                  std::to_string(10 * epoch) +
+                  R"(,"loss":2.5,"train_accuracy":0.3,"test_accuracy":0.3,"test_loss":)" +
+                  std::to_string(loss) + R"(,"images_per_s":100,"relative_cost":0,)" +
+                  R"("skipped_steps":0,"test_perplexity":)" + std::to_string(ppl);
+  if (bpb >= 0) e += R"(,"test_bits_per_byte":)" + std::to_string(bpb);
+  return e + "}\n";
+}
+
+// summary.csv and summary.md of a language-model study against numbers computed by hand: best is
+// the lowest perplexity (not the last epoch), mean ± sample std over the seeds, and --reference
+// in perplexity and bits per byte; without bits per byte (token-level data) their columns leave
+// summary.md and the plot draws the perplexity on a log scale.
+TEST(CpdStudyCli, LanguageModelReportMatchesStatisticsComputedByHand) {
+  TempDir dir("cpd_study_lm_report");
+  const std::string out = dir.File("out");
+  Write(dir.File("s.yaml"),
+        "name: lmrep\nbase:\n  arch: gpt\n  dataset: text\n  n-embd: 16\n  block-size: 16\n"
+        "grid:\n  lr: [0.1, 0.2]\nseeds: [1, 2, 3]\n");
+  // {perplexity, bits per byte, loss} per epoch of each seed.
+  using Epochs = std::vector<std::array<double, 3>>;
+  const std::map<std::string, std::vector<Epochs>> runs = {
+      {"0.1",
+       {{{10, 3.3, 2.3}, {8, 3.0, 2.1}, {9, 3.2, 2.2}},
+        {{12, 3.6, 2.5}, {11, 3.5, 2.4}},
+        {{7, 2.8, 1.9}}}},
+      {"0.2",
+       {{{20, 4.3, 3.0}, {16, 4.0, 2.77}},
+        {{18, 4.17, 2.89}},
+        {{14, 3.8, 2.64}, {15, 3.9, 2.71}}}}};
+  auto write = [&](bool with_bpb) {
+    for (const auto& [lr, seeds] : runs) {
+      for (size_t s = 0; s < seeds.size(); ++s) {
+        std::string m = R"({"type":"run","classes":256,"vocab":256,"block_size":16})"
+                        "\n";
+        for (size_t e = 0; e < seeds[s].size(); ++e) {
+          const auto& [ppl, bpb, loss] = seeds[s][e];
+          m += LmEpoch(int(e) + 1, ppl, with_bpb ? bpb : -1, loss);
+        }
+        Write(out + "/runs/lr_" + lr + ".seed_" + std::to_string(s + 1) + "/metrics.jsonl", m);
+      }
+    }
+  };
+  write(true);
+  const bool plots = HaveMatplotlib();
+  std::vector<std::string> args = {"report", dir.File("s.yaml"), "--out",
+                                   out,      "--reference",      "lr_0.1.*"};
+  if (!plots) args.push_back("--no-plot");
+  RunResult r = Study(args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto rows = ReadCsv(out + "/report/runs.csv");
+  ASSERT_EQ(rows.size(), 6u);
+  EXPECT_DOUBLE_EQ(Cell(rows[0], "final_test_perplexity"), 9);
+  EXPECT_DOUBLE_EQ(Cell(rows[0], "best_test_perplexity"), 8);  // epoch 2, not the last
+  EXPECT_DOUBLE_EQ(Cell(rows[0], "best_test_bits_per_byte"), 3.0);
+  EXPECT_DOUBLE_EQ(Cell(rows[0], "final_test_loss"), 2.2);
+  EXPECT_EQ(rows[0].at("collapsed"), "0");
+  EXPECT_DOUBLE_EQ(Cell(rows[3], "perplexity_vs_reference"), 16 - 9.0);  // the mean of 9, 11, 7
+  EXPECT_NEAR(Cell(rows[5], "bits_per_byte_vs_reference"), 3.9 - (3.2 + 3.5 + 2.8) / 3, 1e-6);
+
+  const auto sum = ReadCsv(out + "/report/summary.csv");
+  ASSERT_EQ(sum.size(), 2u);
+  const auto expect = [&](const std::map<std::string, std::string>& g, const std::string& col,
+                          const std::vector<double>& v) {
+    const auto [mean, sd] = MeanAndStd(v);
+    EXPECT_NEAR(Cell(g, col + "_mean"), mean, 1e-5 * mean) << g.at("lr") << " " << col;
+    EXPECT_NEAR(Cell(g, col + "_std"), sd, 1e-5 * mean) << g.at("lr") << " " << col;
+  };
+  expect(sum[0], "final_test_perplexity", {9, 11, 7});
+  expect(sum[0], "best_test_perplexity", {8, 11, 7});
+  expect(sum[0], "final_test_bits_per_byte", {3.2, 3.5, 2.8});
+  expect(sum[0], "best_test_bits_per_byte", {3.0, 3.5, 2.8});
+  expect(sum[0], "final_test_loss", {2.2, 2.4, 1.9});
+  expect(sum[1], "final_test_perplexity", {16, 18, 15});
+  expect(sum[1], "best_test_perplexity", {16, 18, 14});
+  expect(sum[1], "final_test_bits_per_byte", {4.0, 4.17, 3.9});
+  EXPECT_EQ(Cell(sum[0], "perplexity_vs_reference_mean"), 0);
+  EXPECT_NEAR(Cell(sum[1], "perplexity_vs_reference_mean"), 49.0 / 3 - 9, 1e-5);
+  EXPECT_NEAR(Cell(sum[1], "bits_per_byte_vs_reference_mean"),
+              (4.0 + 4.17 + 3.9) / 3 - (3.2 + 3.5 + 2.8) / 3, 1e-5);
+  EXPECT_NEAR(Cell(sum[0], "final_test_accuracy_mean"), 0.3, 1e-12);  // the next-token accuracy
+
+  std::string md = ReadFile(out + "/report/summary.md");
+  // best {8, 11, 7}: 8.67 ± 2.08; bits per byte {3.2, 3.5, 2.8}: 3.167 ± 0.351.
+  EXPECT_NE(md.find("| 0.1 | 3 | 0 | 9.00 ± 2.00 | 8.67 ± 2.08 | 3.167 ± 0.351 | 3.100 ± 0.361 | "
+                    "2.1667 ± 0.2517 | +0.00 | +0.000 | 2.5000 ± 0.0000 |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| 0.2 | 3 | 0 | 16.33 ± 1.53 | 16.00 ± 2.00 | 4.023 ± 0.137 | 3.990 ± 0.185 | "
+                    "2.7900 ± 0.0917 | +7.33 | +0.857 |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("best: the epoch with the lowest perplexity"), std::string::npos) << md;
+  if (plots) {
+    EXPECT_TRUE(Exists(out + "/report/perplexity_curves.png"));
+    EXPECT_FALSE(Exists(out + "/report/accuracy_vs_lr.png"));
+  }
+
+  // Token-level data: no bits per byte, so summary.md has no bpb columns.
+  write(false);
+  args.push_back("--no-plot");
+  r = Study(args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  md = ReadFile(out + "/report/summary.md");
+  EXPECT_NE(md.find("| lr | seeds | collapsed | final val ppl | best val ppl | final val loss | "
+                    "vs ref | final loss |"),
+            std::string::npos)
+      << md;
+  EXPECT_NE(md.find("| 0.1 | 3 | 0 | 9.00 ± 2.00 | 8.67 ± 2.08 | 2.1667 ± 0.2517 | +0.00 |"),
+            std::string::npos)
+      << md;
+  EXPECT_EQ(ReadCsv(out + "/report/summary.csv")[0].at("final_test_bits_per_byte_mean"), "");
+  if (!plots) GTEST_SKIP() << "no matplotlib for " << CPD_PLOT_PYTHON << ": tables only";
+  // The plot draws bits per byte where every run has them, else the perplexity on a log scale.
+  const std::string script =
+      std::filesystem::path(BuiltProgram(CPD_STUDY_PATH)).parent_path().string();
+  Write(dir.File("probe.py"), "import sys\nsys.path.insert(0, '" + script +
+                                  "')\nimport study_plot as sp\n"
+                                  "def save(fig, path):\n"
+                                  "    ax = fig.axes[0]\n"
+                                  "    print(ax.get_yscale(), '|', ax.get_ylabel())\n"
+                                  "sp.save = save\n"
+                                  "sp.perplexity_curves('" +
+                                  out + "/report', ['lr'], 'x.png')\n");
+  RunResult probe = RunProgram(CPD_PLOT_PYTHON, {dir.File("probe.py")});
+  ASSERT_EQ(probe.exit_code, 0) << probe.err;
+  EXPECT_EQ(probe.out, "log | validation perplexity (mean over seeds, log scale)\n");
+  write(true);
+  r = Study(args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  probe = RunProgram(CPD_PLOT_PYTHON, {dir.File("probe.py")});
+  ASSERT_EQ(probe.exit_code, 0) << probe.err;
+  EXPECT_EQ(probe.out, "linear | validation bits per byte (mean over seeds)\n");
 }
 
 TEST(CpdStudyCli, TheReportDrawsItsPlots) {

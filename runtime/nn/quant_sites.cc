@@ -324,15 +324,31 @@ const Format* SiteQuantizer::FormatFor(const std::string& layer, Site site,
   return &CachedFormat(spec);
 }
 
-QuantizeOptions SiteQuantizer::OptionsFor(const LayerState& st, Site site, Rounding r,
-                                          size_t channels) const {
+void SiteQuantizer::SetStep(int64_t step) {
+  step_ = step;
+  RestartCallCounts();
+}
+
+void SiteQuantizer::SetWorker(uint64_t worker) {
+  worker_ = worker;
+  RestartCallCounts();
+}
+
+void SiteQuantizer::RestartCallCounts() {
+  for (auto& [name, st] : layers_) st.calls.fill(0);
+}
+
+QuantizeOptions SiteQuantizer::OptionsFor(LayerState& st, Site site, Rounding r, size_t channels) {
   QuantizeOptions opts;
   opts.rounding = r;
-  // Each (worker, layer, site) draws from its own stochastic-rounding stream.
-  const uint64_t base = worker_ == 0
-                            ? config_.seed
-                            : kernels::SplitMix64(config_.seed + 0x9E3779B97F4A7C15ull * worker_);
+  // Each (worker, layer, site) draws from its own stochastic-rounding stream, and each call of
+  // the site within a step from its own part of it (SetWorker's comment).
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+  const uint64_t base =
+      worker_ == 0 ? config_.seed : kernels::SplitMix64(config_.seed + kGolden * worker_);
   opts.seed = kernels::SplitMix64(base ^ (uint64_t(st.index) << 8 | uint64_t(site)));
+  const uint32_t call = st.calls[size_t(site)]++;
+  if (call > 0) opts.seed = kernels::SplitMix64(opts.seed + kGolden * call);
   opts.step = uint64_t(step_);
   opts.channels = channels;
   return opts;
@@ -351,7 +367,7 @@ void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tenso
     throw std::logic_error(layer.name() + "." + SiteName(site) + ": input on " +
                            DeviceName(in.device()) + ", output on " + DeviceName(out->device()));
   }
-  const LayerState& st = layers_.at(layer.name());
+  LayerState& st = layers_.at(layer.name());
   PendingRecord pending{{layer.name(), site, f->spec(), QuantStats{}}};
   const QuantizeOptions opts = OptionsFor(st, site, r, channels);
   Status s;

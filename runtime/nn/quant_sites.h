@@ -20,6 +20,7 @@
 // one's (a CPT step to other bits, a pushed schedule) counts no flips and starts afresh.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -106,11 +107,19 @@ class SiteQuantizer : public QuantHooks {
   Status Reconfigure(PrecisionConfig config);
 
   // The step about to run (selects CPT bits; part of the stochastic-rounding stream).
-  void SetStep(int64_t step) { step_ = step; }
+  // Restarts the per-site call counts (below).
+  void SetStep(int64_t step);
   // The logical data-parallel worker whose micro-batch runs next (0 for single-process runs):
   // each worker draws its own stochastic-rounding stream, as separate ranks would. Worker 0
-  // keeps the single-process stream, so a one-worker run is unchanged.
-  void SetWorker(uint64_t worker) { worker_ = worker; }
+  // keeps the single-process stream, so a one-worker run is unchanged. Restarts the per-site
+  // call counts, so an emulated worker counts its calls as a rank of its own would.
+  //
+  // Stochastic-rounding streams: each (worker, layer, site) has its own, and within a step the
+  // k-th call of a site (an attention product's second operand, an LSTM's timesteps: one A and
+  // one E call per step of the sequence) draws the k-th stream of it, so that no two tensors of
+  // a step are rounded with the same random bits. The first call keeps the stream a one-call
+  // layer always had.
+  void SetWorker(uint64_t worker);
   // While on, every site records its statistics (TakeRecords() hands them over).
   void SetCollectStats(bool on) { collect_ = on; }
   // The records since the last call, in the order the sites ran. Statistics of GPU sites come
@@ -164,6 +173,7 @@ class SiteQuantizer : public QuantHooks {
     bool prev_on_device = false;
     std::string prev_spec;  // the format the previous weights were quantised to
     uint64_t flips = 0;
+    std::array<uint32_t, kNumSites> calls{};  // quantisations of each site since SetStep/SetWorker
   };
 
   // A record whose statistics may still be on the device: slot `slot` of the device's slots
@@ -189,7 +199,9 @@ class SiteQuantizer : public QuantHooks {
   // QuantizeWeight for CUDA tensors.
   void QuantizeWeightCuda(const Layer& layer, LayerState& st, const Format& f, Rounding r,
                           const Tensor& w_master, Tensor* w_used);
-  QuantizeOptions OptionsFor(const LayerState& st, Site site, Rounding r, size_t channels) const;
+  // Counts the call in st.calls (the stream of the site's next call).
+  QuantizeOptions OptionsFor(LayerState& st, Site site, Rounding r, size_t channels);
+  void RestartCallCounts();
   // GPU statistics: the slots (created on first use, GpuStats), the slot of the next record, and
   // the flips counted on the device per layer index (read when some were queued since the last
   // read).

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -138,6 +139,49 @@ TEST_F(SiteQuantizerTest, FlipsRestartWhenTheWeightFormatChangesAndStopAtFp32) {
 // Two output channels of very different magnitudes: one log4 scale for the tensor flushes the
 // small channel (its values lie below 2^-7, half the smallest level 2^-6 of a max-1 tensor),
 // one scale per channel keeps it.
+// E of fc2 rounded stochastically, n times in a row, of the same tensor.
+std::vector<Tensor> RoundErrorsRepeatedly(SiteQuantizer& q, const Layer& layer, const Tensor& dy,
+                                          int n) {
+  std::vector<Tensor> out;
+  for (int i = 0; i < n; ++i) {
+    out.emplace_back(dy.shape());
+    q.QuantizeError(layer, dy, &out.back());
+  }
+  return out;
+}
+
+bool Identical(const Tensor& a, const Tensor& b) {
+  return std::memcmp(a.data(), b.data(), a.numel() * sizeof(float)) == 0;
+}
+
+// The k-th call of a site within a step (an LSTM's timesteps, an attention product's two
+// operands) rounds with its own random bits; the counts restart with the step and the worker,
+// so a step replayed (resume) or a worker emulated repeats its streams exactly.
+TEST_F(SiteQuantizerTest, EachCallOfASiteWithinAStepDrawsItsOwnStream) {
+  PrecisionConfig c;
+  c.global[int(Site::kError)] = {"e2m1", Rounding::kStochastic};
+  auto q = SiteQuantizer::Create(c, Layers());
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  Tensor dy({4, 16});
+  for (size_t i = 0; i < dy.numel(); ++i) dy.data()[i] = 0.3f + 0.01f * float(i % 7);
+  (*q)->SetStep(5);
+  const std::vector<Tensor> first = RoundErrorsRepeatedly(**q, fc2_, dy, 3);
+  EXPECT_FALSE(Identical(first[0], first[1]));
+  EXPECT_FALSE(Identical(first[1], first[2]));
+  (*q)->SetStep(5);  // the same step again: the same three streams
+  const std::vector<Tensor> again = RoundErrorsRepeatedly(**q, fc2_, dy, 3);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(Identical(first[size_t(i)], again[size_t(i)])) << i;
+  (*q)->SetWorker(1);  // another worker: other streams; back to worker 0: the first again
+  EXPECT_FALSE(Identical(first[0], RoundErrorsRepeatedly(**q, fc2_, dy, 1)[0]));
+  (*q)->SetWorker(0);
+  EXPECT_TRUE(Identical(first[0], RoundErrorsRepeatedly(**q, fc2_, dy, 1)[0]));
+  // Another layer's first call is not fc2's first call.
+  (*q)->SetStep(5);
+  Tensor other(dy.shape());
+  (*q)->QuantizeError(fc1_, dy, &other);
+  EXPECT_FALSE(Identical(first[0], other));
+}
+
 TEST(SiteQuantizerLogScope, ConvolutionsPerChannelOtherLayersPerTensor) {
   Linear fc("fc", 2, 2, true, 1);
   Conv2d conv("conv", 2, 2, 1, 1, 0, true, 2);

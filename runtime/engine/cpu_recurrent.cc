@@ -7,6 +7,7 @@
 
 #include "runtime/engine/cpu_gemm.h"
 #include "runtime/engine/cpu_internal.h"
+#include "runtime/engine/lm_elementwise.h"
 
 namespace cpd::runtime::cpu {
 
@@ -22,8 +23,6 @@ int TeamFor(double work) { return work < double(kParallelElements) ? 1 : TeamSiz
 // The column blocks of ColumnBlockedSgemm and SumRows: a width fixed by the code, never by the
 // team, so that the same blocks (and the same sgemm calls) run whatever the thread count.
 constexpr int64_t kColumnBlock = 64;
-
-inline float Sigmoid(float z) { return 1.f / (1.f + std::exp(-z)); }
 
 }  // namespace
 
@@ -50,6 +49,10 @@ void ColumnBlockedSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_
   }
 }
 
+void BroadcastRows(int64_t rows, int64_t cols, const float* row, float* y) {
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(row, cols, y + r * cols);
+}
+
 void SumRows(int64_t rows, int64_t cols, const float* x, float* out) {
   const int64_t blocks = (cols + kColumnBlock - 1) / kColumnBlock;
   const int team = int(std::min<int64_t>(TeamFor(double(rows) * double(cols)), blocks));
@@ -73,17 +76,7 @@ void LstmCellForward(int64_t b, int64_t h, const float* gx, const float* gh, con
     const float* zh = gh + r * 4 * h;
     float* act = gates + r * 4 * h;
     for (int64_t j = 0; j < h; ++j) {
-      const float i = Sigmoid(zx[j] + zh[j]);
-      const float f = Sigmoid(zx[h + j] + zh[h + j]);
-      const float g = std::tanh(zx[2 * h + j] + zh[2 * h + j]);
-      const float o = Sigmoid(zx[3 * h + j] + zh[3 * h + j]);
-      const float cell = f * c_prev[r * h + j] + i * g;
-      act[j] = i;
-      act[h + j] = f;
-      act[2 * h + j] = g;
-      act[3 * h + j] = o;
-      c[r * h + j] = cell;
-      h_out[r * h + j] = o * std::tanh(cell);
+      lm::LstmCellElement(h, j, zx, zh, c_prev[r * h + j], act, c + r * h + j, h_out + r * h + j);
     }
   }
 }
@@ -96,15 +89,8 @@ void LstmCellBackward(int64_t b, int64_t h, const float* gates, const float* c_p
     float* d = dz + r * 4 * h;
     for (int64_t j = 0; j < h; ++j) {
       const int64_t e = r * h + j;
-      const float i = act[j], f = act[h + j], g = act[2 * h + j], o = act[3 * h + j];
       const float dh = dh_rec != nullptr ? dy[e] + dh_rec[e] : dy[e];
-      const float tc = std::tanh(c[e]);
-      const float dct = dc[e] + dh * o * (1.f - tc * tc);
-      d[j] = dct * g * i * (1.f - i);
-      d[h + j] = dct * c_prev[e] * f * (1.f - f);
-      d[2 * h + j] = dct * i * (1.f - g * g);
-      d[3 * h + j] = dh * tc * o * (1.f - o);
-      dc[e] = dct * f;
+      lm::LstmCellGradElement(h, j, act, c_prev[e], c[e], dh, dc + e, d);
     }
   }
 }

@@ -28,6 +28,9 @@ void ColumnBlockedSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_
                         const float* a, int64_t lda, const float* b, int64_t ldb, float beta,
                         float* c, int64_t ldc);
 
+// y [rows, cols] = row [cols] copied into every row (the bias a product then accumulates onto).
+void BroadcastRows(int64_t rows, int64_t cols, const float* row, float* y);
+
 // out [cols] = sum over the rows of x [rows, cols], in row order (the bias gradient of a product
 // over every timestep).
 void SumRows(int64_t rows, int64_t cols, const float* x, float* out);

@@ -8,6 +8,7 @@
 
 #include "runtime/engine/cpu_gemm.h"
 #include "runtime/engine/cpu_internal.h"
+#include "runtime/engine/lm_elementwise.h"
 
 namespace cpd::runtime::cpu {
 
@@ -79,16 +80,11 @@ void LayerNormForward(int64_t rows, int64_t c, const float* x, const float* gamm
 #pragma omp parallel for num_threads(TeamFor(double(rows) * double(c))) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * c;
-    double s = 0;
-    for (int64_t j = 0; j < c; ++j) s += xr[j];
-    const double mu = s / double(c);
-    double v = 0;  // two passes: no cancellation for rows with a large mean
-    for (int64_t j = 0; j < c; ++j) v += (xr[j] - mu) * (xr[j] - mu);
-    const float m = float(mu);
-    const float rs = float(1.0 / std::sqrt(v / double(c) + double(eps)));
+    float m, rs;
+    lm::LayerNormRowStats(c, xr, eps, &m, &rs);
     float* yr = y + r * c;
 #pragma omp simd
-    for (int64_t j = 0; j < c; ++j) yr[j] = (xr[j] - m) * rs * gamma[j] + beta[j];
+    for (int64_t j = 0; j < c; ++j) yr[j] = lm::LayerNormValue(xr[j], m, rs, gamma[j], beta[j]);
     mean[r] = m;
     rstd[r] = rs;
   }
@@ -104,17 +100,12 @@ void LayerNormBackward(int64_t rows, int64_t c, const float* x, const float* dy,
     const float* xr = x + r * c;
     const float* dyr = dy + r * c;
     const float m = mean[r], rs = rstd[r];
-    double sg = 0, sgx = 0;
-    for (int64_t j = 0; j < c; ++j) {
-      const double g = double(dyr[j]) * gamma[j];
-      sg += g;
-      sgx += g * double((xr[j] - m) * rs);
-    }
-    const float mg = float(sg / double(c)), mgx = float(sgx / double(c));
+    float mg, mgx;
+    lm::LayerNormRowGradMeans(c, xr, dyr, gamma, m, rs, &mg, &mgx);
     float* dxr = dx + r * c;
 #pragma omp simd
     for (int64_t j = 0; j < c; ++j) {
-      dxr[j] = rs * (dyr[j] * gamma[j] - mg - (xr[j] - m) * rs * mgx);
+      dxr[j] = lm::LayerNormInputGrad(xr[j], dyr[j], gamma[j], m, rs, mg, mgx);
     }
   }
   const int64_t blk = ColumnBlock(c);
@@ -127,7 +118,7 @@ void LayerNormBackward(int64_t rows, int64_t c, const float* x, const float* dy,
       const float m = mean[r], rs = rstd[r];
       for (int64_t j = c0; j < c1; ++j) {
         const float d = dy[r * c + j];
-        g[size_t(j - c0)] += double(d) * double((x[r * c + j] - m) * rs);
+        g[size_t(j - c0)] += lm::LayerNormGammaTerm(x[r * c + j], d, m, rs);
         b[size_t(j - c0)] += d;
       }
     }
@@ -141,20 +132,13 @@ void LayerNormBackward(int64_t rows, int64_t c, const float* x, const float* dy,
 // ---- GELU -------------------------------------------------------------------------------------
 
 void GeluForward(size_t n, const float* x, float* y) {
-  constexpr float kRsqrt2 = 0.70710678118654752f;
 #pragma omp parallel for num_threads(TeamFor(double(n) * 8)) schedule(static)
-  for (size_t i = 0; i < n; ++i) y[i] = 0.5f * x[i] * (1.f + std::erf(x[i] * kRsqrt2));
+  for (size_t i = 0; i < n; ++i) y[i] = lm::GeluValue(x[i]);
 }
 
 void GeluBackward(size_t n, const float* x, const float* dy, float* dx) {
-  constexpr float kRsqrt2 = 0.70710678118654752f;
-  constexpr float kRsqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
 #pragma omp parallel for num_threads(TeamFor(double(n) * 8)) schedule(static)
-  for (size_t i = 0; i < n; ++i) {
-    const float cdf = 0.5f * (1.f + std::erf(x[i] * kRsqrt2));
-    const float pdf = std::exp(-0.5f * x[i] * x[i]) * kRsqrt2Pi;
-    dx[i] = dy[i] * (cdf + x[i] * pdf);
-  }
+  for (size_t i = 0; i < n; ++i) dx[i] = lm::GeluGrad(x[i], dy[i]);
 }
 
 // ---- Attention --------------------------------------------------------------------------------
@@ -221,7 +205,7 @@ void CausalSoftmaxForward(int64_t batch, int64_t t, const float* s, float* p) {
     for (int64_t j = 1; j <= r; ++j) mx = std::max(mx, sr[j]);
     double sum = 0;
     for (int64_t j = 0; j <= r; ++j) {
-      pr[j] = std::exp(sr[j] - mx);
+      pr[j] = lm::SoftmaxExp(sr[j], mx);
       sum += pr[j];
     }
     const float inv = float(1.0 / sum);
@@ -240,7 +224,7 @@ void CausalSoftmaxBackward(int64_t batch, int64_t t, const float* p, const float
     double dot = 0;
     for (int64_t j = 0; j <= r; ++j) dot += double(dpr[j]) * pr[j];
     const float fd = float(dot);
-    for (int64_t j = 0; j <= r; ++j) dsr[j] = pr[j] * (dpr[j] - fd);
+    for (int64_t j = 0; j <= r; ++j) dsr[j] = lm::SoftmaxGrad(pr[j], dpr[j], fd);
     std::fill(dsr + r + 1, dsr + t, 0.f);
   }
 }

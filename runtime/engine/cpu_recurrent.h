@@ -1,6 +1,7 @@
 // The CPU math of the recurrent layers (runtime/nn/recurrent.h): the LSTM cell's gates forward and
 // backward, the per-timestep products of the recurrence, and the batch-first / time-major
-// transposes around them. The seam for a device back end, as runtime/engine/cpu_transformer.h is.
+// transposes around them. runtime/engine/cuda_recurrent.h has the same functions over device
+// pointers, which share the cell's per-element formulas (runtime/engine/lm_elementwise.h).
 //
 // Threading and determinism: results do not depend on the thread count. The elementwise passes
 // compute each element on its own; the products split their output columns into blocks of a

@@ -1,7 +1,8 @@
 // The CPU math of the Transformer layers (runtime/nn/embedding.h, normalization.h, attention.h):
 // embedding gather and scatter-add, layer normalisation, the exact GELU, head split/merge, the
-// causal softmax and the batched products of attention. The seam for a device back end, as
-// runtime/engine/cpu_ops.h is: a CUDA back end provides the same functions over device pointers.
+// causal softmax and the batched products of attention. runtime/engine/cuda_transformer.h has the
+// same functions over device pointers, which share the per-element formulas
+// (runtime/engine/lm_elementwise.h): the CPU is the reference of the GPU.
 //
 // Threading and determinism as in cpu_ops.h: OpenMP over rows (or over (batch, head) pairs,
 // each calling OpenBLAS single-threaded); every reduction here (the gradients of tables and of

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -59,6 +60,9 @@ using internal::Scratch;
 // The largest cuDNN workspace an algorithm may ask for; algorithms that need more are passed
 // over for the next acceptable one.
 constexpr size_t kMaxWorkspaceBytes = size_t(512) << 20;
+
+// The largest dimension, leading dimension or batch count cuBLAS takes (int).
+constexpr int64_t kMaxIndex = int64_t(0x7fffffff);
 
 // conv_algos.h mirrors cuDNN's enums so that its rule needs no CUDA; they must agree value for
 // value.
@@ -171,29 +175,6 @@ struct Context {
 Context& Ctx() {
   static Context* ctx = new Context();
   return *ctx;
-}
-
-// ---- cuBLAS: row-major GEMMs as column-major ones ---------------------------------------------
-// A row-major [r, c] matrix is the column-major [c, r] matrix with the same leading dimension,
-// so C = op(A) op(B) (row-major) is C^T = op(B)^T op(A)^T (column-major): the operands swap.
-void GemmRowMajor(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
-                  int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc) {
-  if (m <= 0 || n <= 0) return;
-  const int64_t kMax = int64_t(0x7fffffff);
-  if (m > kMax || n > kMax || k > kMax || lda > kMax || ldb > kMax || ldc > kMax) {
-    throw std::invalid_argument("cuda GEMM: a dimension exceeds 2^31 - 1");
-  }
-  const float one = 1.f, zero = 0.f;
-  Context& ctx = Ctx();
-  if (k <= 0) {
-    CPD_CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * sizeof(float), 0, size_t(n) * sizeof(float),
-                                     size_t(m), ctx.stream));
-    return;
-  }
-  CPD_CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &one,
-                                b, CUDA_R_32F, int(ldb), a, CUDA_R_32F, int(lda), &zero, c,
-                                CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // ---- cuDNN: convolution plans ------------------------------------------------------------------
@@ -347,6 +328,62 @@ cudaStream_t StreamHandle() { return Ctx().stream; }
 
 void* ScratchMemory(Scratch which, size_t bytes) { return Ctx().Get(which, bytes); }
 
+// ---- cuBLAS: row-major GEMMs as column-major ones ---------------------------------------------
+// A row-major [r, c] matrix is the column-major [c, r] matrix with the same leading dimension,
+// so C = op(A) op(B) (row-major) is C^T = op(B)^T op(A)^T (column-major): the operands swap.
+
+namespace {
+
+void RequireGemmDims(std::initializer_list<int64_t> dims) {
+  for (int64_t d : dims) {
+    if (d > kMaxIndex) throw std::invalid_argument("cuda GEMM: a dimension exceeds 2^31 - 1");
+  }
+}
+
+// k = 0: C = beta C, which the callers need only for beta 0 (C = 0) or 1 (C unchanged).
+void EmptyProduct(int64_t m, int64_t n, float beta, float* c, int64_t ldc, cudaStream_t stream) {
+  if (beta == 1.f) return;
+  if (beta != 0.f) {
+    throw std::invalid_argument("cuda GEMM: an empty product (k = 0) with beta other than 0 or 1");
+  }
+  CPD_CUDA_CHECK(cudaMemset2DAsync(c, size_t(ldc) * sizeof(float), 0, size_t(n) * sizeof(float),
+                                   size_t(m), stream));
+}
+
+}  // namespace
+
+void GemmRowMajor(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+                  const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+                  int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  RequireGemmDims({m, n, k, lda, ldb, ldc});
+  Context& ctx = Ctx();
+  if (k <= 0) return EmptyProduct(m, n, beta, c, ldc, ctx.stream);
+  CPD_CUBLAS_CHECK(cublasGemmEx(ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(n), int(m), int(k), &alpha,
+                                b, CUDA_R_32F, int(ldb), a, CUDA_R_32F, int(lda), &beta, c,
+                                CUDA_R_32F, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void GemmRowMajorStridedBatched(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                                float alpha, const float* a, int64_t lda, int64_t stride_a,
+                                const float* b, int64_t ldb, int64_t stride_b, float beta, float* c,
+                                int64_t ldc, int64_t stride_c, int64_t batch) {
+  if (m <= 0 || n <= 0 || batch <= 0) return;
+  RequireGemmDims({m, n, k, lda, ldb, ldc, batch});
+  Context& ctx = Ctx();
+  if (k <= 0) {
+    for (int64_t i = 0; i < batch; ++i) EmptyProduct(m, n, beta, c + i * stride_c, ldc, ctx.stream);
+    return;
+  }
+  // The handle's CUBLAS_DEFAULT_MATH keeps cublasSgemm* at float32 (no TF32), as cublasGemmEx
+  // with CUBLAS_COMPUTE_32F above.
+  CPD_CUBLAS_CHECK(cublasSgemmStridedBatched(
+      ctx.cublas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, int(n),
+      int(m), int(k), &alpha, b, int(ldb), (long long)stride_b, a, int(lda), (long long)stride_a,
+      &beta, c, int(ldc), (long long)stride_c, int(batch)));
+}
+
 }  // namespace internal
 
 void* Stream() { return Ctx().stream; }
@@ -366,15 +403,17 @@ ConvAlgoChoice ChosenConvAlgo(const cpu::ConvShape& s, ConvPass pass) {
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                    const float* bias, float* y) {
   // y [n, out] = x [n, in] w^T, then + bias per row (the CPU's order: product first).
-  GemmRowMajor(false, true, n, out, in, x, in, w, in, y, out);
+  internal::GemmRowMajor(false, true, n, out, in, 1.f, x, in, w, in, 0.f, y, out);
   if (bias != nullptr) internal::AddRowBias(n, out, bias, y);
 }
 
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                     const float* dy, float* dx, float* dw, float* db) {
-  GemmRowMajor(true, false, out, in, n, dy, out, x, in, dw, in);  // dw = dy^T x
+  internal::GemmRowMajor(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);  // dy^T x
   if (db != nullptr) internal::ColumnSums(n, out, dy, db);
-  if (dx != nullptr) GemmRowMajor(false, false, n, in, out, dy, out, w, in, dx, in);  // dy w
+  if (dx != nullptr) {
+    internal::GemmRowMajor(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in);  // dy w
+  }
 }
 
 // ---- Convolution (cuDNN) ------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-// Internal to the runtime's CUDA kernels (runtime/engine/cuda_ops.cu and runtime/cuda_kernels_*.cu):
-// launch geometry, size checks and the block reduction they share. Not part of the public
-// interface (see runtime/engine/cuda_ops.h).
+// Internal to the runtime's CUDA kernels (runtime/engine/cuda_ops.cu and
+// runtime/engine/cuda_kernels_*.cu): launch geometry, size checks, the grid-stride loop and the
+// block reduction they share. Not part of the public interface (see runtime/engine/cuda_ops.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,12 @@
 #define CEIL_DIV(a, b) (((a) + (b)-1) / (b))
 
 #define CPD_CHECK_LAUNCH() CPD_CUDA_CHECK(cudaGetLastError())
+
+// A grid-stride loop of a kernel over the 32-bit element indices i = 0 .. total - 1 (whose
+// launcher has checked total with RequireIndex32).
+#define CPD_GRID_STRIDE_32(i, total)                                            \
+  for (int32_t i = int32_t(blockIdx.x * blockDim.x + threadIdx.x); i < (total); \
+       i += int32_t(gridDim.x * blockDim.x))
 
 namespace cpd::runtime::cuda::internal {
 

@@ -1,6 +1,7 @@
 // The CUDA math of the layers in runtime/nn/layers.h (only in a CUDA build: CPD_WITH_CUDA): the
 // functions of runtime/engine/cpu_ops.h over device pointers, plus the optimiser's update kernels.
-// Layers dispatch to these when their tensors are Device::kCuda tensors.
+// Layers dispatch to these when their tensors are Device::kCuda tensors. The language-model
+// layers' math has headers of its own: runtime/engine/cuda_transformer.h and cuda_recurrent.h.
 //
 // Compute: GEMMs through cuBLAS (cublasGemmEx, CUBLAS_COMPUTE_32F: float32 multiply-adds, never
 // TF32), convolutions through cuDNN's convolution API (libcudnn_cnn; only algorithms cuDNN

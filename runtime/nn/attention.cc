@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "runtime/engine/cpu_transformer.h"
+#include "runtime/engine/cuda_transformer.h"
 #include "runtime/nn/layers_internal.h"
 
 namespace cpd::runtime {
@@ -15,7 +16,7 @@ using internal::ActivationSite;
 using internal::ErrorSite;
 using internal::FormatFloat;
 using internal::Misfit;
-using internal::RequireCpu;
+using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
 using internal::Where;
@@ -68,15 +69,16 @@ double AttentionProduct::Macs(const std::vector<int64_t>& a, const std::vector<i
 }
 
 Tensor AttentionProduct::Multiply(const Tensor& a, const Tensor& b, bool train) {
-  RequireCpu(*this, a);
-  RequireCpu(*this, b);
+  const Device dev = a.device();
+  RequireDevice(*this, b, "the second operand", dev);
   const std::vector<int64_t> c_shape = OutputShape(a.shape(), b.shape());
   const int64_t m = a.dim(-2), k = a.dim(-1), n = c_shape.back();
   const int64_t batch = int64_t(a.numel() / size_t(m * k));
   const Tensor aq = ActivationSite(*this, hooks_, a, &a_q_);
   const Tensor bq = ActivationSite(*this, hooks_, b, &b_q_);
-  ResizeOn(&c_, c_shape, Device::kCpu);
-  cpu::BatchedMatmul(batch, m, n, k, trans_b_, alpha_, aq.data(), bq.data(), c_.data());
+  ResizeOn(&c_, c_shape, dev);
+  CPD_DISPATCH(dev,
+               BatchedMatmul(batch, m, n, k, trans_b_, alpha_, aq.data(), bq.data(), c_.data()));
   ready_ = train;
   a_saved_ = train ? aq : Tensor();
   b_saved_ = train ? bq : Tensor();
@@ -85,21 +87,51 @@ Tensor AttentionProduct::Multiply(const Tensor& a, const Tensor& b, bool train) 
 
 std::pair<Tensor, Tensor> AttentionProduct::MultiplyBackward(const Tensor& dc) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dc);
-  RequireShape(*this, dc, OutputShape(a_saved_.shape(), b_saved_.shape()), Device::kCpu);
+  const Device dev = a_saved_.device();
+  RequireShape(*this, dc, OutputShape(a_saved_.shape(), b_saved_.shape()), dev);
   const int64_t m = a_saved_.dim(-2), k = a_saved_.dim(-1), n = dc.dim(-1);
   const int64_t batch = int64_t(a_saved_.numel() / size_t(m * k));
   const Tensor g = ErrorSite(*this, hooks_, dc, &dc_q_);
-  ResizeOn(&da_, a_saved_.shape(), Device::kCpu);
-  ResizeOn(&db_, b_saved_.shape(), Device::kCpu);
-  cpu::BatchedMatmulBackward(batch, m, n, k, trans_b_, alpha_, a_saved_.data(), b_saved_.data(),
-                             g.data(), da_.data(), db_.data());
+  ResizeOn(&da_, a_saved_.shape(), dev);
+  ResizeOn(&db_, b_saved_.shape(), dev);
+  CPD_DISPATCH(dev, BatchedMatmulBackward(batch, m, n, k, trans_b_, alpha_, a_saved_.data(),
+                                          b_saved_.data(), g.data(), da_.data(), db_.data()));
   return {da_, db_};
 }
 
 // ---- CausalSelfAttention ----------------------------------------------------------------------
 
 namespace {
+
+// The steps of attention between its products, on the CPU or the GPU (where `dev` says).
+void SplitHeadsOn(Device dev, int64_t b, int64_t t, int64_t h, int64_t d, const Tensor& qkv,
+                  Tensor* q, Tensor* k, Tensor* v) {
+  CPD_DISPATCH(dev, SplitHeads(b, t, h, d, qkv.data(), q->data(), k->data(), v->data()));
+}
+
+void SplitHeadsBackwardOn(Device dev, int64_t b, int64_t t, int64_t h, int64_t d, const Tensor& dq,
+                          const Tensor& dk, const Tensor& dv, Tensor* dqkv) {
+  CPD_DISPATCH(dev, SplitHeadsBackward(b, t, h, d, dq.data(), dk.data(), dv.data(), dqkv->data()));
+}
+
+void MergeHeadsOn(Device dev, int64_t b, int64_t t, int64_t h, int64_t d, const Tensor& o,
+                  Tensor* y) {
+  CPD_DISPATCH(dev, MergeHeads(b, t, h, d, o.data(), y->data()));
+}
+
+void MergeHeadsBackwardOn(Device dev, int64_t b, int64_t t, int64_t h, int64_t d, const Tensor& dy,
+                          Tensor* dout) {
+  CPD_DISPATCH(dev, MergeHeadsBackward(b, t, h, d, dy.data(), dout->data()));
+}
+
+void CausalSoftmaxOn(Device dev, int64_t batch, int64_t t, const Tensor& s, Tensor* p) {
+  CPD_DISPATCH(dev, CausalSoftmaxForward(batch, t, s.data(), p->data()));
+}
+
+void CausalSoftmaxBackwardOn(Device dev, int64_t batch, int64_t t, const Tensor& p,
+                             const Tensor& dp, Tensor* ds) {
+  CPD_DISPATCH(dev, CausalSoftmaxBackward(batch, t, p.data(), dp.data(), ds->data()));
+}
 
 // GPT-2's initial standard deviation of weights, and of the residual projections scaled by
 // 1 / sqrt(2 n_layer) (two residual additions per block; Radford et al., "Language Models are
@@ -188,15 +220,16 @@ std::vector<int64_t> CausalSelfAttention::TraceShapes(const std::vector<int64_t>
 }
 
 Tensor CausalSelfAttention::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
+  const Device dev = c_attn_->weight().value.device();
+  RequireDevice(*this, x, "the input", dev);
   OutputShape(x.shape());
   const int64_t b = x.dim(0), t = x.dim(1), h = heads_, d = head_dim_;
   const Tensor qkv = c_attn_->Forward(x, train);
-  for (Tensor* w : {&q_, &k_, &v_}) ResizeOn(w, {b, h, t, d}, Device::kCpu);
-  cpu::SplitHeads(b, t, h, d, qkv.data(), q_.data(), k_.data(), v_.data());
+  for (Tensor* w : {&q_, &k_, &v_}) ResizeOn(w, {b, h, t, d}, dev);
+  SplitHeadsOn(dev, b, t, h, d, qkv, &q_, &k_, &v_);
   const Tensor& o = Attend(train);
-  ResizeOn(&merged_, x.shape(), Device::kCpu);
-  cpu::MergeHeads(b, t, h, d, o.data(), merged_.data());
+  ResizeOn(&merged_, x.shape(), dev);
+  MergeHeadsOn(dev, b, t, h, d, o, &merged_);
   const Tensor y = resid_drop_->Forward(c_proj_->Forward(merged_, train), train);
   ready_ = train;
   b_ = b;
@@ -205,11 +238,13 @@ Tensor CausalSelfAttention::Forward(const Tensor& x, bool train) {
 }
 
 const Tensor& CausalSelfAttention::Attend(bool train) {
-  fused_ = !qk_->HasQuantHooks() && !pv_->HasQuantHooks();
+  // The fused path is the CPU's; a GPU takes the materialised one.
+  const Device dev = q_.device();
+  fused_ = dev == Device::kCpu && !qk_->HasQuantHooks() && !pv_->HasQuantHooks();
   if (!fused_) {
     const Tensor s = qk_->Multiply(q_, k_, train);
-    ResizeOn(&p_, s.shape(), Device::kCpu);
-    cpu::CausalSoftmaxForward(q_.dim(0) * heads_, q_.dim(2), s.data(), p_.data());
+    ResizeOn(&p_, s.shape(), dev);
+    CausalSoftmaxOn(dev, q_.dim(0) * heads_, q_.dim(2), s, &p_);
     o_ = pv_->Multiply(attn_drop_->Forward(p_, train), v_, train);
     return o_;
   }
@@ -228,15 +263,15 @@ const Tensor& CausalSelfAttention::Attend(bool train) {
 
 Tensor CausalSelfAttention::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, {b_, t_, embed_}, Device::kCpu);
+  const Device dev = q_.device();
+  RequireShape(*this, dy, {b_, t_, embed_}, dev);
   const int64_t b = b_, t = t_, h = heads_, d = head_dim_;
   const Tensor dmerged = c_proj_->Backward(resid_drop_->Backward(dy));
-  ResizeOn(&do_, {b, h, t, d}, Device::kCpu);
-  cpu::MergeHeadsBackward(b, t, h, d, dmerged.data(), do_.data());
+  ResizeOn(&do_, {b, h, t, d}, dev);
+  MergeHeadsBackwardOn(dev, b, t, h, d, dmerged, &do_);
   AttendBackward();
-  ResizeOn(&dqkv_, {b, t, 3 * embed_}, Device::kCpu);
-  cpu::SplitHeadsBackward(b, t, h, d, dq_.data(), dk_.data(), dv_.data(), dqkv_.data());
+  ResizeOn(&dqkv_, {b, t, 3 * embed_}, dev);
+  SplitHeadsBackwardOn(dev, b, t, h, d, dq_, dk_, dv_, &dqkv_);
   return c_attn_->Backward(dqkv_);
 }
 
@@ -244,9 +279,9 @@ void CausalSelfAttention::AttendBackward() {
   if (!fused_) {
     const auto [dp_dropped, dv] = pv_->MultiplyBackward(do_);
     const Tensor dp = attn_drop_->Backward(dp_dropped);
-    ResizeOn(&ds_, p_.shape(), Device::kCpu);
+    ResizeOn(&ds_, p_.shape(), p_.device());
     // The softmax's derivative is taken at the exact P; only the pv product sees P quantised.
-    cpu::CausalSoftmaxBackward(b_ * heads_, t_, p_.data(), dp.data(), ds_.data());
+    CausalSoftmaxBackwardOn(p_.device(), b_ * heads_, t_, p_, dp, &ds_);
     std::tie(dq_, dk_) = qk_->MultiplyBackward(ds_);
     dv_ = dv;
     return;

@@ -1,7 +1,7 @@
 // Causal multi-head self-attention (GPT-2; nanoGPT's CausalSelfAttention) and the attention
-// products as quantisation sites. Contracts as in runtime/nn/layers.h, except that these layers
-// compute on the CPU only so far: a CUDA input or parameter throws std::invalid_argument
-// "NAME (KIND): not yet implemented on the GPU".
+// products as quantisation sites. Contracts as in runtime/nn/layers.h (on the CPU, or on a GPU
+// through runtime/engine/cuda_transformer.h: each layer computes where its parameters live, an
+// AttentionProduct where its first operand lives, and refuses tensors on another device).
 //
 // Quantisation sites: besides its two Linear layers (NAME.c_attn, NAME.c_proj: W/A/E/G as every
 // Linear), each of the two batched products of attention is a quantisable child layer of its
@@ -81,12 +81,13 @@ class AttentionProduct : public Layer {
 // 0.02 / sqrt(2 * options.layers)), each child from LayerSeed(seed, its name).
 //
 // Two paths compute the same function:
-//  * fused (runtime/engine/cpu_attention.h), when neither NAME.qk nor NAME.pv has quantisation
-//    hooks: the scores and probabilities are formed per block of queries and never stored; the
-//    backward recomputes them. Memory O(threads * 64 * T) floats beyond Q, K, V and O.
-//  * materialised, when either product is a quantisation site: S and P (and their gradients)
-//    are stored, O(B H T^2) floats, because a per-tensor quantiser (CPT's min/max range, a
-//    scaled format's per-tensor scale) needs all of P before it can round any of it.
+//  * fused (runtime/engine/cpu_attention.h), on the CPU when neither NAME.qk nor NAME.pv has
+//    quantisation hooks: the scores and probabilities are formed per block of queries and never
+//    stored; the backward recomputes them. Memory O(threads * 64 * T) floats beyond Q, K, V and O.
+//  * materialised, when either product is a quantisation site, and on a GPU (which has no fused
+//    path yet): S and P (and their gradients) are stored, O(B H T^2) floats, because a per-tensor
+//    quantiser (CPT's min/max range, a scaled format's per-tensor scale) needs all of P before it
+//    can round any of it.
 // Both use the same dropout mask; their results agree to float32 rounding (cpu_attention.h).
 class CausalSelfAttention : public ShapedLayer {
  public:

@@ -6,13 +6,14 @@
 
 #include "runtime/engine/cpu_ops.h"
 #include "runtime/engine/cpu_transformer.h"
+#include "runtime/engine/cuda_transformer.h"
 #include "runtime/nn/layers_internal.h"
 
 namespace cpd::runtime {
 
 using internal::MakeParam;
 using internal::Misfit;
-using internal::RequireCpu;
+using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
 using internal::WeightGradSite;
@@ -51,12 +52,15 @@ std::vector<int64_t> TokenEmbedding::OutputShape(const std::vector<int64_t>& in)
 }
 
 Tensor TokenEmbedding::Forward(const Tensor& ids, bool train) {
-  RequireCpu(*this, ids);
-  RequireCpu(*this, weight_.value);
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, ids, "the input (token ids)", dev);
   const std::vector<int64_t> out_shape = OutputShape(ids.shape());
-  ids_.resize(ids.numel());
-  for (size_t i = 0; i < ids.numel(); ++i) {
-    const float v = ids.data()[i];
+  // The ids are checked on the host (a copy of them for a GPU layer), so that an id outside the
+  // table is this message, never a read outside the table on a device.
+  const Tensor host_ids = OnHost(ids);
+  ids_.resize(host_ids.numel());
+  for (size_t i = 0; i < host_ids.numel(); ++i) {
+    const float v = host_ids.data()[i];
     if (!(v >= 0.f && v < float(vocab_)) || v != std::floor(v)) {
       throw std::invalid_argument(Where(*this) + ": token id " + internal::FormatFloat(v) +
                                   " at position " + std::to_string(i) +
@@ -64,24 +68,35 @@ Tensor TokenEmbedding::Forward(const Tensor& ids, bool train) {
     }
     ids_[i] = int32_t(v);
   }
+  if (dev == Device::kCuda && !ids_.empty()) {
+    ids_dev_.Reserve(ids_.size() * sizeof(int32_t), dev);
+    ids_dev_.CopyFromHost(ids_.data(), ids_.size() * sizeof(int32_t));
+  }
   const Tensor w = WeightSite(*this, hooks_, weight_.value, &w_q_);
-  ResizeOn(&y_, out_shape, Device::kCpu);
-  cpu::EmbeddingForward(int64_t(ids.numel()), embed_, ids_.data(), w.data(), y_.data());
+  ResizeOn(&y_, out_shape, dev);
+  CPD_DISPATCH(dev,
+               EmbeddingForward(int64_t(ids_.size()), embed_, IdsOn(dev), w.data(), y_.data()));
   ready_ = train;
   in_shape_ = ids.shape();
   return y_;
 }
 
+const int32_t* TokenEmbedding::IdsOn(Device dev) const {
+  if (dev == Device::kCpu || ids_.empty()) return ids_.data();
+  return static_cast<const int32_t*>(ids_dev_.data());
+}
+
 Tensor TokenEmbedding::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, OutputShape(in_shape_), Device::kCpu);
-  ResizeOn(&dw_, {vocab_, embed_}, Device::kCpu);
-  cpu::EmbeddingBackward(int64_t(ids_.size()), embed_, vocab_, ids_.data(), dy.data(), dw_.data());
+  const Device dev = y_.device();
+  RequireShape(*this, dy, OutputShape(in_shape_), dev);
+  ResizeOn(&dw_, {vocab_, embed_}, dev);
+  CPD_DISPATCH(dev, EmbeddingBackward(int64_t(ids_.size()), embed_, vocab_, IdsOn(dev), dy.data(),
+                                      dw_.data()));
   WeightGradSite(*this, hooks_, &dw_);
-  RequireCpu(*this, weight_.grad);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
-  ResizeOn(&dx_, in_shape_, Device::kCpu);
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  ResizeOn(&dx_, in_shape_, dev);
   dx_.Zero();
   return dx_;
 }
@@ -115,12 +130,12 @@ std::vector<int64_t> PositionEmbedding::OutputShape(const std::vector<int64_t>& 
 }
 
 Tensor PositionEmbedding::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
-  RequireCpu(*this, weight_.value);
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, x, "the input", dev);
   OutputShape(x.shape());
   const Tensor w = WeightSite(*this, hooks_, weight_.value, &w_q_);
-  ResizeOn(&y_, x.shape(), Device::kCpu);
-  cpu::PositionAddForward(x.dim(0), x.dim(1), embed_, x.data(), w.data(), y_.data());
+  ResizeOn(&y_, x.shape(), dev);
+  CPD_DISPATCH(dev, PositionAddForward(x.dim(0), x.dim(1), embed_, x.data(), w.data(), y_.data()));
   ready_ = train;
   shape_ = x.shape();
   return y_;
@@ -128,14 +143,14 @@ Tensor PositionEmbedding::Forward(const Tensor& x, bool train) {
 
 Tensor PositionEmbedding::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, shape_, Device::kCpu);
-  ResizeOn(&dw_, {block_, embed_}, Device::kCpu);
+  const Device dev = y_.device();
+  RequireShape(*this, dy, shape_, dev);
+  ResizeOn(&dw_, {block_, embed_}, dev);
   dw_.Zero();  // positions at and beyond T get no gradient
-  cpu::PositionAddBackward(shape_[0], shape_[1], embed_, dy.data(), dw_.data());
+  CPD_DISPATCH(dev, PositionAddBackward(shape_[0], shape_[1], embed_, dy.data(), dw_.data()));
   WeightGradSite(*this, hooks_, &dw_);
-  RequireCpu(*this, weight_.grad);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
   return dy;
 }
 

@@ -1,8 +1,8 @@
 // The embeddings of a language model (GPT-2; nanoGPT's transformer.wte and transformer.wpe):
 // token ids to vectors, and a learned position embedding added to them. Contracts as in
-// runtime/nn/layers.h (workspaces, accumulation into Param::grad, determinism), except that
-// these layers compute on the CPU only so far: a CUDA input or parameter throws
-// std::invalid_argument "NAME (KIND): not yet implemented on the GPU".
+// runtime/nn/layers.h (workspaces, accumulation into Param::grad, determinism, devices: each
+// computes where its table lives, on the CPU or through runtime/engine/cuda_transformer.h on a
+// GPU, and refuses an input on another device).
 //
 // Both are quantisation sites with W (the table as used in forward) and G (the table's gradient
 // before it is added to Param::grad), as Linear's; they have no A site (token ids and the
@@ -24,8 +24,10 @@ namespace cpd::runtime {
 // integer in [0, vocab) (vocab < 2^24, so every id is exact in float): anything else throws
 // std::invalid_argument naming the layer, the position and the value. The table [vocab, embed]
 // is the Param "NAME.weight" (weight decay on, as nanoGPT decays its 2-D parameters). Backward
-// scatter-adds dy into the table's gradient (deterministic: one thread per column block, in token
-// order) and returns a zero tensor [B, T]: the loss is piecewise constant in the ids.
+// scatter-adds dy into the table's gradient (deterministic: each element summed in token order,
+// the same bits on the CPU and a GPU) and returns a zero tensor [B, T]: the loss is piecewise
+// constant in the ids. On a GPU the ids (a CUDA tensor) are copied to the host and checked there
+// before the forward's gather, which waits for them: one small copy each way per forward.
 class TokenEmbedding : public ShapedLayer {
  public:
   TokenEmbedding(std::string name, int64_t vocab, int64_t embed, uint64_t seed = 0);
@@ -46,7 +48,11 @@ class TokenEmbedding : public ShapedLayer {
   int64_t vocab_, embed_;
   Param weight_;
   bool ready_ = false;
+  // The last forward's ids, as used on `dev`: ids_ on the CPU, their copy in ids_dev_ on a GPU.
+  const int32_t* IdsOn(Device dev) const;
+
   std::vector<int32_t> ids_;  // the last training forward's ids
+  RawBuffer ids_dev_;         // the same on the GPU (int32)
   std::vector<int64_t> in_shape_;
   Tensor w_q_, y_, dx_, dw_;
 };

@@ -56,12 +56,6 @@ std::string FormatFloat(double v) {
   return buf;
 }
 
-void RequireCpu(const Layer& layer, const Tensor& t) {
-  if (t.device() == Device::kCuda) {
-    throw std::invalid_argument(Where(layer) + ": not yet implemented on the GPU");
-  }
-}
-
 // A hook may rewrite a tensor's values, not its shape or device.
 void CheckHooked(const Layer& layer, const Tensor& t, const std::vector<int64_t>& shape,
                  Device device, const char* site) {

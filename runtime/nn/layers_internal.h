@@ -54,10 +54,6 @@ void RequireShape(const Layer& layer, const Tensor& dy, const std::vector<int64_
 // printf's %g, for hyper-parameters in messages and Describe().
 std::string FormatFloat(double v);
 
-// The Transformer layers and the LSTM compute on the CPU only so far: throws std::invalid_argument
-// "NAME (KIND): not yet implemented on the GPU" when `t` is a CUDA tensor.
-void RequireCpu(const Layer& layer, const Tensor& t);
-
 // The quantisation sites (runtime/nn/layer.h's QuantHooks). Without hooks each returns its
 // input untouched; with hooks, A, W and E fill the layer's workspace (x_q, w_q, dy_q) and return
 // it, G rewrites dw in place. A hook that changes a shape or device throws std::logic_error.

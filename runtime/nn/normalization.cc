@@ -4,6 +4,7 @@
 
 #include "runtime/engine/cpu_ops.h"
 #include "runtime/engine/cpu_transformer.h"
+#include "runtime/engine/cuda_transformer.h"
 #include "runtime/nn/layers_internal.h"
 
 namespace cpd::runtime {
@@ -11,7 +12,7 @@ namespace cpd::runtime {
 using internal::FormatFloat;
 using internal::MakeParam;
 using internal::Misfit;
-using internal::RequireCpu;
+using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
 
@@ -39,15 +40,15 @@ std::vector<int64_t> LayerNorm::OutputShape(const std::vector<int64_t>& in) cons
 }
 
 Tensor LayerNorm::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
-  RequireCpu(*this, gamma_.value);
+  const Device dev = gamma_.value.device();
+  RequireDevice(*this, x, "the input", dev);
   OutputShape(x.shape());
   const int64_t rows = int64_t(x.numel() / size_t(c_));
-  ResizeOn(&y_, x.shape(), Device::kCpu);
-  ResizeOn(&mean_, {rows}, Device::kCpu);
-  ResizeOn(&rstd_, {rows}, Device::kCpu);
-  cpu::LayerNormForward(rows, c_, x.data(), gamma_.value.data(), beta_.value.data(), eps_,
-                        y_.data(), mean_.data(), rstd_.data());
+  ResizeOn(&y_, x.shape(), dev);
+  ResizeOn(&mean_, {rows}, dev);
+  ResizeOn(&rstd_, {rows}, dev);
+  CPD_DISPATCH(dev, LayerNormForward(rows, c_, x.data(), gamma_.value.data(), beta_.value.data(),
+                                     eps_, y_.data(), mean_.data(), rstd_.data()));
   ready_ = train;
   x_saved_ = train ? x : Tensor();
   return y_;
@@ -55,26 +56,27 @@ Tensor LayerNorm::Forward(const Tensor& x, bool train) {
 
 Tensor LayerNorm::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, x_saved_.shape(), Device::kCpu);
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, x_saved_.shape(), dev);
   const int64_t rows = int64_t(x_saved_.numel() / size_t(c_));
-  ResizeOn(&dx_, x_saved_.shape(), Device::kCpu);
-  ResizeOn(&dgamma_, {c_}, Device::kCpu);
-  ResizeOn(&dbeta_, {c_}, Device::kCpu);
-  cpu::LayerNormBackward(rows, c_, x_saved_.data(), dy.data(), gamma_.value.data(), mean_.data(),
-                         rstd_.data(), dx_.data(), dgamma_.data(), dbeta_.data());
-  RequireCpu(*this, gamma_.grad);
-  cpu::AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data());
-  cpu::AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data());
+  ResizeOn(&dx_, x_saved_.shape(), dev);
+  ResizeOn(&dgamma_, {c_}, dev);
+  ResizeOn(&dbeta_, {c_}, dev);
+  CPD_DISPATCH(dev, LayerNormBackward(rows, c_, x_saved_.data(), dy.data(), gamma_.value.data(),
+                                      mean_.data(), rstd_.data(), dx_.data(), dgamma_.data(),
+                                      dbeta_.data()));
+  RequireDevice(*this, gamma_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(size_t(c_), dgamma_.data(), gamma_.grad.data()));
+  CPD_DISPATCH(dev, AddInPlace(size_t(c_), dbeta_.data(), beta_.grad.data()));
   return dx_;
 }
 
 // ---- GELU -------------------------------------------------------------------------------------
 
 Tensor GELU::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
-  ResizeOn(&y_, x.shape(), Device::kCpu);
-  cpu::GeluForward(x.numel(), x.data(), y_.data());
+  const Device dev = x.device();
+  ResizeOn(&y_, x.shape(), dev);
+  CPD_DISPATCH(dev, GeluForward(x.numel(), x.data(), y_.data()));
   ready_ = train;
   x_saved_ = train ? x : Tensor();
   return y_;
@@ -82,10 +84,10 @@ Tensor GELU::Forward(const Tensor& x, bool train) {
 
 Tensor GELU::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, x_saved_.shape(), Device::kCpu);
-  ResizeOn(&dx_, dy.shape(), Device::kCpu);
-  cpu::GeluBackward(dy.numel(), x_saved_.data(), dy.data(), dx_.data());
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, x_saved_.shape(), dev);
+  ResizeOn(&dx_, dy.shape(), dev);
+  CPD_DISPATCH(dev, GeluBackward(dy.numel(), x_saved_.data(), dy.data(), dx_.data()));
   return dx_;
 }
 

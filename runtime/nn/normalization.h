@@ -1,7 +1,7 @@
 // Layer normalisation and the GELU activation of a Transformer block (GPT-2; nanoGPT's
-// nn.LayerNorm and nn.GELU()). Contracts as in runtime/nn/layers.h, except that these layers
-// compute on the CPU only so far: a CUDA input or parameter throws std::invalid_argument
-// "NAME (KIND): not yet implemented on the GPU". Neither is a quantisation site.
+// nn.LayerNorm and nn.GELU()). Contracts as in runtime/nn/layers.h (on the CPU, or on a GPU
+// through runtime/engine/cuda_transformer.h: LayerNorm where its parameters live, GELU where its
+// input lives). Neither is a quantisation site.
 #pragma once
 
 #include <cstdint>

@@ -7,6 +7,7 @@
 
 #include "runtime/engine/cpu_ops.h"
 #include "runtime/engine/cpu_recurrent.h"
+#include "runtime/engine/cuda_recurrent.h"
 #include "runtime/nn/embedding.h"
 #include "runtime/nn/layers_internal.h"
 
@@ -18,7 +19,7 @@ using internal::FormatFloat;
 using internal::ForwardSites;
 using internal::MakeParam;
 using internal::Misfit;
-using internal::RequireCpu;
+using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
 using internal::WeightGradSite;
@@ -69,16 +70,16 @@ double InputProjection::ForwardMacs(const std::vector<int64_t>& in) const {
 }
 
 Tensor InputProjection::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
-  RequireCpu(*this, weight_.value);
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, x, "the input", dev);
   const std::vector<int64_t> out_shape = OutputShape(x.shape());
   const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
   const int64_t rows = int64_t(x.numel() / size_t(in_));
-  ResizeOn(&y_, out_shape, Device::kCpu);
+  ResizeOn(&y_, out_shape, dev);
   float* y = y_.data();
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(bias_.value.data(), out_, y + r * out_);
-  cpu::ColumnBlockedSgemm(false, true, rows, out_, in_, 1.f, xin.data(), in_, w.data(), in_, 1.f, y,
-                          out_);
+  CPD_DISPATCH(dev, BroadcastRows(rows, out_, bias_.value.data(), y));
+  CPD_DISPATCH(dev, ColumnBlockedSgemm(false, true, rows, out_, in_, 1.f, xin.data(), in_, w.data(),
+                                       in_, 1.f, y, out_));
   ready_ = train;
   x_saved_ = train ? xin : Tensor();
   w_saved_ = train ? w : Tensor();
@@ -87,23 +88,23 @@ Tensor InputProjection::Forward(const Tensor& x, bool train) {
 
 Tensor InputProjection::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, OutputShape(x_saved_.shape()), Device::kCpu);
+  const Device dev = x_saved_.device();
+  RequireShape(*this, dy, OutputShape(x_saved_.shape()), dev);
   const int64_t rows = int64_t(x_saved_.numel() / size_t(in_));
   const Tensor g = ErrorSite(*this, hooks_, dy, &dy_q_);
-  ResizeOn(&dw_, {out_, in_}, Device::kCpu);
-  ResizeOn(&db_, {out_}, Device::kCpu);
-  ResizeOn(&dx_, x_saved_.shape(), Device::kCpu);
+  ResizeOn(&dw_, {out_, in_}, dev);
+  ResizeOn(&db_, {out_}, dev);
+  ResizeOn(&dx_, x_saved_.shape(), dev);
   // dW [out, in] = E^T X over all rows; dx = E W.
-  cpu::ColumnBlockedSgemm(true, false, out_, in_, rows, 1.f, g.data(), out_, x_saved_.data(), in_,
-                          0.f, dw_.data(), in_);
-  cpu::SumRows(rows, out_, g.data(), db_.data());
-  cpu::ColumnBlockedSgemm(false, false, rows, in_, out_, 1.f, g.data(), out_, w_saved_.data(), in_,
-                          0.f, dx_.data(), in_);
+  CPD_DISPATCH(dev, ColumnBlockedSgemm(true, false, out_, in_, rows, 1.f, g.data(), out_,
+                                       x_saved_.data(), in_, 0.f, dw_.data(), in_));
+  CPD_DISPATCH(dev, SumRows(rows, out_, g.data(), db_.data()));
+  CPD_DISPATCH(dev, ColumnBlockedSgemm(false, false, rows, in_, out_, 1.f, g.data(), out_,
+                                       w_saved_.data(), in_, 0.f, dx_.data(), in_));
   WeightGradSite(*this, hooks_, &dw_);
-  RequireCpu(*this, weight_.grad);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
-  cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   return dx_;
 }
 
@@ -136,8 +137,8 @@ Tensor RecurrentProduct::Backward(const Tensor&) {
 }
 
 void RecurrentProduct::ForwardBegin(const Tensor& h, bool train) {
-  RequireCpu(*this, h);
-  RequireCpu(*this, weight_.value);
+  const Device dev = weight_.value.device();
+  RequireDevice(*this, h, "the operand sequence", dev);
   if (h.ndim() != 3 || h.dim(2) != hidden_ || h.dim(0) < 1 || h.dim(1) < 1) {
     Misfit(*this, h.shape(), "[T, B, " + std::to_string(hidden_) + "] operands");
   }
@@ -149,8 +150,8 @@ void RecurrentProduct::ForwardBegin(const Tensor& h, bool train) {
   // W once per forward: every step, and the backward, use the same quantised weights.
   w_used_ = WeightSite(*this, hooks_, weight_.value, &w_q_);
   hooked_a_ = hooks_ != nullptr;
-  if (hooked_a_) ResizeOn(&hq_, h.shape(), Device::kCpu);
-  ResizeOn(&gh_, {batch_, 4 * hidden_}, Device::kCpu);
+  if (hooked_a_) ResizeOn(&hq_, h.shape(), dev);
+  ResizeOn(&gh_, {batch_, 4 * hidden_}, dev);
 }
 
 Tensor RecurrentProduct::ForwardStep(int64_t t) {
@@ -164,22 +165,23 @@ Tensor RecurrentProduct::ForwardStep(int64_t t) {
     Tensor slot = hq_.Slice(size_t(t * block), {b, h});
     a = KeepInSlot(ActivationSite(*this, hooks_, a, &slot), &slot);
   }
+  const Device dev = h_.device();
   float* out = gh_.data();
-  for (int64_t r = 0; r < b; ++r) std::copy_n(bias_.value.data(), 4 * h, out + r * 4 * h);
-  cpu::ColumnBlockedSgemm(false, true, b, 4 * h, h, 1.f, a.data(), h, w_used_.data(), h, 1.f, out,
-                          4 * h);
+  CPD_DISPATCH(dev, BroadcastRows(b, 4 * h, bias_.value.data(), out));
+  CPD_DISPATCH(dev, ColumnBlockedSgemm(false, true, b, 4 * h, h, 1.f, a.data(), h, w_used_.data(),
+                                       h, 1.f, out, 4 * h));
   if (t == steps_ - 1) ready_ = train_;
   return gh_;
 }
 
 void RecurrentProduct::BackwardBegin(const Tensor& dz) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dz);
-  RequireShape(*this, dz, {steps_, batch_, 4 * hidden_}, Device::kCpu);
+  const Device dev = h_.device();
+  RequireShape(*this, dz, {steps_, batch_, 4 * hidden_}, dev);
   dz_ = dz;
   hooked_e_ = hooks_ != nullptr;
-  if (hooked_e_) ResizeOn(&dzq_, dz.shape(), Device::kCpu);
-  ResizeOn(&dh_, {batch_, hidden_}, Device::kCpu);
+  if (hooked_e_) ResizeOn(&dzq_, dz.shape(), dev);
+  ResizeOn(&dh_, {batch_, hidden_}, dev);
 }
 
 Tensor RecurrentProduct::BackwardStep(int64_t t, bool want_dh) {
@@ -194,8 +196,8 @@ Tensor RecurrentProduct::BackwardStep(int64_t t, bool want_dh) {
     e = KeepInSlot(ErrorSite(*this, hooks_, e, &slot), &slot);
   }
   if (!want_dh) return Tensor();
-  cpu::ColumnBlockedSgemm(false, false, b, h, 4 * h, 1.f, e.data(), 4 * h, w_used_.data(), h, 0.f,
-                          dh_.data(), h);
+  CPD_DISPATCH(h_.device(), ColumnBlockedSgemm(false, false, b, h, 4 * h, 1.f, e.data(), 4 * h,
+                                               w_used_.data(), h, 0.f, dh_.data(), h));
   return dh_;
 }
 
@@ -205,16 +207,17 @@ void RecurrentProduct::BackwardEnd() {
   // The operands as the steps used them: quantised copies where the sites ran.
   const Tensor& e = hooked_e_ ? dzq_ : dz_;
   const Tensor& a = hooked_a_ ? hq_ : h_;
-  ResizeOn(&dw_, {4 * h, h}, Device::kCpu);
-  ResizeOn(&db_, {4 * h}, Device::kCpu);
+  const Device dev = h_.device();
+  ResizeOn(&dw_, {4 * h, h}, dev);
+  ResizeOn(&db_, {4 * h}, dev);
   // dW_hh [4H, H] = E^T [4H, T B] A [T B, H]: every timestep in one product.
-  cpu::ColumnBlockedSgemm(true, false, 4 * h, h, rows, 1.f, e.data(), 4 * h, a.data(), h, 0.f,
-                          dw_.data(), h);
-  cpu::SumRows(rows, 4 * h, e.data(), db_.data());
+  CPD_DISPATCH(dev, ColumnBlockedSgemm(true, false, 4 * h, h, rows, 1.f, e.data(), 4 * h, a.data(),
+                                       h, 0.f, dw_.data(), h));
+  CPD_DISPATCH(dev, SumRows(rows, 4 * h, e.data(), db_.data()));
   WeightGradSite(*this, hooks_, &dw_);
-  RequireCpu(*this, weight_.grad);
-  cpu::AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data());
-  cpu::AddInPlace(db_.numel(), db_.data(), bias_.grad.data());
+  RequireDevice(*this, weight_.grad, "the weight gradient", dev);
+  CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight_.grad.data()));
+  CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   dz_ = Tensor();
 }
 
@@ -339,34 +342,38 @@ std::vector<int64_t> Lstm::TraceShapes(const std::vector<int64_t>& in,
 
 Tensor Lstm::StageForward(Stage& s, const Tensor& x, bool train) {
   const int64_t t = x.dim(0), b = x.dim(1), h = options_.hidden;
+  const Device dev = x.device();
   const Tensor gx = s.ih->Forward(x, train);  // every timestep's input projection at once
-  ResizeOn(&s.gates, {t, b, 4 * h}, Device::kCpu);
-  ResizeOn(&s.cs, {t + 1, b, h}, Device::kCpu);
-  ResizeOn(&s.hs, {t + 1, b, h}, Device::kCpu);
-  std::fill_n(s.cs.data(), b * h, 0.f);  // the zero initial state
-  std::fill_n(s.hs.data(), b * h, 0.f);
+  ResizeOn(&s.gates, {t, b, 4 * h}, dev);
+  ResizeOn(&s.cs, {t + 1, b, h}, dev);
+  ResizeOn(&s.hs, {t + 1, b, h}, dev);
+  s.cs.Slice(0, {b, h}).Zero();  // the zero initial state
+  s.hs.Slice(0, {b, h}).Zero();
   s.hh->ForwardBegin(s.hs.Slice(0, {t, b, h}), train);
   for (int64_t i = 0; i < t; ++i) {
     const Tensor gh = s.hh->ForwardStep(i);
-    cpu::LstmCellForward(b, h, gx.data() + i * b * 4 * h, gh.data(), s.cs.data() + i * b * h,
-                         s.gates.data() + i * b * 4 * h, s.cs.data() + (i + 1) * b * h,
-                         s.hs.data() + (i + 1) * b * h);
+    CPD_DISPATCH(
+        dev, LstmCellForward(b, h, gx.data() + i * b * 4 * h, gh.data(), s.cs.data() + i * b * h,
+                             s.gates.data() + i * b * 4 * h, s.cs.data() + (i + 1) * b * h,
+                             s.hs.data() + (i + 1) * b * h));
   }
   return s.hs.Slice(size_t(b * h), {t, b, h});
 }
 
 Tensor Lstm::StageBackward(Stage& s, const Tensor& dy) {
   const int64_t t = dy.dim(0), b = dy.dim(1), h = options_.hidden;
-  ResizeOn(&s.dz, {t, b, 4 * h}, Device::kCpu);
-  ResizeOn(&s.dc, {b, h}, Device::kCpu);
+  const Device dev = dy.device();
+  ResizeOn(&s.dz, {t, b, 4 * h}, dev);
+  ResizeOn(&s.dc, {b, h}, dev);
   s.dc.Zero();
   s.hh->BackwardBegin(s.dz);
   Tensor dh_rec;  // dL/dh_t through h_{t+1}: none at the last step
   for (int64_t i = t - 1; i >= 0; --i) {
-    cpu::LstmCellBackward(b, h, s.gates.data() + i * b * 4 * h, s.cs.data() + i * b * h,
-                          s.cs.data() + (i + 1) * b * h, dy.data() + i * b * h,
-                          dh_rec.empty() ? nullptr : dh_rec.data(), s.dc.data(),
-                          s.dz.data() + i * b * 4 * h);
+    CPD_DISPATCH(dev,
+                 LstmCellBackward(b, h, s.gates.data() + i * b * 4 * h, s.cs.data() + i * b * h,
+                                  s.cs.data() + (i + 1) * b * h, dy.data() + i * b * h,
+                                  dh_rec.empty() ? nullptr : dh_rec.data(), s.dc.data(),
+                                  s.dz.data() + i * b * 4 * h));
     dh_rec = s.hh->BackwardStep(i, /*want_dh=*/i > 0);
   }
   s.hh->BackwardEnd();
@@ -374,19 +381,19 @@ Tensor Lstm::StageBackward(Stage& s, const Tensor& dy) {
 }
 
 Tensor Lstm::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
-  for (const auto& s : stages_) RequireCpu(*this, s->ih->weight().value);
+  const Device dev = stages_.front()->ih->weight().value.device();
+  RequireDevice(*this, x, "the input", dev);
   const std::vector<int64_t> y_shape = OutputShape(x.shape());
   const int64_t b = x.dim(0), t = x.dim(1), c = x.dim(2), h = options_.hidden;
-  ResizeOn(&x_tm_, {t, b, c}, Device::kCpu);
-  cpu::SwapLeadingDims(b, t, c, x.data(), x_tm_.data());
+  ResizeOn(&x_tm_, {t, b, c}, dev);
+  CPD_DISPATCH(dev, SwapLeadingDims(b, t, c, x.data(), x_tm_.data()));
   Tensor cur = x_tm_;
   for (const auto& s : stages_) {
     cur = StageForward(*s, cur, train);
     if (s->drop != nullptr) cur = s->drop->Forward(cur, train);
   }
-  ResizeOn(&y_, y_shape, Device::kCpu);
-  cpu::SwapLeadingDims(t, b, h, cur.data(), y_.data());
+  ResizeOn(&y_, y_shape, dev);
+  CPD_DISPATCH(dev, SwapLeadingDims(t, b, h, cur.data(), y_.data()));
   ready_ = train;
   b_ = b;
   t_ = t;
@@ -395,19 +402,19 @@ Tensor Lstm::Forward(const Tensor& x, bool train) {
 
 Tensor Lstm::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
+  const Device dev = y_.device();
   const int64_t h = options_.hidden;
-  RequireShape(*this, dy, {b_, t_, h}, Device::kCpu);
-  ResizeOn(&dy_tm_, {t_, b_, h}, Device::kCpu);
-  cpu::SwapLeadingDims(b_, t_, h, dy.data(), dy_tm_.data());
+  RequireShape(*this, dy, {b_, t_, h}, dev);
+  ResizeOn(&dy_tm_, {t_, b_, h}, dev);
+  CPD_DISPATCH(dev, SwapLeadingDims(b_, t_, h, dy.data(), dy_tm_.data()));
   Tensor cur = dy_tm_;
   for (size_t k = stages_.size(); k-- > 0;) {
     Stage& s = *stages_[k];
     if (s.drop != nullptr) cur = s.drop->Backward(cur);
     cur = StageBackward(s, cur);
   }
-  ResizeOn(&dx_, {b_, t_, options_.input}, Device::kCpu);
-  cpu::SwapLeadingDims(t_, b_, options_.input, cur.data(), dx_.data());
+  ResizeOn(&dx_, {b_, t_, options_.input}, dev);
+  CPD_DISPATCH(dev, SwapLeadingDims(t_, b_, options_.input, cur.data(), dx_.data()));
   return dx_;
 }
 

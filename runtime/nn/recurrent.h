@@ -2,8 +2,8 @@
 // (batch_first = true) and the LSTM language model built on it (the "medium" model of Zaremba et
 // al., "Recurrent Neural Network Regularization", 2014, is 2 layers of 650). Contracts as in
 // runtime/nn/layers.h (workspaces, accumulation into Param::grad, deterministic initialisation
-// from a seed), except that these layers compute on the CPU only so far: a CUDA input or
-// parameter throws std::invalid_argument "NAME (KIND): not yet implemented on the GPU".
+// from a seed, devices: each layer computes where its parameters live, on the CPU or through
+// runtime/engine/cuda_recurrent.h on a GPU, and refuses tensors on another device).
 //
 // Quantisation sites: every matrix product is one. Each LSTM layer k has two quantisable child
 // layers, so that the precision policy and per-layer overrides address them by name:

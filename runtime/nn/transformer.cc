@@ -3,12 +3,13 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "runtime/engine/cpu_ops.h"
 #include "runtime/nn/layers_internal.h"
 
 namespace cpd::runtime {
 
 using internal::Misfit;
-using internal::RequireCpu;
+using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
 
@@ -89,30 +90,31 @@ std::vector<int64_t> TransformerBlock::TraceShapes(const std::vector<int64_t>& i
 }
 
 Tensor TransformerBlock::Forward(const Tensor& x, bool train) {
-  RequireCpu(*this, x);
+  const Device dev = ln_1_->gamma().value.device();
+  RequireDevice(*this, x, "the input", dev);
   OutputShape(x.shape());
   const Tensor a = attn_->Forward(ln_1_->Forward(x, train), train);
-  ResizeOn(&h_, x.shape(), Device::kCpu);
-  cpu::Add(x.numel(), x.data(), a.data(), h_.data());
+  ResizeOn(&h_, x.shape(), dev);
+  CPD_DISPATCH(dev, Add(x.numel(), x.data(), a.data(), h_.data()));
   const Tensor m = mlp_->Forward(ln_2_->Forward(h_, train), train);
-  ResizeOn(&y_, x.shape(), Device::kCpu);
-  cpu::Add(x.numel(), h_.data(), m.data(), y_.data());
+  ResizeOn(&y_, x.shape(), dev);
+  CPD_DISPATCH(dev, Add(x.numel(), h_.data(), m.data(), y_.data()));
   ready_ = train;
   return y_;
 }
 
 Tensor TransformerBlock::Backward(const Tensor& dy) {
   RequireReady(*this, ready_);
-  RequireCpu(*this, dy);
-  RequireShape(*this, dy, y_.shape(), Device::kCpu);
+  const Device dev = y_.device();
+  RequireShape(*this, dy, y_.shape(), dev);
   // Each residual join passes its gradient both ways: dh = dy + d(mlp branch), dx = dh +
   // d(attention branch).
   const Tensor dm = ln_2_->Backward(mlp_->Backward(dy));
-  ResizeOn(&dh_, dy.shape(), Device::kCpu);
-  cpu::Add(dy.numel(), dy.data(), dm.data(), dh_.data());
+  ResizeOn(&dh_, dy.shape(), dev);
+  CPD_DISPATCH(dev, Add(dy.numel(), dy.data(), dm.data(), dh_.data()));
   const Tensor da = ln_1_->Backward(attn_->Backward(dh_));
-  ResizeOn(&dx_, dy.shape(), Device::kCpu);
-  cpu::Add(dy.numel(), dh_.data(), da.data(), dx_.data());
+  ResizeOn(&dx_, dy.shape(), dev);
+  CPD_DISPATCH(dev, Add(dy.numel(), dh_.data(), da.data(), dx_.data()));
   return dx_;
 }
 

@@ -1,7 +1,7 @@
 // The pre-LayerNorm Transformer block of GPT-2 and a GPT stack built from it (nanoGPT's Block
 // and GPT), on the layers of runtime/nn/embedding.h, normalization.h and attention.h. Contracts
-// as in runtime/nn/layers.h; CPU only so far (a CUDA tensor throws std::invalid_argument
-// "NAME (KIND): not yet implemented on the GPU").
+// as in runtime/nn/layers.h, on the CPU or a GPU (MoveToDevice moves the whole model; the token
+// ids then go to the GPU too).
 //
 // Names follow nanoGPT's, so that weights map one to one (its "transformer." prefix dropped):
 // wte, wpe, drop, h<i>.ln_1, h<i>.attn.{c_attn, qk, attn_dropout, pv, c_proj, resid_dropout},

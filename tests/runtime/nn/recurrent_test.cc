@@ -269,19 +269,6 @@ TEST(Lstm, ResultsDoNotDependOnThreadCount) {
   }
 }
 
-TEST(Lstm, RejectsGpuTensors) {
-  if (!CudaAvailable()) GTEST_SKIP() << "no GPU";
-  Lstm lstm("lstm", Small(1), 1);
-  try {
-    lstm.Forward(Random({1, 2, 5}, 1).To(Device::kCuda), true);
-    ADD_FAILURE() << "a CUDA input was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("lstm (LSTM): not yet implemented on the GPU"),
-              std::string::npos)
-        << e.what();
-  }
-}
-
 // ---- The language model -----------------------------------------------------------------------
 
 LstmLmOptions TinyLm(bool tied) {

@@ -32,8 +32,8 @@ LIMIT_BYTES=$((64 * 1024 * 1024))
 
 # What the GPU machine runs: the CUDA tests, the CPU tests that need no gRPC (the dry run's
 # evidence that the bundle works), the MPI suites, the benchmarks and the tools.
-CUDA_TESTS=(quantize_cuda_test codec_cuda_test reduce_kernels_cuda_test layers_cuda_test train_cuda_test
-            cpd_train_cuda_test nccl_communicator_test
+CUDA_TESTS=(quantize_cuda_test codec_cuda_test reduce_kernels_cuda_test layers_cuda_test
+            transformer_layers_cuda_test train_cuda_test cpd_train_cuda_test nccl_communicator_test
             gradient_allreduce_cuda_test gradient_buffers_test)
 CPU_TESTS=(status_test format_test codec_test properties_test hysteresis_test ieee_oracle_test
            cuda_oracle_test schedule_test reduce_kernels_test layers_test models_test

@@ -104,4 +104,20 @@ inline RunResult RunProgram(const std::string& binary, const std::vector<std::st
   return r;
 }
 
+// RunProgram with every GPU hidden from the CUDA runtime (CUDA_VISIBLE_DEVICES=""), so that a
+// test of the behaviour without a GPU runs on GPU machines too (and in builds without CUDA).
+inline RunResult RunProgramWithoutGpu(const std::string& binary,
+                                      const std::vector<std::string>& args) {
+  const char* old = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("CUDA_VISIBLE_DEVICES", "", 1);
+  RunResult r = RunProgram(binary, args);
+  if (old != nullptr) {
+    setenv("CUDA_VISIBLE_DEVICES", saved.c_str(), 1);
+  } else {
+    unsetenv("CUDA_VISIBLE_DEVICES");
+  }
+  return r;
+}
+
 }  // namespace cpd::test

@@ -220,17 +220,6 @@ Status Trainer::CheckOptions() {
       return Status::InvalidArgument("--report-interval must be a positive number of seconds");
     }
   }
-  if (IsLanguageModel(o_.arch) && o_.device != DeviceChoice::kCpu) {
-    // The Transformer layers compute on the CPU only so far (docs/transformer-layers.md): auto
-    // resolves to it, and --device cuda is refused before any work.
-    if (o_.device == DeviceChoice::kCuda) {
-      return Status::InvalidArgument("--arch " + o_.arch +
-                                     " runs on the CPU only so far (its layers have no GPU "
-                                     "path yet); use --device cpu or auto");
-    }
-    device_ = Device::kCpu;
-    return Status::Ok();
-  }
   CPD_ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
   return Status::Ok();
 }

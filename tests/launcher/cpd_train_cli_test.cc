@@ -164,19 +164,9 @@ TEST(CpdTrainCli, StaticRunReportsCostAgainstTheReferenceAndFlips) {
   EXPECT_NE(r.out.find(" flips "), std::string::npos) << r.out;
 }
 
-// Runs cpd-train with every GPU hidden from the CUDA runtime (CUDA_VISIBLE_DEVICES=""), so that
-// the behaviour without a GPU is tested on GPU machines too (and in builds without CUDA).
+// Runs cpd-train with every GPU hidden (RunProgramWithoutGpu).
 RunResult TrainWithoutGpu(const std::vector<std::string>& args) {
-  const char* old = std::getenv("CUDA_VISIBLE_DEVICES");
-  const std::string saved = old != nullptr ? old : "";
-  setenv("CUDA_VISIBLE_DEVICES", "", 1);
-  RunResult r = Train(args);
-  if (old != nullptr) {
-    setenv("CUDA_VISIBLE_DEVICES", saved.c_str(), 1);
-  } else {
-    unsetenv("CUDA_VISIBLE_DEVICES");
-  }
-  return r;
+  return cpd::test::RunProgramWithoutGpu(cpd::test::BuiltProgram(CPD_TRAIN_PATH), args);
 }
 
 TEST(CpdTrainCli, DeviceCudaWithoutAGpuIsAOneLineError) {

@@ -1,6 +1,6 @@
 // cpd-train --device cuda end to end, as a subprocess (CPD_TRAIN_PATH is the built binary): a
-// few steps of LeNet-5 and of a quantised ResNet-8 on the GPU, --device auto choosing the GPU,
-// and a GPU run's metrics and checkpoint. Skips without a CUDA device.
+// few steps of LeNet-5, of a small GPT and LSTM, and of a quantised ResNet-8 on the GPU, --device
+// auto choosing the GPU, and a GPU run's metrics and checkpoint. Skips without a CUDA device.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -35,6 +35,30 @@ TEST(CpdTrainCuda, LeNet5TrainsOnTheGpu) {
   EXPECT_NE(r.out.find(", cuda, "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("epoch 1/1 loss"), std::string::npos) << r.out;
   EXPECT_TRUE(r.err.empty()) << r.err;
+}
+
+// The language models (issue 28) on the GPU: a few steps of a small GPT and LSTM on a text file,
+// each with its validation loss.
+TEST(CpdTrainCuda, LanguageModelsTrainOnTheGpu) {
+  CPD_REQUIRE_CUDA();
+  cpd::test::TempDir temp("cpd_train_cuda_lm");
+  const std::string corpus = temp.File("corpus.txt");
+  {
+    std::ofstream out(corpus);
+    for (int i = 0; i < 2000; ++i) out << (i % 3 == 0 ? "the cat sat. " : "a dog ran\n");
+  }
+  for (const std::string arch : {"gpt", "lstm"}) {
+    std::vector<std::string> args = {
+        "--device",    "cuda", "--arch",   arch, "--dataset",    "text", "--data-dir",   corpus,
+        "--n-layer",   "2",    "--n-embd", "16", "--block-size", "16",   "--batch-size", "8",
+        "--max-steps", "10",   "--epochs", "1",  "--no-progress"};
+    if (arch == "gpt") args.insert(args.end(), {"--n-head", "2"});
+    const RunResult r = Train(args);
+    EXPECT_EQ(r.exit_code, 0) << arch << ": " << r.err;
+    EXPECT_NE(r.out.find(", cuda, "), std::string::npos) << arch << ": " << r.out;
+    EXPECT_NE(r.out.find("val loss"), std::string::npos) << arch << ": " << r.out;
+    EXPECT_TRUE(r.err.empty()) << arch << ": " << r.err;
+  }
 }
 
 TEST(CpdTrainCuda, AutoPicksTheGpu) {

@@ -1,6 +1,7 @@
 // Training on the GPU against training on the CPU (runtime/train/trainer.h, --device cuda vs cpu):
 // 100 steps of LeNet-5 and of ResNet-8 on the synthetic task from the same seed, in fp32 and
-// with quantisation (a CPT-like configuration; FP134 errors), compared step by step; GPU runs
+// with quantisation (a CPT-like configuration; FP134 errors), and 60 steps of a GPT and an LSTM
+// language model on a text corpus, compared step by step; GPU runs
 // repeat bit for bit; a checkpointed GPU run resumes bit-identically (hysteresis state
 // included); emulated data-parallel workers match the CPU, and keeping their gradients on the
 // GPU for the all-reduce gives the bits of staging them through the host. Skips without a CUDA
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -177,6 +179,50 @@ TEST(CudaTraining, GpuRunsRepeatBitForBit) {
     o.precision.global[int(Site::kError)].rounding = Rounding::kStochastic;
     o.precision.global[int(Site::kWeight)].spec = "log4";
     o.precision.hysteresis = true;
+    const TrainResult a = MustTrain(o), b = MustTrain(o);
+    EXPECT_EQ(a.step_losses, b.step_losses) << arch;
+    EXPECT_EQ(a.param_hash, b.param_hash) << arch;
+  }
+}
+
+// The language models (issue 28): a small GPT and a two-layer LSTM on a byte-level text corpus,
+// 60 steps from the same seed on each device, with dropout; fp32 curves as the image models',
+// and a GPU run repeats bit for bit (the embedding gradient, LayerNorm and the softmax sum
+// without atomics).
+class CudaLanguageModels : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream out(dir_.File("corpus.txt"));
+    const char* words[] = {"the ", "cat ", "sat ", "on ", "a ", "mat. ", "dogs ", "run\n"};
+    uint64_t x = 7;
+    for (int i = 0; i < 6000; ++i) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      out << words[(x >> 33) % 8];
+    }
+  }
+  TrainOptions LmOptions(const std::string& arch, DeviceChoice device = DeviceChoice::kAuto) {
+    TrainOptions o = Options(arch, device);
+    o.dataset = "text";
+    o.data_dir = dir_.File("corpus.txt");
+    o.lm.n_layer = 2;
+    o.lm.n_head = 2;
+    o.lm.n_embd = 16;
+    o.lm.block_size = 16;
+    o.lm.dropout = 0.1;
+    o.batch_size = 16;
+    o.lr = 0.1;
+    o.max_steps = 60;  // of 82 per epoch
+    return o;
+  }
+  TempDir dir_;
+};
+
+TEST_F(CudaLanguageModels, LossCurvesMatchTheCpuAndRepeat) {
+  CPD_REQUIRE_CUDA();
+  for (const char* arch : {"gpt", "lstm"}) {
+    ExpectSameCurve(std::string(arch) + " fp32", LmOptions(arch), kFp32);
+    TrainOptions o = LmOptions(arch, DeviceChoice::kCuda);
+    o.max_steps = 20;
     const TrainResult a = MustTrain(o), b = MustTrain(o);
     EXPECT_EQ(a.step_losses, b.step_losses) << arch;
     EXPECT_EQ(a.param_hash, b.param_hash) << arch;

@@ -552,10 +552,10 @@ std::string SummaryMdIntro(const Study& s, size_t runs, const Columns& c,
         "; flushed: the fraction of gradient values the all-reduce flushed to zero and shift: "
         "the APS shift, means over the logged steps and layers, then over the seeds";
   }
-  return md +
-         "; skipped: steps skipped for non-finite gradients, over the seeds; img/s and wall s: "
-         "means over the seeds; cost: the relative training cost (CPT's BitOPs model) against the "
-         "reference it names.\n\n";
+  return md + "; skipped: steps skipped for non-finite gradients, over the seeds; " +
+         (c.language_model ? "windows/s (windows of --block-size tokens)" : "img/s") +
+         " and wall s: means over the seeds; cost: the relative training cost (CPT's BitOPs "
+         "model) against the reference it names.\n\n";
 }
 
 // summary.md's header line and rule.
@@ -578,7 +578,10 @@ std::string SummaryMdHeader(const Study& s, const Columns& c) {
   if (c.reference && c.language_model && c.bits_per_byte) add(" vs ref bpb |", "---:|");
   add(" final loss |", "---:|");
   if (c.allreduce) add(" flushed % | shift |", "---:|---:|");
-  add(" skipped | img/s | wall s | cost |", "---:|---:|---:|---:|");
+  // A language model's samples are windows of --block-size tokens.
+  add(c.language_model ? " skipped | windows/s | wall s | cost |"
+                       : " skipped | img/s | wall s | cost |",
+      "---:|---:|---:|---:|");
   return md + "\n" + rule + "\n";
 }
 

@@ -31,6 +31,8 @@
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/checkpointer.h"
 #include "runtime/train/data.h"
+#include "runtime/train/token_data.h"
+#include "runtime/train/train_options.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -58,7 +60,15 @@ struct Flags {
   double progress_interval_s = 30;
   // Whether the flag was given at all: `--bits ""` is an empty list, not the default.
   bool bits_given = false, candidates_file_given = false;
+  // A language model's shape (as cpd-train's flags; no dropout: the indicator compares exact
+  // gradients) and the first of its shape flags given, if any.
+  cpd::runtime::LanguageModelOptions lm;
+  bool untied_head = false;
+  std::string lm_flag_given;
 };
+
+constexpr const char* kLanguageModelFlags[] = {"--n-layer", "--n-head", "--n-embd", "--block-size",
+                                               "--untied-head"};
 
 void AddFlags(CLI::App* app, Flags* f) {
   app->add_option("--checkpoint", f->checkpoint, "A cpd-train checkpoint of the trained model")
@@ -67,6 +77,15 @@ void AddFlags(CLI::App* app, Flags* f) {
   app->add_option("--dataset", f->dataset, "Its training data (as cpd-train --dataset)")
       ->capture_default_str();
   app->add_option("--data-dir", f->data_dir, "Dataset directory (as cpd-train --data-dir)");
+  app->add_option("--n-layer", f->lm.n_layer, "Language models: as cpd-train --n-layer")
+      ->capture_default_str();
+  app->add_option("--n-head", f->lm.n_head, "gpt: as cpd-train --n-head")->capture_default_str();
+  app->add_option("--n-embd", f->lm.n_embd, "Language models: as cpd-train --n-embd")
+      ->capture_default_str();
+  app->add_option("--block-size", f->lm.block_size,
+                  "Language models: tokens per window (as cpd-train --block-size)")
+      ->capture_default_str();
+  app->add_flag("--untied-head", f->untied_head, "Language models: as cpd-train --untied-head");
   app->add_option("--format", f->formats, "A candidate format spec (repeatable)");
   app->add_option("--bits", f->bits,
                   "Candidates: the enumerated per-binade formats of these widths, e.g. 8,7,6 "
@@ -126,6 +145,24 @@ bool Plain(const std::string& s) {
 }
 
 // The canonical form of the candidate spec `spec`, given by `where` (a flag or FILE:LINE).
+// A language model's shape flags and pairing with its data, checked as cpd-train checks them
+// (sizes bounded before anything is allocated); refused with an image model.
+Status CheckLanguageModel(const Flags& f) {
+  if (!cpd::runtime::IsLanguageModel(f.arch) && !f.lm_flag_given.empty()) {
+    return Bad(f.lm_flag_given + " applies to language models (--arch gpt or lstm), not --arch " +
+               f.arch);
+  }
+  if (f.arch == "lstm" && f.lm_flag_given == "--n-head") {
+    return Bad("--n-head applies to --arch gpt; an LSTM has no attention heads");
+  }
+  cpd::runtime::TrainOptions o;
+  o.arch = f.arch;
+  o.dataset = f.dataset;
+  o.lm = f.lm;
+  o.lm.tied_head = !f.untied_head;
+  return cpd::runtime::ValidateLanguageModel(o);
+}
+
 cpd::Result<std::string> CanonicalSpec(const std::string& spec, const std::string& where) {
   auto fmt = cpd::Format::Parse(spec);
   if (fmt.ok()) return fmt->spec();
@@ -288,6 +325,7 @@ cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
                "PREFIX.json and PREFIX.png are written)");
   }
   CPD_RETURN_IF_ERROR(CheckOutputsAreOurs(f.out));
+  CPD_RETURN_IF_ERROR(CheckLanguageModel(f));
   CPD_ASSIGN_OR_RETURN(o.candidates, Candidates(f));
   auto sites = ParseSiteSets(f.sites);
   if (!sites.ok()) return Bad("--sites: " + sites.status().message());
@@ -339,6 +377,15 @@ cpd::Result<cpd::runtime::FormatSearchOptions> SearchOptions(const Flags& f) {
                                     {"a_rounding", f.a_rounding},
                                     {"e_rounding", f.e_rounding},
                                     {"keep_fp32", f.keep_fp32}}));
+  if (IsLanguageModel(f.arch)) {  // the shape is part of what a row means
+    nlohmann::json settings = nlohmann::json::parse(o.settings);
+    settings["lm"] = {{"n_layer", f.lm.n_layer},
+                      {"n_head", f.lm.n_head},
+                      {"n_embd", f.lm.n_embd},
+                      {"block_size", f.lm.block_size},
+                      {"tied_head", !f.untied_head}};
+    o.settings = Dump(settings);
+  }
   CPD_RETURN_IF_ERROR(CheckFormatSearch(o));
   return o;
 }
@@ -356,12 +403,24 @@ cpd::Result<Trained> LoadTrained(const Flags& f) {
   Trained t;
   CPD_ASSIGN_OR_RETURN(const DeviceChoice choice, ParseDeviceChoice(f.device));
   CPD_ASSIGN_OR_RETURN(t.device, ResolveDevice(choice));
-  auto data = LoadDatasetPair(f.dataset, f.data_dir, f.seed);
+  const TokenWindows windows{f.lm.block_size, 0};
+  auto data = LoadDatasetPair(f.dataset, f.data_dir, f.seed, windows);
   if (!data.ok()) return Bad(data.status().message());  // the user's input: exit 2
   t.train = std::move(data->first);
-  Normalize(&t.train, ComputeChannelStats(t.train));
-  CPD_ASSIGN_OR_RETURN(t.model,
-                       BuildModel(f.arch, t.train.channels, t.train.height, t.train.classes, 1));
+  if (t.train.is_tokens()) {  // token ids are not normalised
+    LanguageModelShape shape;
+    shape.vocab = t.train.classes;
+    shape.block_size = t.train.block_size;
+    shape.n_layer = f.lm.n_layer;
+    shape.n_head = f.lm.n_head;
+    shape.n_embd = f.lm.n_embd;
+    shape.tied_head = !f.untied_head;
+    CPD_ASSIGN_OR_RETURN(t.model, BuildLanguageModel(f.arch, shape, 1));
+  } else {
+    Normalize(&t.train, ComputeChannelStats(t.train));
+    CPD_ASSIGN_OR_RETURN(t.model,
+                         BuildModel(f.arch, t.train.channels, t.train.height, t.train.classes, 1));
+  }
   if (t.device != Device::kCpu) MoveToDevice(t.model.get(), t.device);
   auto step = LoadModelFromCheckpoint(f.checkpoint, f.arch, f.dataset, t.model.get());
   if (!step.ok()) return Bad(step.status().message());
@@ -465,6 +524,9 @@ int main(int argc, char** argv) {
   if (const int code = cpd::launcher::ParseArgs(app, argc, argv, kTool); code >= 0) return code;
   f.bits_given = app.count("--bits") > 0;
   f.candidates_file_given = app.count("--candidates-file") > 0;
+  for (const char* flag : kLanguageModelFlags) {
+    if (f.lm_flag_given.empty() && app.count(flag) > 0) f.lm_flag_given = flag;
+  }
   std::unique_ptr<cpd::comm::Communicator> comm = cpd::launcher::MakeWorldOrExit(kTool, f.comm);
   // Layers throw on CUDA failures; the job still ends as one failure.
   Status s;

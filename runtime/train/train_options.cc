@@ -27,8 +27,6 @@ bool IsTokenDataset(const std::string& dataset) { return dataset == "text" || da
 
 bool IsLanguageModel(const std::string& arch) { return arch == "gpt" || arch == "lstm"; }
 
-namespace {
-
 // The language model's sizes, each bounded before anything is allocated, and the pairing of a
 // language model with a token dataset.
 Status ValidateLanguageModel(const TrainOptions& o) {
@@ -82,8 +80,6 @@ Status ValidateLanguageModel(const TrainOptions& o) {
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };

@@ -149,6 +149,10 @@ struct TrainOptions {
 // OK, or InvalidArgument naming the flag, its value and what is accepted (ranges of the numeric
 // options, the CPT bits, --resume's file, option combinations). Train() calls it first.
 Status ValidateTrainOptions(const TrainOptions& options);
+// Its language-model part (cpd-format-search's check too): the pairing of a language model
+// with a token dataset, each shape flag within its bounds, heads dividing the width, the
+// dropout and the parameter count; OK for an image model on image data.
+Status ValidateLanguageModel(const TrainOptions& options);
 
 // OK when `global_batch` (> 0) splits evenly over ranks x emulate_ranks workers; else
 // InvalidArgument "--global-batch N does not split evenly over W workers (R ranks x K

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -348,6 +349,74 @@ TEST_F(CpdFormatSearchCli, EnumeratedAndFileCandidates) {
   rows = 0;
   while (std::getline(fcsv, line)) ++rows;
   EXPECT_EQ(rows, 1 + 4);  // the header; fp134 and fp134:room=1 are one format
+}
+
+// A language model (issue 28): the search takes cpd-train's shape flags, reads the token
+// windows of --dataset text and ranks formats over every quantisable layer of a GPT, the
+// attention products included. Shape flags are refused with an image model, a shape that does
+// not match the checkpoint names it, and bad sizes are one line before any work.
+TEST_F(CpdFormatSearchCli, RanksFormatsForALanguageModel) {
+  const std::vector<std::string> shape = {"--arch",    "gpt", "--dataset",    "text",
+                                          "--n-layer", "1",   "--n-head",     "2",
+                                          "--n-embd",  "16",  "--block-size", "16"};
+  std::vector<std::string> train = shape;
+  for (const char* a : {"--tokens-per-epoch", "4096", "--batch-size", "16", "--epochs", "1",
+                        "--optimizer", "adamw", "--quiet", "--no-progress", "--threads", "1"}) {
+    train.push_back(a);
+  }
+  train.insert(train.end(), {"--checkpoint-dir", dir_->File("lm_ck")});
+  const RunResult trained = RunProgram(BuiltProgram(CPD_TRAIN_PATH), train);
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  const std::string ck = dir_->File("lm_ck/ckpt-000000000016.cpd");
+  ASSERT_TRUE(Exists(ck));
+
+  const std::string out = dir_->File("lm");
+  std::vector<std::string> args = shape;
+  for (const char* a : {"--format", "e4m3", "--format", "e5m2", "--format", "bf16", "--batches",
+                        "2", "--batch-size", "4", "--threads", "1", "--no-progress", "--no-plot"}) {
+    args.push_back(a);
+  }
+  args.insert(args.end(), {"--checkpoint", ck, "--out", out});
+  const RunResult r = RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH), args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream js(out + ".json");
+  const nlohmann::json doc = nlohmann::json::parse(js);
+  ASSERT_EQ(doc["candidates"].size(), 3u);
+  std::set<std::string> layers;
+  for (const auto& l : doc["layers"]) layers.insert(l.get<std::string>());
+  for (const char* l : {"h0.attn.c_attn", "h0.attn.qk", "h0.attn.pv", "h0.mlp.c_fc"}) {
+    EXPECT_TRUE(layers.count(l)) << l;
+  }
+  EXPECT_EQ(doc["settings"]["lm"]["n_embd"], 16) << doc["settings"].dump();
+  for (const auto& c : doc["candidates"]) {
+    const double a = c["angles"]["A+E"]["mean_deg"].get<double>();
+    EXPECT_TRUE(a >= 0 && a <= 90) << c.dump();
+  }
+  // bf16 keeps 8 bits of mantissa and fp32's range: the smallest angle of the three.
+  EXPECT_EQ(doc["candidates"][0]["spec"], "bf16") << doc["candidates"].dump();
+
+  // A shape that is not the checkpoint's.
+  std::vector<std::string> wrong = args;
+  wrong[std::find(wrong.begin(), wrong.end(), "--n-embd") - wrong.begin() + 1] = "32";
+  wrong.back() = dir_->File("lm_wrong");
+  const RunResult mismatch = RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH), wrong);
+  EXPECT_NE(mismatch.exit_code, 0);
+  EXPECT_NE(mismatch.err.find(ck), std::string::npos) << mismatch.err;
+  // Shape flags with an image model, heads on an LSTM, sizes out of bounds.
+  ExpectUsage(Search({"--n-layer", "2", "--format", "e4m3", "--out", dir_->File("x")}),
+              "--n-layer applies to language models");
+  ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
+                         {"--checkpoint", ck, "--arch", "lstm", "--dataset", "text", "--n-head",
+                          "2", "--format", "e4m3", "--out", dir_->File("x")}),
+              "--n-head applies to --arch gpt");
+  ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
+                         {"--checkpoint", ck, "--arch", "gpt", "--dataset", "text", "--n-embd",
+                          "100000", "--format", "e4m3", "--out", dir_->File("x")}),
+              "--n-embd 100000");
+  ExpectUsage(RunProgram(BuiltProgram(CPD_FORMAT_SEARCH_PATH),
+                         {"--checkpoint", ck, "--arch", "gpt", "--dataset", "fashion-mnist",
+                          "--format", "e4m3", "--out", dir_->File("x")}),
+              "needs --dataset text or tokens");
 }
 
 }  // namespace

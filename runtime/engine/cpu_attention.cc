@@ -7,6 +7,8 @@
 #include "kernels/grid.h"
 #include "runtime/engine/cpu_gemm.h"
 #include "runtime/engine/cpu_internal.h"
+#include "runtime/engine/cpu_transformer.h"
+#include "runtime/engine/lm_elementwise.h"
 
 namespace cpd::runtime::cpu {
 
@@ -35,10 +37,10 @@ void BlockScores(const Pair& p, int64_t r0, int64_t rows, int64_t n, float alpha
   Sgemm(false, true, rows, n, p.d, alpha, p.q + r0 * p.d, p.d, p.k, p.d, 0.f, s, n);
 }
 
-// Row rr of a block (query r = r0 + rr) in place: scores -> probabilities with the given row
-// statistics (0 beyond the diagonal).
+// Row rr of a block (query r = r0 + rr) in place: scores -> the forward's probabilities again,
+// from its row statistics (cpu::CausalSoftmaxRow's formula; 0 beyond the diagonal).
 void RowProbabilities(float* row, int64_t r, int64_t n, float mx, float inv) {
-  for (int64_t j = 0; j <= r; ++j) row[j] = std::exp(row[j] - mx) * inv;
+  for (int64_t j = 0; j <= r; ++j) row[j] = lm::SoftmaxExp(row[j], mx) * inv;
   std::fill(row + r + 1, row + n, 0.f);
 }
 
@@ -64,12 +66,7 @@ void ForwardPair(const Pair& p, float alpha, const AttentionDropout& drop, float
     for (int64_t rr = 0; rr < rows; ++rr) {
       const int64_t r = r0 + rr;
       float* row = s + rr * n;
-      const float mx = *std::max_element(row, row + r + 1);
-      double sum = 0;
-      for (int64_t j = 0; j <= r; ++j) sum += std::exp(row[j] - mx);
-      row_max[r] = mx;
-      row_inv[r] = float(1.0 / sum);
-      RowProbabilities(row, r, n, mx, row_inv[r]);
+      CausalSoftmaxRow(row, r, n, row, &row_max[r], &row_inv[r]);
       if (drop.threshold != 0) RowDropout(drop, p, r, n, row, dropped + rr * n);
     }
     const float* used = drop.threshold != 0 ? dropped : s;
@@ -110,7 +107,7 @@ void BackwardPair(const Pair& p, float alpha, const float* o, const float* row_m
       for (int64_t c = 0; c < d; ++c) dot += double(dout[r * d + c]) * o[r * d + c];
       const float fd = float(dot);
       const float* pr = s + rr * n;
-      for (int64_t j = 0; j <= r; ++j) dsr[j] = pr[j] * (dsr[j] - fd);
+      for (int64_t j = 0; j <= r; ++j) dsr[j] = lm::SoftmaxGrad(pr[j], dsr[j], fd);
       std::fill(dsr + r + 1, dsr + n, 0.f);
     }
     Sgemm(false, false, rows, d, n, alpha, ds, n, p.k, d, 0.f, dq + r0 * d, d);

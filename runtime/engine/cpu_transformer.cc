@@ -198,20 +198,25 @@ void MergeHeadsBackward(int64_t b, int64_t t, int64_t h, int64_t d, const float*
 void CausalSoftmaxForward(int64_t batch, int64_t t, const float* s, float* p) {
 #pragma omp parallel for num_threads(TeamFor(double(batch * t) * double(t))) schedule(static)
   for (int64_t row = 0; row < batch * t; ++row) {
-    const int64_t r = row % t;  // the query position: keys 0..r are visible
-    const float* sr = s + row * t;
-    float* pr = p + row * t;
-    float mx = sr[0];
-    for (int64_t j = 1; j <= r; ++j) mx = std::max(mx, sr[j]);
-    double sum = 0;
-    for (int64_t j = 0; j <= r; ++j) {
-      pr[j] = lm::SoftmaxExp(sr[j], mx);
-      sum += pr[j];
-    }
-    const float inv = float(1.0 / sum);
-    for (int64_t j = 0; j <= r; ++j) pr[j] *= inv;
-    std::fill(pr + r + 1, pr + t, 0.f);
+    float mx, inv;  // the query position row % t sees keys 0 .. row % t
+    CausalSoftmaxRow(s + row * t, row % t, t, p + row * t, &mx, &inv);
   }
+}
+
+void CausalSoftmaxRow(const float* s, int64_t r, int64_t n, float* p, float* row_max,
+                      float* row_inv) {
+  float mx = s[0];
+  for (int64_t j = 1; j <= r; ++j) mx = std::max(mx, s[j]);
+  double sum = 0;
+  for (int64_t j = 0; j <= r; ++j) {
+    p[j] = lm::SoftmaxExp(s[j], mx);
+    sum += p[j];
+  }
+  const float inv = float(1.0 / sum);
+  for (int64_t j = 0; j <= r; ++j) p[j] *= inv;
+  std::fill(p + r + 1, p + n, 0.f);
+  *row_max = mx;
+  *row_inv = inv;
 }
 
 void CausalSoftmaxBackward(int64_t batch, int64_t t, const float* p, const float* dp, float* ds) {

@@ -60,6 +60,11 @@ void MergeHeadsBackward(int64_t b, int64_t t, int64_t h, int64_t d, const float*
 // For each of `batch` matrices [t, t]: p = softmax over s <= r of row r of s (the causal mask:
 // p[r, s > r] = 0). Row maxima are subtracted first.
 void CausalSoftmaxForward(int64_t batch, int64_t t, const float* s, float* p);
+// One row of it: p[0..r] = softmax of s[0..r], p[r + 1 .. n) = 0 (p may be s). Writes the row
+// maximum and the reciprocal of the sum of exponentials (summed in double), from which
+// p[j] = lm::SoftmaxExp(s[j], *row_max) * *row_inv is recomputed bit for bit.
+void CausalSoftmaxRow(const float* s, int64_t r, int64_t n, float* p, float* row_max,
+                      float* row_inv);
 // ds = p * (dp - sum_s(dp * p)) per row (0 above the diagonal).
 void CausalSoftmaxBackward(int64_t batch, int64_t t, const float* p, const float* dp, float* ds);
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The report of scripts/study_format_search.sh, in Markdown, from its outputs only: the search's
-ranking (PREFIX.json), the trainings' metrics files (the last epoch's test accuracy), the search
-times. Spearman's rank correlation between each site set's angle and the mean final accuracy
-(sign flipped, so that +1 means "a smaller angle trains better")."""
+ranking (PREFIX.json), the trainings' metrics files (the last epoch's test accuracy, or for a
+language model its validation bits per byte), the search times. Spearman's rank correlation
+between each site set's angle and the mean final result, signed so that +1 means "a smaller
+angle trains better"."""
 import argparse
 import json
 import math
@@ -33,21 +34,39 @@ def spearman(x, y):
     return num / den if den else float("nan")
 
 
-CHANCE = 0.10  # Fashion-MNIST's ten classes
+class Metric:
+    """What a training's result is: LeNet-5's test accuracy (higher is better, chance 10 %: ten
+    classes) or a byte-level language model's validation bits per byte (lower is better, chance
+    8: a uniform guess over 256 bytes)."""
+
+    def __init__(self, model):
+        self.lm = model != "lenet5"
+        self.key = "test_bits_per_byte" if self.lm else "test_accuracy"
+        self.chance = 8.0 if self.lm else 0.10
+        self.sign = -1 if self.lm else 1  # +1 when larger is better
+        self.scale = 1 if self.lm else 100
+        self.title = "validation bits per byte" if self.lm else "test accuracy %"
+        self.model = "the default GPT, fortunes" if self.lm else "LeNet-5, Fashion-MNIST"
+
+    def show(self, v):
+        return f"{self.scale * v:.3f}" if self.lm else f"{self.scale * v:.2f}"
+
+    def chance_text(self):
+        return "8 bits per byte (a uniform guess)" if self.lm else f"chance, {100 * self.chance:.0f} %"
 
 
-def final_accuracy(path):
-    """The last epoch's test accuracy; a run that diverged (cpd-train's "stop" record, exit 3)
-    counts as chance, and its step is returned too."""
-    acc, stopped = None, None
+def final_result(path, metric):
+    """The last epoch's metric; a run that diverged (cpd-train's "stop" record, exit 3) counts
+    as chance, and its step is returned too."""
+    value, stopped = None, None
     with open(path) as f:
         for line in f:
             rec = json.loads(line)
             if rec.get("type") == "epoch":
-                acc = rec["test_accuracy"]
+                value = rec[metric.key]
             elif rec.get("type") == "stop":
                 stopped = rec["step"]
-    return (CHANCE, stopped) if stopped is not None else (acc, None)
+    return (metric.chance, stopped) if stopped is not None else (value, None)
 
 
 def main():
@@ -55,7 +74,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--ranks", default="2")
     ap.add_argument("--seeds", default="1 2 3")
+    ap.add_argument("--model", default="lenet5", choices=["lenet5", "gpt"])
     args = ap.parse_args()
+    metric = Metric(args.model)
     seeds = args.seeds.split()
     search = json.load(open(os.path.join(args.out, f"search-np{args.ranks}.json")))
     cands = search["candidates"]
@@ -92,7 +113,7 @@ def main():
             print(f"| {r} | {t:.1f} | {sp:.2f}x |")
         print()
 
-    base = [final_accuracy(os.path.join(args.out, "train", f"fp32.seed{s}.jsonl"))[0]
+    base = [final_result(os.path.join(args.out, "train", f"fp32.seed{s}.jsonl"), metric)[0]
             for s in seeds]
     picks = [l.strip() for l in open(os.path.join(args.out, "picks.txt")) if l.strip()]
     rows = []
@@ -101,34 +122,36 @@ def main():
         accs, notes = [], []
         for s in seeds:
             p = os.path.join(args.out, "train", f"q-{safe}.seed{s}.jsonl")
-            a, stopped = final_accuracy(p) if os.path.exists(p) else (None, None)
+            a, stopped = final_result(p, metric) if os.path.exists(p) else (None, None)
             if a is not None:
                 accs.append(a)
-                notes.append(f"{100 * a:.2f}" if stopped is None else f"diverged at step {stopped}")
+                notes.append(metric.show(a) if stopped is None else f"diverged at step {stopped}")
         if not accs or f not in by_spec:
             continue
         rows.append((f, by_spec[f], accs, notes))
-    print(f"### Trained from scratch with A and E in the format (LeNet-5, Fashion-MNIST, "
+    print(f"### Trained from scratch with A and E in the format ({metric.model}, "
           f"seeds {', '.join(seeds)})\n")
-    print(f"fp32 baseline: {100 * statistics.mean(base):.2f} ± {100 * statistics.pstdev(base):.2f} % "
-          f"({', '.join(f'{100 * a:.2f}' for a in base)})\n")
-    print(f"A run that diverged (cpd-train stops it, exit 3) counts as chance, {100 * CHANCE:.0f} %, "
+    print(f"fp32 baseline: {metric.show(statistics.mean(base))} ± "
+          f"{metric.show(statistics.pstdev(base))} ({', '.join(metric.show(a) for a in base)})\n")
+    print(f"A run that diverged (cpd-train stops it, exit 3) counts as {metric.chance_text()} "
           "in the means and the correlations.\n")
-    print("| format | rank (of %d) | A+E (deg) | A (deg) | E (deg) | test accuracy %% (mean ± std) | per seed |" % n)
+    print(f"| format | rank (of {n}) | A+E (deg) | A (deg) | E (deg) | {metric.title} (mean ± std) "
+          "| per seed |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for f, c, accs, notes in sorted(rows, key=lambda r: r[1]["rank"]):
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         print(f"| `{f}` | {c['rank']} | {angle(c, 'A+E'):.3f} | {angle(c, 'A'):.3f} | "
-              f"{angle(c, 'E'):.3f} | {100 * statistics.mean(accs):.2f} ± {100 * sd:.2f} | "
+              f"{angle(c, 'E'):.3f} | {metric.show(statistics.mean(accs))} ± {metric.show(sd)} | "
               f"{', '.join(notes)} |")
     print()
     if len(rows) >= 3:
         mean_acc = [statistics.mean(r[2]) for r in rows]
-        print("### Spearman rank correlation, -angle vs mean final accuracy\n")
+        print(f"### Spearman rank correlation, -angle vs the mean final result "
+              f"({'its negative: lower bits per byte is better' if metric.lm else 'accuracy'})\n")
         print("| site set | rho | formats |")
         print("|---|---:|---:|")
         for s in ("A", "E", "A+E"):
-            rho = spearman([-angle(r[1], s) for r in rows], mean_acc)
+            rho = spearman([-angle(r[1], s) for r in rows], [metric.sign * a for a in mean_acc])
             print(f"| {s} | {rho:.3f} | {len(rows)} |")
         print()
 

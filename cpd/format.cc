@@ -1,5 +1,6 @@
 #include "cpd/format.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <initializer_list>
@@ -20,7 +21,7 @@ constexpr char kAccepted[] =
     "log<b>[:ch|:tensor] (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
     "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
     "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
-    ":nosub :ieee";
+    ":nosub :ieee; block scales: nvfp4[:2d], FLOAT:block=RxC[:scale=fp32|e8m0|FLOAT][:tensor]";
 
 Status BadSpec(std::string_view spec, const std::string& why) {
   return Status::InvalidArgument("bad format spec '" + std::string(spec) + "': " + why + " (" +
@@ -173,6 +174,11 @@ struct FormatFields {
   bool flush_subnormals = false;
   bool scope_by_layer = false;
   std::shared_ptr<const kernels::BinadeGrid> binade_grid;
+  size_t block_rows = 0, block_cols = 0;
+  BlockScaleType scale_type = BlockScaleType::kPow2;
+  FloatGrid scale_grid{};
+  int scale_bits = 0;
+  bool tensor_level = false;
 };
 
 // Refuses any modifier given that is not one of `ok`, naming the format.
@@ -430,6 +436,131 @@ std::string CanonicalSpelling(const SpecParts& s, const FormatFields& f) {
   return canon;
 }
 
+// ---- Block-scaled formats: FLOAT:block=RxC[:scale=S][:tensor], nvfp4[:2d].
+
+bool IsBlockScaledSpec(const std::vector<std::string_view>& parts) {
+  if (parts[0] == "nvfp4") return true;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i].substr(0, 6) == "block=") return true;
+  }
+  return false;
+}
+
+// "RxC" or "N" (1 x N), each side 1..65536, at most 2^20 elements.
+Status ParseBlockShape(std::string_view spec, std::string_view text, FormatFields* f) {
+  const size_t x = text.find('x');
+  int r = 1, c = 0;
+  const bool ok = x == std::string_view::npos
+                      ? ParseInt(text, &c)
+                      : ParseInt(text.substr(0, x), &r) && ParseInt(text.substr(x + 1), &c);
+  if (!ok || r < 1 || c < 1 || r > 65536 || c > 65536 || size_t(r) * size_t(c) > (size_t(1) << 20)) {
+    return BadSpec(spec, "':block=" + std::string(text) +
+                             "' needs RxC (or N for 1xN): rows and columns 1..65536 of a block, "
+                             "at most 2^20 elements");
+  }
+  f->block_rows = size_t(r);
+  f->block_cols = size_t(c);
+  return Status::Ok();
+}
+
+Status ParseBlockScale(std::string_view spec, std::string_view text, FormatFields* f) {
+  if (text == "fp32") {
+    f->scale_type = BlockScaleType::kFloat32;
+    return Status::Ok();
+  }
+  if (text == "e8m0") {
+    f->scale_type = BlockScaleType::kPow2;
+    return Status::Ok();
+  }
+  auto scale = Format::Parse(text);
+  if (!scale.ok() || scale->family() != FormatFamily::kFloat) {
+    return BadSpec(spec, "':scale=" + std::string(text) +
+                             "' needs fp32, e8m0 (a power of two) or a float format such as e4m3");
+  }
+  f->scale_type = BlockScaleType::kFloatGrid;
+  f->scale_grid = scale->grid();
+  f->scale_bits = scale->bits();
+  return Status::Ok();
+}
+
+// Fills f from a block-scaled spec; *canon receives its canonical spelling.
+Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_view>& parts,
+                        FormatFields* f, std::string* canon) {
+  std::string element;
+  std::string_view block, scale = "fp32";
+  bool tensor = false, two_d = false, has_scale = false;
+  std::set<std::string> seen;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string key(parts[i].substr(0, parts[i].find('=')));
+    if (!seen.insert(key).second) return BadSpec(spec, "modifier ':" + key + "' given twice");
+  }
+  if (parts[0] == "nvfp4") {
+    // NVIDIA's NVFP4: E2M1 in 1x16 blocks (16x16 for weights with :2d) with E4M3 scales under
+    // a float32 tensor level.
+    for (size_t i = 1; i < parts.size(); ++i) {
+      if (parts[i] != "2d") {
+        return BadSpec(spec, "nvfp4 takes only ':2d' (16x16 blocks), not ':" +
+                                 std::string(parts[i]) + "'");
+      }
+      two_d = true;
+    }
+    element = "e2m1";
+    block = two_d ? "16x16" : "1x16";
+    scale = "e4m3";
+    tensor = true;
+  } else {
+    element = std::string(parts[0]);
+    for (size_t i = 1; i < parts.size(); ++i) {
+      const std::string_view p = parts[i];
+      if (p.substr(0, 6) == "block=") {
+        block = p.substr(6);
+      } else if (p.substr(0, 6) == "scale=") {
+        scale = p.substr(6);
+        has_scale = true;
+      } else if (p == "tensor") {
+        tensor = true;
+      } else {
+        element += ":" + std::string(p);
+      }
+    }
+  }
+  auto elem = Format::Parse(element);
+  if (!elem.ok()) return elem.status();  // names the element's own fault
+  if (elem->family() != FormatFamily::kFloat) {
+    return BadSpec(spec, "block scales apply to a float element format (eXmY, e4m3, e2m1, "
+                         "bf16, ...), not '" + element + "'");
+  }
+  CPD_RETURN_IF_ERROR(ParseBlockShape(spec, block, f));
+  CPD_RETURN_IF_ERROR(ParseBlockScale(spec, scale, f));
+  if (tensor && f->scale_type != BlockScaleType::kFloatGrid) {
+    return BadSpec(spec, "':tensor' (a float32 tensor level) needs block scales on a float "
+                         "grid such as ':scale=e4m3'");
+  }
+  f->family = FormatFamily::kBlockScaled;
+  f->scope = ScaleScope::kBlock;
+  f->bits = elem->bits();
+  f->grid = elem->grid();
+  f->block_size = f->block_rows * f->block_cols;
+  f->tensor_level = tensor;
+  // MX's rule: X = 2^(floor(log2 amax) - emax_elem), an E8M0 value in 2^-127..2^127.
+  const int32_t emax_elem = kernels::FloorLog2(kernels::BitsFloat(f->grid.max_bits));
+  f->shift_rule = {-emax_elem, -127, 127};
+  const std::string shape =
+      std::to_string(f->block_rows) + "x" + std::to_string(f->block_cols);
+  if (element == "e2m1" && f->scale_type == BlockScaleType::kFloatGrid && scale == "e4m3" &&
+      tensor && (shape == "1x16" || shape == "16x16")) {
+    *canon = shape == "1x16" ? "nvfp4" : "nvfp4:2d";
+  } else {
+    *canon = elem->spec() + ":block=" + shape + ":scale=" +
+             (f->scale_type == BlockScaleType::kFloatGrid
+                  ? Format::Parse(scale)->spec()
+                  : std::string(f->scale_type == BlockScaleType::kPow2 ? "e8m0" : "fp32")) +
+             (tensor ? ":tensor" : "");
+  }
+  (void)has_scale;
+  return Status::Ok();
+}
+
 }  // namespace
 
 const char* FormatSpecHelp() {
@@ -474,11 +605,38 @@ std::vector<std::string> SplitFormatList(std::string_view list) {
 // The checks run in a fixed order, so that a spec with several faults is always refused for
 // the same one: the name, binades' list, the modifiers, then the family's own checks.
 Result<Format> Format::Parse(std::string_view spec) {
+  // A lambda in a member function may set the private fields.
+  auto build = [](std::string canon, FormatFields& fields) {
+    Format f;
+    f.spec_ = std::move(canon);
+    f.family_ = fields.family;
+    f.scope_ = fields.scope;
+    f.bits_ = fields.bits;
+    f.block_size_ = fields.block_size;
+    f.grid_ = fields.grid;
+    f.shift_rule_ = fields.shift_rule;
+    f.flush_subnormals_ = fields.flush_subnormals;
+    f.scope_by_layer_ = fields.scope_by_layer;
+    f.binade_grid_ = std::move(fields.binade_grid);
+    f.block_rows_ = fields.block_rows;
+    f.block_cols_ = fields.block_cols;
+    f.scale_type_ = fields.scale_type;
+    f.scale_grid_ = fields.scale_grid;
+    f.scale_bits_ = fields.scale_bits;
+    f.tensor_level_ = fields.tensor_level;
+    return f;
+  };
   const std::vector<std::string_view> parts = Split(spec, ':');
   SpecParts s;
   s.spec = spec;
   s.name = parts[0];
   if (s.name.empty()) return BadSpec(spec, "empty format name");
+  if (IsBlockScaledSpec(parts)) {
+    FormatFields fields;
+    std::string canon;
+    CPD_RETURN_IF_ERROR(ParseBlockScaled(spec, parts, &fields, &canon));
+    return build(std::move(canon), fields);
+  }
   // binades:<list> carries its list as the first part after the name.
   const bool binades = s.name == "binades";
   if (binades) {
@@ -491,19 +649,7 @@ Result<Format> Format::Parse(std::string_view spec) {
   if (family == nullptr) return BadSpec(spec, "unknown format name '" + std::string(s.name) + "'");
   FormatFields fields;
   CPD_RETURN_IF_ERROR(family->parse(s, &fields));
-
-  Format f;
-  f.spec_ = CanonicalSpelling(s, fields);
-  f.family_ = fields.family;
-  f.scope_ = fields.scope;
-  f.bits_ = fields.bits;
-  f.block_size_ = fields.block_size;
-  f.grid_ = fields.grid;
-  f.shift_rule_ = fields.shift_rule;
-  f.flush_subnormals_ = fields.flush_subnormals;
-  f.scope_by_layer_ = fields.scope_by_layer;
-  f.binade_grid_ = std::move(fields.binade_grid);
-  return f;
+  return build(CanonicalSpelling(s, fields), fields);
 }
 
 size_t Format::meta_bytes_per_group() const {
@@ -518,11 +664,35 @@ size_t Format::meta_bytes_per_group() const {
       return 4;  // float32 scale
     case FormatFamily::kUintMinMax:
       return 8;  // float32 min, float32 scale
+    case FormatFamily::kBlockScaled:
+      switch (scale_type_) {
+        case BlockScaleType::kPow2:
+          return 1;  // the E8M0 byte
+        case BlockScaleType::kFloat32:
+          return 4;  // the decode scale, float32
+        case BlockScaleType::kFloatGrid:
+          return size_t(scale_bits_ + 7) / 8;  // the scale's code
+      }
   }
   return 0;
 }
 
-size_t Format::num_groups(size_t n, size_t channels) const {
+BlockGridShape BlockGridOf(const Format& format, size_t n, size_t channels, size_t columns) {
+  BlockGridShape g;
+  if (n == 0) return g;
+  g.cols = columns > 0 ? columns : n / std::max<size_t>(channels, 1);
+  if (g.cols == 0) return g;
+  g.rows = n / g.cols;
+  g.block_rows = (g.rows + format.block_rows() - 1) / format.block_rows();
+  g.block_cols = (g.cols + format.block_cols() - 1) / format.block_cols();
+  return g;
+}
+
+size_t Format::num_groups(size_t n, size_t channels, size_t columns) const {
+  if (family_ == FormatFamily::kBlockScaled) {
+    const BlockGridShape g = BlockGridOf(*this, n, channels, columns);
+    return g.block_rows * g.block_cols;
+  }
   switch (scope_) {
     case ScaleScope::kNone:
       return 0;
@@ -548,7 +718,8 @@ FormatInfo Format::Info() const {
                              (flush_subnormals_ ? 2 * ((uint64_t(1) << 23) - 1) : 0);
       break;
     case FormatFamily::kFloat:
-    case FormatFamily::kSharedShift: {
+    case FormatFamily::kSharedShift:
+    case FormatFamily::kBlockScaled: {
       const FloatGrid& g = grid_;
       info.max_finite = kernels::BitsFloat(g.max_bits);
       const bool has_normal = (g.max_code >> g.mbits) > 0;
@@ -563,6 +734,18 @@ FormatInfo Format::Info() const {
                                                              : "block";
         info.scale_note = std::string("values shown at shift s = 0; each ") + where +
                           " is scaled by 2^s, s chosen from its max |x|";
+      }
+      if (family_ == FormatFamily::kBlockScaled) {
+        const std::string shape =
+            std::to_string(block_rows_) + "x" + std::to_string(block_cols_);
+        info.scale_note =
+            "element values shown unscaled; each " + shape + " block is scaled by " +
+            (scale_type_ == BlockScaleType::kPow2
+                 ? std::string("2^s (E8M0), s = floor(log2 max|x|) - emax of the element")
+             : scale_type_ == BlockScaleType::kFloat32
+                 ? std::string("a float32 max|x| / max element")
+                 : std::string("max|x| / max element rounded to its scale format") +
+                       (tensor_level_ ? ", under a float32 tensor scale" : ""));
       }
       break;
     }
@@ -624,7 +807,7 @@ Result<std::vector<float>> Format::Values() const {
                                    " bits; values are listed only for formats of <= 16 bits");
   }
   std::set<float> values;
-  if (is_float_grid()) {
+  if (is_float_grid() || family_ == FormatFamily::kBlockScaled) {
     for (uint32_t code = 0; code < (1u << bits_); ++code) {
       const float v = kernels::DecodeFloatGrid(code, grid_);
       if (!std::isfinite(v)) continue;

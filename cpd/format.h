@@ -1,5 +1,6 @@
 // Number formats named by spec strings, e.g. "e4m3", "e5m2:inf", "bf16", "int8:ch",
-// "uint4:minmax", "fp134:room=2", "log4", "log4:ch", "mxfp4", "bfp8:16", "binades:5,5,4x5,3,2,1,0".
+// "uint4:minmax", "fp134:room=2", "log4", "log4:ch", "mxfp4", "bfp8:16", "binades:5,5,4x5,3,2,1,0",
+// "nvfp4", "e4m3:block=1x128", "e2m1:block=16x16:scale=e4m3:tensor".
 // See FormatSpecHelp() for the grammar. A Format is an immutable value, cheap to copy and safe to
 // share between threads.
 #pragma once
@@ -25,6 +26,18 @@ enum class FormatFamily {
   kUintMinMax,    // uint<b>:minmax (CPT): q in [0, 2^b-1], scale = (max-min)/(2^b-1)
   kBinades,       // binades:M0,M1,...: M_i mantissa bits in binade i from the top, under a
                   // power-of-two shift per tensor or channel (kernels::BinadeGrid)
+  kBlockScaled,   // ELEMENT:block=RxC[:scale=S][:tensor]: a float element grid under a scale per
+                  // R x C block of the tensor viewed as a row-major matrix (QuantizeOptions::
+                  // columns), the scale float32, a power of two (E8M0) or on a float grid (E4M3),
+                  // optionally under a float32 tensor level: nvfp4, DeepSeek-V3's FP8 tiles
+};
+
+// How a kBlockScaled format's block scales are chosen and stored (kernels/grid.h, BlockScale).
+enum class BlockScaleType {
+  kPow2,       // scale=e8m0: 2^(floor(log2 amax) - emax of the element), OCP MX's rule and byte
+  kFloat32,    // scale=fp32: elem_max / amax exactly, stored as float32 (DeepSeek-V3)
+  kFloatGrid,  // scale=e4m3 (or another float format): amax / elem_max rounded onto its grid,
+               // under the tensor level with :tensor (NVFP4)
 };
 
 // Which elements share one scale.
@@ -60,7 +73,15 @@ class Format {
   // means where no layer is known (cpd-quant, the all-reduce).
   bool scope_by_layer() const { return scope_by_layer_; }
   int bits() const { return bits_; }
-  size_t block_size() const { return block_size_; }
+  size_t block_size() const { return block_size_; }  // kBlock formats; R * C for kBlockScaled
+  // kBlockScaled: the block shape (rows x columns of the matrix view), how scales are chosen,
+  // the scale's grid (kFloatGrid) and code bits, and whether a float32 tensor level sits above.
+  size_t block_rows() const { return block_rows_; }
+  size_t block_cols() const { return block_cols_; }
+  BlockScaleType scale_type() const { return scale_type_; }
+  const kernels::FloatGrid& scale_grid() const { return scale_grid_; }
+  int scale_bits() const { return scale_bits_; }
+  bool tensor_level() const { return tensor_level_; }
   bool is_float_grid() const {
     return family_ == FormatFamily::kFloat32 || family_ == FormatFamily::kFloat ||
            family_ == FormatFamily::kSharedShift;
@@ -76,10 +97,13 @@ class Format {
   const kernels::ShiftRule& shift_rule() const { return shift_rule_; }
   bool flush_subnormals() const { return flush_subnormals_; }  // kFloat32 with :nosub
 
-  // Bytes of scale metadata per group (0 for fixed formats).
+  // Bytes of scale metadata per group (0 for fixed formats), and per tensor (the float32 tensor
+  // level of a kBlockScaled format with :tensor; 0 otherwise).
   size_t meta_bytes_per_group() const;
-  // Number of scale groups for a span of n elements viewed as `channels` rows.
-  size_t num_groups(size_t n, size_t channels) const;
+  size_t meta_bytes_per_tensor() const { return tensor_level_ ? 4 : 0; }
+  // Number of scale groups for a span of n elements viewed as `channels` rows; kBlockScaled
+  // views it as rows of `columns` elements (0: n / channels) and counts its R x C blocks.
+  size_t num_groups(size_t n, size_t channels, size_t columns = 0) const;
 
   FormatInfo Info() const;
   // Every distinct finite value at unit scale, ascending (-0 omitted). Formats of <= 16 bits.
@@ -95,9 +119,22 @@ class Format {
   kernels::ShiftRule shift_rule_{0, 0, 0};
   bool flush_subnormals_ = false;
   bool scope_by_layer_ = false;
+  size_t block_rows_ = 0;
+  size_t block_cols_ = 0;
+  BlockScaleType scale_type_ = BlockScaleType::kPow2;
+  kernels::FloatGrid scale_grid_{};
+  int scale_bits_ = 0;
+  bool tensor_level_ = false;
   // Shared, so that a Format stays cheap to copy (the table is half a kilobyte).
   std::shared_ptr<const kernels::BinadeGrid> binade_grid_;
 };
+
+// The matrix view of a kBlockScaled format's span: rows of `columns` elements (0: n / channels).
+struct BlockGridShape {
+  size_t rows = 0, cols = 0;              // of the matrix
+  size_t block_rows = 0, block_cols = 0;  // blocks along each
+};
+BlockGridShape BlockGridOf(const Format& format, size_t n, size_t channels, size_t columns);
 
 // One paragraph listing every accepted spec, for --help and error messages.
 const char* FormatSpecHelp();

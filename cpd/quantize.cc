@@ -198,15 +198,175 @@ void FillStats(const ElementStats& e, size_t n, QuantStats* stats) {
   stats->sq_input = e.sq_input;
 }
 
+// ---- Block-scaled formats (FormatFamily::kBlockScaled): one scale per R x C block of the
+// matrix view, chosen from the block's max |x| (and the tensor's, with a tensor level), then
+// every element rounded under its block's scale.
+
+struct BlockScales {
+  BlockGridShape shape;
+  float tensor_enc = 1.0f;                  // the tensor level's encode scale (1 without)
+  std::vector<int32_t> shifts;              // kPow2
+  std::vector<kernels::BlockScale> scales;  // kFloat32, kFloatGrid
+  std::vector<uint32_t> scale_codes;        // kFloatGrid: each block scale's code
+  size_t count() const { return shape.block_rows * shape.block_cols; }
+};
+
+// max |x| of every block (NaN and Inf ignored), in block order.
+std::vector<float> BlockMaxAbs(const Format& format, const float* in, const BlockGridShape& g,
+                               const QuantizeOptions& opts) {
+  std::vector<float> amax(g.block_rows * g.block_cols, 0.0f);
+  const size_t R = format.block_rows(), C = format.block_cols();
+  const size_t work = std::max<size_t>(1, g.rows * g.cols / kChunk);
+#pragma omp parallel for num_threads(ThreadCount(opts, std::min(work, g.block_rows))) \
+    schedule(static)
+  for (size_t br = 0; br < g.block_rows; ++br) {
+    float* row_amax = amax.data() + br * g.block_cols;
+    for (size_t r = br * R; r < std::min(g.rows, (br + 1) * R); ++r) {
+      for (size_t bc = 0; bc < g.block_cols; ++bc) {
+        const size_t c0 = bc * C, len = std::min(g.cols, c0 + C) - c0;
+        row_amax[bc] = std::max(row_amax[bc], kernels::MaxAbsFinite(in + r * g.cols + c0, len));
+      }
+    }
+  }
+  return amax;
+}
+
+BlockScales ComputeBlockScales(const Format& format, const float* in, size_t n,
+                               const QuantizeOptions& opts) {
+  BlockScales bs;
+  bs.shape = BlockGridOf(format, n, opts.channels, opts.columns);
+  const std::vector<float> amax = BlockMaxAbs(format, in, bs.shape, opts);
+  const float elem_max = kernels::BitsFloat(format.grid().max_bits);
+  switch (format.scale_type()) {
+    case BlockScaleType::kPow2:
+      for (float a : amax) bs.shifts.push_back(kernels::ShiftForMax(a, format.shift_rule()));
+      break;
+    case BlockScaleType::kFloat32:
+      for (float a : amax) bs.scales.push_back(kernels::Float32BlockScale(a, elem_max));
+      break;
+    case BlockScaleType::kFloatGrid: {
+      const kernels::FloatGrid& sg = format.scale_grid();
+      if (format.tensor_level()) {
+        // The tensor's max |x| is its blocks' largest.
+        const float amax_tensor = amax.empty() ? 0.0f : *std::max_element(amax.begin(), amax.end());
+        bs.tensor_enc =
+            kernels::TensorEncodeScale(amax_tensor, kernels::BitsFloat(sg.max_bits), elem_max);
+      }
+      for (float a : amax) {
+        uint32_t code = 0;
+        const float sb =
+            kernels::BitsFloat(kernels::BlockScaleBits(a, bs.tensor_enc, elem_max, sg, &code));
+        bs.scales.push_back(kernels::GridBlockScale(sb, bs.tensor_enc));
+        bs.scale_codes.push_back(code);
+      }
+      break;
+    }
+  }
+  return bs;
+}
+
+// Runs fn(block, begin, end) over the parts of [s, e) in each block: runs of one row.
+template <typename Fn>
+void ForEachBlockPart(const Format& format, const BlockGridShape& g, size_t s, size_t e, Fn&& fn) {
+  const size_t R = format.block_rows(), C = format.block_cols();
+  size_t i = s;
+  while (i < e) {
+    const size_t r = i / g.cols, c = i % g.cols;
+    const size_t bc = c / C;
+    const size_t end = std::min(e, r * g.cols + std::min(g.cols, (bc + 1) * C));
+    fn((r / R) * g.block_cols + bc, i, end);
+    i = end;
+  }
+}
+
+void QuantizeBlockScaledChunk(const Format& format, const BlockScales& bs, const float* in,
+                              float* out, uint32_t* codes, size_t s, size_t e,
+                              const LoopParams& base, ElementStats* st) {
+  ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+    LoopParams p = base;
+    p.index_base = base.index_base + b;
+    uint32_t* c = codes != nullptr ? codes + (b - s) : nullptr;
+    float* o = out != nullptr ? out + b : nullptr;
+    if (format.scale_type() == BlockScaleType::kPow2) {
+      kernels::QuantizeFloatGrid(in + b, o, c, f - b, format.grid(), bs.shifts[bi], p, st);
+    } else {
+      kernels::QuantizeScaledFloatGrid(in + b, o, c, f - b, format.grid(), bs.scales[bi], p, st);
+    }
+  });
+}
+
+void StoreFloat(float v, uint8_t* dst) {
+  const uint32_t u = kernels::FloatBits(v);
+  for (int k = 0; k < 4; ++k) dst[k] = uint8_t(u >> (8 * k));
+}
+
+float LoadFloat(const uint8_t* src) {
+  uint32_t u = 0;
+  for (int k = 0; k < 4; ++k) u |= uint32_t(src[k]) << (8 * k);
+  return kernels::BitsFloat(u);
+}
+
+// The metadata: each block's scale (E8M0 byte, float32 decode scale, or the scale's code in
+// little-endian bytes), then the tensor level's encode scale as float32.
+void WriteBlockScales(const Format& format, const BlockScales& bs, uint8_t* dst) {
+  const size_t stride = format.meta_bytes_per_group();
+  for (size_t bi = 0; bi < bs.count(); ++bi) {
+    uint8_t* d = dst + stride * bi;
+    switch (format.scale_type()) {
+      case BlockScaleType::kPow2:
+        d[0] = kernels::ShiftMetaByte(bs.shifts[bi], /*e8m0=*/true);
+        break;
+      case BlockScaleType::kFloat32:
+        StoreFloat(bs.scales[bi].dec, d);
+        break;
+      case BlockScaleType::kFloatGrid:
+        for (size_t k = 0; k < stride; ++k) d[k] = uint8_t(bs.scale_codes[bi] >> (8 * k));
+        break;
+    }
+  }
+  if (format.tensor_level()) StoreFloat(bs.tensor_enc, dst + stride * bs.count());
+}
+
+BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, size_t columns,
+                            const uint8_t* src) {
+  BlockScales bs;
+  bs.shape = BlockGridOf(format, n, channels, columns);
+  const size_t stride = format.meta_bytes_per_group();
+  if (format.tensor_level()) bs.tensor_enc = LoadFloat(src + stride * bs.count());
+  for (size_t bi = 0; bi < bs.count(); ++bi) {
+    const uint8_t* d = src + stride * bi;
+    switch (format.scale_type()) {
+      case BlockScaleType::kPow2:
+        bs.shifts.push_back(kernels::ShiftFromMetaByte(d[0], /*e8m0=*/true));
+        break;
+      case BlockScaleType::kFloat32:
+        bs.scales.push_back(kernels::BlockScale{0.0f, LoadFloat(d), 1.0f});
+        break;
+      case BlockScaleType::kFloatGrid: {
+        uint32_t code = 0;
+        for (size_t k = 0; k < stride; ++k) code |= uint32_t(d[k]) << (8 * k);
+        const float sb = kernels::DecodeFloatGrid(code, format.scale_grid());
+        bs.scales.push_back(kernels::GridBlockScale(sb, bs.tensor_enc));
+        break;
+      }
+    }
+  }
+  return bs;
+}
+
 // The shared driver of Quantize and Encode: chunks in parallel, statistics merged in order.
 Status Run(const Format& format, const float* in, float* out, uint8_t* packed, size_t n,
            const QuantizeOptions& opts, QuantStats* stats) {
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
+  const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
   // Blocks that never straddle a chunk are scaled inside the chunk loop, in one pass.
-  const bool fused_blocks =
-      format.scope() == ScaleScope::kBlock && kChunk % format.block_size() == 0;
+  const bool fused_blocks = !block_scaled && format.scope() == ScaleScope::kBlock &&
+                            kChunk % format.block_size() == 0;
   Groups groups;
-  if (fused_blocks) {
+  BlockScales block_scales;
+  if (block_scaled) {
+    block_scales = ComputeBlockScales(format, in, n, opts);
+  } else if (fused_blocks) {
     groups.group_len = format.block_size();
     groups.shifts.resize(format.num_groups(n, opts.channels));
   } else {
@@ -234,13 +394,19 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
         kernels::QuantizeFloatGridBlocks(in + s, out != nullptr ? out + s : nullptr, c, e - s,
                                          format.block_size(), format.grid(), format.shift_rule(), p,
                                          st, groups.shifts.data() + s / format.block_size());
+      } else if (block_scaled) {
+        QuantizeBlockScaledChunk(format, block_scales, in, out, c, s, e, base, st);
       } else {
         QuantizeChunk(format, groups, in, out, c, s, e, base, st);
       }
       if (packed != nullptr) PackCodes(codes.data(), e - s, bits, packed + s * bits / 8);
     }
   }
-  if (packed != nullptr) WriteMeta(format, groups, packed + PackedCodeBytes(format, n));
+  if (packed != nullptr && block_scaled) {
+    WriteBlockScales(format, block_scales, packed + PackedCodeBytes(format, n));
+  } else if (packed != nullptr) {
+    WriteMeta(format, groups, packed + PackedCodeBytes(format, n));
+  }
   if (stats != nullptr) {
     ElementStats total;
     for (const auto& cs : chunk_stats) total.Merge(cs);
@@ -296,7 +462,9 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
     return Status::InvalidArgument("QuantizeHysteresis: null buffer");
   }
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
-  const Groups groups = ComputeGroups(format, w, n, opts);
+  const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
+  const Groups groups = block_scaled ? Groups{} : ComputeGroups(format, w, n, opts);
+  const BlockScales bs = block_scaled ? ComputeBlockScales(format, w, n, opts) : BlockScales{};
   const size_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<ElementStats> chunk_stats(chunks);
   std::vector<uint64_t> chunk_flips(chunks, 0);
@@ -304,6 +472,16 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
   for (size_t c = 0; c < chunks; ++c) {
     const size_t s = c * kChunk, e = std::min(n, s + kChunk);
     ElementStats* st = stats != nullptr ? &chunk_stats[c] : nullptr;
+    if (block_scaled) {
+      ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+        chunk_flips[c] += format.scale_type() == BlockScaleType::kPow2
+                              ? kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(),
+                                                             bs.shifts[bi], st)
+                              : kernels::HysteresisScaledFloatGrid(w + b, q + b, f - b,
+                                                                   format.grid(), bs.scales[bi], st);
+      });
+      continue;
+    }
     ForEachGroupPart(groups, s, e, [&](size_t gi, size_t b, size_t f) {
       if (format.is_float_grid()) {
         const int shift = groups.shifts.empty() ? 0 : groups.shifts[gi];
@@ -333,9 +511,10 @@ size_t PackedCodeBytes(const Format& format, size_t n) {
   return (n * size_t(format.bits()) + 7) / 8;
 }
 
-size_t PackedSize(const Format& format, size_t n, size_t channels) {
+size_t PackedSize(const Format& format, size_t n, size_t channels, size_t columns) {
   return PackedCodeBytes(format, n) +
-         format.num_groups(n, channels) * format.meta_bytes_per_group();
+         format.num_groups(n, channels, columns) * format.meta_bytes_per_group() +
+         format.meta_bytes_per_tensor();
 }
 
 Status Encode(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
@@ -346,7 +525,8 @@ Status Encode(const Format& format, const float* in, size_t n, const QuantizeOpt
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   out->count = n;
   out->channels = opts.channels;
-  out->bytes.assign(PackedSize(format, n, opts.channels), 0);
+  out->columns = opts.columns;
+  out->bytes.assign(PackedSize(format, n, opts.channels, opts.columns), 0);
   return Run(format, in, nullptr, out->bytes.data(), n, opts, stats);
 }
 
@@ -354,17 +534,22 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
   const size_t n = packed.count;
   QuantizeOptions opts;
   opts.channels = packed.channels;
+  opts.columns = packed.columns;
   opts.threads = threads;
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
-  const size_t expected = PackedSize(format, n, packed.channels);
+  const size_t expected = PackedSize(format, n, packed.channels, packed.columns);
   if (packed.bytes.size() != expected) {
     return Status::Corruption("packed tensor of " + std::to_string(n) + " '" + format.spec() +
                               "' values must be " + std::to_string(expected) + " bytes, got " +
                               std::to_string(packed.bytes.size()));
   }
   if (n > 0 && out == nullptr) return Status::InvalidArgument("Decode: null buffer");
-  const Groups groups =
-      ReadMeta(format, n, packed.channels, packed.bytes.data() + PackedCodeBytes(format, n));
+  const uint8_t* meta = packed.bytes.data() + PackedCodeBytes(format, n);
+  const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
+  const Groups groups = block_scaled ? Groups{} : ReadMeta(format, n, packed.channels, meta);
+  const BlockScales bs =
+      block_scaled ? ReadBlockScales(format, n, packed.channels, packed.columns, meta)
+                   : BlockScales{};
   const size_t chunks = (n + kChunk - 1) / kChunk;
   const int bits = format.bits();
 #pragma omp parallel num_threads(ThreadCount(opts, chunks))
@@ -374,6 +559,17 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
     for (size_t c = 0; c < chunks; ++c) {
       const size_t s = c * kChunk, e = std::min(n, s + kChunk);
       UnpackCodes(packed.bytes.data() + s * bits / 8, e - s, bits, codes.data());
+      if (block_scaled) {
+        ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+          const uint32_t* cb = codes.data() + (b - s);
+          if (format.scale_type() == BlockScaleType::kPow2) {
+            kernels::DecodeFloatGridSpan(cb, out + b, f - b, format.grid(), bs.shifts[bi]);
+          } else {
+            kernels::DecodeScaledFloatGridSpan(cb, out + b, f - b, format.grid(), bs.scales[bi]);
+          }
+        });
+        continue;
+      }
       ForEachGroupPart(groups, s, e, [&](size_t gi, size_t b, size_t f) {
         const uint32_t* cb = codes.data() + (b - s);
         if (format.is_float_grid()) {

@@ -34,6 +34,11 @@ struct QuantizeOptions {
   // The span is viewed as `channels` contiguous rows of equal length (e.g. the output channels of
   // a weight tensor). Used by :ch formats (log<b>:ch too); n must be a multiple of it. Default 1.
   size_t channels = 1;
+  // Block-scaled formats (nvfp4, FLOAT:block=RxC) view the span as a row-major matrix with rows
+  // of `columns` elements (a tensor's last dimension); 0: n / channels (a weight's fan-in).
+  // n must be a multiple of it. Blocks at the matrix's right and bottom edges are partial (as if
+  // zero-padded: padding never changes a block's max |x|).
+  size_t columns = 0;
   // Worker threads; 0 = all available cores.
   int threads = 0;
 };
@@ -72,14 +77,17 @@ Result<uint64_t> CountFlips(const float* prev, const float* q, size_t n);
 // A quantised tensor as it travels: densely packed `bits`-bit codes, little-endian bit order
 // (code i occupies bits [i*bits, (i+1)*bits) of the byte stream), followed by the scale
 // metadata of each group (Format::meta_bytes_per_group() bytes each, in group order).
+// Block-scaled formats put their per-block metadata in block order (row-major over the blocks),
+// then the tensor level (float32) if the format has one.
 struct PackedTensor {
   size_t count = 0;
   size_t channels = 1;
+  size_t columns = 0;  // as QuantizeOptions::columns
   std::vector<uint8_t> bytes;
 };
 
 size_t PackedCodeBytes(const Format& format, size_t n);
-size_t PackedSize(const Format& format, size_t n, size_t channels);
+size_t PackedSize(const Format& format, size_t n, size_t channels, size_t columns = 0);
 
 // Quantises and encodes in one pass. Decode(Encode(x)) equals Quantize(x) bit for bit.
 Status Encode(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,

@@ -259,6 +259,13 @@ struct Plan {
   bool chunked = false;
 };
 
+// Block-scaled formats (nvfp4, FLOAT:block=RxC) run on the CPU only so far.
+Status RefuseBlockScaled(const Format& format) {
+  if (format.family() != FormatFamily::kBlockScaled) return Status::Ok();
+  return Status::InvalidArgument("format '" + format.spec() +
+                                 "': block-scaled formats are not yet implemented on the GPU");
+}
+
 // fused_ok: whether blocks may take the one-pass fused path, which never materialises the block
 // shifts (hysteresis reads previous values; the encoder stores the shifts as metadata).
 Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
@@ -280,6 +287,8 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
       break;
     case FormatFamily::kUintMinMax:
       plan.path = Path::kUint;
+      break;
+    case FormatFamily::kBlockScaled:  // refused before any plan (RefuseBlockScaled)
       break;
   }
   if (plan.path == Path::kFused) return plan;
@@ -649,6 +658,7 @@ Status CheckedQuantize(const Format& format, const float* d_in, float* d_out, si
     return Status::InvalidArgument("QuantizeCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   if (n == 0) {
     if (req.stats != nullptr) *req.stats = QuantStats{};
     return Status::Ok();
@@ -668,6 +678,7 @@ Status CheckedHysteresis(const Format& format, const float* d_w, float* d_prev, 
     return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   if (n == 0) {
     if (req.stats != nullptr) *req.stats = QuantStats{};
     if (req.flips != nullptr) *req.flips = 0;
@@ -868,6 +879,7 @@ Status EncodeCuda(const Format& format, const float* d_in, size_t n, const Quant
     return Status::InvalidArgument("EncodeCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   const size_t expected = PackedSize(format, n, opts.channels);
   if (out->size != expected || (expected > 0 && out->bytes == nullptr)) {
     return Status::InvalidArgument(
@@ -893,6 +905,7 @@ Status DecodeCuda(const Format& format, const PackedTensorCuda& packed, float* d
   QuantizeOptions opts;
   opts.channels = packed.channels;
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
+  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   const size_t expected = PackedSize(format, n, packed.channels);
   if (packed.size != expected) {
     return Status::Corruption("packed tensor of " + std::to_string(n) + " '" + format.spec() +

@@ -34,6 +34,16 @@ inline Status ValidateSpan(const Format& format, size_t n, const QuantizeOptions
                                    std::to_string(n) +
                                    " elements (accepted: 1 up to the element count)");
   }
+  if (format.family() == FormatFamily::kBlockScaled) {
+    const size_t cols = opts.columns > 0 ? opts.columns : n / opts.channels;
+    if (n > 0 && (cols == 0 || n % cols != 0 || (opts.columns == 0 && n % opts.channels != 0))) {
+      return Status::InvalidArgument(
+          "format '" + format.spec() + "' scales blocks of a matrix, but " + std::to_string(n) +
+          " elements are not whole rows of " +
+          (opts.columns > 0 ? std::to_string(opts.columns) + " columns"
+                            : std::to_string(opts.channels) + " equal channels"));
+    }
+  }
   if (format.scope() == ScaleScope::kChannel && n % opts.channels != 0) {
     return Status::InvalidArgument("format '" + format.spec() + "' scales per channel, but " +
                                    std::to_string(n) + " elements do not split into " +

@@ -509,6 +509,70 @@ CPD_HD int32_t ShiftForMax(float max_abs, const ShiftRule& r) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Block scales that are not powers of two (cpd::FormatFamily::kBlockScaled): each block of a
+// float element grid has an encode factor `enc` and decode factors `dec`, `dec2`; an element
+// becomes code q = round(x * enc) on the grid and value (q * dec) * dec2. Products are float32,
+// correctly rounded, never fused (-ffp-contract=off; __fmul_rn on the GPU).
+//  * float32 scales (DeepSeek-V3's tiles and blocks): enc = elem_max / amax, dec = 1 / enc,
+//    dec2 = 1; a block of zeros (amax 0) gets enc = dec = 1.
+//  * scales on a float grid S (NVFP4: E4M3), optionally under a float32 tensor level, as NVIDIA
+//    documents NVFP4's quantisation (Transformer Engine's reference kernels): the tensor's encode
+//    scale T = min(S_max * elem_max / amax_tensor, FLT_MAX) (1 where that is 0 or amax_tensor is
+//    0; T = 1 without a tensor level); the block's scale sb = S(amax_b * (T * (1 / elem_max))),
+//    rounded to nearest and saturating; enc = min(1 / (sb * (1 / T)), FLT_MAX), dec = sb,
+//    dec2 = 1 / T. A scale that underflows to 0 makes enc = FLT_MAX and the block's values 0.
+// (Power-of-two scales are shifts: ShiftRule above, MX's E8M0.)
+struct BlockScale {
+  float enc;
+  float dec;
+  float dec2;
+};
+
+constexpr float kFloat32Max = 3.40282346638528859812e38f;
+
+CPD_HD float MinFloat(float a, float b) { return b < a ? b : a; }
+
+CPD_HD BlockScale Float32BlockScale(float amax, float elem_max) {
+  if (!(amax > 0.0f)) return BlockScale{1.0f, 1.0f, 1.0f};
+  const float enc = MinFloat(elem_max / amax, kFloat32Max);
+  return BlockScale{enc, 1.0f / enc, 1.0f};
+}
+
+// The tensor level's encode scale T (1 without a tensor level: pass amax_tensor = 0).
+CPD_HD float TensorEncodeScale(float amax_tensor, float scale_max, float elem_max) {
+  if (!(amax_tensor > 0.0f)) return 1.0f;
+  const float t = MinFloat(scale_max * elem_max / amax_tensor, kFloat32Max);
+  return t == 0.0f ? 1.0f : t;
+}
+
+// The float32 bits of a block's scale sb on grid `sg` (its code in *code).
+CPD_HD uint32_t BlockScaleBits(float amax, float tensor_enc, float elem_max, const FloatGrid& sg,
+                               uint32_t* code) {
+  const float inv_elem_max = 1.0f / elem_max;
+  return RoundToFloatGrid<RoundMode::kNearestEven>(amax * (tensor_enc * inv_elem_max), sg, 0u,
+                                                   code);
+}
+
+CPD_HD BlockScale GridBlockScale(float sb, float tensor_enc) {
+  const float tensor_dec = 1.0f / tensor_enc;
+  return BlockScale{MinFloat(1.0f / (sb * tensor_dec), kFloat32Max), sb, tensor_dec};
+}
+
+// The float32 bits of round(x * enc) on grid g, scaled back: (q * dec) * dec2; its code in *code.
+template <RoundMode kMode>
+CPD_HD uint32_t RoundScaled(float x, const FloatGrid& g, const BlockScale& s, uint32_t rnd,
+                            uint32_t* code) {
+  const uint32_t q = RoundToFloatGrid<kMode>(x * s.enc, g, rnd, code);
+  return FloatBits((BitsFloat(q) * s.dec) * s.dec2);
+}
+
+// The statistics' range of a block: the grid's largest value, scaled back.
+CPD_HD GridRange ScaledGridRange(uint32_t max_bits, const BlockScale& s) {
+  const float hi = (BitsFloat(max_bits) * s.dec) * s.dec2;
+  return GridRange{-hi, hi};
+}
+
+// ---------------------------------------------------------------------------------------------
 // Linear grids. Division, not multiplication by a reciprocal, so the quotient is correctly
 // rounded on both CPU and GPU; products and sums are never contracted into FMAs (the build
 // passes -ffp-contract=off, the CUDA code uses __fmul_rn/__fadd_rn).

@@ -308,6 +308,21 @@ CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes,
 }
 
 template <RoundMode kMode>
+CPD_INLINE void ScaledFloatGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
+                                        const FloatGrid& grid, const BlockScale& scale,
+                                        const LoopParams& p, ElementStats* stats) {
+  const FloatGrid g = grid;
+  const BlockScale sc = scale;
+  auto round = [&g, sc](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
+    Rounded r;
+    r.value = BitsFloat(RoundScaled<kMode>(x, g, sc, rnd, &r.code));
+    return r;
+  };
+  DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
+                  codes, n, p.index_base, ScaledGridRange(g.max_bits, sc), stats);
+}
+
+template <RoundMode kMode>
 CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
                                    const LinearGrid& grid, const LoopParams& p,
                                    ElementStats* stats) {
@@ -408,6 +423,29 @@ void QuantizeBinadeGrid(const float* in, float* out, uint32_t* codes, size_t n, 
       break;
     case RoundMode::kUp:
       BinadeGridDispatch<RoundMode::kUp>(in, out, codes, n, g, shift, p, stats);
+      break;
+  }
+}
+
+CPD_CLONES
+void QuantizeScaledFloatGrid(const float* in, float* out, uint32_t* codes, size_t n,
+                             const FloatGrid& g, const BlockScale& scale, const LoopParams& p,
+                             ElementStats* stats) {
+  switch (p.mode) {
+    case RoundMode::kNearestEven:
+      ScaledFloatGridDispatch<RoundMode::kNearestEven>(in, out, codes, n, g, scale, p, stats);
+      break;
+    case RoundMode::kStochastic:
+      ScaledFloatGridDispatch<RoundMode::kStochastic>(in, out, codes, n, g, scale, p, stats);
+      break;
+    case RoundMode::kTowardZero:
+      ScaledFloatGridDispatch<RoundMode::kTowardZero>(in, out, codes, n, g, scale, p, stats);
+      break;
+    case RoundMode::kDown:
+      ScaledFloatGridDispatch<RoundMode::kDown>(in, out, codes, n, g, scale, p, stats);
+      break;
+    case RoundMode::kUp:
+      ScaledFloatGridDispatch<RoundMode::kUp>(in, out, codes, n, g, scale, p, stats);
       break;
   }
 }
@@ -584,6 +622,15 @@ uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGr
   return HysteresisLoop(w, q, n, round, ShiftedGridRange(g.max_bits, up), stats);
 }
 
+uint64_t HysteresisScaledFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
+                                   const BlockScale& scale, ElementStats* stats) {
+  auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
+    return BitsFloat(up_dir ? RoundScaled<RoundMode::kUp>(x, g, scale, 0, nullptr)
+                            : RoundScaled<RoundMode::kDown>(x, g, scale, 0, nullptr));
+  };
+  return HysteresisLoop(w, q, n, round, ScaledGridRange(g.max_bits, scale), stats);
+}
+
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
                               ElementStats* stats) {
   auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
@@ -621,6 +668,13 @@ void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const Floa
                          int shift) {
   const float up = Pow2(shift);
   for (size_t i = 0; i < n; ++i) out[i] = DecodeFloatGrid(codes[i], g) * up;
+}
+
+void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
+                               const BlockScale& scale) {
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = (DecodeFloatGrid(codes[i], g) * scale.dec) * scale.dec2;
+  }
 }
 
 CPD_CLONES

@@ -44,6 +44,17 @@ void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_
                              const FloatGrid& g, const ShiftRule& rule, const LoopParams& p,
                              ElementStats* stats, int32_t* shifts);
 
+// Block scales that are not powers of two (kernels/grid.h, BlockScale): out[i] =
+// (round(in[i] * enc) * dec) * dec2 on grid g, codes[i] its code; the same conventions as
+// QuantizeFloatGrid. HysteresisScaledFloatGrid and DecodeScaledFloatGridSpan likewise.
+void QuantizeScaledFloatGrid(const float* in, float* out, uint32_t* codes, size_t n,
+                             const FloatGrid& g, const BlockScale& scale, const LoopParams& p,
+                             ElementStats* stats);
+uint64_t HysteresisScaledFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
+                                   const BlockScale& scale, ElementStats* stats);
+void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
+                               const BlockScale& scale);
+
 // Same as QuantizeFloatGrid for a linear grid; codes[i] = q - qmin.
 void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n, const LinearGrid& g,
                         const LoopParams& p, ElementStats* stats);

@@ -58,7 +58,9 @@ int RunInfo(const std::string& spec, bool list) {
   std::printf("min subnormal   %s\n",
               info.min_subnormal > 0 ? Describe(info.min_subnormal).c_str() : "none");
   std::printf("distinct finite %llu\n", static_cast<unsigned long long>(info.distinct_finite));
-  if (f->scope() == cpd::ScaleScope::kBlock) {
+  if (f->family() == cpd::FormatFamily::kBlockScaled) {
+    std::printf("block           %zux%zu\n", f->block_rows(), f->block_cols());
+  } else if (f->scope() == cpd::ScaleScope::kBlock) {
     std::printf("block           %zu\n", f->block_size());
   }
   if (!info.scale_note.empty()) std::printf("scale           %s\n", info.scale_note.c_str());
@@ -80,11 +82,21 @@ std::vector<unsigned char> ReadAll(FILE* in) {
   return data;
 }
 
-int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t seed, uint64_t step,
-                size_t channels, int threads, bool stats) {
-  auto f = cpd::Format::Parse(spec);
+// What `cpd-quant quantize` was asked.
+struct QuantizeArgs {
+  std::string spec;
+  std::string rounding = "nearest";
+  uint64_t seed = 0, step = 0;
+  size_t channels = 1;
+  size_t columns = 0;
+  int threads = 0;
+  bool stats = false;
+};
+
+int RunQuantize(const QuantizeArgs& args) {
+  auto f = cpd::Format::Parse(args.spec);
   if (!f.ok()) Fail(f.status().message());
-  auto r = cpd::ParseRounding(rounding);
+  auto r = cpd::ParseRounding(args.rounding);
   if (!r.ok()) Fail(r.status().message());
   if (isatty(STDIN_FILENO)) Fail("reads raw little-endian float32 from stdin; pipe data in");
 
@@ -99,16 +111,17 @@ int RunQuantize(const std::string& spec, const std::string& rounding, uint64_t s
 
   cpd::QuantizeOptions opts;
   opts.rounding = *r;
-  opts.seed = seed;
-  opts.step = step;
-  opts.channels = channels;
-  opts.threads = threads;
+  opts.seed = args.seed;
+  opts.step = args.step;
+  opts.channels = args.channels;
+  opts.columns = args.columns;
+  opts.threads = args.threads;
   cpd::QuantStats st;
-  cpd::Status s = cpd::Quantize(*f, x.data(), x.data(), n, opts, stats ? &st : nullptr);
+  cpd::Status s = cpd::Quantize(*f, x.data(), x.data(), n, opts, args.stats ? &st : nullptr);
   if (!s.ok()) Fail(s.message());
   if (n > 0 && std::fwrite(x.data(), 4, n, stdout) != n) Fail("writing stdout failed");
   if (std::fflush(stdout) != 0) Fail("writing stdout failed");
-  if (stats) {
+  if (args.stats) {
     const double denom = n > 0 ? double(n) : 1.0;
     std::fprintf(stderr,
                  "format %s rounding %s count %zu max_abs %.9g saturated %llu (%.4f%%) "
@@ -158,31 +171,33 @@ int main(int argc, char** argv) {
   info->add_option("SPEC", info_spec, "Format spec, e.g. e4m3, fp134, log4, mxfp4")->required();
   info->add_flag("--list", list, "Also print every distinct finite value (formats <= 8 bits)");
 
-  std::string spec, rounding = "nearest";
-  uint64_t seed = 0, step = 0;
-  size_t channels = 1;
-  int threads = 0;
-  bool stats = false;
+  QuantizeArgs q;
   CLI::App* quant = app.add_subcommand(
       "quantize", "Quantise raw little-endian float32 from stdin to stdout (one tensor)");
-  quant->add_option("--format", spec, "Format spec")->required();
-  quant->add_option("--rounding", rounding, "nearest (ties to even) | stochastic | zero")
+  quant->add_option("--format", q.spec, "Format spec")->required();
+  quant->add_option("--rounding", q.rounding, "nearest (ties to even) | stochastic | zero")
       ->capture_default_str();
-  quant->add_option("--seed", seed, "Seed of the stochastic-rounding stream")
+  quant->add_option("--seed", q.seed, "Seed of the stochastic-rounding stream")
       ->check(cpd::launcher::Uint64Number())
       ->capture_default_str();
-  quant->add_option("--step", step, "Step number mixed into the stochastic stream")
+  quant->add_option("--step", q.step, "Step number mixed into the stochastic stream")
       ->check(cpd::launcher::Uint64Number())
       ->capture_default_str();
   quant
-      ->add_option("--channels", channels,
+      ->add_option("--channels", q.channels,
                    "View the input as this many equal rows (for :ch formats, log<b>:ch included)")
       ->capture_default_str()
       ->check(cpd::launcher::IntegerAtLeast(1));
-  quant->add_option("--threads", threads, "Worker threads (0 = all cores)")
+  quant
+      ->add_option("--columns", q.columns,
+                   "Block-scaled formats (nvfp4, FLOAT:block=RxC): rows of this many elements "
+                   "(0: the input length / --channels)")
+      ->capture_default_str()
+      ->check(cpd::launcher::IntegerAtLeast(0));
+  quant->add_option("--threads", q.threads, "Worker threads (0 = all cores)")
       ->capture_default_str()
       ->check(cpd::launcher::ThreadCount());
-  quant->add_flag("--stats", stats,
+  quant->add_flag("--stats", q.stats,
                   "Print statistics (max|x|, saturated, flushed, error) to stderr");
 
   std::string bits_list = "8,7,6";
@@ -200,5 +215,5 @@ int main(int argc, char** argv) {
   }
   if (info->parsed()) return RunInfo(info_spec, list);
   if (cand->parsed()) return RunCandidates(bits_list, specs_only);
-  return RunQuantize(spec, rounding, seed, step, channels, threads, stats);
+  return RunQuantize(q);
 }

@@ -306,6 +306,8 @@ std::string CandidateFamily(const Format& f) {
       return "float";
     case FormatFamily::kSharedShift:
       return f.scope() == ScaleScope::kBlock ? "block" : "shared-exponent";
+    case FormatFamily::kBlockScaled:
+      return "block";
     case FormatFamily::kIntSymmetric:
       return "int";
     case FormatFamily::kUintMinMax:

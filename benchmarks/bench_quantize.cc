@@ -61,8 +61,10 @@ int main(int argc, char** argv) {
   int reps = 15;
   std::string threads_list = "1,2";
   std::string formats_list =
-      "e4m3,e5m2,bf16,fp16,e2m1,e3m0,fp134,log4,mxfp8,mxfp4,bfp8:16,int8,uint4:minmax";
-  std::string stochastic_list = "e4m3,e5m2,bf16,e2m1,int8";
+      "e4m3,e5m2,bf16,fp16,e2m1,e3m0,fp134,log4,mxfp8,mxfp4,bfp8:16,int8,uint4:minmax,nvfp4,"
+      "nvfp4:2d,e4m3:block=1x128,e4m3:block=128x128";
+  std::string stochastic_list = "e4m3,e5m2,bf16,e2m1,int8,nvfp4";
+  size_t columns = 4096;
   bool with_stats = true;
   app.add_option("--mib", mib, "Buffer size in MiB of float32")->capture_default_str();
   app.add_option("--reps", reps, "Timed repetitions (median reported)")->capture_default_str();
@@ -70,6 +72,9 @@ int main(int argc, char** argv) {
   app.add_option("--formats", formats_list, "Formats timed with nearest rounding")
       ->capture_default_str();
   app.add_option("--stochastic", stochastic_list, "Formats also timed with stochastic rounding")
+      ->capture_default_str();
+  app.add_option("--columns", columns,
+                 "Row length of the matrix view of block-scaled formats (nvfp4, FLOAT:block=RxC)")
       ->capture_default_str();
   app.add_flag("!--no-stats", with_stats, "Skip the rows with fused statistics and encoding");
   std::string lanes = "auto";
@@ -104,8 +109,8 @@ int main(int argc, char** argv) {
   const double bytes = 2.0 * n * sizeof(float);
   std::printf(
       "# bench_quantize: %zu float32 (%.0f MiB), out of place, median of %d, "
-      "stochastic float-grid lanes: %s\n",
-      n, mib, reps, lane_names[int(cpd::kernels::ActiveStochasticLanes())]);
+      "stochastic float-grid lanes: %s, block-scaled rows of %zu\n",
+      n, mib, reps, lane_names[int(cpd::kernels::ActiveStochasticLanes())], columns);
   std::printf("%-16s %-11s %-9s %7s %10s %9s %8s\n", "format", "rounding", "mode", "threads",
               "time(ms)", "GB/s", "x_memcpy");
 
@@ -127,6 +132,7 @@ int main(int argc, char** argv) {
       opts.rounding = r;
       opts.threads = threads;
       opts.seed = 7;
+      opts.columns = columns;
       cpd::QuantStats st;
       cpd::PackedTensor packed;
       const std::string m = mode;
@@ -160,6 +166,7 @@ int main(int argc, char** argv) {
       row("e4m3", cpd::Rounding::kNearest, "+stats");
       row("e4m3", cpd::Rounding::kNearest, "encode");
       row("mxfp4", cpd::Rounding::kNearest, "encode");
+      row("nvfp4", cpd::Rounding::kNearest, "encode");
     }
   }
   return 0;

@@ -453,7 +453,8 @@ Status ParseBlockShape(std::string_view spec, std::string_view text, FormatField
   const bool ok = x == std::string_view::npos
                       ? ParseInt(text, &c)
                       : ParseInt(text.substr(0, x), &r) && ParseInt(text.substr(x + 1), &c);
-  if (!ok || r < 1 || c < 1 || r > 65536 || c > 65536 || size_t(r) * size_t(c) > (size_t(1) << 20)) {
+  if (!ok || r < 1 || c < 1 || r > 65536 || c > 65536 ||
+      size_t(r) * size_t(c) > (size_t(1) << 20)) {
     return BadSpec(spec, "':block=" + std::string(text) +
                              "' needs RxC (or N for 1xN): rows and columns 1..65536 of a block, "
                              "at most 2^20 elements");
@@ -499,8 +500,8 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
     // a float32 tensor level.
     for (size_t i = 1; i < parts.size(); ++i) {
       if (parts[i] != "2d") {
-        return BadSpec(spec, "nvfp4 takes only ':2d' (16x16 blocks), not ':" +
-                                 std::string(parts[i]) + "'");
+        return BadSpec(
+            spec, "nvfp4 takes only ':2d' (16x16 blocks), not ':" + std::string(parts[i]) + "'");
       }
       two_d = true;
     }
@@ -527,14 +528,17 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
   auto elem = Format::Parse(element);
   if (!elem.ok()) return elem.status();  // names the element's own fault
   if (elem->family() != FormatFamily::kFloat) {
-    return BadSpec(spec, "block scales apply to a float element format (eXmY, e4m3, e2m1, "
-                         "bf16, ...), not '" + element + "'");
+    return BadSpec(spec,
+                   "block scales apply to a float element format (eXmY, e4m3, e2m1, "
+                   "bf16, ...), not '" +
+                       element + "'");
   }
   CPD_RETURN_IF_ERROR(ParseBlockShape(spec, block, f));
   CPD_RETURN_IF_ERROR(ParseBlockScale(spec, scale, f));
   if (tensor && f->scale_type != BlockScaleType::kFloatGrid) {
-    return BadSpec(spec, "':tensor' (a float32 tensor level) needs block scales on a float "
-                         "grid such as ':scale=e4m3'");
+    return BadSpec(spec,
+                   "':tensor' (a float32 tensor level) needs block scales on a float "
+                   "grid such as ':scale=e4m3'");
   }
   f->family = FormatFamily::kBlockScaled;
   f->scope = ScaleScope::kBlock;
@@ -545,8 +549,7 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
   // MX's rule: X = 2^(floor(log2 amax) - emax_elem), an E8M0 value in 2^-127..2^127.
   const int32_t emax_elem = kernels::FloorLog2(kernels::BitsFloat(f->grid.max_bits));
   f->shift_rule = {-emax_elem, -127, 127};
-  const std::string shape =
-      std::to_string(f->block_rows) + "x" + std::to_string(f->block_cols);
+  const std::string shape = std::to_string(f->block_rows) + "x" + std::to_string(f->block_cols);
   if (element == "e2m1" && f->scale_type == BlockScaleType::kFloatGrid && scale == "e4m3" &&
       tensor && (shape == "1x16" || shape == "16x16")) {
     *canon = shape == "1x16" ? "nvfp4" : "nvfp4:2d";
@@ -585,7 +588,13 @@ const char* FormatSpecHelp() {
          "gives M_i mantissa bits (0..22) to binade i, top binade first (MxK: K binades of M "
          "bits; 1..127 binades); unscaled, binade i is [2^-i, 2^(1-i)) and only 0 lies below the "
          "lowest, so a list ending in 0 has gradual underflow; the shift is chosen as for fp134; "
-         "codes take 1 + ceil(log2(1 + sum 2^M_i)) <= 16 bits (fp134 = binades:4x7,3,2,1,0).";
+         "codes take 1 + ceil(log2(1 + sum 2^M_i)) <= 16 bits (fp134 = binades:4x7,3,2,1,0). "
+         "Block scales: FLOAT:block=RxC[:scale=fp32|e8m0|FLOAT][:tensor] puts a float element "
+         "format under one scale per R x C block of the tensor's matrix view (rows of its last "
+         "dimension; weights [out, fan-in]; block=N is 1xN), the scale float32 (default, "
+         "DeepSeek-V3: e4m3:block=1x128, e4m3:block=128x128), a power of two (e8m0, OCP MX's "
+         "rule) or a float format (e4m3) optionally under a float32 tensor level (:tensor); "
+         "nvfp4 = e2m1:block=1x16:scale=e4m3:tensor (NVIDIA NVFP4), nvfp4:2d its 16x16 blocks.";
 }
 
 std::vector<std::string> SplitFormatList(std::string_view list) {
@@ -736,8 +745,7 @@ FormatInfo Format::Info() const {
                           " is scaled by 2^s, s chosen from its max |x|";
       }
       if (family_ == FormatFamily::kBlockScaled) {
-        const std::string shape =
-            std::to_string(block_rows_) + "x" + std::to_string(block_cols_);
+        const std::string shape = std::to_string(block_rows_) + "x" + std::to_string(block_cols_);
         info.scale_note =
             "element values shown unscaled; each " + shape + " block is scaled by " +
             (scale_type_ == BlockScaleType::kPow2

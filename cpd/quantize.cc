@@ -212,57 +212,72 @@ struct BlockScales {
 };
 
 // max |x| of every block (NaN and Inf ignored), in block order.
-std::vector<float> BlockMaxAbs(const Format& format, const float* in, const BlockGridShape& g,
-                               const QuantizeOptions& opts) {
-  std::vector<float> amax(g.block_rows * g.block_cols, 0.0f);
-  const size_t R = format.block_rows(), C = format.block_cols();
+void BlockMaxAbs(const Format& format, const float* in, const BlockGridShape& g,
+                 const QuantizeOptions& opts, std::vector<float>* amax_out) {
+  std::vector<float>& amax = *amax_out;
+  amax.assign(g.block_rows * g.block_cols, 0.0f);
+  const size_t R = format.block_rows();
   const size_t work = std::max<size_t>(1, g.rows * g.cols / kChunk);
 #pragma omp parallel for num_threads(ThreadCount(opts, std::min(work, g.block_rows))) \
     schedule(static)
   for (size_t br = 0; br < g.block_rows; ++br) {
-    float* row_amax = amax.data() + br * g.block_cols;
     for (size_t r = br * R; r < std::min(g.rows, (br + 1) * R); ++r) {
-      for (size_t bc = 0; bc < g.block_cols; ++bc) {
-        const size_t c0 = bc * C, len = std::min(g.cols, c0 + C) - c0;
-        row_amax[bc] = std::max(row_amax[bc], kernels::MaxAbsFinite(in + r * g.cols + c0, len));
-      }
+      kernels::MaxAbsPerBlock(in + r * g.cols, g.cols, 0, format.block_cols(),
+                              amax.data() + br * g.block_cols);
     }
   }
-  return amax;
 }
 
-BlockScales ComputeBlockScales(const Format& format, const float* in, size_t n,
-                               const QuantizeOptions& opts) {
-  BlockScales bs;
+// Fills *out (whose vectors keep their capacity from call to call: a tensor of NVFP4 has a
+// scale per 16 elements, and fresh pages for them cost a fifth of the quantisation).
+void ComputeBlockScales(const Format& format, const float* in, size_t n,
+                        const QuantizeOptions& opts, BlockScales* out) {
+  BlockScales& bs = *out;
   bs.shape = BlockGridOf(format, n, opts.channels, opts.columns);
-  const std::vector<float> amax = BlockMaxAbs(format, in, bs.shape, opts);
+  bs.tensor_enc = 1.0f;
+  bs.shifts.clear();
+  // A reference: inside the parallel loops below, the name of a thread_local would be each
+  // worker's own (empty) vector.
+  thread_local std::vector<float> amax_storage;
+  std::vector<float>& amax = amax_storage;
+  BlockMaxAbs(format, in, bs.shape, opts, &amax);
   const float elem_max = kernels::BitsFloat(format.grid().max_bits);
   switch (format.scale_type()) {
     case BlockScaleType::kPow2:
       for (float a : amax) bs.shifts.push_back(kernels::ShiftForMax(a, format.shift_rule()));
       break;
     case BlockScaleType::kFloat32:
-      for (float a : amax) bs.scales.push_back(kernels::Float32BlockScale(a, elem_max));
-      break;
     case BlockScaleType::kFloatGrid: {
+      const bool on_grid = format.scale_type() == BlockScaleType::kFloatGrid;
       const kernels::FloatGrid& sg = format.scale_grid();
-      if (format.tensor_level()) {
+      if (on_grid && format.tensor_level()) {
         // The tensor's max |x| is its blocks' largest.
         const float amax_tensor = amax.empty() ? 0.0f : *std::max_element(amax.begin(), amax.end());
         bs.tensor_enc =
             kernels::TensorEncodeScale(amax_tensor, kernels::BitsFloat(sg.max_bits), elem_max);
       }
-      for (float a : amax) {
-        uint32_t code = 0;
-        const float sb =
-            kernels::BitsFloat(kernels::BlockScaleBits(a, bs.tensor_enc, elem_max, sg, &code));
-        bs.scales.push_back(kernels::GridBlockScale(sb, bs.tensor_enc));
-        bs.scale_codes.push_back(code);
+      bs.scales.resize(amax.size());
+      bs.scale_codes.resize(on_grid ? amax.size() : 0);
+      const size_t per_item = 4096;  // blocks a thread takes at a time
+      const size_t items = (amax.size() + per_item - 1) / per_item;
+#pragma omp parallel for num_threads(ThreadCount(opts, items)) schedule(static)
+      for (size_t it = 0; it < items; ++it) {
+        const size_t k0 = it * per_item, k1 = std::min(amax.size(), k0 + per_item);
+        kernels::BlockScalesFromMax(
+            amax.data() + k0, k1 - k0,
+            on_grid ? kernels::ScaleRule::kFloatGrid : kernels::ScaleRule::kFloat32, sg,
+            bs.tensor_enc, elem_max, bs.scales.data() + k0,
+            on_grid ? bs.scale_codes.data() + k0 : nullptr);
       }
       break;
     }
   }
-  return bs;
+}
+
+// The block scales of a call, in storage reused by the calling thread's next call.
+BlockScales& BlockScalesScratch() {
+  thread_local BlockScales scratch;
+  return scratch;
 }
 
 // Runs fn(block, begin, end) over the parts of [s, e) in each block: runs of one row.
@@ -279,19 +294,40 @@ void ForEachBlockPart(const Format& format, const BlockGridShape& g, size_t s, s
   }
 }
 
+// Runs fn(row, begin, end) over the parts of [s, e) in each row of the matrix view.
+template <typename Fn>
+void ForEachRowPart(const BlockGridShape& g, size_t s, size_t e, Fn&& fn) {
+  for (size_t i = s; i < e;) {
+    const size_t r = i / g.cols;
+    const size_t end = std::min(e, (r + 1) * g.cols);
+    fn(r, i, end);
+    i = end;
+  }
+}
+
 void QuantizeBlockScaledChunk(const Format& format, const BlockScales& bs, const float* in,
                               float* out, uint32_t* codes, size_t s, size_t e,
                               const LoopParams& base, ElementStats* st) {
-  ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+  if (format.scale_type() == BlockScaleType::kPow2) {
+    ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+      LoopParams p = base;
+      p.index_base = base.index_base + b;
+      kernels::QuantizeFloatGrid(in + b, out != nullptr ? out + b : nullptr,
+                                 codes != nullptr ? codes + (b - s) : nullptr, f - b, format.grid(),
+                                 bs.shifts[bi], p, st);
+    });
+    return;
+  }
+  const size_t C = format.block_cols();
+  ForEachRowPart(bs.shape, s, e, [&](size_t r, size_t b, size_t f) {
     LoopParams p = base;
     p.index_base = base.index_base + b;
-    uint32_t* c = codes != nullptr ? codes + (b - s) : nullptr;
-    float* o = out != nullptr ? out + b : nullptr;
-    if (format.scale_type() == BlockScaleType::kPow2) {
-      kernels::QuantizeFloatGrid(in + b, o, c, f - b, format.grid(), bs.shifts[bi], p, st);
-    } else {
-      kernels::QuantizeScaledFloatGrid(in + b, o, c, f - b, format.grid(), bs.scales[bi], p, st);
-    }
+    const size_t col0 = b - r * bs.shape.cols;
+    const kernels::BlockScale* scales =
+        bs.scales.data() + (r / format.block_rows()) * bs.shape.block_cols + col0 / C;
+    kernels::QuantizeScaledFloatGridRow(in + b, out != nullptr ? out + b : nullptr,
+                                        codes != nullptr ? codes + (b - s) : nullptr, f - b, col0,
+                                        C, format.grid(), scales, p, st);
   });
 }
 
@@ -360,12 +396,12 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
   // Blocks that never straddle a chunk are scaled inside the chunk loop, in one pass.
-  const bool fused_blocks = !block_scaled && format.scope() == ScaleScope::kBlock &&
-                            kChunk % format.block_size() == 0;
+  const bool fused_blocks =
+      !block_scaled && format.scope() == ScaleScope::kBlock && kChunk % format.block_size() == 0;
   Groups groups;
-  BlockScales block_scales;
+  BlockScales& block_scales = BlockScalesScratch();
   if (block_scaled) {
-    block_scales = ComputeBlockScales(format, in, n, opts);
+    ComputeBlockScales(format, in, n, opts, &block_scales);
   } else if (fused_blocks) {
     groups.group_len = format.block_size();
     groups.shifts.resize(format.num_groups(n, opts.channels));
@@ -464,7 +500,8 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
   CPD_RETURN_IF_ERROR(ValidateSpan(format, n, opts));
   const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
   const Groups groups = block_scaled ? Groups{} : ComputeGroups(format, w, n, opts);
-  const BlockScales bs = block_scaled ? ComputeBlockScales(format, w, n, opts) : BlockScales{};
+  BlockScales& bs = BlockScalesScratch();
+  if (block_scaled) ComputeBlockScales(format, w, n, opts, &bs);
   const size_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<ElementStats> chunk_stats(chunks);
   std::vector<uint64_t> chunk_flips(chunks, 0);
@@ -477,8 +514,8 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
         chunk_flips[c] += format.scale_type() == BlockScaleType::kPow2
                               ? kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(),
                                                              bs.shifts[bi], st)
-                              : kernels::HysteresisScaledFloatGrid(w + b, q + b, f - b,
-                                                                   format.grid(), bs.scales[bi], st);
+                              : kernels::HysteresisScaledFloatGrid(
+                                    w + b, q + b, f - b, format.grid(), bs.scales[bi], st);
       });
       continue;
     }
@@ -547,9 +584,9 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
   const uint8_t* meta = packed.bytes.data() + PackedCodeBytes(format, n);
   const bool block_scaled = format.family() == FormatFamily::kBlockScaled;
   const Groups groups = block_scaled ? Groups{} : ReadMeta(format, n, packed.channels, meta);
-  const BlockScales bs =
-      block_scaled ? ReadBlockScales(format, n, packed.channels, packed.columns, meta)
-                   : BlockScales{};
+  const BlockScales bs = block_scaled
+                             ? ReadBlockScales(format, n, packed.channels, packed.columns, meta)
+                             : BlockScales{};
   const size_t chunks = (n + kChunk - 1) / kChunk;
   const int bits = format.bits();
 #pragma omp parallel num_threads(ThreadCount(opts, chunks))

@@ -322,6 +322,51 @@ CPD_INLINE void ScaledFloatGridDispatch(const float* in, float* out, uint32_t* c
                   codes, n, p.index_base, ScaledGridRange(g.max_bits, sc), stats);
 }
 
+// A run of one matrix row under per-block scales, a block of C columns at a time: the loops of
+// a block have its scale as a constant, so they vectorise as the unscaled loops do, and a row of
+// 16-element blocks costs one call, not one per block. Rounded in L1-sized pieces into scratch,
+// whose statistics are taken block by block (each block's saturation bound is its own).
+template <RoundMode kMode, bool kCodes>
+CPD_INLINE void ScaledRowDispatch(const float* in, float* out, uint32_t* codes, size_t n,
+                                  size_t col0, size_t C, const FloatGrid& grid,
+                                  const BlockScale* scales, const LoopParams& p,
+                                  ElementStats* stats) {
+  const FloatGrid g = grid;
+  constexpr bool kRandom = kMode == RoundMode::kStochastic;
+  uint32_t rnd[kRandom ? kL1Piece : 1];
+  float scratch[kL1Piece];
+  SpanAcc acc;
+  const size_t block0 = col0 / C;
+  // Straight into `out` unless it overlaps `in` (the statistics read the input back) or is
+  // absent; else through scratch.
+  const uintptr_t in_begin = reinterpret_cast<uintptr_t>(in),
+                  out_begin = reinterpret_cast<uintptr_t>(out), bytes = n * sizeof(float);
+  const bool direct =
+      out != nullptr && (out_begin + bytes <= in_begin || in_begin + bytes <= out_begin);
+  for (size_t s = 0; s < n; s += kL1Piece) {
+    const size_t len = std::min(kL1Piece, n - s);
+    if constexpr (kRandom) FillRandomBits(p.rng_key, p.index_base + s, len, rnd);
+    float* const dst = direct ? out + s : scratch;
+    for (size_t a = 0; a < len;) {
+      const size_t block = (col0 + s + a) / C;
+      const size_t b = std::min(len, (block + 1) * C - col0 - s);
+      const BlockScale sc = scales[block - block0];
+      const float* x = in + s;
+      for (size_t i = a; i < b; ++i) {
+        uint32_t code;
+        dst[i] = BitsFloat(RoundScaled<kMode>(x[i], g, sc, kRandom ? rnd[i] : 0u, &code));
+        if constexpr (kCodes) codes[s + i] = code;
+      }
+      if (stats != nullptr) {
+        AccumulateStats(x + a, dst + a, b - a, ScaledGridRange(g.max_bits, sc), &acc);
+      }
+      a = b;
+    }
+    if (!direct && out != nullptr) std::memcpy(out + s, scratch, len * sizeof(float));
+  }
+  if (stats != nullptr) acc.MergeInto(stats);
+}
+
 template <RoundMode kMode>
 CPD_INLINE void LinearGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
                                    const LinearGrid& grid, const LoopParams& p,
@@ -424,6 +469,84 @@ void QuantizeBinadeGrid(const float* in, float* out, uint32_t* codes, size_t n, 
     case RoundMode::kUp:
       BinadeGridDispatch<RoundMode::kUp>(in, out, codes, n, g, shift, p, stats);
       break;
+  }
+}
+
+CPD_CLONES
+void QuantizeScaledFloatGridRow(const float* in, float* out, uint32_t* codes, size_t n, size_t col0,
+                                size_t block_cols, const FloatGrid& g, const BlockScale* scales,
+                                const LoopParams& p, ElementStats* stats) {
+#define CPD_SCALED_ROW(mode)                                                                     \
+  (codes != nullptr                                                                              \
+       ? ScaledRowDispatch<mode, true>(in, out, codes, n, col0, block_cols, g, scales, p, stats) \
+       : ScaledRowDispatch<mode, false>(in, out, codes, n, col0, block_cols, g, scales, p, stats))
+  switch (p.mode) {
+    case RoundMode::kNearestEven:
+      CPD_SCALED_ROW(RoundMode::kNearestEven);
+      break;
+    case RoundMode::kStochastic:
+      CPD_SCALED_ROW(RoundMode::kStochastic);
+      break;
+    case RoundMode::kTowardZero:
+      CPD_SCALED_ROW(RoundMode::kTowardZero);
+      break;
+    case RoundMode::kDown:
+      CPD_SCALED_ROW(RoundMode::kDown);
+      break;
+    case RoundMode::kUp:
+      CPD_SCALED_ROW(RoundMode::kUp);
+      break;
+  }
+#undef CPD_SCALED_ROW
+}
+
+// The scales of many blocks from their amaxes, in one vectorised loop (a block of 16 elements
+// cannot afford a scalar pass of its own: three divisions and a rounding per block).
+CPD_CLONES
+void BlockScalesFromMax(const float* amax, size_t n, ScaleRule rule, const FloatGrid& scale_grid,
+                        float tensor_enc, float elem_max, BlockScale* scales,
+                        uint32_t* scale_codes) {
+  const FloatGrid sg = scale_grid;
+  if (rule == ScaleRule::kFloat32) {
+#pragma omp simd
+    for (size_t k = 0; k < n; ++k) scales[k] = Float32BlockScale(amax[k], elem_max);
+    return;
+  }
+#pragma omp simd
+  for (size_t k = 0; k < n; ++k) {
+    uint32_t code;
+    const float sb = BitsFloat(BlockScaleBits(amax[k], tensor_enc, elem_max, sg, &code));
+    scales[k] = GridBlockScale(sb, tensor_enc);
+    scale_codes[k] = code;
+  }
+}
+
+namespace {
+// Whole blocks of a compile-time width from the start of x: fixed trip counts vectorise fully.
+template <size_t kCols>
+CPD_INLINE size_t MaxAbsFixedBlocks(const float* x, size_t n, float* amax) {
+  const size_t blocks = n / kCols;
+  for (size_t k = 0; k < blocks; ++k) {
+    amax[k] = std::max(amax[k], BitsFloat(MaxAbsBits(x + k * kCols, kCols)));
+  }
+  return blocks * kCols;
+}
+}  // namespace
+
+CPD_CLONES
+void MaxAbsPerBlock(const float* x, size_t n, size_t col0, size_t block_cols, float* amax) {
+  const size_t block0 = col0 / block_cols;
+  size_t a = 0;
+  if (col0 % block_cols == 0) {  // NVFP4's and MX's widths, from a block's start
+    if (block_cols == 16) a = MaxAbsFixedBlocks<16>(x, n, amax);
+    if (block_cols == 32) a = MaxAbsFixedBlocks<32>(x, n, amax);
+  }
+  while (a < n) {
+    const size_t block = (col0 + a) / block_cols;
+    const size_t b = std::min(n, (block + 1) * block_cols - col0);
+    float& m = amax[block - block0];
+    m = std::max(m, BitsFloat(MaxAbsBits(x + a, b - a)));
+    a = b;
   }
 }
 

@@ -50,6 +50,20 @@ void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_
 void QuantizeScaledFloatGrid(const float* in, float* out, uint32_t* codes, size_t n,
                              const FloatGrid& g, const BlockScale& scale, const LoopParams& p,
                              ElementStats* stats);
+// The same over a run of one matrix row that may cross blocks of `block_cols` columns: element i
+// is column col0 + i and takes scales[(col0 + i) / block_cols - col0 / block_cols].
+void QuantizeScaledFloatGridRow(const float* in, float* out, uint32_t* codes, size_t n, size_t col0,
+                                size_t block_cols, const FloatGrid& g, const BlockScale* scales,
+                                const LoopParams& p, ElementStats* stats);
+// Scales of n blocks from their max |x| (kernels/grid.h): float32 (Float32BlockScale), or on a
+// float grid under the tensor level's encode scale (BlockScaleBits, GridBlockScale; the
+// scales' codes in scale_codes).
+enum class ScaleRule : uint8_t { kFloat32, kFloatGrid };
+void BlockScalesFromMax(const float* amax, size_t n, ScaleRule rule, const FloatGrid& scale_grid,
+                        float tensor_enc, float elem_max, BlockScale* scales,
+                        uint32_t* scale_codes);
+// amax[(col0 + i) / block_cols - col0 / block_cols] = max(itself, |x[i]|) over finite x[i].
+void MaxAbsPerBlock(const float* x, size_t n, size_t col0, size_t block_cols, float* amax);
 uint64_t HysteresisScaledFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
                                    const BlockScale& scale, ElementStats* stats);
 void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,

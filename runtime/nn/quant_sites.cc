@@ -369,7 +369,13 @@ void SiteQuantizer::Apply(const Layer& layer, Site site, const Tensor& in, Tenso
   }
   LayerState& st = layers_.at(layer.name());
   PendingRecord pending{{layer.name(), site, f->spec(), QuantStats{}}};
-  const QuantizeOptions opts = OptionsFor(st, site, r, channels);
+  QuantizeOptions opts = OptionsFor(st, site, r, channels);
+  // Block-scaled formats tile activations and errors along their last dimension (a Linear's
+  // features, an attention operand's head dimension, a timestep's hidden units); weights and
+  // their gradients are viewed as [output channels, fan-in] (columns 0: n / channels).
+  if ((site == Site::kActivation || site == Site::kError) && in.ndim() > 0) {
+    opts.columns = size_t(in.dim(in.ndim() - 1));
+  }
   Status s;
 #if CPD_WITH_CUDA
   if (in.device() == Device::kCuda) {

@@ -97,7 +97,9 @@ int EmaxOf(const std::string& spec) {
   if (spec == "int8") return 6;    // 127 levels
   if (spec == "mxfp8") return 8;   // e4m3 elements
   if (spec == "mxfp4") return 2;   // e2m1 elements, 6
-  if (spec == "fp32") return 0;    // hybrid plans: fp32 layers are never shifted
+  if (spec == "nvfp4") return 2;   // e2m1 elements under E4M3 block and float32 tensor scales
+  if (spec == "e4m3:block=1x128:scale=fp32") return 8;  // DeepSeek-V3's tiles: float32 scales
+  if (spec == "fp32") return 0;  // hybrid plans: fp32 layers are never shifted
   ADD_FAILURE() << "no emax for " << spec;
   return 0;
 }
@@ -359,7 +361,8 @@ TEST(GradientAllReduceTest, Fp32GivesIdenticalBitsOnEveryRank) {
 }
 
 TEST(GradientAllReduceTest, EmulateMatchesSequentialReferenceBitForBit) {
-  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4"}) {
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4", "nvfp4",
+                        "e4m3:block=1x128:scale=fp32"}) {
     for (bool aps : {false, true}) {
       for (bool kahan : {false, true}) {
         for (int k : {1, 2, 3}) {
@@ -382,7 +385,8 @@ TEST(GradientAllReduceTest, EmulateStochasticRoundingIsReproducible) {
 }
 
 TEST(GradientAllReduceTest, PackedMatchesSequentialReferenceBitForBit) {
-  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4"}) {
+  for (const char* f : {"e4m3", "e5m2", "e3m0", "fp16", "bf16", "int8", "mxfp8", "mxfp4", "nvfp4",
+                        "e4m3:block=1x128:scale=fp32"}) {
     for (bool aps : {false, true}) {
       for (int k : {1, 2, 3}) {
         RunCase({AllReduceAlgo::kPacked, f, aps, false, Rounding::kNearest}, k, kSizes,

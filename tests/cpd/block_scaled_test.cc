@@ -183,8 +183,11 @@ TEST(BlockScaledQuantize, MatchesTheRulesRestatedPerElement) {
     size_t rows, cols;
   };
   const std::vector<Case> cases = {
-      {"nvfp4", 32, 64},          {"nvfp4", 9, 40},   {"nvfp4:2d", 48, 40},
-      {"nvfp4:2d", 33, 17},       {"e4m3:block=1x128", 8, 300},
+      {"nvfp4", 32, 64},
+      {"nvfp4", 9, 40},
+      {"nvfp4:2d", 48, 40},
+      {"nvfp4:2d", 33, 17},
+      {"e4m3:block=1x128", 8, 300},
       {"e4m3:block=128x128", 200, 130},
       {"e4m3:block=1x16:scale=e4m3", 16, 48},
       {"e2m1:block=4x8:scale=e5m2:tensor", 13, 27},
@@ -301,10 +304,9 @@ TEST(BlockScaledQuantize, ResultsDoNotDependOnTheThreadCount) {
 }
 
 TEST(BlockScaledCodec, DecodeOfEncodeIsQuantize) {
-  for (const std::string spec :
-       {"nvfp4", "nvfp4:2d", "e4m3:block=1x128", "e4m3:block=128x128",
-        "e2m1:block=32:scale=e8m0", "e2m1:block=4x8:scale=e5m2:tensor",
-        "e5m2:block=3x5:scale=bf16", "e4m3:block=1x16:scale=e4m3"}) {
+  for (const std::string spec : {"nvfp4", "nvfp4:2d", "e4m3:block=1x128", "e4m3:block=128x128",
+                                 "e2m1:block=32:scale=e8m0", "e2m1:block=4x8:scale=e5m2:tensor",
+                                 "e5m2:block=3x5:scale=bf16", "e4m3:block=1x16:scale=e4m3"}) {
     const Format f = MustParse(spec);
     for (size_t cols : {size_t(40), size_t(129)}) {
       const std::vector<float> x = MatrixInputs(600, cols, cols, true);

@@ -292,6 +292,42 @@ TEST(CpdQuantErrors, BadRounding) {
   EXPECT_NE(r.err.find("'up'"), std::string::npos) << r.err;
 }
 
+// Block-scaled formats: --columns sets the row length of the matrix view; info names the block.
+TEST(CpdQuantBlockScales, ColumnsArePassedOnAndInfoNamesTheBlock) {
+  std::vector<float> x(40 * 24);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  for (size_t i = 0; i < x.size(); ++i) x[i] = normal(rng) * float(1 + i / 24 % 5 * 100);
+  for (const char* spec : {"nvfp4", "nvfp4:2d", "e4m3:block=1x128", "e4m3:block=128x128"}) {
+    QuantizeOptions o;
+    o.columns = 24;
+    const RunResult r = RunCli({"quantize", "--format", spec, "--columns", "24"}, ToBytes(x));
+    ASSERT_EQ(r.exit_code, 0) << spec << ": " << r.err;
+    EXPECT_TRUE(FromBytes(r.out) == Q(MustParse(spec), x, o)) << spec;
+  }
+  const RunResult info = RunCli({"info", "e2m1:block=16x16:scale=e4m3:tensor"});
+  ASSERT_EQ(info.exit_code, 0) << info.err;
+  EXPECT_EQ(Field(info.out, "format"), "nvfp4:2d");
+  EXPECT_EQ(Field(info.out, "bits"), "4");
+  EXPECT_EQ(Field(info.out, "block"), "16x16");
+  EXPECT_NE(Field(info.out, "scale").find("float32 tensor scale"), std::string::npos) << info.out;
+}
+
+TEST(CpdQuantErrors, BlockScaledSpecsAndColumns) {
+  for (const char* spec : {"e4m3:block=0x16", "e4m3:block=16x", "int8:block=16",
+                           "e2m1:block=16:scale=int4", "e2m1:block=16:tensor", "nvfp4:3d"}) {
+    ExpectUsageError(RunCli({"quantize", "--format", spec}, ToBytes({1.0f, 2.0f})), spec);
+    ExpectUsageError(RunCli({"info", spec}), spec);
+  }
+  // 6 values are not whole rows of 4.
+  const RunResult r = RunCli({"quantize", "--format", "nvfp4", "--columns", "4"},
+                             ToBytes({1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f}));
+  ExpectUsageError(r, "--columns 4 with 6 values");
+  EXPECT_NE(r.err.find("not whole rows of 4 columns"), std::string::npos) << r.err;
+  ExpectUsageError(RunCli({"quantize", "--format", "nvfp4", "--columns", "-1"}, ToBytes({1.0f})),
+                   "--columns -1");
+}
+
 TEST(CpdQuantErrors, ChannelsThatDoNotDivideTheInput) {
   const RunResult r = RunCli({"quantize", "--format", "int8:ch", "--channels", "3"},
                              ToBytes({1.0f, 2.0f, 3.0f, 4.0f}));

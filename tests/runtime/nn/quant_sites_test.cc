@@ -233,6 +233,48 @@ TEST(SiteQuantizerLogScope, ConvolutionsPerChannelOtherLayersPerTensor) {
   }
 }
 
+// Block-scaled formats see activations and errors as rows of their last dimension and weights
+// and weight gradients as [output channels, fan-in]: with rows of 20 features, a 1x16 block
+// never spans two rows (a flat view of the span would put features of two samples in one).
+TEST(SiteQuantizerBlockScales, TileActivationsByRowsAndWeightsByFanIn) {
+  Linear fc("fc", 20, 3, true, 1);
+  PrecisionConfig c;
+  for (Site s : {Site::kWeight, Site::kActivation, Site::kError, Site::kWeightGrad}) {
+    c.global[int(s)].spec = "nvfp4";
+  }
+  auto q = SiteQuantizer::Create(c, {&fc});
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  auto reference = [](const std::vector<float>& x, size_t columns) {
+    std::vector<float> out(x.size());
+    QuantizeOptions o;
+    o.columns = columns;
+    EXPECT_TRUE(Quantize(*Format::Parse("nvfp4"), x.data(), out.data(), x.size(), o).ok());
+    return out;
+  };
+  // Rows of very different magnitudes, so that mixing two rows in a block changes the result.
+  std::vector<float> x(4 * 20);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float((i % 7) + 1) * (i / 20 % 2 ? 1e-3f : 10.0f);
+  ASSERT_NE(reference(x, 20), reference(x, 0));
+  Tensor in({4, 20}), out({4, 20});
+  in.CopyFromHost(x.data());
+  std::vector<float> got(x.size());
+  (*q)->QuantizeActivation(fc, in, &out);
+  out.CopyToHost(got.data());
+  EXPECT_EQ(got, reference(x, 20));
+  (*q)->QuantizeError(fc, in, &out);
+  out.CopyToHost(got.data());
+  EXPECT_EQ(got, reference(x, 20));
+  // W and G of fc: [3, 20], rows of the fan-in 20 (channels 3, columns 0).
+  const std::vector<float> w(x.begin(), x.begin() + 60);
+  EXPECT_EQ(QuantizeW(**q, fc, {3, 20}, w), reference(w, 20));
+  Tensor g({3, 20});
+  g.CopyFromHost(w.data());
+  (*q)->QuantizeWeightGrad(fc, &g);
+  std::vector<float> gw(60);
+  g.CopyToHost(gw.data());
+  EXPECT_EQ(gw, reference(w, 20));
+}
+
 // --allreduce-layer-format NAME=SPEC: the spec is checked here, the name by the trainer.
 TEST(PrecisionConfig, AllReduceLayerFormatsParseAndRefuseBadInput) {
   PrecisionConfig c;

@@ -23,6 +23,7 @@
 #include "benchmarks/bench_util.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "cpd/transform.h"
 #include "kernels/quantize_cpu.h"
 
 namespace {
@@ -167,6 +168,20 @@ int main(int argc, char** argv) {
       row("e4m3", cpd::Rounding::kNearest, "encode");
       row("mxfp4", cpd::Rounding::kNearest, "encode");
       row("nvfp4", cpd::Rounding::kNearest, "encode");
+    }
+    // Block Hadamard transforms (cpd/transform.h) down the rows of the [n / columns, columns]
+    // matrix, in place: read and write every element once per row pass of the butterflies.
+    for (const char* spec : {"rht16", "rht128"}) {
+      const cpd::HadamardOptions h = *cpd::ParseHadamard(spec);
+      cpd::HadamardOptions o = h;
+      o.threads = threads;
+      const double t = MedianSeconds(reps, [&] {
+        if (!cpd::HadamardAlongRows(o, out_ptr, n / columns, columns).ok()) std::exit(1);
+      });
+      const double gbs = bytes / t / 1e9;
+      std::printf("%-16s %-11s %-9s %7d %10.3f %9.2f %8.3f\n", spec, "-", "transform", threads,
+                  t * 1e3, gbs, gbs / copy_gbs);
+      std::fflush(stdout);
     }
   }
   return 0;

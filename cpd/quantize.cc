@@ -331,19 +331,9 @@ void QuantizeBlockScaledChunk(const Format& format, const BlockScales& bs, const
   });
 }
 
-void StoreFloat(float v, uint8_t* dst) {
-  const uint32_t u = kernels::FloatBits(v);
-  for (int k = 0; k < 4; ++k) dst[k] = uint8_t(u >> (8 * k));
-}
-
-float LoadFloat(const uint8_t* src) {
-  uint32_t u = 0;
-  for (int k = 0; k < 4; ++k) u |= uint32_t(src[k]) << (8 * k);
-  return kernels::BitsFloat(u);
-}
-
-// The metadata: each block's scale (E8M0 byte, float32 decode scale, or the scale's code in
-// little-endian bytes), then the tensor level's encode scale as float32.
+// The metadata (kernels/grid.h: StoreFloatMeta, StoreCodeMeta): each block's scale (E8M0 byte,
+// float32 decode scale, or the scale's code in little-endian bytes), then the tensor level's
+// encode scale as float32.
 void WriteBlockScales(const Format& format, const BlockScales& bs, uint8_t* dst) {
   const size_t stride = format.meta_bytes_per_group();
   for (size_t bi = 0; bi < bs.count(); ++bi) {
@@ -353,14 +343,14 @@ void WriteBlockScales(const Format& format, const BlockScales& bs, uint8_t* dst)
         d[0] = kernels::ShiftMetaByte(bs.shifts[bi], /*e8m0=*/true);
         break;
       case BlockScaleType::kFloat32:
-        StoreFloat(bs.scales[bi].dec, d);
+        kernels::StoreFloatMeta(bs.scales[bi].dec, d);
         break;
       case BlockScaleType::kFloatGrid:
-        for (size_t k = 0; k < stride; ++k) d[k] = uint8_t(bs.scale_codes[bi] >> (8 * k));
+        kernels::StoreCodeMeta(bs.scale_codes[bi], int32_t(stride), d);
         break;
     }
   }
-  if (format.tensor_level()) StoreFloat(bs.tensor_enc, dst + stride * bs.count());
+  if (format.tensor_level()) kernels::StoreFloatMeta(bs.tensor_enc, dst + stride * bs.count());
 }
 
 BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, size_t columns,
@@ -368,7 +358,7 @@ BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, siz
   BlockScales bs;
   bs.shape = BlockGridOf(format, n, channels, columns);
   const size_t stride = format.meta_bytes_per_group();
-  if (format.tensor_level()) bs.tensor_enc = LoadFloat(src + stride * bs.count());
+  if (format.tensor_level()) bs.tensor_enc = kernels::LoadFloatMeta(src + stride * bs.count());
   for (size_t bi = 0; bi < bs.count(); ++bi) {
     const uint8_t* d = src + stride * bi;
     switch (format.scale_type()) {
@@ -376,11 +366,10 @@ BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, siz
         bs.shifts.push_back(kernels::ShiftFromMetaByte(d[0], /*e8m0=*/true));
         break;
       case BlockScaleType::kFloat32:
-        bs.scales.push_back(kernels::BlockScale{0.0f, LoadFloat(d), 1.0f});
+        bs.scales.push_back(kernels::BlockScale{0.0f, kernels::LoadFloatMeta(d), 1.0f});
         break;
       case BlockScaleType::kFloatGrid: {
-        uint32_t code = 0;
-        for (size_t k = 0; k < stride; ++k) code |= uint32_t(d[k]) << (8 * k);
+        const uint32_t code = kernels::LoadCodeMeta(d, int32_t(stride));
         const float sb = kernels::DecodeFloatGrid(code, format.scale_grid());
         bs.scales.push_back(kernels::GridBlockScale(sb, bs.tensor_enc));
         break;

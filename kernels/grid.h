@@ -558,17 +558,46 @@ CPD_HD BlockScale GridBlockScale(float sb, float tensor_enc) {
   return BlockScale{MinFloat(1.0f / (sb * tensor_dec), kFloat32Max), sb, tensor_dec};
 }
 
-// The float32 bits of round(x * enc) on grid g, scaled back: (q * dec) * dec2; its code in *code.
+// A power-of-two scale 2^shift (MX's E8M0) as a BlockScale, for code that handles every block
+// scale alike (the CUDA kernels): x * 2^-shift and q * 2^shift are the shift path's products,
+// and dec2 = 1 changes no value, so RoundScaled under it equals the shift path bit for bit.
+CPD_HD BlockScale Pow2BlockScale(int32_t shift) {
+  return BlockScale{Pow2(-shift), Pow2(shift), 1.0f};
+}
+
+// a * b, with the NaN that the CPU's x86 multiply gives on the GPU too: a NaN operand comes back
+// quieted (a's first) and Inf * 0 is x86's default NaN 0xffc00000, where the GPU's multiply
+// returns its one canonical NaN. A block's decode factor may be 0 (a scale that underflowed)
+// under an element grid with Inf, and a NaN code decodes to a NaN that the factors multiply.
+CPD_HD float MulAsX86(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  const float r = __fmul_rn(a, b);
+  if ((FloatBits(r) & 0x7fffffffu) <= 0x7f800000u) return r;
+  const uint32_t ua = FloatBits(a), ub = FloatBits(b);
+  if ((ua & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ua | 0x00400000u);
+  if ((ub & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ub | 0x00400000u);
+  return BitsFloat(0xffc00000u);
+#else
+  return a * b;
+#endif
+}
+
+// The value of grid value v (a code decoded) under block scale s: (v * dec) * dec2.
+CPD_HD float ScaledValue(float v, const BlockScale& s) {
+  return MulAsX86(MulAsX86(v, s.dec), s.dec2);
+}
+
+// The float32 bits of round(x * enc) on grid g, scaled back (ScaledValue); its code in *code.
 template <RoundMode kMode>
 CPD_HD uint32_t RoundScaled(float x, const FloatGrid& g, const BlockScale& s, uint32_t rnd,
                             uint32_t* code) {
   const uint32_t q = RoundToFloatGrid<kMode>(x * s.enc, g, rnd, code);
-  return FloatBits((BitsFloat(q) * s.dec) * s.dec2);
+  return FloatBits(ScaledValue(BitsFloat(q), s));
 }
 
 // The statistics' range of a block: the grid's largest value, scaled back.
 CPD_HD GridRange ScaledGridRange(uint32_t max_bits, const BlockScale& s) {
-  const float hi = (BitsFloat(max_bits) * s.dec) * s.dec2;
+  const float hi = ScaledValue(BitsFloat(max_bits), s);
   return GridRange{-hi, hi};
 }
 
@@ -686,6 +715,25 @@ CPD_HD LinearGrid LoadLinearMeta(const uint8_t* src, bool minmax, int32_t bits) 
     g.qmin = -g.qmax;
   }
   return g;
+}
+
+// Block-scaled formats (cpd::FormatFamily::kBlockScaled) store, per block in block order, the
+// E8M0 byte of a power-of-two scale (ShiftMetaByte), the float32 decode scale (scale=fp32) or
+// the little-endian code of a scale on a float grid (`bytes` of them), and then, with a tensor
+// level, its float32 encode scale; float32s little-endian at any alignment, as above.
+CPD_HD void StoreFloatMeta(float v, uint8_t* dst) { memcpy(dst, &v, 4); }
+CPD_HD float LoadFloatMeta(const uint8_t* src) {
+  float v;
+  memcpy(&v, src, 4);
+  return v;
+}
+CPD_HD void StoreCodeMeta(uint32_t code, int32_t bytes, uint8_t* dst) {
+  for (int32_t k = 0; k < bytes; ++k) dst[k] = uint8_t(code >> (8 * k));
+}
+CPD_HD uint32_t LoadCodeMeta(const uint8_t* src, int32_t bytes) {
+  uint32_t code = 0;
+  for (int32_t k = 0; k < bytes; ++k) code |= uint32_t(src[k]) << (8 * k);
+  return code;
 }
 
 // ---------------------------------------------------------------------------------------------

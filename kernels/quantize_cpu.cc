@@ -795,9 +795,7 @@ void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const Floa
 
 void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
                                const BlockScale& scale) {
-  for (size_t i = 0; i < n; ++i) {
-    out[i] = (DecodeFloatGrid(codes[i], g) * scale.dec) * scale.dec2;
-  }
+  for (size_t i = 0; i < n; ++i) out[i] = ScaledValue(DecodeFloatGrid(codes[i], g), scale);
 }
 
 CPD_CLONES

@@ -606,7 +606,10 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
       return Status::Internal("EncodeCuda: the fused block path has no shifts to store");
   }
 
-  return CollectStats(st, n, &scratch, stats, nullptr, stream);
+  CPD_RETURN_IF_ERROR(CollectStats(st, n, &scratch, stats, nullptr, stream));
+  // An empty span (whose metadata was still written) ran no element pass to count anything.
+  if (n == 0 && stats != nullptr) *stats = QuantStats{};
+  return Status::Ok();
 }
 
 // The decoder: the scales from the metadata (cpd/quantize.cc ReadMeta), then one pass that

@@ -244,11 +244,12 @@ class ScratchLease {
 
 // How a format is computed on the device.
 enum class Path {
-  kFixed,  // a fixed float grid (shift 0): one element-wise pass
-  kFused,  // power-of-two blocks of <= 128 (MX, bfp<b>:16 ...): one pass with warp reductions
-  kShift,  // shared shift per tensor, channel or block: max-abs pass, then element-wise
-  kInt,    // int<b>: max-abs pass, then the linear grid
-  kUint,   // uint<b>:minmax: min/max pass, then the linear grid
+  kFixed,        // a fixed float grid (shift 0): one element-wise pass
+  kFused,        // power-of-two blocks of <= 128 (MX, bfp<b>:16 ...): one pass with warp reductions
+  kShift,        // shared shift per tensor, channel or block: max-abs pass, then element-wise
+  kInt,          // int<b>: max-abs pass, then the linear grid
+  kUint,         // uint<b>:minmax: min/max pass, then the linear grid
+  kBlockScaled,  // scales per R x C block of the matrix view: max-abs pass, then element-wise
 };
 
 struct Plan {
@@ -257,18 +258,53 @@ struct Plan {
   GroupLayout reduce;  // the groups of the scale reduction
   GroupLayout apply;   // the groups of the element-wise pass ({0, 1}: one group)
   bool chunked = false;
+  kernels::cuda::MatrixBlocks blocks;  // kBlockScaled: the blocks (num_groups of them)
 };
 
-// Block-scaled formats (nvfp4, FLOAT:block=RxC) run on the CPU only so far.
-Status RefuseBlockScaled(const Format& format) {
-  if (format.family() != FormatFamily::kBlockScaled) return Status::Ok();
-  return Status::InvalidArgument("format '" + format.spec() +
-                                 "': block-scaled formats are not yet implemented on the GPU");
+// The blocks of a block-scaled format's span (cpd::BlockGridOf) as the kernels take them.
+kernels::cuda::MatrixBlocks MatrixBlocksOf(const Format& format, size_t n, size_t channels,
+                                           size_t columns) {
+  const BlockGridShape g = BlockGridOf(format, n, channels, columns);
+  kernels::cuda::MatrixBlocks b;
+  b.cols = g.cols;
+  b.rows_per_block = format.block_rows();
+  b.cols_per_block = format.block_cols();
+  b.blocks_per_row = g.block_cols;
+  b.num_blocks = g.block_rows * g.block_cols;
+  if (g.block_cols == 1) {
+    b.run = format.block_rows() * g.cols;  // whole rows
+  } else if (format.block_rows() == 1 && g.cols % format.block_cols() == 0) {
+    b.run = format.block_cols();
+  }
+  return b;
+}
+
+// How a block-scaled format chooses and stores its scales (cpd/quantize.cc ComputeBlockScales).
+kernels::cuda::BlockScaleRule BlockScaleRuleOf(const Format& format) {
+  kernels::cuda::BlockScaleRule r;
+  switch (format.scale_type()) {
+    case BlockScaleType::kPow2:
+      r.kind = kernels::cuda::BlockScaleKind::kPow2;
+      break;
+    case BlockScaleType::kFloat32:
+      r.kind = kernels::cuda::BlockScaleKind::kFloat32;
+      break;
+    case BlockScaleType::kFloatGrid:
+      r.kind = kernels::cuda::BlockScaleKind::kFloatGrid;
+      break;
+  }
+  r.shift = format.shift_rule();
+  r.elem_max = kernels::BitsFloat(format.grid().max_bits);
+  r.scale_grid = format.scale_grid();
+  r.tensor_level = format.tensor_level();
+  r.meta_bytes = int(format.meta_bytes_per_group());
+  return r;
 }
 
 // fused_ok: whether blocks may take the one-pass fused path, which never materialises the block
 // shifts (hysteresis reads previous values; the encoder stores the shifts as metadata).
-Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
+// `columns`: the matrix view of block-scaled formats (QuantizeOptions::columns).
+Plan MakePlan(const Format& format, size_t n, size_t channels, size_t columns, bool fused_ok) {
   Plan plan;
   switch (format.family()) {
     case FormatFamily::kFloat32:
@@ -288,8 +324,11 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
     case FormatFamily::kUintMinMax:
       plan.path = Path::kUint;
       break;
-    case FormatFamily::kBlockScaled:  // refused before any plan (RefuseBlockScaled)
-      break;
+    case FormatFamily::kBlockScaled:
+      plan.path = Path::kBlockScaled;
+      plan.blocks = MatrixBlocksOf(format, n, channels, columns);
+      plan.num_groups = plan.blocks.num_blocks;
+      return plan;
   }
   if (plan.path == Path::kFused) return plan;
   const size_t len = internal::GroupLength(format, n, channels);
@@ -304,7 +343,8 @@ Plan MakePlan(const Format& format, size_t n, size_t channels, bool fused_ok) {
 // and the bytes of zeroed reduction buffers (ScratchLease::reduce).
 struct ScratchLayout {
   size_t stats_result = 0, stats_partials = 0;  // DeviceStats, DeviceStats[kMaxStatsBlocks]
-  size_t params = 0;                            // int32_t shifts[num] or LinearGrid grids[num]
+  size_t params = 0;      // int32_t shifts[num], LinearGrid grids[num] or BlockScale scales[num]
+  size_t tensor_enc = 0;  // kBlockScaled: the tensor level's encode scale (float)
   size_t binade = 0;                            // kernels::BinadeGrid (binades formats)
   size_t bytes = 0;                             // of free scratch
   size_t reduce_bytes = 0;                      // of the scale reduction (zero between calls)
@@ -341,6 +381,13 @@ ScratchLayout MakeLayout(const Plan& plan, bool want_stats, bool binade_table, b
     at = Align(at + num * (plan.path == Path::kShift ? sizeof(int32_t) : sizeof(LinearGrid)));
     if (reduced) l.reduce_bytes = kernels::cuda::ScaleReduceBytes(ScaleKindOf(plan.path), num);
   }
+  if (plan.path == Path::kBlockScaled) {
+    l.params = at;
+    at = Align(at + num * sizeof(kernels::BlockScale));
+    l.tensor_enc = at;
+    at = Align(at + sizeof(float));
+    if (reduced) l.reduce_bytes = kernels::cuda::BlockScaleReduceBytes(num);
+  }
   if (binade_table) {
     l.binade = at;
     at = Align(at + sizeof(kernels::BinadeGrid));
@@ -357,11 +404,13 @@ RandomParams RandomFor(const QuantizeOptions& opts) {
   return rng;
 }
 
-// The per-group scales of a span, in scratch memory: shifts (Path::kShift) or linear grids
-// (kInt, kUint), and the binade table of kBinades formats. All null for fixed formats.
+// The per-group scales of a span, in scratch memory: shifts (Path::kShift), linear grids
+// (kInt, kUint) or block scales (kBlockScaled), and the binade table of kBinades formats. All
+// null for fixed formats.
 struct DeviceScales {
   int32_t* shifts = nullptr;
   LinearGrid* grids = nullptr;
+  kernels::BlockScale* blocks = nullptr;
   kernels::BinadeGrid* binade = nullptr;
 };
 
@@ -383,6 +432,13 @@ Status ComputeScales(const Format& format, const float* in, size_t n, const Plan
                      const ScratchLayout& layout, const ScratchLease& scratch, cudaStream_t stream,
                      DeviceScales* scales, uint8_t* meta = nullptr) {
   uint8_t* base = scratch.data();
+  if (plan.path == Path::kBlockScaled) {
+    scales->blocks = reinterpret_cast<kernels::BlockScale*>(base + layout.params);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchBlockScalesFromData(
+        in, n, plan.blocks, BlockScaleRuleOf(format), {scratch.reduce(), scratch.ticket()},
+        scales->blocks, reinterpret_cast<float*>(base + layout.tensor_enc), meta, stream));
+    return Status::Ok();
+  }
   if (plan.path == Path::kShift || plan.path == Path::kInt || plan.path == Path::kUint) {
     kernels::cuda::ScaleRule rule;
     rule.kind = ScaleKindOf(plan.path);
@@ -500,7 +556,8 @@ struct HysteresisState {
 Status Run(const Format& format, const float* in, float* out, size_t n, const QuantizeOptions& opts,
            const HysteresisState* hysteresis, const StatsRequest& req, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/hysteresis == nullptr);
+  const Plan plan =
+      MakePlan(format, n, opts.channels, opts.columns, /*fused_ok=*/hysteresis == nullptr);
   const bool binades = format.family() == FormatFamily::kBinades;
   const ScratchLayout layout = MakeLayout(plan, req.any(), binades, /*reduced=*/true);
 
@@ -522,7 +579,10 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
   if (hysteresis != nullptr) {
     const float* prev = hysteresis->prev != nullptr ? hysteresis->prev : out;
     float* keep = hysteresis->keep;
-    if (binades) {
+    if (plan.path == Path::kBlockScaled) {
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisBlockScaled(
+          in, prev, out, keep, n, g, scales.blocks, plan.blocks, st, stream));
+    } else if (binades) {
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchHysteresisBinadeGrid(
           in, prev, out, keep, n, d_binade, shifts, plan.apply, st, stream));
     } else if (format.is_float_grid()) {
@@ -555,6 +615,10 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
         CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeLinearGrid(
             in, out, n, grids, plan.apply, mode, rng, st, stream));
         break;
+      case Path::kBlockScaled:
+        CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchQuantizeBlockScaled(
+            in, out, n, g, scales.blocks, plan.blocks, mode, rng, st, stream));
+        break;
     }
   }
 
@@ -563,10 +627,11 @@ Status Run(const Format& format, const float* in, float* out, size_t n, const Qu
 }
 
 // The encoder: QuantizeCuda's scales (never the fused block path: the shifts are metadata), one
-// pass that rounds and packs, then the metadata after the codes (cpd/quantize.cc Run + WriteMeta).
+// pass that rounds and packs, then the metadata after the codes (cpd/quantize.cc Run + WriteMeta
+// or WriteBlockScales).
 Status EncodeRun(const Format& format, const float* in, size_t n, const QuantizeOptions& opts,
                  uint8_t* dst, QuantStats* stats, cudaStream_t stream) {
-  const Plan plan = MakePlan(format, n, opts.channels, /*fused_ok=*/false);
+  const Plan plan = MakePlan(format, n, opts.channels, opts.columns, /*fused_ok=*/false);
   StatsRequest req;
   req.stats = stats;
   const ScratchLayout layout =
@@ -578,7 +643,7 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
   }
   const StatsTarget st = StatsIn(layout, scratch, req);
 
-  // The scales, and the metadata after the codes (cpd/quantize.cc WriteMeta), in one launch.
+  // The scales, and the metadata after the codes, in one launch.
   DeviceScales scales;
   uint8_t* meta = dst + PackedCodeBytes(format, n);
   CPD_RETURN_IF_ERROR(ComputeScales(format, in, n, plan, layout, scratch, stream, &scales, meta));
@@ -602,6 +667,10 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
       CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchEncodeLinearGrid(
           in, n, bits, scales.grids, plan.apply, mode, rng, st, dst, stream));
       break;
+    case Path::kBlockScaled:
+      CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchEncodeBlockScaled(
+          in, n, bits, format.grid(), scales.blocks, plan.blocks, mode, rng, st, dst, stream));
+      break;
     case Path::kFused:
       return Status::Internal("EncodeCuda: the fused block path has no shifts to store");
   }
@@ -612,12 +681,12 @@ Status EncodeRun(const Format& format, const float* in, size_t n, const Quantize
   return Status::Ok();
 }
 
-// The decoder: the scales from the metadata (cpd/quantize.cc ReadMeta), then one pass that
-// unpacks and decodes.
+// The decoder: the scales from the metadata (cpd/quantize.cc ReadMeta or ReadBlockScales), then
+// one pass that unpacks and decodes.
 Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* out,
                  cudaStream_t stream) {
   const size_t n = packed.count;
-  const Plan plan = MakePlan(format, n, packed.channels, /*fused_ok=*/false);
+  const Plan plan = MakePlan(format, n, packed.channels, packed.columns, /*fused_ok=*/false);
   const ScratchLayout layout =
       MakeLayout(plan, /*want_stats=*/false, format.family() == FormatFamily::kBinades,
                  /*reduced=*/false);
@@ -627,6 +696,16 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
 
   DeviceScales scales;
   const uint8_t* meta = packed.bytes + PackedCodeBytes(format, n);
+  const int bits = format.bits();
+  if (plan.path == Path::kBlockScaled) {
+    scales.blocks = reinterpret_cast<kernels::BlockScale*>(base + layout.params);
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchReadBlockScaleMeta(
+        meta, plan.num_groups, BlockScaleRuleOf(format), scales.blocks, stream));
+    CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeBlockScaled(
+        packed.bytes, n, bits, format.grid(), scales.blocks, plan.blocks, out, stream));
+    scratch.Release();
+    return Status::Ok();
+  }
   if (plan.path == Path::kShift) {
     scales.shifts = reinterpret_cast<int32_t*>(base + layout.params);
     CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchReadShiftMeta(
@@ -639,7 +718,6 @@ Status DecodeRun(const Format& format, const PackedTensorCuda& packed, float* ou
   }
   CPD_RETURN_IF_ERROR(StoreBinadeTable(format, layout, base, stream, &scales));
 
-  const int bits = format.bits();
   if (scales.binade != nullptr) {
     CPD_LAUNCH_RETURN_IF_ERROR(kernels::cuda::LaunchDecodeBinadeGrid(
         packed.bytes, n, bits, scales.binade, scales.shifts, plan.apply, out, stream));
@@ -661,7 +739,6 @@ Status CheckedQuantize(const Format& format, const float* d_in, float* d_out, si
     return Status::InvalidArgument("QuantizeCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   if (n == 0) {
     if (req.stats != nullptr) *req.stats = QuantStats{};
     return Status::Ok();
@@ -681,7 +758,6 @@ Status CheckedHysteresis(const Format& format, const float* d_w, float* d_prev, 
     return Status::InvalidArgument("QuantizeHysteresisCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
   if (n == 0) {
     if (req.stats != nullptr) *req.stats = QuantStats{};
     if (req.flips != nullptr) *req.flips = 0;
@@ -882,8 +958,7 @@ Status EncodeCuda(const Format& format, const float* d_in, size_t n, const Quant
     return Status::InvalidArgument("EncodeCuda: null buffer");
   }
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
-  const size_t expected = PackedSize(format, n, opts.channels);
+  const size_t expected = PackedSize(format, n, opts.channels, opts.columns);
   if (out->size != expected || (expected > 0 && out->bytes == nullptr)) {
     return Status::InvalidArgument(
         "EncodeCuda: " + std::to_string(n) + " '" + format.spec() + "' values in " +
@@ -894,11 +969,13 @@ Status EncodeCuda(const Format& format, const float* d_in, size_t n, const Quant
   if (expected > 0) CPD_RETURN_IF_ERROR(CheckDeviceBuffer(out->bytes, "EncodeCuda: output", 1));
   out->count = n;
   out->channels = opts.channels;
+  out->columns = opts.columns;
   if (expected == 0) {
     if (stats != nullptr) *stats = QuantStats{};
     return Status::Ok();
   }
-  // n == 0 still writes the metadata of a per-tensor scale, as cpd::Encode does.
+  // n == 0 still writes the metadata of a per-tensor scale (and a block-scaled format's tensor
+  // level), as cpd::Encode does.
   return EncodeRun(format, d_in, n, opts, out->bytes, stats, static_cast<cudaStream_t>(stream));
 }
 
@@ -907,9 +984,9 @@ Status DecodeCuda(const Format& format, const PackedTensorCuda& packed, float* d
   const size_t n = packed.count;
   QuantizeOptions opts;
   opts.channels = packed.channels;
+  opts.columns = packed.columns;
   CPD_RETURN_IF_ERROR(internal::ValidateSpan(format, n, opts));
-  CPD_RETURN_IF_ERROR(RefuseBlockScaled(format));
-  const size_t expected = PackedSize(format, n, packed.channels);
+  const size_t expected = PackedSize(format, n, packed.channels, packed.columns);
   if (packed.size != expected) {
     return Status::Corruption("packed tensor of " + std::to_string(n) + " '" + format.spec() +
                               "' values must be " + std::to_string(expected) + " bytes, got " +

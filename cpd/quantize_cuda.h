@@ -155,17 +155,18 @@ Status CountFlipsAndKeepCuda(float* d_prev, const float* d_q, size_t n,
 struct PackedTensorCuda {
   size_t count = 0;          // elements
   size_t channels = 1;       // rows of the span, as QuantizeOptions::channels
+  size_t columns = 0;        // block-scaled formats' matrix view, as QuantizeOptions::columns
   uint8_t* bytes = nullptr;  // device memory (or memory the device can access); not owned
-  size_t size = 0;           // bytes at `bytes`: PackedSize(format, count, channels)
+  size_t size = 0;           // bytes at `bytes`: PackedSize(format, count, channels, columns)
 };
 
 // cpd::Encode on the device: quantises n floats at d_in and packs them into out->bytes, whose
-// size out->size is REQUIRED on entry and must equal PackedSize(format, n, opts.channels) (else
-// InvalidArgument); sets out->count and out->channels. The bytes equal cpd::Encode's for the
-// same input and options, bit for bit, every family and rounding mode included; the values
-// they decode to are QuantizeCuda's. `stats` as QuantizeCuda's (asking for them waits for the
-// stream). opts.threads is ignored. An empty span of a per-tensor format still writes its one
-// metadata group, as cpd::Encode does.
+// size out->size is REQUIRED on entry and must equal PackedSize(format, n, opts.channels,
+// opts.columns) (else InvalidArgument); sets out->count, out->channels and out->columns. The bytes
+// equal cpd::Encode's for the same input and options, bit for bit, every family and rounding mode
+// included; the values they decode to are QuantizeCuda's. `stats` as QuantizeCuda's (asking for
+// them waits for the stream). opts.threads is ignored. An empty span of a per-tensor format still
+// writes its one metadata group, as cpd::Encode does.
 Status EncodeCuda(const Format& format, const float* d_in, size_t n, const QuantizeOptions& opts,
                   PackedTensorCuda* out, QuantStats* stats = nullptr, void* stream = nullptr);
 

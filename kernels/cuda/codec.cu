@@ -5,11 +5,12 @@
 //  * codes come from the quantiser's element operations (common.cuh), i.e. from
 //    kernels::RoundToFloatGrid / RoundToBinadeGrid / RoundToLinearGrid, as the CPU loops do;
 //  * decoding is kernels::DecodeFloatGrid / DecodeBinadeGrid / LinearValue, and the product by
-//    2^shift keeps the decoded NaN's bits as the CPU's x86 multiply does (ScaleBack);
+//    2^shift keeps the decoded NaN's bits as the CPU's x86 multiply does (ScaleBack; ScaledValue
+//    under a block scale);
 //  * the bit order is PackCodes': code i at bits [i*bits, (i+1)*bits), little-endian, codes
 //    masked to `bits`, the last byte's spare bits zero;
-//  * scale metadata is written and read with grid.h's ShiftMetaByte / StoreLinearMeta and their
-//    inverses, the CPU codec's own helpers.
+//  * scale metadata is written and read with grid.h's ShiftMetaByte / StoreLinearMeta /
+//    StoreFloatMeta / StoreCodeMeta and their inverses, the CPU codec's own helpers.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -27,9 +28,19 @@ namespace {
 // every thread, all threads of the block together: it caches the scale of a single-group span
 // and fills the op's table (kTableSize entries of the kernel's shared memory) if it has one.
 
-// kTable (codes of at most 8 bits): a 256-entry table of DecodeFloatGrid's bits in shared
-// memory, filled by each block, so an element costs one shared load where the grid's style
-// branches and a subnormal code's conversion and multiply took about 20 integer instructions.
+// Codes of at most 8 bits: a 256-entry table of DecodeFloatGrid's bits in shared memory, filled
+// by each block, so an element costs one shared load where the grid's style branches and a
+// subnormal code's conversion and multiply took about 20 integer instructions. All threads of
+// the block.
+__device__ __forceinline__ const uint32_t* FillDecodeTable(const FloatGrid& g, uint32_t* shared) {
+  for (uint32_t c = threadIdx.x; c < 256u; c += blockDim.x) {
+    shared[c] = FloatBits(DecodeFloatGrid(c, g));
+  }
+  __syncthreads();
+  return shared;
+}
+
+// kTable: codes of at most 8 bits, decoded through FillDecodeTable's table.
 template <bool kTable>
 struct FloatDecodeOp {
   static constexpr int kTableSize = kTable ? 256 : 0;
@@ -41,13 +52,7 @@ struct FloatDecodeOp {
 
   __device__ __forceinline__ void Init(uint32_t* shared) {
     up0 = shifts != nullptr ? Pow2(shifts[0]) : 1.0f;
-    if constexpr (kTable) {
-      for (uint32_t c = threadIdx.x; c < uint32_t(kTableSize); c += blockDim.x) {
-        shared[c] = FloatBits(DecodeFloatGrid(c, g));
-      }
-      __syncthreads();
-      table = shared;
-    }
+    if constexpr (kTable) table = FillDecodeTable(g, shared);
   }
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
@@ -67,6 +72,30 @@ struct BinadeDecodeOp {
   __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
     const float up = group_len == 0 ? up0 : Pow2(shifts[GroupOf(i, group_len)]);
     return ScaleBack(FloatBits(DecodeBinadeGrid(code, *g)), up);
+  }
+};
+
+// kernels::DecodeScaledFloatGridSpan: the grid value scaled back under its block's scale
+// (ScaledValue, which keeps a NaN's bits as the CPU does); kTable as FloatDecodeOp.
+template <bool kTable>
+struct BlockScaledDecodeOp {
+  static constexpr int kTableSize = kTable ? 256 : 0;
+  FloatGrid g;
+  const BlockScale* scales;
+  MatrixBlocks blocks;
+  const uint32_t* table;
+
+  __device__ __forceinline__ void Init(uint32_t* shared) {
+    if constexpr (kTable) table = FillDecodeTable(g, shared);
+  }
+  __device__ __forceinline__ float Decode(uint32_t code, uint64_t i) const {
+    float v;
+    if constexpr (kTable) {
+      v = BitsFloat(table[code]);  // code < 2^bits <= 256
+    } else {
+      v = DecodeFloatGrid(code, g);
+    }
+    return ScaledValue(v, scales[BlockOf(i, blocks)]);
   }
 };
 
@@ -273,6 +302,29 @@ __global__ void read_linear_meta_kernel(const uint8_t* src, uint64_t num, bool m
   if (g < num) grids[g] = LoadLinearMeta(src + g * (minmax ? 8u : 4u), minmax, bits);
 }
 
+// cpd/quantize.cc ReadBlockScales: each block's BlockScale from its metadata and T.
+__global__ void read_block_scale_meta_kernel(const uint8_t* src, uint64_t num, BlockScaleRule rule,
+                                             BlockScale* scales) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= num) return;
+  const uint8_t* d = src + g * uint64_t(rule.meta_bytes);
+  switch (rule.kind) {
+    case BlockScaleKind::kPow2:
+      scales[g] = Pow2BlockScale(ShiftFromMetaByte(d[0], /*e8m0=*/true));
+      break;
+    case BlockScaleKind::kFloat32:
+      scales[g] = BlockScale{0.0f, LoadFloatMeta(d), 1.0f};
+      break;
+    case BlockScaleKind::kFloatGrid: {
+      const float t =
+          rule.tensor_level ? LoadFloatMeta(src + num * uint64_t(rule.meta_bytes)) : 1.0f;
+      const float sb = DecodeFloatGrid(LoadCodeMeta(d, rule.meta_bytes), rule.scale_grid);
+      scales[g] = GridBlockScale(sb, t);
+      break;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch helpers
 
@@ -464,6 +516,41 @@ CudaResult LaunchDecodeLinearGrid(const uint8_t* src, size_t n, int bits, const 
   if (!r.ok()) return r;
   return LaunchDecode(LinearDecodeOp{grids, groups.group_len, LinearGrid{}}, src, n, bits, out,
                       AsStream(stream));
+}
+
+CudaResult LaunchEncodeBlockScaled(const float* in, size_t n, int bits, const FloatGrid& g,
+                                   const BlockScale* scales, const MatrixBlocks& blocks,
+                                   RoundMode mode, RandomParams rng, StatsTarget stats,
+                                   uint8_t* dst, void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || scales != nullptr, "block scales are required");
+  return DispatchEncodeMode<BlockScaledOp>(mode, in, n, bits, stats, dst, AsStream(stream), g,
+                                           scales, blocks, rng.key, rng.index_base);
+}
+
+CudaResult LaunchDecodeBlockScaled(const uint8_t* src, size_t n, int bits, const FloatGrid& g,
+                                   const BlockScale* scales, const MatrixBlocks& blocks, float* out,
+                                   void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || scales != nullptr, "block scales are required");
+  if (bits <= 8) {
+    return LaunchDecode(BlockScaledDecodeOp<true>{g, scales, blocks, nullptr}, src, n, bits, out,
+                        AsStream(stream));
+  }
+  return LaunchDecode(BlockScaledDecodeOp<false>{g, scales, blocks, nullptr}, src, n, bits, out,
+                      AsStream(stream));
+}
+
+CudaResult LaunchReadBlockScaleMeta(const uint8_t* src, size_t num_blocks,
+                                    const BlockScaleRule& rule, BlockScale* scales, void* stream) {
+  if (num_blocks == 0) return CudaResult{};
+  CPD_LAUNCH_REQUIRE(src != nullptr && scales != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(rule.meta_bytes >= 1 && rule.meta_bytes <= 4, "metadata of 1 to 4 bytes");
+  unsigned blocks = 0;
+  CudaResult r = GroupBlocks(num_blocks, &blocks);
+  if (!r.ok()) return r;
+  read_block_scale_meta_kernel<<<blocks, kThreads, 0, AsStream(stream)>>>(src, num_blocks, rule,
+                                                                          scales);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
 }
 
 CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0, int32_t* shifts,

@@ -45,6 +45,13 @@ CudaResult LaunchEncodeLinearGrid(const float* in, size_t n, int bits, const Lin
                                   GroupLayout groups, RoundMode mode, RandomParams rng,
                                   StatsTarget stats, uint8_t* dst, void* stream);
 
+// Block-scaled formats (quantize.h MatrixBlocks): codes as kernels::QuantizeScaledFloatGrid
+// writes them, under the scales of LaunchBlockScalesFromData (which writes the metadata).
+CudaResult LaunchEncodeBlockScaled(const float* in, size_t n, int bits, const FloatGrid& g,
+                                   const BlockScale* scales, const MatrixBlocks& blocks,
+                                   RoundMode mode, RandomParams rng, StatsTarget stats,
+                                   uint8_t* dst, void* stream);
+
 // ---- Decode: n elements from the codes at src
 // ----------------------------------------------------
 
@@ -59,6 +66,11 @@ CudaResult LaunchDecodeBinadeGrid(const uint8_t* src, size_t n, int bits, const 
 CudaResult LaunchDecodeLinearGrid(const uint8_t* src, size_t n, int bits, const LinearGrid* grids,
                                   GroupLayout groups, float* out, void* stream);
 
+// out[i] = ScaledValue(DecodeFloatGrid(code i), scales[block of i]).
+CudaResult LaunchDecodeBlockScaled(const uint8_t* src, size_t n, int bits, const FloatGrid& g,
+                                   const BlockScale* scales, const MatrixBlocks& blocks, float* out,
+                                   void* stream);
+
 // ---- Scale metadata (kernels::ShiftMetaByte, StoreLinearMeta; any alignment of dst/src) -------
 // The encoder's metadata is written with the scales themselves (LaunchScalesFromData's
 // ScaleOutput::meta); the decoder reads it back here.
@@ -69,5 +81,10 @@ CudaResult LaunchReadShiftMeta(const uint8_t* src, size_t num_groups, bool e8m0,
 // grids[g] = LoadLinearMeta(src + g * (minmax ? 8 : 4), minmax, bits).
 CudaResult LaunchReadLinearMeta(const uint8_t* src, size_t num_groups, bool minmax, int bits,
                                 LinearGrid* grids, void* stream);
+
+// scales[b] from a block-scaled tensor's metadata at src (rule.meta_bytes per block, then T as
+// float32 with a tensor level: StoreFloatMeta / StoreCodeMeta's layout).
+CudaResult LaunchReadBlockScaleMeta(const uint8_t* src, size_t num_blocks,
+                                    const BlockScaleRule& rule, BlockScale* scales, void* stream);
 
 }  // namespace cpd::kernels::cuda

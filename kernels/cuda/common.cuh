@@ -356,6 +356,33 @@ struct LinearGridOp {
   }
 };
 
+// The block of element i of a block-scaled span (MatrixBlocks).
+__device__ __forceinline__ uint64_t BlockOf(uint64_t i, const MatrixBlocks& b) {
+  if (b.run != 0) return GroupOf(i, b.run);
+  const uint64_t r = GroupOf(i, b.cols);
+  const uint64_t c = i - r * b.cols;
+  return GroupOf(r, b.rows_per_block) * b.blocks_per_row + GroupOf(c, b.cols_per_block);
+}
+
+// A float grid under a scale per block of the matrix view (kernels::QuantizeScaledFloatGrid).
+template <RoundMode kMode>
+struct BlockScaledOp {
+  static constexpr bool kReadsOut = false;
+  static constexpr bool kRandom = kMode == RoundMode::kStochastic;
+  FloatGrid g;
+  const BlockScale* scales;
+  MatrixBlocks blocks;
+  uint64_t key, index_base;
+
+  __device__ __forceinline__ void Init() {}
+  __device__ __forceinline__ float Apply(float x, float, uint64_t i, uint32_t rnd, uint32_t* code,
+                                         GridRange* range) const {
+    const BlockScale s = scales[BlockOf(i, blocks)];
+    if (range != nullptr) *range = ScaledGridRange(g.max_bits, s);
+    return BitsFloat(RoundScaled<kMode>(x, g, s, rnd, code));
+  }
+};
+
 // The random bits of elements [i, i + kCount) of an op's span (zeros for ops without kRandom).
 template <class Op, int kCount>
 __device__ __forceinline__ void RandomRun(const Op& op, uint64_t i, uint32_t (&rnd)[kCount]) {

@@ -13,7 +13,11 @@
 //    (RandomBitsRun: one hash per pair of elements), and rounds onto float grids with
 //    RoundToFloatGridStochastic, RoundToFloatGrid<kStochastic> on precomputed constants;
 //  * x * 2^-s and z * 2^s are single multiplications by powers of two; a NaN result is stored
-//    with the bits the CPU's x86 multiply would keep (the GPU would canonicalise its payload).
+//    with the bits the CPU's x86 multiply would keep (the GPU would canonicalise its payload);
+//  * block-scaled formats take each block's max |finite x| (the same bit max), derive its scale
+//    with the CPU's grid.h functions (ShiftForMax, Float32BlockScale, TensorEncodeScale,
+//    BlockScaleBits, GridBlockScale) and round with RoundScaled, the CPU loops' element
+//    function, whose products keep x86's NaN bits on the GPU too (MulAsX86).
 // Statistics: counts and max are exact; the double sums are accumulated per thread, reduced
 // per block and summed over blocks in block order (deterministic for a given device, but a
 // different order from the CPU's lane-wise sums, so they agree to rounding, not bit for bit).
@@ -96,6 +100,25 @@ struct LinearHysteresisOp {
     if (range != nullptr) *range = LinearGridRange(lg);
     return x < prev ? RoundToLinearGrid<RoundMode::kUp>(x, lg, 0u, nullptr)
                     : RoundToLinearGrid<RoundMode::kDown>(x, lg, 0u, nullptr);
+  }
+};
+
+// kernels::HysteresisScaledFloatGrid (and HysteresisFloatGrid for power-of-two block scales,
+// which RoundScaled under Pow2BlockScale equals).
+struct BlockScaledHysteresisOp {
+  static constexpr bool kReadsOut = true;
+  static constexpr bool kRandom = false;
+  FloatGrid g;
+  const BlockScale* scales;
+  MatrixBlocks blocks;
+
+  __device__ __forceinline__ void Init() {}
+  __device__ __forceinline__ float Apply(float x, float prev, uint64_t i, uint32_t /*rnd*/,
+                                         uint32_t* /*code*/, GridRange* range) const {
+    const BlockScale s = scales[BlockOf(i, blocks)];
+    if (range != nullptr) *range = ScaledGridRange(g.max_bits, s);
+    return BitsFloat(x < prev ? RoundScaled<RoundMode::kUp>(x, g, s, 0u, nullptr)
+                              : RoundScaled<RoundMode::kDown>(x, g, s, 0u, nullptr));
   }
 };
 
@@ -396,6 +419,129 @@ __global__ void __launch_bounds__(kThreads)
     mm.Publish(job, 0);
   }
   DeriveInLastBlock(job);
+}
+
+// The job of a block scale reduction (LaunchBlockScalesFromData), as kernel parameters.
+struct BlockScaleJob {
+  BlockScaleRule rule;
+  MatrixBlocks blocks;
+  uint32_t* amax_bits;    // per block, zero when no finite element was seen
+  uint32_t* tensor_bits;  // the tensor's (rule.tensor_level)
+  BlockScale* scales;
+  float* tensor_enc;     // T, for the derivation and the decoder's kernels
+  uint8_t* meta;         // the encoder's metadata, or null
+  unsigned int* ticket;  // null: no last-block work (many blocks, no tensor level)
+  bool derive_here;      // the last block derives the scales (else derive_block_scales_kernel)
+};
+
+// Block g's scale (and metadata) from its max |x|, which is cleared for the next call on the
+// stream; cpd/quantize.cc ComputeBlockScales and WriteBlockScales, with the same grid.h functions.
+__device__ __forceinline__ void DeriveBlockScale(const BlockScaleJob& job, uint64_t g) {
+  const BlockScaleRule& r = job.rule;
+  const float amax = BitsFloat(atomicExch(&job.amax_bits[g], 0u));
+  uint8_t* meta = job.meta != nullptr ? job.meta + g * uint64_t(r.meta_bytes) : nullptr;
+  BlockScale s;
+  switch (r.kind) {
+    case BlockScaleKind::kPow2: {
+      const int32_t shift = ShiftForMax(amax, r.shift);
+      s = Pow2BlockScale(shift);
+      if (meta != nullptr) meta[0] = ShiftMetaByte(shift, /*e8m0=*/true);
+      break;
+    }
+    case BlockScaleKind::kFloat32:
+      s = Float32BlockScale(amax, r.elem_max);
+      if (meta != nullptr) StoreFloatMeta(s.dec, meta);
+      break;
+    case BlockScaleKind::kFloatGrid: {
+      const float t = r.tensor_level ? *job.tensor_enc : 1.0f;
+      uint32_t code = 0;
+      const float sb = BitsFloat(BlockScaleBits(amax, t, r.elem_max, r.scale_grid, &code));
+      s = GridBlockScale(sb, t);
+      if (meta != nullptr) StoreCodeMeta(code, r.meta_bytes, meta);
+      break;
+    }
+  }
+  job.scales[g] = s;
+}
+
+// The end of the block reduction: the last block to finish turns the tensor's max |x| into T
+// (thread 0), then derives every block's scale unless derive_block_scales_kernel does.
+__device__ __forceinline__ void FinishBlockScales(const BlockScaleJob& job) {
+  if (job.ticket == nullptr || !LastBlockDone(job.ticket)) return;
+  const BlockScaleRule& r = job.rule;
+  if (r.tensor_level && threadIdx.x == 0) {
+    const float amax = BitsFloat(atomicExch(job.tensor_bits, 0u));
+    const float t = TensorEncodeScale(amax, BitsFloat(r.scale_grid.max_bits), r.elem_max);
+    *job.tensor_enc = t;
+    if (job.meta != nullptr) {
+      StoreFloatMeta(t, job.meta + job.blocks.num_blocks * uint64_t(r.meta_bytes));
+    }
+  }
+  __syncthreads();  // T before the derivation reads it
+  if (!job.derive_here) return;
+  for (uint64_t g = threadIdx.x; g < job.blocks.num_blocks; g += blockDim.x) {
+    DeriveBlockScale(job, g);
+  }
+}
+
+// Spans with more than kLastBlockGroups blocks: one thread per block.
+__global__ void derive_block_scales_kernel(BlockScaleJob job) {
+  const uint64_t g = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g < job.blocks.num_blocks) DeriveBlockScale(job, g);
+}
+
+// Max of |finite x| per block of the matrix view (exactly kernels::MaxAbsFinite's, an
+// order-free bit max), and the tensor's. A warp takes 32 consecutive elements at a time (kUnroll
+// such chunks in flight), which may span several blocks and rows: lanes of equal block merge by
+// a segmented shuffle reduction, and the first lane of each run of one block publishes its max
+// with one atomic (a block's lanes are contiguous within a row, so the run's first lane sees
+// them all). Chunks are taken last first, so that the element pass finds the start in L2.
+__global__ void __launch_bounds__(kThreads)
+    block_max_abs_kernel(const float* in, uint64_t n, BlockScaleJob job) {
+  const int lane = threadIdx.x % 32;
+  const uint64_t warp = (uint64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const uint64_t warps = uint64_t(gridDim.x) * blockDim.x / 32;
+  const uint64_t chunks = CEIL_DIV(n, uint64_t(32));
+  uint32_t tensor_max = 0;
+  for (uint64_t w0 = warp; w0 < chunks; w0 += kUnroll * warps) {
+    float x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t w = w0 + u * warps;
+      const uint64_t i = (chunks - 1 - w) * 32 + lane;
+      x[u] = w < chunks && i < n ? in[i] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t w = w0 + u * warps;
+      if (w >= chunks) break;  // warp-uniform
+      const uint64_t i = (chunks - 1 - w) * 32 + lane;
+      uint32_t m = FiniteAbsBits(x[u]);
+      const uint64_t b = i < n ? BlockOf(i, job.blocks) : ~uint64_t(0);
+      tensor_max = m > tensor_max ? m : tensor_max;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t om = __shfl_down_sync(kFullMask, m, off);
+        const uint64_t ob = __shfl_down_sync(kFullMask, b, off);
+        if (lane + off < 32 && ob == b) m = om > m ? om : m;
+      }
+      const uint64_t before = __shfl_up_sync(kFullMask, b, 1);
+      if (i < n && (lane == 0 || before != b) && m != 0) atomicMax(&job.amax_bits[b], m);
+    }
+  }
+  if (job.rule.tensor_level) {
+    __shared__ uint32_t warp_max[kWarpsPerBlock];
+    tensor_max = WarpMax(tensor_max);
+    if (lane == 0) warp_max[threadIdx.x / 32] = tensor_max;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 1; w < kWarpsPerBlock; ++w) {
+        tensor_max = warp_max[w] > tensor_max ? warp_max[w] : tensor_max;
+      }
+      if (tensor_max != 0) atomicMax(job.tensor_bits, tensor_max);
+    }
+  }
+  FinishBlockScales(job);
 }
 
 // The element-wise pass. [0, head) and [head + 4 * nvec, n) are done element by element;
@@ -830,6 +976,65 @@ CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* 
   if (!r.ok()) return r;
   return LaunchElementwise(LinearHysteresisOp{grids, groups.group_len, LinearGrid{}}, w, q, n,
                            stats, AsStream(stream), prev, keep);
+}
+
+size_t BlockScaleReduceBytes(size_t num_blocks) { return (num_blocks + 1) * sizeof(uint32_t); }
+
+CudaResult LaunchBlockScalesFromData(const float* in, size_t n, const MatrixBlocks& blocks,
+                                     const BlockScaleRule& rule, ScaleScratch scratch,
+                                     BlockScale* scales, float* tensor_enc, uint8_t* meta,
+                                     void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || in != nullptr, "null buffer");
+  CPD_LAUNCH_REQUIRE(scratch.reduce != nullptr && scratch.ticket != nullptr,
+                     "scale reductions need their zeroed scratch and ticket");
+  CPD_LAUNCH_REQUIRE(blocks.num_blocks == 0 || scales != nullptr, "no output");
+  CPD_LAUNCH_REQUIRE(!rule.tensor_level || tensor_enc != nullptr, "no tensor level output");
+  CPD_LAUNCH_REQUIRE(n == 0 || (blocks.cols > 0 && n % blocks.cols == 0 &&
+                                blocks.rows_per_block > 0 && blocks.cols_per_block > 0),
+                     "the span must be whole rows of the matrix");
+  CPD_LAUNCH_REQUIRE(rule.meta_bytes >= 1 && rule.meta_bytes <= 4, "metadata of 1 to 4 bytes");
+  BlockScaleJob job{};
+  job.rule = rule;
+  job.blocks = blocks;
+  job.amax_bits = static_cast<uint32_t*>(scratch.reduce);
+  job.tensor_bits = job.amax_bits + blocks.num_blocks;
+  job.scales = scales;
+  job.tensor_enc = tensor_enc;
+  job.meta = meta;
+  job.derive_here = blocks.num_blocks <= kLastBlockGroups;
+  job.ticket = job.derive_here || rule.tensor_level ? scratch.ticket : nullptr;
+  const cudaStream_t s = AsStream(stream);
+  const uint64_t chunks = CEIL_DIV(uint64_t(n), uint64_t(32));
+  int grid = 0;
+  CudaResult r = GridBlocks<block_max_abs_kernel>(CEIL_DIV(chunks, uint64_t(kUnroll)),
+                                                  kWarpsPerBlock, false, &grid);
+  if (!r.ok()) return r;
+  block_max_abs_kernel<<<grid, kThreads, 0, s>>>(in, n, job);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  if (job.derive_here) return CudaResult{};
+  const uint64_t derive_blocks = CEIL_DIV(blocks.num_blocks, uint64_t(kThreads));
+  CPD_LAUNCH_REQUIRE(derive_blocks <= 0x7fffffffu, "too many blocks");
+  derive_block_scales_kernel<<<unsigned(derive_blocks), kThreads, 0, s>>>(job);
+  CPD_CUDA_CHECK(cudaGetLastError());
+  return CudaResult{};
+}
+
+CudaResult LaunchQuantizeBlockScaled(const float* in, float* out, size_t n, const FloatGrid& g,
+                                     const BlockScale* scales, const MatrixBlocks& blocks,
+                                     RoundMode mode, RandomParams rng, StatsTarget stats,
+                                     void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || scales != nullptr, "block scales are required");
+  return DispatchMode<BlockScaledOp>(mode, in, out, n, stats, AsStream(stream), g, scales, blocks,
+                                     rng.key, rng.index_base);
+}
+
+CudaResult LaunchHysteresisBlockScaled(const float* w, const float* prev, float* q, float* keep,
+                                       size_t n, const FloatGrid& g, const BlockScale* scales,
+                                       const MatrixBlocks& blocks, StatsTarget stats,
+                                       void* stream) {
+  CPD_LAUNCH_REQUIRE(n == 0 || scales != nullptr, "block scales are required");
+  return LaunchElementwise(BlockScaledHysteresisOp{g, scales, blocks}, w, q, n, stats,
+                           AsStream(stream), prev, keep);
 }
 
 CudaResult LaunchStoreBinadeGrid(const BinadeGrid& g, BinadeGrid* d_grid, void* stream) {

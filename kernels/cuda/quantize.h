@@ -163,6 +163,69 @@ CudaResult LaunchHysteresisLinearGrid(const float* w, const float* prev, float* 
                                       size_t n, const LinearGrid* grids, GroupLayout groups,
                                       StatsTarget stats, void* stream);
 
+// ---- Block-scaled formats (cpd::FormatFamily::kBlockScaled) ---------------------------------
+//
+// The span is a row-major matrix of `cols` columns cut into blocks of rows_per_block x
+// cols_per_block elements, numbered row-major over the blocks; blocks at the right and bottom
+// edges are partial (cpd::BlockGridOf). Each block has a kernels::BlockScale (grid.h; a
+// power-of-two scale as Pow2BlockScale), and element i is RoundScaled under its block's, with
+// the random bits RandomBits(key, index_base + i) of its flat index, as the CPU draws them.
+struct MatrixBlocks {
+  uint64_t cols = 0;            // of the matrix
+  uint64_t rows_per_block = 1;  // R
+  uint64_t cols_per_block = 1;  // C
+  uint64_t blocks_per_row = 0;  // ceil(cols / C)
+  uint64_t num_blocks = 0;      // ceil(rows / R) * blocks_per_row
+  // Where every block is one contiguous run of the span (R = 1 and C divides cols, or a single
+  // block column), its length, so that element i's block is i / run; else 0.
+  uint64_t run = 0;
+};
+
+// How block scales are chosen from each block's max |finite x| (cpd/quantize.cc
+// ComputeBlockScales), and how the packed tensor stores them (WriteBlockScales).
+enum class BlockScaleKind {
+  kPow2,       // Pow2BlockScale(ShiftForMax(amax, shift)); metadata ShiftMetaByte(shift, e8m0)
+  kFloat32,    // Float32BlockScale(amax, elem_max); metadata its dec as float32
+  kFloatGrid,  // GridBlockScale(BlockScaleBits(amax, T, elem_max, scale_grid)); metadata the code
+};
+
+struct BlockScaleRule {
+  BlockScaleKind kind = BlockScaleKind::kPow2;
+  ShiftRule shift{};          // kPow2
+  float elem_max = 0.0f;      // the element grid's largest value
+  FloatGrid scale_grid{};     // kFloatGrid
+  bool tensor_level = false;  // kFloatGrid: T = TensorEncodeScale(max |x| of the tensor), else 1
+  int meta_bytes = 0;         // of one block's metadata (cpd::Format::meta_bytes_per_group)
+};
+
+// Scratch of LaunchBlockScalesFromData, all zero on entry and on return (ScaleScratch's
+// contract): the bits of each block's max |x| and of the tensor's.
+size_t BlockScaleReduceBytes(size_t num_blocks);
+
+// scales[b] for every block b, from the data: one launch reduces every block's max |finite x|
+// (and the tensor's: the largest of them) and, in its last block to finish, derives the scales,
+// or a second launch does when there are more than kLastBlockGroups blocks. `tensor_enc` (one
+// float of device memory) receives T (kFloatGrid with a tensor level only). When `meta` is
+// non-null (the encoder), the packed tensor's metadata too: rule.meta_bytes per block, then T
+// as float32 with a tensor level; an empty span (n == 0) still writes T.
+CudaResult LaunchBlockScalesFromData(const float* in, size_t n, const MatrixBlocks& blocks,
+                                     const BlockScaleRule& rule, ScaleScratch scratch,
+                                     BlockScale* scales, float* tensor_enc, uint8_t* meta,
+                                     void* stream);
+
+// out[i] = RoundScaled(in[i]) on grid g under scales[block of i]. Modes: kNearestEven,
+// kStochastic, kTowardZero.
+CudaResult LaunchQuantizeBlockScaled(const float* in, float* out, size_t n, const FloatGrid& g,
+                                     const BlockScale* scales, const MatrixBlocks& blocks,
+                                     RoundMode mode, RandomParams rng, StatsTarget stats,
+                                     void* stream);
+
+// Hysteresis (kernels::HysteresisScaledFloatGrid) under the block scales; prev, q and keep as in
+// LaunchHysteresisFloatGrid.
+CudaResult LaunchHysteresisBlockScaled(const float* w, const float* prev, float* q, float* keep,
+                                       size_t n, const FloatGrid& g, const BlockScale* scales,
+                                       const MatrixBlocks& blocks, StatsTarget stats, void* stream);
+
 // ---- Per-binade grids (binades:M0,M1,...) --------------------------------------------------
 
 // The element kernels read a BinadeGrid's table from device memory: this copies g, passed as a

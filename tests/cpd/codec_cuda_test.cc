@@ -221,92 +221,102 @@ void ExpectSameStats(const QuantStats& want, const QuantStats& got, const std::s
 
 using Param = FormatRounding;
 
+// The rounding of a test over n elements: a fixed seed and step, and odd and even starts of the
+// random stream (the kernels hash once per pair of elements, and from an odd start every vector
+// of elements straddles pairs).
+void SetRounding(Rounding rounding, size_t n, QuantizeOptions* opts) {
+  opts->rounding = rounding;
+  opts->seed = 42;
+  opts->step = 7;
+  opts->index_offset = 1000003 + n % 2;
+}
+
+// EncodeCuda and DecodeCuda of `in` against the CPU codec, through buffers at several
+// alignments: input 16-byte aligned or one float off (the scalar load path), packed bytes 4-byte
+// aligned or one byte off (the byte store/load path instead of 32-bit words), output aligned or
+// one float off. Codes of 4, 8, 16 or 32 bits between aligned buffers take the
+// 4-codes-per-lane kernels (encode in "aligned", decode in "aligned" and "mixed"), the others
+// the 8-code units. Then without statistics (another kernel instantiation), on a stream, encode
+// then decode device to device.
+void ExpectCodecMatchesCpu(const Format& format, const std::vector<float>& in,
+                           const QuantizeOptions& opts, const std::string& base) {
+  const size_t n = in.size();
+  // The reference: Encode, Decode(Encode) and Quantize on the CPU.
+  PackedTensor want;
+  QuantStats want_stats;
+  ASSERT_TRUE(Encode(format, in.data(), n, opts, &want, &want_stats).ok()) << base;
+  std::vector<float> want_values(n), quantized(n);
+  ASSERT_TRUE(Decode(format, want, want_values.data()).ok()) << base;
+  ASSERT_TRUE(Quantize(format, in.data(), quantized.data(), n, opts).ok()) << base;
+  ExpectSameValues(quantized, want_values, in, base + ": cpu Decode(Encode) vs Quantize");
+  const size_t size = want.bytes.size();
+  ASSERT_EQ(size, PackedSize(format, n, opts.channels, opts.columns)) << base;
+
+  DeviceBytes d_in((n + 1) * sizeof(float)), d_packed(size + 1), d_out((n + 1) * sizeof(float));
+  struct Case {
+    const char* name;
+    size_t in_off, packed_off, out_off;  // floats, bytes, floats
+  };
+  const Case cases[] = {{"aligned", 0, 0, 0}, {"misaligned", 1, 1, 1}, {"mixed", 1, 0, 0}};
+  for (const Case& c : cases) {
+    const std::string what = base + " " + c.name;
+    d_in.Upload(in.data(), n * sizeof(float), c.in_off * sizeof(float));
+    d_packed.Fill();
+    PackedTensorCuda packed;
+    packed.bytes = d_packed.at(c.packed_off);
+    packed.size = size;
+    QuantStats got_stats;
+    Status s = EncodeCuda(format, d_in.floats(c.in_off), n, opts, &packed, &got_stats);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+    EXPECT_EQ(packed.count, n) << what;
+    EXPECT_EQ(packed.channels, opts.channels) << what;
+    EXPECT_EQ(packed.columns, opts.columns) << what;
+    ExpectSameBytes(want, format, d_packed.Download(size + 1 + 64), c.packed_off, what);
+    ExpectSameStats(want_stats, got_stats, what);
+
+    // Decode the CPU's bytes, so a decode failure shows apart from an encode one.
+    d_packed.Upload(want.bytes.data(), size, c.packed_off);
+    d_out.Fill();
+    s = DecodeCuda(format, packed, d_out.floats(c.out_off));
+    ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+    ExpectSameValues(want_values, d_out.DownloadFloats(n, c.out_off), in, what + ": decode");
+    if (n > 0) {
+      // Nothing written past the last float.
+      const std::vector<uint8_t> after = d_out.Download(4, (c.out_off + n) * sizeof(float));
+      for (uint8_t b : after) EXPECT_EQ(b, kGuard) << what << ": decode wrote past the end";
+    }
+  }
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  d_in.Upload(in.data(), n * sizeof(float));
+  d_packed.Fill();
+  PackedTensorCuda packed;
+  packed.bytes = d_packed.at();
+  packed.size = size;
+  ASSERT_TRUE(EncodeCuda(format, d_in.floats(), n, opts, &packed, nullptr, stream).ok()) << base;
+  ASSERT_TRUE(DecodeCuda(format, packed, d_out.floats(), stream).ok()) << base;
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  ExpectSameBytes(want, format, d_packed.Download(size + 64), 0, base + " stream");
+  ExpectSameValues(quantized, d_out.DownloadFloats(n, 0), in,
+                   base + " stream: DecodeCuda(EncodeCuda) vs Quantize");
+}
+
 class CodecCudaTest : public ::testing::TestWithParam<Param> {};
 
-// Each size through buffers at several alignments: input 16-byte aligned or one float off
-// (the scalar load path), packed bytes 4-byte aligned or one byte off (the byte store/load path
-// instead of 32-bit words), output aligned or one float off. Codes of 4, 8, 16 or 32 bits
-// between aligned buffers take the 4-codes-per-lane kernels (encode in "aligned", decode in
-// "aligned" and "mixed"; the sizes leave every remainder mod 4 for their tail), the others the
-// 8-code units.
+// The sizes leave every remainder mod 4 for the 4-codes-per-lane kernels' tail.
 TEST_P(CodecCudaTest, MatchesCpuCodec) {
   if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const std::string spec = std::get<0>(GetParam());
   const Rounding rounding = std::get<1>(GetParam());
   const Format format = MustParse(spec);
   for (size_t n : kSizes) {
-    const std::vector<float> in = MakeInput(n, 4321u + uint32_t(n));
     QuantizeOptions opts;
-    opts.rounding = rounding;
-    opts.seed = 42;
-    opts.step = 7;
-    // Odd and even starts of the random stream: the kernels hash once per pair of elements, and
-    // from an odd start every vector of elements straddles pairs.
-    opts.index_offset = 1000003 + n % 2;
     opts.channels = ChannelsFor(format, n, {8, 7, 5, 3});
-    const std::string base = spec + " " + RoundingName(rounding) + " n=" + std::to_string(n);
-
-    // The reference: Encode, Decode(Encode) and Quantize on the CPU.
-    PackedTensor want;
-    QuantStats want_stats;
-    ASSERT_TRUE(Encode(format, in.data(), n, opts, &want, &want_stats).ok()) << base;
-    std::vector<float> want_values(n), quantized(n);
-    ASSERT_TRUE(Decode(format, want, want_values.data()).ok()) << base;
-    ASSERT_TRUE(Quantize(format, in.data(), quantized.data(), n, opts).ok()) << base;
-    ExpectSameValues(quantized, want_values, in, base + ": cpu Decode(Encode) vs Quantize");
-    const size_t size = want.bytes.size();
-    ASSERT_EQ(size, PackedSize(format, n, opts.channels));
-
-    DeviceBytes d_in((n + 1) * sizeof(float)), d_packed(size + 1), d_out((n + 1) * sizeof(float));
-    struct Case {
-      const char* name;
-      size_t in_off, packed_off, out_off;  // floats, bytes, floats
-    };
-    const Case cases[] = {{"aligned", 0, 0, 0}, {"misaligned", 1, 1, 1}, {"mixed", 1, 0, 0}};
-    for (const Case& c : cases) {
-      const std::string what = base + " " + c.name;
-      d_in.Upload(in.data(), n * sizeof(float), c.in_off * sizeof(float));
-      d_packed.Fill();
-      PackedTensorCuda packed;
-      packed.bytes = d_packed.at(c.packed_off);
-      packed.size = size;
-      QuantStats got_stats;
-      Status s = EncodeCuda(format, d_in.floats(c.in_off), n, opts, &packed, &got_stats);
-      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
-      EXPECT_EQ(packed.count, n) << what;
-      EXPECT_EQ(packed.channels, opts.channels) << what;
-      ExpectSameBytes(want, format, d_packed.Download(size + 1 + 64), c.packed_off, what);
-      ExpectSameStats(want_stats, got_stats, what);
-
-      // Decode the CPU's bytes, so a decode failure shows apart from an encode one.
-      d_packed.Upload(want.bytes.data(), size, c.packed_off);
-      d_out.Fill();
-      s = DecodeCuda(format, packed, d_out.floats(c.out_off));
-      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
-      ExpectSameValues(want_values, d_out.DownloadFloats(n, c.out_off), in, what + ": decode");
-      if (n > 0) {
-        // Nothing written past the last float.
-        const std::vector<uint8_t> after = d_out.Download(4, (c.out_off + n) * sizeof(float));
-        for (uint8_t b : after) EXPECT_EQ(b, kGuard) << what << ": decode wrote past the end";
-      }
-    }
-
-    // Without statistics (another kernel instantiation), on a stream, encode then decode
-    // device to device.
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    d_in.Upload(in.data(), n * sizeof(float));
-    d_packed.Fill();
-    PackedTensorCuda packed;
-    packed.bytes = d_packed.at();
-    packed.size = size;
-    ASSERT_TRUE(EncodeCuda(format, d_in.floats(), n, opts, &packed, nullptr, stream).ok());
-    ASSERT_TRUE(DecodeCuda(format, packed, d_out.floats(), stream).ok());
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-    ExpectSameBytes(want, format, d_packed.Download(size + 64), 0, base + " stream");
-    ExpectSameValues(quantized, d_out.DownloadFloats(n, 0), in,
-                     base + " stream: DecodeCuda(EncodeCuda) vs Quantize");
+    SetRounding(rounding, n, &opts);
+    ExpectCodecMatchesCpu(format, MakeInput(n, 4321u + uint32_t(n)), opts,
+                          spec + " " + RoundingName(rounding) + " n=" + std::to_string(n));
   }
 }
 
@@ -314,6 +324,28 @@ TEST_P(CodecCudaTest, MatchesCpuCodec) {
 INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaTest, EveryRoundingOf(kFormats), FormatRoundingName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, CodecCudaTest, EveryRoundingOf(kBinadeFormats),
                          FormatRoundingName);
+
+// Block-scaled formats over matrix views (kBlockScaledShapes: partial edge blocks, contiguous
+// blocks, few and many blocks, columns given or by channels); the bytes hold each block's scale
+// metadata in block order, then the tensor level (an empty span's too).
+class CodecCudaBlockScaledTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(CodecCudaBlockScaledTest, MatchesCpuCodec) {
+  if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const std::string spec = std::get<0>(GetParam());
+  const Rounding rounding = std::get<1>(GetParam());
+  const Format format = MustParse(spec);
+  for (const MatrixShape& shape : kBlockScaledShapes) {
+    const size_t n = shape.rows * shape.cols;
+    QuantizeOptions opts = ShapeOptions(shape);
+    SetRounding(rounding, n, &opts);
+    ExpectCodecMatchesCpu(format, MakeInput(n, 4321u + uint32_t(n)), opts,
+                          spec + " " + RoundingName(rounding) + " " + ShapeName(shape));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, CodecCudaBlockScaledTest,
+                         EveryRoundingOf(kBlockScaledFormats), FormatRoundingName);
 
 // Groups whose metadata comes from degenerate data (the scale step is QuantizeCuda's; here its
 // result must also land in the bytes): per channel, signed zeros, NaN only, Inf only, a
@@ -380,6 +412,12 @@ INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaDegenerateTest,
                                            "int8:ch", "fp134:ch", "log4:ch", "bfp8:16", "mxfp4",
                                            "binades:3,3,3:ch"),
                          SpecName);
+// Block-scaled formats view the small span as 8 rows of 128 (columns 0, 8 channels).
+INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, CodecCudaDegenerateTest,
+                         ::testing::Values("nvfp4", "nvfp4:2d", "e4m3:block=1x128",
+                                           "e2m1:block=4x8:scale=e5m2:tensor",
+                                           "e5m2:inf:block=1x32:scale=e4m3"),
+                         SpecName);
 
 // Arguments are refused before any work: a buffer whose size is not PackedSize, null buffers,
 // channels that do not divide n; a packed tensor of the wrong size is Corruption, as in Decode.
@@ -413,6 +451,33 @@ TEST(CodecCudaArguments, RefusesBadArguments) {
   EXPECT_EQ(DecodeCuda(format, wrong, d_in.floats()).code(), Status::Code::kCorruption);
   EXPECT_EQ(DecodeCuda(format, packed, nullptr).code(), Status::Code::kInvalidArgument);
   // The device is still usable afterwards.
+  EXPECT_TRUE(DecodeCuda(format, packed, d_in.floats()).ok());
+}
+
+// A block-scaled tensor's size depends on its matrix view: columns that do not divide the span
+// are refused, and a packed tensor read with other columns (other blocks) is Corruption.
+TEST(CodecCudaArguments, BlockScaledColumns) {
+  if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const Format format = MustParse("nvfp4:2d");
+  const size_t n = 64;
+  DeviceBytes d_in(n * sizeof(float)), d_packed(64);
+  QuantizeOptions opts;
+  opts.columns = 7;
+  PackedTensorCuda packed;
+  packed.bytes = d_packed.at();
+  packed.size = PackedSize(format, n, 1, 32);
+  EXPECT_EQ(EncodeCuda(format, d_in.floats(), n, opts, &packed).code(),
+            Status::Code::kInvalidArgument);
+  EXPECT_EQ(QuantizeCuda(format, d_in.floats(), d_in.floats(), n, opts).code(),
+            Status::Code::kInvalidArgument);
+  opts.columns = 32;  // 2 rows: one 16x16 block row, two block columns
+  ASSERT_TRUE(EncodeCuda(format, d_in.floats(), n, opts, &packed).ok());
+  EXPECT_EQ(packed.columns, 32u);
+  PackedTensorCuda wrong = packed;
+  wrong.columns = 16;  // 4 rows of one block
+  EXPECT_EQ(DecodeCuda(format, wrong, d_in.floats()).code(), Status::Code::kCorruption);
+  wrong.columns = 7;
+  EXPECT_EQ(DecodeCuda(format, wrong, d_in.floats()).code(), Status::Code::kInvalidArgument);
   EXPECT_TRUE(DecodeCuda(format, packed, d_in.floats()).ok());
 }
 

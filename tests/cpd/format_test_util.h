@@ -263,4 +263,48 @@ auto EveryRoundingOf(const char* const (&specs)[N]) {
       ::testing::Values(Rounding::kNearest, Rounding::kStochastic, Rounding::kZero));
 }
 
+// ---- Block-scaled formats on the device (the CUDA quantiser and codec tests) ------------------
+
+// NVFP4 (1-D and 2-D), DeepSeek-V3's float32 tiles and blocks, MX's E8M0 rule, an E5M2 scale
+// under a tensor level; Inf elements under E4M3 scales (a scale that underflows to 0 times Inf);
+// odd 3x5 blocks with 2-byte bf16 scales.
+inline constexpr const char* kBlockScaledFormats[] = {
+    "nvfp4",
+    "nvfp4:2d",
+    "e4m3:block=1x128",
+    "e4m3:block=128x128",
+    "e2m1:block=32:scale=e8m0",
+    "e2m1:block=4x8:scale=e5m2:tensor",
+    "e5m2:inf:block=1x32:scale=e4m3",
+    "e5m2:block=3x5:scale=bf16",
+};
+
+// A matrix view of a block-scaled span: `rows` x `cols`, given as QuantizeOptions::columns, or
+// (by_channels) as `rows` channels with columns 0.
+struct MatrixShape {
+  size_t rows, cols;
+  bool by_channels;
+};
+
+// Empty; one element; blocks partial at the right and bottom edges; the same by channels; a
+// width that every 1xC block divides (blocks are contiguous runs); a width below 128 (one block
+// column of 128-wide blocks); and a large one (more blocks than the reduction's last block
+// derives: a second launch).
+inline constexpr MatrixShape kBlockScaledShapes[] = {
+    {0, 16, false},   {1, 1, false},     {7, 33, false},      {37, 300, true},
+    {24, 256, false}, {300, 100, false}, {1000, 1043, false},
+};
+
+inline QuantizeOptions ShapeOptions(const MatrixShape& shape) {
+  QuantizeOptions opts;
+  opts.columns = shape.by_channels ? 0 : shape.cols;
+  opts.channels = shape.by_channels ? shape.rows : 1;
+  return opts;
+}
+
+inline std::string ShapeName(const MatrixShape& shape) {
+  return std::to_string(shape.rows) + "x" + std::to_string(shape.cols) +
+         (shape.by_channels ? " (channels)" : "");
+}
+
 }  // namespace cpd::test

@@ -163,10 +163,60 @@ const size_t kSizes[] = {0, 1, 1000, (size_t(1) << 20) + 3};
 
 using Param = cpd::test::FormatRounding;
 
+// The rounding of a test over n elements: a fixed seed and step, and odd and even starts of the
+// random stream (the kernels hash once per pair of elements, and from an odd start every vector
+// of elements straddles pairs).
+void SetRounding(Rounding rounding, size_t n, QuantizeOptions* opts) {
+  opts->rounding = rounding;
+  opts->seed = 42;
+  opts->step = 7;
+  opts->index_offset = 1000003 + n % 2;
+}
+
+// QuantizeCuda of `in` against cpd::Quantize: out of place, in place, and through views 4 bytes
+// off 16-byte alignment (the same offset for input and output, and different offsets, which
+// disables the vectorised path), with statistics; then without (a different kernel
+// instantiation), asynchronous on a stream.
+void ExpectQuantizeMatchesCpu(const Format& format, const std::vector<float>& in,
+                              const QuantizeOptions& opts, const std::string& base) {
+  const size_t n = in.size();
+  std::vector<float> want(n);
+  QuantStats want_stats;
+  ASSERT_TRUE(cpd::Quantize(format, in.data(), want.data(), n, opts, &want_stats).ok()) << base;
+
+  DeviceBuffer a(n), b(n);
+  struct Case {
+    const char* name;
+    size_t in_off, out_off;
+    bool in_place;
+  };
+  const Case cases[] = {{"out-of-place", 0, 0, false},
+                        {"in-place", 0, 0, true},
+                        {"misaligned in-place", 1, 1, true},
+                        {"misaligned out-of-place", 1, 2, false}};
+  for (const Case& c : cases) {
+    const std::string what = base + " " + c.name;
+    a.Upload(in, c.in_off);
+    float* d_in = a.at(c.in_off);
+    float* d_out = c.in_place ? d_in : b.at(c.out_off);
+    QuantStats got_stats;
+    const cpd::Status s = cpd::QuantizeCuda(format, d_in, d_out, n, opts, &got_stats);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+    const std::vector<float> got = c.in_place ? a.Download(n, c.in_off) : b.Download(n, c.out_off);
+    ExpectSameFloats(want, got, in, what);
+    ExpectSameStats(want_stats, got_stats, what);
+  }
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  a.Upload(in);
+  ASSERT_TRUE(cpd::QuantizeCuda(format, a.at(), b.at(), n, opts, nullptr, stream).ok()) << base;
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  ExpectSameFloats(want, b.Download(n), in, base + " no stats");
+}
+
 class QuantizeCudaTest : public ::testing::TestWithParam<Param> {};
 
-// Out of place, in place, and through views 4 bytes off 16-byte alignment (the same offset for
-// input and output, and different offsets, which disables the vectorised path).
 TEST_P(QuantizeCudaTest, MatchesCpu) {
   if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const std::string spec = std::get<0>(GetParam());
@@ -174,51 +224,11 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
   auto format = Format::Parse(spec);
   ASSERT_TRUE(format.ok()) << format.status().ToString();
   for (size_t n : kSizes) {
-    const std::vector<float> in = MakeInput(n, 1234u + uint32_t(n));
     QuantizeOptions opts;
-    opts.rounding = rounding;
-    opts.seed = 42;
-    opts.step = 7;
-    // Odd and even starts of the random stream: the kernels hash once per pair of elements, and
-    // from an odd start every vector of elements straddles pairs.
-    opts.index_offset = 1000003 + n % 2;
     opts.channels = cpd::test::ChannelsFor(*format, n, {8, 7, 5, 3});
-    std::vector<float> want(n);
-    QuantStats want_stats;
-    ASSERT_TRUE(cpd::Quantize(*format, in.data(), want.data(), n, opts, &want_stats).ok());
-
-    DeviceBuffer a(n), b(n);
-    struct Case {
-      const char* name;
-      size_t in_off, out_off;
-      bool in_place;
-    };
-    const Case cases[] = {{"out-of-place", 0, 0, false},
-                          {"in-place", 0, 0, true},
-                          {"misaligned in-place", 1, 1, true},
-                          {"misaligned out-of-place", 1, 2, false}};
-    for (const Case& c : cases) {
-      const std::string what =
-          spec + " " + cpd::RoundingName(rounding) + " n=" + std::to_string(n) + " " + c.name;
-      a.Upload(in, c.in_off);
-      float* d_in = a.at(c.in_off);
-      float* d_out = c.in_place ? d_in : b.at(c.out_off);
-      QuantStats got_stats;
-      const cpd::Status s = cpd::QuantizeCuda(*format, d_in, d_out, n, opts, &got_stats);
-      ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
-      const std::vector<float> got =
-          c.in_place ? a.Download(n, c.in_off) : b.Download(n, c.out_off);
-      ExpectSameFloats(want, got, in, what);
-      ExpectSameStats(want_stats, got_stats, what);
-    }
-    // Without statistics (a different kernel instantiation), asynchronous on a stream.
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    a.Upload(in);
-    ASSERT_TRUE(cpd::QuantizeCuda(*format, a.at(), b.at(), n, opts, nullptr, stream).ok());
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
-    ExpectSameFloats(want, b.Download(n), in, spec + " n=" + std::to_string(n) + " no stats");
+    SetRounding(rounding, n, &opts);
+    ExpectQuantizeMatchesCpu(*format, MakeInput(n, 1234u + uint32_t(n)), opts,
+                             spec + " " + cpd::RoundingName(rounding) + " n=" + std::to_string(n));
   }
 }
 
@@ -226,6 +236,29 @@ TEST_P(QuantizeCudaTest, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaTest, cpd::test::EveryRoundingOf(kFormats),
                          cpd::test::FormatRoundingName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaTest, cpd::test::EveryRoundingOf(kBinadeFormats),
+                         cpd::test::FormatRoundingName);
+
+// Block-scaled formats over matrix views (cpd::test::kBlockScaledShapes: partial edge blocks,
+// contiguous blocks, few and many blocks, columns given or by channels).
+class QuantizeCudaBlockScaledTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(QuantizeCudaBlockScaledTest, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const std::string spec = std::get<0>(GetParam());
+  const Rounding rounding = std::get<1>(GetParam());
+  const Format format = cpd::test::MustParse(spec);
+  for (const cpd::test::MatrixShape& shape : cpd::test::kBlockScaledShapes) {
+    const size_t n = shape.rows * shape.cols;
+    QuantizeOptions opts = cpd::test::ShapeOptions(shape);
+    SetRounding(rounding, n, &opts);
+    ExpectQuantizeMatchesCpu(
+        format, MakeInput(n, 1234u + uint32_t(n)), opts,
+        spec + " " + cpd::RoundingName(rounding) + " " + cpd::test::ShapeName(shape));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, QuantizeCudaBlockScaledTest,
+                         cpd::test::EveryRoundingOf(cpd::test::kBlockScaledFormats),
                          cpd::test::FormatRoundingName);
 
 // Groups whose scale comes from degenerate data: all zeros of both signs (uint minmax takes the
@@ -296,69 +329,97 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaDegenerateTest,
                                            "int8:ch", "fp134:ch", "log4:ch", "bfp8:16", "bfp6:24",
                                            "mxfp4"),
                          SpecName);
+// Block-scaled formats view the small span as 8 rows of 128 (columns 0, 8 channels).
+INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, QuantizeCudaDegenerateTest,
+                         ::testing::Values("nvfp4", "nvfp4:2d", "e4m3:block=128x128",
+                                           "e2m1:block=4x8:scale=e5m2:tensor",
+                                           "e5m2:inf:block=1x32:scale=e4m3"),
+                         SpecName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaDegenerateTest,
                          ::testing::Values("binades:3,3,3:ch", "binades:0x7:room=0:ch"), SpecName);
 
-// Hysteresis: q starts from a quantisation of a perturbed copy of w, then both paths update it.
+// Hysteresis of weights w under `opts`: q starts from a quantisation of a perturbed copy of w,
+// then both paths update it, in place (statistics and flips returned) and with the previous
+// weights kept apart (QuantizeHysteresisKeepCuda, statistics and flips in slots).
+void ExpectHysteresisMatchesCpu(const Format& format, const std::vector<float>& w,
+                                const QuantizeOptions& opts, const std::string& what) {
+  const size_t n = w.size();
+  std::vector<float> w0 = w;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> jitter(0.9f, 1.1f);
+  for (float& v : w0) v *= jitter(rng);
+  std::vector<float> q(n);
+  ASSERT_TRUE(cpd::Quantize(format, w0.data(), q.data(), n, opts).ok()) << what;
+
+  DeviceBuffer dw(n), dq(n);
+  dw.Upload(w);
+  dq.Upload(q);
+  std::vector<float> want = q;
+  QuantStats want_stats, got_stats;
+  uint64_t want_flips = 0, got_flips = 0;
+  ASSERT_TRUE(
+      cpd::QuantizeHysteresis(format, w.data(), want.data(), n, opts, &want_stats, &want_flips)
+          .ok())
+      << what;
+  const cpd::Status s =
+      cpd::QuantizeHysteresisCuda(format, dw.at(), dq.at(), n, opts, &got_stats, &got_flips);
+  ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
+  ExpectSameFloats(want, dq.Download(n), w, what);
+  ExpectSameStats(want_stats, got_stats, what);
+  EXPECT_EQ(want_flips, got_flips) << what;
+
+  // The same step with the previous weights kept apart: read from dprev, the new ones written
+  // to dq2 and over dprev, statistics and flips into slots, no wait until the read.
+  DeviceBuffer dprev(n), dq2(n);
+  dprev.Upload(q);
+  auto slots = cpd::CudaStatsSlots::Create(2);
+  ASSERT_TRUE(slots.ok());
+  cpd::CudaStatsTarget target;
+  target.slots = slots->get();
+  target.stats = 0;
+  target.flips = 1;
+  const cpd::Status k = cpd::QuantizeHysteresisKeepCuda(format, dw.at(), dprev.at(), dq2.at(), n,
+                                                        opts, target, nullptr);
+  ASSERT_TRUE(k.ok()) << what << " keep: " << k.ToString();
+  const auto read = (*slots)->Read(0, 2, nullptr);
+  ASSERT_TRUE(read.ok());
+  ExpectSameFloats(want, dq2.Download(n), w, what + " keep: output");
+  ExpectSameFloats(want, dprev.Download(n), w, what + " keep: kept state");
+  if (n > 0) ExpectSameStats(want_stats, (*read)[0].stats, what + " keep");
+  EXPECT_EQ(want_flips, (*read)[1].flips) << what << " keep";
+  EXPECT_EQ(
+      cpd::QuantizeHysteresisKeepCuda(format, dw.at(), dq2.at(), dq2.at(), n, opts, target, nullptr)
+          .code(),
+      n > 0 ? cpd::Status::Code::kInvalidArgument : cpd::Status::Code::kOk)
+      << what << ": overlapping previous and new weights";
+}
+
 class QuantizeHysteresisCudaTest : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(QuantizeHysteresisCudaTest, MatchesCpu) {
   if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const char* spec = GetParam();
-  auto format = Format::Parse(spec);
-  ASSERT_TRUE(format.ok());
+  const Format format = cpd::test::MustParse(spec);
   for (size_t n : kSizes) {
-    const std::vector<float> w = MakeInput(n, 99u + uint32_t(n));
-    std::vector<float> w0 = w;
-    std::mt19937 rng(5);
-    std::uniform_real_distribution<float> jitter(0.9f, 1.1f);
-    for (float& v : w0) v *= jitter(rng);
     QuantizeOptions opts;
-    opts.channels = cpd::test::ChannelsFor(*format, n, {8, 7, 5, 3});
-    std::vector<float> q(n);
-    ASSERT_TRUE(cpd::Quantize(*format, w0.data(), q.data(), n, opts).ok());
+    opts.channels = cpd::test::ChannelsFor(format, n, {8, 7, 5, 3});
+    ExpectHysteresisMatchesCpu(format, MakeInput(n, 99u + uint32_t(n)), opts,
+                               std::string(spec) + " hysteresis n=" + std::to_string(n));
+  }
+}
 
-    DeviceBuffer dw(n), dq(n);
-    dw.Upload(w);
-    dq.Upload(q);
-    std::vector<float> want = q;
-    QuantStats want_stats, got_stats;
-    uint64_t want_flips = 0, got_flips = 0;
-    ASSERT_TRUE(
-        cpd::QuantizeHysteresis(*format, w.data(), want.data(), n, opts, &want_stats, &want_flips)
-            .ok());
-    const cpd::Status s =
-        cpd::QuantizeHysteresisCuda(*format, dw.at(), dq.at(), n, opts, &got_stats, &got_flips);
-    const std::string what = std::string(spec) + " hysteresis n=" + std::to_string(n);
-    ASSERT_TRUE(s.ok()) << what << ": " << s.ToString();
-    ExpectSameFloats(want, dq.Download(n), w, what);
-    ExpectSameStats(want_stats, got_stats, what);
-    EXPECT_EQ(want_flips, got_flips) << what;
+// Block-scaled formats over the matrix views of QuantizeCudaBlockScaledTest.
+class QuantizeHysteresisCudaBlockScaledTest : public ::testing::TestWithParam<const char*> {};
 
-    // The same step with the previous weights kept apart: read from dprev, the new ones written
-    // to dq2 and over dprev, statistics and flips into slots, no wait until the read.
-    DeviceBuffer dprev(n), dq2(n);
-    dprev.Upload(q);
-    auto slots = cpd::CudaStatsSlots::Create(2);
-    ASSERT_TRUE(slots.ok());
-    cpd::CudaStatsTarget target;
-    target.slots = slots->get();
-    target.stats = 0;
-    target.flips = 1;
-    const cpd::Status k = cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dprev.at(), dq2.at(), n,
-                                                          opts, target, nullptr);
-    ASSERT_TRUE(k.ok()) << what << " keep: " << k.ToString();
-    const auto read = (*slots)->Read(0, 2, nullptr);
-    ASSERT_TRUE(read.ok());
-    ExpectSameFloats(want, dq2.Download(n), w, what + " keep: output");
-    ExpectSameFloats(want, dprev.Download(n), w, what + " keep: kept state");
-    if (n > 0) ExpectSameStats(want_stats, (*read)[0].stats, what + " keep");
-    EXPECT_EQ(want_flips, (*read)[1].flips) << what << " keep";
-    EXPECT_EQ(cpd::QuantizeHysteresisKeepCuda(*format, dw.at(), dq2.at(), dq2.at(), n, opts, target,
-                                              nullptr)
-                  .code(),
-              n > 0 ? cpd::Status::Code::kInvalidArgument : cpd::Status::Code::kOk)
-        << what << ": overlapping previous and new weights";
+TEST_P(QuantizeHysteresisCudaBlockScaledTest, MatchesCpu) {
+  if (!cpd::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  const char* spec = GetParam();
+  const Format format = cpd::test::MustParse(spec);
+  for (const cpd::test::MatrixShape& shape : cpd::test::kBlockScaledShapes) {
+    const size_t n = shape.rows * shape.cols;
+    ExpectHysteresisMatchesCpu(format, MakeInput(n, 99u + uint32_t(n)),
+                               cpd::test::ShapeOptions(shape),
+                               std::string(spec) + " hysteresis " + cpd::test::ShapeName(shape));
   }
 }
 
@@ -404,6 +465,8 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeHysteresisCudaTest,
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeHysteresisCudaTest,
                          ::testing::Values("binades:5,5,4x5,3,2,1,0:ch", "binades:3,3,3:room=2"),
                          SpecName);
+INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, QuantizeHysteresisCudaBlockScaledTest,
+                         ::testing::ValuesIn(cpd::test::kBlockScaledFormats), SpecName);
 
 // The scale reductions keep their buffers and the block ticket in per-stream scratch that stays
 // zero between calls (the kernels clear what they use): formats of every reduction (max |x| for
@@ -418,11 +481,20 @@ TEST(QuantizeCuda, ReductionScratchIsClearedForTheNextCall) {
     size_t n, channels;
   };
   const Case cases[] = {
-      {"uint8:minmax", 200003, 1},   {"int8:ch", 4000, 8},
-      {"fp134", 70001, 1},           {"bfp8:24", 24 * 5000, 1},
-      {"uint4:minmax:ch", 9216, 64}, {"log4:ch", 3000, 3000},
-      {"uint8:minmax", 1000, 1},     {"int4", 333, 1},
+      {"uint8:minmax", 200003, 1},
+      {"int8:ch", 4000, 8},
+      {"fp134", 70001, 1},
+      {"bfp8:24", 24 * 5000, 1},
+      {"uint4:minmax:ch", 9216, 64},
+      {"log4:ch", 3000, 3000},
+      {"uint8:minmax", 1000, 1},
+      {"int4", 333, 1},
       {"bfp6:24", 24 * 3, 1},
+      // Block scales: many blocks under a tensor level (a second launch derives them, after the
+      // reduction's last block took the tensor's max), few blocks, and 2-D blocks by channels.
+      {"nvfp4", 200000, 1},
+      {"e4m3:block=1x128", 1000, 1},
+      {"nvfp4:2d", 4000, 8},
   };
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);

@@ -232,6 +232,11 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
       ->capture_default_str();
   app->add_flag("--hysteresis", o->precision.hysteresis,
                 "Hysteresis rounding of W (Lee et al.) instead of the W rounding");
+  app->add_option("--wgrad-transform", o->precision.wgrad_transform,
+                  "Block Hadamard transform of both operands of every Linear's weight-gradient "
+                  "product, down the rows it sums over, before A and E quantise them: rht<k> "
+                  "(random signs by seed and step, as NVFP4 and MXFP4 training) or had<k> "
+                  "(deterministic), k = 16..256 a power of two; CPU only so far");
   app->add_option("--loss-scale", f->loss_scale,
                   "Loss scaling of the backward pass: off | dynamic | S (static). Every error "
                   "(E) and weight gradient (G) is S times larger at its site, and the gradient "

@@ -32,7 +32,7 @@ void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const flo
 
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                     const float* dy, float* dx, float* dw, float* db) {
-  ParallelSgemm(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);
+  if (dw != nullptr) ParallelSgemm(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);
   if (db != nullptr) {
     std::fill(db, db + out, 0.f);
     for (int64_t i = 0; i < n; ++i) {

@@ -31,8 +31,8 @@ namespace cpd::runtime::cpu {
 // y [n, out] = x [n, in] w^T + bias (bias may be null); w is [out, in].
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                    const float* bias, float* y);
-// dw [out, in] = dy^T x and db [out] = column sums of dy (written, not accumulated; db may be
-// null); dx [n, in] = dy w when dx is non-null.
+// dw [out, in] = dy^T x and db [out] = column sums of dy (written, not accumulated; dw and db
+// may each be null); dx [n, in] = dy w when dx is non-null.
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                     const float* dy, float* dx, float* dw, float* db);
 

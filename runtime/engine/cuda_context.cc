@@ -409,7 +409,9 @@ void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const flo
 
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
                     const float* dy, float* dx, float* dw, float* db) {
-  internal::GemmRowMajor(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);  // dy^T x
+  if (dw != nullptr) {
+    internal::GemmRowMajor(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);  // dy^T x
+  }
   if (db != nullptr) internal::ColumnSums(n, out, dy, db);
   if (dx != nullptr) {
     internal::GemmRowMajor(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in);  // dy w

@@ -6,9 +6,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cpd/transform.h"
 #include "runtime/engine/tensor.h"
 
 namespace cpd::runtime {
@@ -39,6 +41,14 @@ class QuantHooks {
   virtual void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) = 0;
   // G: the weight gradient computed by this backward call, before it is added to Param::grad.
   virtual void QuantizeWeightGrad(const Layer& layer, Tensor* dw) = 0;
+  // The transform of the weight-gradient product's two operands, if any: a Linear then computes
+  // dW from QuantizeError(T dy) and QuantizeActivation(T x), T applied down the rows (the
+  // product's sum), with x the input before its A quantisation; dx and the bias gradient keep
+  // the untransformed operands.
+  virtual std::optional<HadamardOptions> WeightGradTransform(const Layer& layer) const {
+    (void)layer;
+    return std::nullopt;
+  }
 };
 
 class Layer {

@@ -247,6 +247,14 @@ Tensor Linear::Forward(const Tensor& x, bool train) {
   ready_ = train;
   x_saved_ = train ? xin : Tensor();
   w_saved_ = train ? w : Tensor();
+  // The transformed weight gradient starts from the input before A (a copy: the caller may reuse
+  // x's buffer before this layer's backward).
+  if (train && hooks_ != nullptr && hooks_->WeightGradTransform(*this)) {
+    ResizeOn(&x_raw_, x.shape(), dev);
+    x_raw_.CopyFrom(x);
+  } else {
+    x_raw_ = Tensor();
+  }
   return y_;
 }
 
@@ -259,14 +267,38 @@ Tensor Linear::Backward(const Tensor& dy) {
   ResizeOn(&dw_, {out_, in_}, dev);
   if (has_bias_) ResizeOn(&db_, {out_}, dev);
   ResizeOn(&dx_, x_saved_.shape(), dev);
-  CPD_DISPATCH(dev, LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(),
-                                   dx_.data(), dw_.data(), has_bias_ ? db_.data() : nullptr));
+  const std::optional<HadamardOptions> transform =
+      hooks_ != nullptr ? hooks_->WeightGradTransform(*this) : std::nullopt;
+  CPD_DISPATCH(dev,
+               LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(),
+                              transform ? nullptr : dw_.data(), has_bias_ ? db_.data() : nullptr));
+  if (transform) TransformedWeightGrad(*transform, n, dy);
   WeightGradSite(*this, hooks_, &dw_);
   Param& weight = this->weight();
   RequireDevice(*this, weight.grad, "the weight gradient", dev);
   CPD_DISPATCH(dev, AddInPlace(dw_.numel(), dw_.data(), weight.grad.data()));
   if (has_bias_) CPD_DISPATCH(dev, AddInPlace(db_.numel(), db_.data(), bias_.grad.data()));
   return dx_;
+}
+
+void Linear::TransformedWeightGrad(const HadamardOptions& t, int64_t n, const Tensor& dy) {
+  const Device dev = x_saved_.device();
+  if (dev != Device::kCpu || x_raw_.empty()) {
+    throw std::runtime_error(Where(*this) +
+                             ": --wgrad-transform runs on the CPU only so far (device " +
+                             DeviceName(dev) + ")");
+  }
+  auto transformed = [&](const Tensor& src, int64_t cols, Tensor* dst) {
+    ResizeOn(dst, src.shape(), dev);
+    dst->CopyFrom(src);
+    const Status s = HadamardAlongRows(t, dst->data(), size_t(n), size_t(cols));
+    if (!s.ok()) throw std::runtime_error(Where(*this) + ": " + s.message());
+  };
+  transformed(x_raw_, in_, &xt_);
+  hooks_->QuantizeActivation(*this, xt_, &xt_);
+  transformed(dy, out_, &dyt_);
+  hooks_->QuantizeError(*this, dyt_, &dyt_);
+  cpu::LinearBackward(n, in_, out_, xt_.data(), nullptr, dyt_.data(), nullptr, dw_.data(), nullptr);
 }
 
 // ---- Conv2d -------------------------------------------------------------------------------------

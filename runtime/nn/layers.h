@@ -112,8 +112,14 @@ class Linear : public ShapedLayer {
   Param weight_, bias_;
   Param* tied_ = nullptr;  // the weight in use when tied (not owned)
   bool ready_ = false;
+  // dw_ from the weight-gradient product's operands transformed (QuantHooks::
+  // WeightGradTransform): T x (x_raw_, the input before A) and T dy, each then quantised.
+  void TransformedWeightGrad(const HadamardOptions& t, int64_t n, const Tensor& dy);
+
   Tensor x_saved_, w_saved_;  // what the last training forward used (handles)
+  Tensor x_raw_;              // the input before A, kept while a weight-gradient transform is on
   Tensor x_q_, w_q_, dy_q_;   // hook copies
+  Tensor xt_, dyt_;           // the transformed operands of the weight gradient
   Tensor y_, dx_, dw_, db_;   // workspaces
 };
 

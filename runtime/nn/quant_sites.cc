@@ -83,6 +83,7 @@ std::string PrecisionConfigToJson(const PrecisionConfig& c) {
   }
   json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
             {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
+  if (!c.wgrad_transform.empty()) j["wgrad_transform"] = c.wgrad_transform;
   if (!c.allreduce_layers.empty()) {
     json layers = json::array();
     for (const auto& [name, spec] : c.allreduce_layers) layers.push_back(json::array({name, spec}));
@@ -122,6 +123,7 @@ std::string DescribePrecision(const PrecisionConfig& c) {
     add("fp32: " + keep);
   }
   if (c.hysteresis) add("hysteresis");
+  if (!c.wgrad_transform.empty()) add("weight-gradient " + c.wgrad_transform);
   if (!c.allreduce_layers.empty()) {
     std::string layers;
     for (const auto& [name, spec] : c.allreduce_layers) {
@@ -155,6 +157,10 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
     c.grad_bits = j.at("grad_bits").get<int>();
     c.hysteresis = j.at("hysteresis").get<bool>();
     c.seed = j.at("seed").get<uint64_t>();
+    if (j.contains("wgrad_transform")) {  // absent in configs written before it existed
+      c.wgrad_transform = j["wgrad_transform"].get<std::string>();
+      CPD_RETURN_IF_ERROR(ParseHadamard(c.wgrad_transform).status());
+    }
     if (j.contains("allreduce_layers")) {  // absent in configs written before it existed
       for (const json& e : j["allreduce_layers"]) {
         const auto pair = e.get<std::vector<std::string>>();
@@ -218,6 +224,10 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
 }
 
 Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::string>* keep) const {
+  if (!config.wgrad_transform.empty()) {
+    auto t = ParseHadamard(config.wgrad_transform);
+    if (!t.ok()) return Status::InvalidArgument("--wgrad-transform: " + t.status().message());
+  }
   for (const std::string& k : config.keep_fp32) {
     std::string name = k;
     if (k == "first" || k == "last") {
@@ -511,6 +521,14 @@ void SiteQuantizer::QuantizeActivation(const Layer& layer, const Tensor& x, Tens
 
 void SiteQuantizer::QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) {
   Apply(layer, Site::kError, dy, dy_used, 1);
+}
+
+std::optional<HadamardOptions> SiteQuantizer::WeightGradTransform(const Layer& layer) const {
+  if (config_.wgrad_transform.empty() || layers_.at(layer.name()).keep_fp32) return std::nullopt;
+  HadamardOptions t = *ParseHadamard(config_.wgrad_transform);  // checked in Create
+  t.seed = config_.seed;
+  t.step = uint64_t(step_);
+  return t;
 }
 
 void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {

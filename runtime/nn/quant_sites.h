@@ -32,6 +32,7 @@
 #include "cpd/format.h"
 #include "cpd/quantize.h"
 #include "cpd/schedule.h"
+#include "cpd/transform.h"
 #include "runtime/nn/layer.h"
 
 namespace cpd::runtime {
@@ -58,6 +59,11 @@ struct PrecisionConfig {
   std::optional<CyclicPrecision> cpt;
   int grad_bits = 8;  // CPT's fixed backward precision
   bool hysteresis = false;
+  // A block Hadamard transform of both operands of every Linear's weight-gradient product, down
+  // the rows they are summed over, before A and E quantise them ("rht16", "had64"; none when
+  // empty): NVFP4's and MXFP4 training's random Hadamard transform. Its signs are drawn by
+  // (seed, step).
+  std::string wgrad_transform;
   uint64_t seed = 0;
 };
 
@@ -159,6 +165,7 @@ class SiteQuantizer : public QuantHooks {
   void QuantizeActivation(const Layer& layer, const Tensor& x, Tensor* x_used) override;
   void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) override;
   void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override;
+  std::optional<HadamardOptions> WeightGradTransform(const Layer& layer) const override;
 
  private:
   struct LayerState {

@@ -11,6 +11,7 @@
 
 #include "cpd/message.h"
 #include "cpd/threads.h"
+#include "cpd/transform.h"
 
 namespace cpd::runtime {
 
@@ -85,6 +86,13 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   auto bad = [](const std::string& m) { return Status::InvalidArgument(m); };
   CPD_RETURN_IF_ERROR(ValidateLanguageModel(o));
   if (o.epochs < 1) return bad("--epochs must be >= 1, got " + std::to_string(o.epochs));
+  if (!o.precision.wgrad_transform.empty()) {
+    auto t = ParseHadamard(o.precision.wgrad_transform);
+    if (!t.ok()) return bad("--wgrad-transform: " + t.status().message());
+    if (o.device == DeviceChoice::kCuda) {
+      return bad("--wgrad-transform runs on the CPU only so far; use --device cpu");
+    }
+  }
   if (o.max_steps < 0) {
     return bad("--max-steps must be >= 0 (0: all epochs), got " + std::to_string(o.max_steps));
   }

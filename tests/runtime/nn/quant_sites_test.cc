@@ -5,9 +5,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <vector>
 
 #include "cpd/format.h"
@@ -275,6 +277,76 @@ TEST(SiteQuantizerBlockScales, TileActivationsByRowsAndWeightsByFanIn) {
   EXPECT_EQ(gw, reference(w, 20));
 }
 
+// --wgrad-transform: a Linear's weight gradient from T x and T dy (T orthogonal) equals the plain
+// one to float32 rounding when A and E are fp32; dx and the bias gradient are the plain ones, bit
+// for bit; with A and E quantised the transform changes dW (the point of it), reproducibly by
+// step; layers kept in fp32 are not transformed; a bad transform is refused.
+TEST(SiteQuantizerWeightGradTransform, LinearsWeightGradientFromTransformedOperands) {
+  const int64_t n = 48, in = 24, out = 10;  // 3 groups of 16 rows
+  std::vector<float> x(size_t(n * in)), dy(size_t(n * out));
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  for (float& v : dy) v = normal(rng);
+  x[5] *= 300.0f;  // an outlier
+  struct Grads {
+    std::vector<float> dw, db, dx;
+  };
+  auto run = [&](const std::string& a_e, const std::string& transform, int64_t step, bool keep) {
+    Linear fc("fc", in, out, true, 7);
+    PrecisionConfig c;
+    c.global[int(Site::kWeight)].spec = "bf16";  // some site quantised: the hooks are installed
+    c.global[int(Site::kActivation)].spec = a_e;
+    c.global[int(Site::kError)].spec = a_e;
+    c.wgrad_transform = transform;
+    if (keep) c.keep_fp32 = {"fc"};
+    auto q = SiteQuantizer::Create(c, {&fc});
+    EXPECT_TRUE(q.ok()) << q.status().message();
+    (*q)->InstallHooks({&fc});
+    (*q)->SetStep(step);
+    Tensor xt({n, in}), dyt({n, out});
+    xt.CopyFromHost(x.data());
+    dyt.CopyFromHost(dy.data());
+    for (Param* p : fc.Params()) p->grad.Fill(0.0f);
+    fc.Forward(xt, true);
+    const Tensor dx = fc.Backward(dyt);
+    Grads g{std::vector<float>(size_t(out * in)), std::vector<float>(size_t(out)),
+            std::vector<float>(size_t(n * in))};
+    fc.weight().grad.CopyToHost(g.dw.data());
+    fc.bias()->grad.CopyToHost(g.db.data());
+    dx.CopyToHost(g.dx.data());
+    return g;
+  };
+  const Grads plain = run("fp32", "", 1, false);
+  for (const char* t : {"rht16", "had16"}) {
+    const Grads tr = run("fp32", t, 1, false);
+    EXPECT_EQ(tr.dx, plain.dx) << t;
+    EXPECT_EQ(tr.db, plain.db) << t;
+    double err = 0.0, norm = 0.0;
+    for (size_t i = 0; i < plain.dw.size(); ++i) {
+      err = std::max(err, double(std::fabs(tr.dw[i] - plain.dw[i])));
+      norm = std::max(norm, double(std::fabs(plain.dw[i])));
+    }
+    EXPECT_LT(err / norm, 1e-5) << t;
+    EXPECT_NE(tr.dw, plain.dw) << t << ": no transform was applied";
+  }
+  // Quantised operands: the transform changes dW; the same step repeats it, another step's signs
+  // differ; a layer kept in fp32 is not transformed.
+  const Grads q_plain = run("e4m3:block=1x16:scale=e4m3", "", 1, false);
+  const Grads q_rht = run("e4m3:block=1x16:scale=e4m3", "rht16", 1, false);
+  EXPECT_NE(q_rht.dw, q_plain.dw);
+  EXPECT_EQ(q_rht.dw, run("e4m3:block=1x16:scale=e4m3", "rht16", 1, false).dw);
+  EXPECT_NE(q_rht.dw, run("e4m3:block=1x16:scale=e4m3", "rht16", 2, false).dw);
+  EXPECT_EQ(run("fp32", "rht16", 1, true).dw, run("fp32", "", 1, true).dw);
+
+  Linear fc("fc", in, out, true, 7);
+  PrecisionConfig bad;
+  bad.wgrad_transform = "rht15";
+  auto q = SiteQuantizer::Create(bad, {&fc});
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("--wgrad-transform"), std::string::npos);
+}
+
 // --allreduce-layer-format NAME=SPEC: the spec is checked here, the name by the trainer.
 TEST(PrecisionConfig, AllReduceLayerFormatsParseAndRefuseBadInput) {
   PrecisionConfig c;
@@ -313,9 +385,12 @@ TEST(PrecisionConfigJson, RoundTripsEveryField) {
   c.cpt = CyclicPrecision{4, 6, 16, 3000};
   c.grad_bits = 7;
   c.hysteresis = true;
+  c.wgrad_transform = "rht32";
   c.seed = 0xDEADBEEFCAFEull;
   auto back = PrecisionConfigFromJson(PrecisionConfigToJson(c));
   ASSERT_TRUE(back.ok()) << back.status().message();
+  EXPECT_EQ(back->wgrad_transform, "rht32");
+  EXPECT_NE(DescribePrecision(c).find("weight-gradient rht32"), std::string::npos);
   for (int i = 0; i < kNumSites; ++i) {
     EXPECT_EQ(back->global[i].spec, c.global[i].spec) << i;
     EXPECT_EQ(back->global[i].rounding, c.global[i].rounding) << i;

@@ -224,7 +224,9 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
   app->add_option("--layer-format", f->layer_formats,
                   "Per-layer override NAME.SITE=SPEC, e.g. conv1.W=fp32 (repeatable)");
   app->add_option("--keep-fp32", f->keep_fp32,
-                  "Comma-separated layers kept in fp32: first, last, or names (CPT preset: last)");
+                  "Comma-separated layers kept in fp32: first, last, embeddings, attention (the "
+                  "attention products), tail=P% (the last P% of the Linear layers), or names "
+                  "(CPT preset: last)");
   app->add_option("--cyclic-bits", f->cyclic_bits, "CPT: MIN MAX forward bits")->expected(2);
   app->add_option("--cyclic-periods", f->cyclic_periods, "CPT: cycles over the run")
       ->capture_default_str();
@@ -377,7 +379,14 @@ void AddTrainOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "cpt: CPT 3-8 cyclic forward bits, 32 periods, 8-bit backward, last layer fp32; "
                   "lee2022: FP134 activations and errors, log4 weights (per channel in "
                   "convolutions, per tensor elsewhere) with hysteresis, first and last layers "
-                  "fp32");
+                  "fp32; nvfp4: NVIDIA's NVFP4 pre-training recipe (2025): W nvfp4:2d (16x16 "
+                  "blocks), A and E nvfp4 (1x16), E stochastic, W and A nearest, a 16-point random "
+                  "Hadamard transform of the weight-gradient product's operands, embeddings, "
+                  "attention products, the output layer and the last 15% of the Linear layers in "
+                  "fp32 (G, master weights and the optimizer fp32 throughout); deepseek-fp8: "
+                  "DeepSeek-V3's FP8 recipe (2024): E4M3 everywhere, W in 128x128 blocks, A and E "
+                  "in 1x128 tiles, float32 scales, nearest, embeddings, attention and the output "
+                  "layer fp32 (its limited-precision accumulation is not emulated yet)");
   AddDataAndModelOptions(app, o, f);
   AddOptimisationOptions(app, o, f);
   AddPrecisionOptions(app, o, f);
@@ -400,8 +409,30 @@ Status ApplyPreset(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
     if (!given("--e-format")) f->ef = "fp134";
     if (!given("--keep-fp32")) f->keep_fp32 = "first,last";
     o->precision.hysteresis = true;
+  } else if (f->preset == "nvfp4") {
+    // NVIDIA, "Pretraining Large Language Models with NVFP4" (arXiv 2509.25149): 2D 16x16
+    // weights, 1x16 activations and gradients, stochastic rounding of gradients only, a 16x16
+    // random Hadamard transform on the inputs of the weight-gradient GEMMs, and about 15% of the
+    // linear layers (most at the end) plus embeddings, the output head and attention's batched
+    // products in higher precision.
+    if (!given("--w-format")) f->wf = "nvfp4:2d";
+    if (!given("--a-format")) f->af = "nvfp4";
+    if (!given("--e-format")) f->ef = "nvfp4";
+    if (!given("--e-rounding")) f->er = "stochastic";
+    if (!given("--wgrad-transform")) o->precision.wgrad_transform = "rht16";
+    if (!given("--keep-fp32")) f->keep_fp32 = "embeddings,attention,last,tail=15%";
+  } else if (f->preset == "deepseek-fp8") {
+    // DeepSeek-V3 technical report (arXiv 2412.19437), section 3.3: E4M3 for every GEMM's inputs,
+    // activations (and their gradients) scaled per 1x128 tile, weights per 128x128 block;
+    // embeddings, the output head and attention kept in higher precision. Its accumulation in
+    // limited precision with promotion to float32 every 128 elements is not emulated yet.
+    if (!given("--w-format")) f->wf = "e4m3:block=128x128";
+    if (!given("--a-format")) f->af = "e4m3:block=1x128";
+    if (!given("--e-format")) f->ef = "e4m3:block=1x128";
+    if (!given("--keep-fp32")) f->keep_fp32 = "embeddings,attention,last";
   } else {
-    return Status::InvalidArgument("--preset '" + f->preset + "' (accepted: cpt, lee2022)");
+    return Status::InvalidArgument("--preset '" + f->preset +
+                                   "' (accepted: cpt, lee2022, nvfp4, deepseek-fp8)");
   }
   return Status::Ok();
 }

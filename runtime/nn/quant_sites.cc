@@ -1,6 +1,7 @@
 #include "runtime/nn/quant_sites.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -212,8 +213,10 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
   for (size_t i = 0; i < layers.size(); ++i) {
     LayerState st;
     st.index = int(i);
-    st.conv = std::string(layers[i]->kind()) == "Conv2d";
+    st.kind = layers[i]->kind();
+    st.conv = st.kind == "Conv2d";
     q->layers_[layers[i]->name()] = st;
+    q->order_.push_back(layers[i]->name());
   }
   if (!layers.empty()) {
     q->first_layer_ = layers.front()->name();
@@ -223,22 +226,52 @@ Result<std::unique_ptr<SiteQuantizer>> SiteQuantizer::Create(PrecisionConfig con
   return q;
 }
 
+Result<std::vector<std::string>> SiteQuantizer::KeptLayers(const std::string& entry) const {
+  auto of_kind = [&](std::initializer_list<std::string_view> kinds) {
+    std::vector<std::string> names;
+    for (const std::string& name : order_) {
+      const std::string& kind = layers_.at(name).kind;
+      for (std::string_view k : kinds) {
+        if (kind == k) names.push_back(name);
+      }
+    }
+    return names;
+  };
+  if (entry == "first" || entry == "last") {
+    if (layers_.empty()) return std::vector<std::string>{};
+    return std::vector<std::string>{entry == "first" ? first_layer_ : last_layer_};
+  }
+  if (entry == "embeddings") return of_kind({"TokenEmbedding", "PositionEmbedding"});
+  if (entry == "attention") return of_kind({"AttentionProduct"});
+  if (entry.rfind("tail=", 0) == 0 && entry.size() > 6 && entry.back() == '%') {
+    // The last P% of the Linear layers in model order, rounded up (the NVFP4 recipe keeps about
+    // 15% of a network's linear layers, most of them at its end, in higher precision).
+    int percent = -1;
+    const std::string digits = entry.substr(5, entry.size() - 6);
+    const auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), percent);
+    if (ec == std::errc() && p == digits.data() + digits.size() && percent >= 0 && percent <= 100) {
+      const std::vector<std::string> linear = of_kind({"Linear"});
+      const size_t count = (linear.size() * size_t(percent) + 99) / 100;
+      return std::vector<std::string>(linear.end() - ptrdiff_t(count), linear.end());
+    }
+  }
+  if (layers_.count(entry) == 0) {
+    return Status::InvalidArgument(
+        "--keep-fp32: no quantisable layer named '" + entry +
+        "' (accepted: first, last, embeddings, attention, tail=P% with 0 <= P <= 100, or a "
+        "layer name; see --print-model)");
+  }
+  return std::vector<std::string>{entry};
+}
+
 Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::string>* keep) const {
   if (!config.wgrad_transform.empty()) {
     auto t = ParseHadamard(config.wgrad_transform);
     if (!t.ok()) return Status::InvalidArgument("--wgrad-transform: " + t.status().message());
   }
   for (const std::string& k : config.keep_fp32) {
-    std::string name = k;
-    if (k == "first" || k == "last") {
-      if (layers_.empty()) continue;
-      name = k == "first" ? first_layer_ : last_layer_;
-    }
-    if (layers_.count(name) == 0) {
-      return Status::InvalidArgument("--keep-fp32: no quantisable layer named '" + k +
-                                     "' (see --print-model)");
-    }
-    keep->push_back(name);
+    CPD_ASSIGN_OR_RETURN(const std::vector<std::string> names, KeptLayers(k));
+    keep->insert(keep->end(), names.begin(), names.end());
   }
   for (const auto& [name, sites] : config.overrides) {
     if (layers_.count(name) == 0) {

@@ -170,6 +170,7 @@ class SiteQuantizer : public QuantHooks {
  private:
   struct LayerState {
     int index = 0;
+    std::string kind;  // Layer::kind(): what --keep-fp32's groups select by
     bool keep_fp32 = false;
     bool conv = false;  // a convolution: log<b> groups its W and G per output channel
     // Previous quantised weights (kept while W is quantised), in host memory, or on the GPU
@@ -193,6 +194,10 @@ class SiteQuantizer : public QuantHooks {
   struct DeviceStatistics;  // the slots of GPU sites (quant_sites.cc; empty without CUDA)
 
   SiteQuantizer();
+  // The layers one --keep-fp32 entry names: first, last, embeddings (token and position
+  // embeddings), attention (every attention product), tail=P% (the last P% of the Linear layers,
+  // rounded up) or a layer's name.
+  Result<std::vector<std::string>> KeptLayers(const std::string& entry) const;
   // Resolves keep_fp32 and checks overrides and specs against this model's layers; fills
   // `keep` with the layers kept fp32.
   Status Check(const PrecisionConfig& config, std::vector<std::string>* keep) const;
@@ -219,6 +224,7 @@ class SiteQuantizer : public QuantHooks {
   PrecisionConfig config_;
   std::map<std::string, LayerState> layers_;
   std::string first_layer_, last_layer_;
+  std::vector<std::string> order_;  // the quantisable layers in model order
   mutable std::map<std::string, Format> format_cache_;
   int64_t step_ = 0;
   uint64_t worker_ = 0;

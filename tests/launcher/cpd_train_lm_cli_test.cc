@@ -162,6 +162,45 @@ TEST_F(LmCli, EveryNewFlagAndItsBadValues) {
                    "--n-head applies to --arch gpt");
 }
 
+// --preset nvfp4 and deepseek-fp8 on a GPT: the run record's precision names each recipe's
+// formats, rounding, transform and the layers kept in fp32; a flag given on the command line
+// still wins over the preset's.
+TEST_F(LmCli, RecipePresetsSetTheirPrecision) {
+  struct Case {
+    std::string preset;
+    std::vector<std::string> extra;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {"nvfp4",
+       {},
+       "W=nvfp4:2d A=nvfp4 E=nvfp4/stochastic, fp32: embeddings,attention,last,tail=15%, "
+       "weight-gradient rht16"},
+      {"nvfp4",
+       {"--wgrad-transform", "had32", "--keep-fp32", "last"},
+       "W=nvfp4:2d A=nvfp4 E=nvfp4/stochastic, fp32: last, weight-gradient had32"},
+      {"deepseek-fp8",
+       {},
+       "W=e4m3:block=128x128:scale=fp32 A=e4m3:block=1x128:scale=fp32 "
+       "E=e4m3:block=1x128:scale=fp32, fp32: embeddings,attention,last"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    const std::string metrics = dir_.File("m" + std::to_string(i) + ".jsonl");
+    std::vector<std::string> extra = {"--preset", c.preset, "--metrics-out", metrics};
+    extra.insert(extra.end(), c.extra.begin(), c.extra.end());
+    const RunResult r = Train(TinyGpt(text_, "2", extra));
+    ASSERT_EQ(r.exit_code, 0) << c.preset << ": " << r.err;
+    std::ifstream in(metrics);
+    std::string first;
+    std::getline(in, first);
+    EXPECT_NE(first.find("\"precision\":\"" + c.want + "\""), std::string::npos)
+        << c.preset << ": " << first;
+  }
+  ExpectUsageError(Train({"--preset", "nvfp5", "--check"}),
+                   "(accepted: cpt, lee2022, nvfp4, deepseek-fp8)");
+}
+
 TEST_F(LmCli, BadDataIsOneLineNamingTheFile) {
   // A missing file is a data failure (exit 1), in one line naming it.
   const RunResult none = Train(TinyGpt(dir_.File("none.txt"), "1"));

@@ -16,6 +16,7 @@
 #include "cpd/quantize.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
+#include "runtime/nn/models.h"
 
 namespace cpd::runtime {
 namespace {
@@ -345,6 +346,53 @@ TEST(SiteQuantizerWeightGradTransform, LinearsWeightGradientFromTransformedOpera
   auto q = SiteQuantizer::Create(bad, {&fc});
   ASSERT_FALSE(q.ok());
   EXPECT_NE(q.status().message().find("--wgrad-transform"), std::string::npos);
+}
+
+// --keep-fp32's groups on the default GPT: embeddings (wte, wpe), attention (every block's qk
+// and pv), tail=P% (the last P% of the Linear layers, rounded up: 17 Linear layers, 15% -> 3);
+// a bad entry names what is accepted.
+TEST(SiteQuantizerKeepFp32, GroupsOfAGpt) {
+  LanguageModelShape shape;
+  shape.vocab = 256;
+  shape.block_size = 32;
+  shape.n_layer = 4;
+  shape.n_head = 4;
+  shape.n_embd = 32;
+  auto model = BuildLanguageModel("gpt", shape, 1);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  std::vector<Layer*> layers;
+  for (Layer* l : (*model)->Flatten()) {
+    if (l->Quantizable()) layers.push_back(l);
+  }
+  PrecisionConfig c;
+  c.global[int(Site::kActivation)].spec = "e4m3";
+  auto kept = [&](const std::string& entry) {
+    c.keep_fp32 = {entry};
+    auto q = SiteQuantizer::Create(c, layers);
+    EXPECT_TRUE(q.ok()) << entry << ": " << q.status().message();
+    std::vector<std::string> names;
+    for (Layer* l : layers) {
+      if ((*q)->SpecFor(l->name(), Site::kActivation) == "fp32") names.push_back(l->name());
+    }
+    return names;
+  };
+  EXPECT_EQ(kept("embeddings"), (std::vector<std::string>{"wte", "wpe"}));
+  const std::vector<std::string> attention = kept("attention");
+  ASSERT_EQ(attention.size(), 8u);
+  EXPECT_EQ(attention[0], "h0.attn.qk");
+  EXPECT_EQ(attention[7], "h3.attn.pv");
+  EXPECT_EQ(kept("tail=15%"),
+            (std::vector<std::string>{"h3.mlp.c_fc", "h3.mlp.c_proj", "lm_head"}));
+  EXPECT_TRUE(kept("tail=0%").empty());
+  EXPECT_EQ(kept("tail=100%").size(), 17u);
+  for (const char* bad : {"tail=101%", "tail=x%", "tail=15", "attn"}) {
+    c.keep_fp32 = {bad};
+    auto q = SiteQuantizer::Create(c, layers);
+    ASSERT_FALSE(q.ok()) << bad;
+    EXPECT_NE(q.status().message().find("accepted: first, last, embeddings, attention"),
+              std::string::npos)
+        << q.status().message();
+  }
 }
 
 // --allreduce-layer-format NAME=SPEC: the spec is checked here, the name by the trainer.

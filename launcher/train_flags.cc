@@ -238,7 +238,7 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "Block Hadamard transform of both operands of every Linear's weight-gradient "
                   "product, down the rows it sums over, before A and E quantise them: rht<k> "
                   "(random signs by seed and step, as NVFP4 and MXFP4 training) or had<k> "
-                  "(deterministic), k = 16..256 a power of two; CPU only so far");
+                  "(deterministic), k = 16..256 a power of two, or none; CPU only so far");
   app->add_option("--loss-scale", f->loss_scale,
                   "Loss scaling of the backward pass: off | dynamic | S (static). Every error "
                   "(E) and weight gradient (G) is S times larger at its site, and the gradient "
@@ -449,6 +449,8 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
     CPD_RETURN_IF_ERROR(cpd::runtime::AddLayerOverride(lf, &o->precision));
   }
   o->precision.keep_fp32 = SplitCommas(f.keep_fp32);
+  // "none" turns off a preset's transform (an empty value cannot be written in a study file).
+  if (o->precision.wgrad_transform == "none") o->precision.wgrad_transform.clear();
   for (const auto& lf : f.ar_layer_formats) {
     CPD_RETURN_IF_ERROR(cpd::runtime::AddAllReduceLayerFormat(lf, &o->precision));
   }

@@ -179,6 +179,9 @@ TEST_F(LmCli, RecipePresetsSetTheirPrecision) {
       {"nvfp4",
        {"--wgrad-transform", "had32", "--keep-fp32", "last"},
        "W=nvfp4:2d A=nvfp4 E=nvfp4/stochastic, fp32: last, weight-gradient had32"},
+      {"nvfp4",
+       {"--wgrad-transform", "none"},
+       "W=nvfp4:2d A=nvfp4 E=nvfp4/stochastic, fp32: embeddings,attention,last,tail=15%"},
       {"deepseek-fp8",
        {},
        "W=e4m3:block=128x128:scale=fp32 A=e4m3:block=1x128:scale=fp32 "

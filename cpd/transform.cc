@@ -26,20 +26,13 @@ void TransformGroup(float* x, size_t cols, size_t c0, size_t c1, uint32_t k, con
       float* a = x + size_t(r) * cols;
       float* b = x + size_t(r + h) * cols;
       const float sa = first ? signs[r] : 1.0f, sb = first ? signs[r + h] : 1.0f;
+      // The same per-element operations as the CUDA kernel (kernels/cuda/hadamard.cu).
       if (last) {
 #pragma omp simd
-        for (size_t c = c0; c < c1; ++c) {
-          kernels::HadamardButterfly(a + c, b + c);
-          a[c] *= scale;
-          b[c] *= scale;
-        }
+        for (size_t c = c0; c < c1; ++c) kernels::HadamardScaledButterfly(a + c, b + c, scale);
       } else {
 #pragma omp simd
-        for (size_t c = c0; c < c1; ++c) {
-          a[c] *= sa;
-          b[c] *= sb;
-          kernels::HadamardButterfly(a + c, b + c);
-        }
+        for (size_t c = c0; c < c1; ++c) kernels::HadamardSignedButterfly(a + c, b + c, sa, sb);
       }
     }
   }

@@ -582,6 +582,35 @@ CPD_HD float MulAsX86(float a, float b) {
 #endif
 }
 
+// a + b and a - b with the NaN of the CPU's x86 add and subtract on the GPU too (MulAsX86's
+// rules): a NaN operand comes back quieted (a's first), and Inf - Inf is x86's default NaN
+// 0xffc00000, where the GPU returns its one canonical NaN. Both correctly rounded, never fused.
+#if defined(__CUDA_ARCH__)
+CPD_HD float NanAsX86(float r, float a, float b) {
+  if ((FloatBits(r) & 0x7fffffffu) <= 0x7f800000u) return r;
+  const uint32_t ua = FloatBits(a), ub = FloatBits(b);
+  if ((ua & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ua | 0x00400000u);
+  if ((ub & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ub | 0x00400000u);
+  return BitsFloat(0xffc00000u);
+}
+#endif
+
+CPD_HD float AddAsX86(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return NanAsX86(__fadd_rn(a, b), a, b);
+#else
+  return a + b;
+#endif
+}
+
+CPD_HD float SubAsX86(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return NanAsX86(__fsub_rn(a, b), a, b);
+#else
+  return a - b;
+#endif
+}
+
 // The value of grid value v (a code decoded) under block scale s: (v * dec) * dec2.
 CPD_HD float ScaledValue(float v, const BlockScale& s) {
   return MulAsX86(MulAsX86(v, s.dec), s.dec2);

@@ -23,10 +23,28 @@ CPD_HD float HadamardSign(uint64_t key, uint32_t i) {
 // One butterfly of the fast Walsh-Hadamard transform on a pair of rows: (a, b) -> (a + b, a - b).
 // The stages run h = 1, 2, 4, ..., k/2, pairs (r, r + h) with r & h == 0: every implementation
 // takes this order, so that CPU and GPU round alike.
+// Each output is one correctly rounded float32 add or subtract (on the GPU too, NaNs as x86
+// gives them: AddAsX86), so CPU and GPU agree bit for bit.
 CPD_HD void HadamardButterfly(float* a, float* b) {
   const float x = *a, y = *b;
-  *a = x + y;
-  *b = x - y;
+  *a = AddAsX86(x, y);
+  *b = SubAsX86(x, y);
+}
+
+// The first stage's butterfly, with the signs of its two rows multiplied in first (exact:
+// sa, sb = +-1): (a, b) -> (a sa + b sb, a sa - b sb).
+CPD_HD void HadamardSignedButterfly(float* a, float* b, float sa, float sb) {
+  *a = MulAsX86(*a, sa);
+  *b = MulAsX86(*b, sb);
+  HadamardButterfly(a, b);
+}
+
+// The last stage's butterfly, both outputs then multiplied by the scale (HadamardScale(k)):
+// (a, b) -> ((a + b) s, (a - b) s), each product rounded once.
+CPD_HD void HadamardScaledButterfly(float* a, float* b, float scale) {
+  HadamardButterfly(a, b);
+  *a = MulAsX86(*a, scale);
+  *b = MulAsX86(*b, scale);
 }
 
 // 1/sqrt(k) for k = 2^m, as float32: exact for even m, correctly rounded for odd m.

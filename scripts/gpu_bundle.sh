@@ -32,13 +32,14 @@ LIMIT_BYTES=$((64 * 1024 * 1024))
 
 # What the GPU machine runs: the CUDA tests, the CPU tests that need no gRPC (the dry run's
 # evidence that the bundle works), the MPI suites, the benchmarks and the tools.
-CUDA_TESTS=(quantize_cuda_test codec_cuda_test reduce_kernels_cuda_test layers_cuda_test
-            transformer_layers_cuda_test train_cuda_test cpd_train_cuda_test nccl_communicator_test
-            gradient_allreduce_cuda_test gradient_buffers_test)
-CPU_TESTS=(status_test format_test codec_test block_scaled_test properties_test hysteresis_test
-           ieee_oracle_test cuda_oracle_test schedule_test reduce_kernels_test layers_test
-           models_test optimizer_test quant_sites_test trainer_test data_test cpd_quant_cli_test
-           cpd_train_cli_test transformer_layers_test recurrent_test progress_mode_test)
+CUDA_TESTS=(quantize_cuda_test codec_cuda_test transform_cuda_test reduce_kernels_cuda_test
+            layers_cuda_test transformer_layers_cuda_test train_cuda_test cpd_train_cuda_test
+            nccl_communicator_test gradient_allreduce_cuda_test gradient_buffers_test)
+CPU_TESTS=(status_test format_test codec_test block_scaled_test transform_test properties_test
+           hysteresis_test ieee_oracle_test cuda_oracle_test schedule_test reduce_kernels_test
+           layers_test models_test optimizer_test quant_sites_test trainer_test data_test
+           cpd_quant_cli_test cpd_train_cli_test transformer_layers_test recurrent_test
+           progress_mode_test)
 # Suites that gpu_run.sh runs only under mpirun (the GPU machine's Open MPI); the CUDA suite
 # gradient_allreduce_cuda_test runs there too, at 2 and 4 ranks sharing the GPU.
 MPI_TESTS=(gradient_allreduce_test)

@@ -238,7 +238,8 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "Block Hadamard transform of both operands of every Linear's weight-gradient "
                   "product, down the rows it sums over, before A and E quantise them: rht<k> "
                   "(random signs by seed and step, as NVFP4 and MXFP4 training) or had<k> "
-                  "(deterministic), k = 16..256 a power of two, or none; CPU only so far");
+                  "(deterministic), k = 16..256 a power of two, or none; on the CPU and CUDA "
+                  "alike");
   app->add_option("--loss-scale", f->loss_scale,
                   "Loss scaling of the backward pass: off | dynamic | S (static). Every error "
                   "(E) and weight gradient (G) is S times larger at its site, and the gradient "

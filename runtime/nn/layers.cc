@@ -13,6 +13,10 @@
 #include "kernels/grid.h"
 #include "runtime/nn/layers_internal.h"
 
+#if CPD_WITH_CUDA
+#include "cpd/transform_cuda.h"
+#endif
+
 namespace cpd::runtime {
 
 namespace internal {
@@ -283,22 +287,33 @@ Tensor Linear::Backward(const Tensor& dy) {
 
 void Linear::TransformedWeightGrad(const HadamardOptions& t, int64_t n, const Tensor& dy) {
   const Device dev = x_saved_.device();
-  if (dev != Device::kCpu || x_raw_.empty()) {
-    throw std::runtime_error(Where(*this) +
-                             ": --wgrad-transform runs on the CPU only so far (device " +
-                             DeviceName(dev) + ")");
+  if (x_raw_.empty()) {
+    throw std::logic_error(Where(*this) +
+                           ": a weight-gradient transform without the input kept by the "
+                           "training forward (the hooks turned it on after the forward)");
   }
+  // On the device the transform is queued on the runtime's stream, as the hooks' quantisation
+  // and the product that follow (bit for bit the CPU's transform: cpd/transform_cuda.h).
   auto transformed = [&](const Tensor& src, int64_t cols, Tensor* dst) {
     ResizeOn(dst, src.shape(), dev);
     dst->CopyFrom(src);
+#if CPD_WITH_CUDA
+    const Status s =
+        dev == Device::kCuda
+            ? HadamardAlongRowsCuda(t, dst->data(), size_t(n), size_t(cols), cuda::Stream())
+            : HadamardAlongRows(t, dst->data(), size_t(n), size_t(cols));
+#else
     const Status s = HadamardAlongRows(t, dst->data(), size_t(n), size_t(cols));
+#endif
     if (!s.ok()) throw std::runtime_error(Where(*this) + ": " + s.message());
   };
   transformed(x_raw_, in_, &xt_);
   hooks_->QuantizeActivation(*this, xt_, &xt_);
   transformed(dy, out_, &dyt_);
   hooks_->QuantizeError(*this, dyt_, &dyt_);
-  cpu::LinearBackward(n, in_, out_, xt_.data(), nullptr, dyt_.data(), nullptr, dw_.data(), nullptr);
+  // dW alone: with dx null, w is not read.
+  CPD_DISPATCH(dev, LinearBackward(n, in_, out_, xt_.data(), nullptr, dyt_.data(), nullptr,
+                                   dw_.data(), nullptr));
 }
 
 // ---- Conv2d -------------------------------------------------------------------------------------

@@ -89,9 +89,6 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (!o.precision.wgrad_transform.empty()) {
     auto t = ParseHadamard(o.precision.wgrad_transform);
     if (!t.ok()) return bad("--wgrad-transform: " + t.status().message());
-    if (o.device == DeviceChoice::kCuda) {
-      return bad("--wgrad-transform runs on the CPU only so far; use --device cpu");
-    }
   }
   if (o.max_steps < 0) {
     return bad("--max-steps must be >= 0 (0: all epochs), got " + std::to_string(o.max_steps));

@@ -13,6 +13,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -724,6 +725,92 @@ TEST(CudaQuantSites, HookedLayersOnTheGpuMatchTheCpu) {
   ExpectMatch("hooked conv input gradient", a.Backward(dy), b.Backward(dy.To(Device::kCuda)),
               kReassoc);
   ExpectMatch("hooked conv weight gradient", a.weight().grad, b.weight().grad, Tol{1e-4, 5e-5});
+}
+
+// Hooks that pass every call on to a SiteQuantizer and keep a host copy of each A and E operand
+// it returns, in call order.
+class RecordingHooks : public QuantHooks {
+ public:
+  explicit RecordingHooks(QuantHooks* inner) : inner_(inner) {}
+  void QuantizeWeight(const Layer& l, const Tensor& w, Tensor* w_used) override {
+    inner_->QuantizeWeight(l, w, w_used);
+  }
+  void QuantizeActivation(const Layer& l, const Tensor& x, Tensor* x_used) override {
+    inner_->QuantizeActivation(l, x, x_used);
+    a.push_back(x_used->To(Device::kCpu));
+  }
+  void QuantizeError(const Layer& l, const Tensor& dy, Tensor* dy_used) override {
+    inner_->QuantizeError(l, dy, dy_used);
+    e.push_back(dy_used->To(Device::kCpu));
+  }
+  void QuantizeWeightGrad(const Layer& l, Tensor* dw) override {
+    inner_->QuantizeWeightGrad(l, dw);
+  }
+  std::optional<HadamardOptions> WeightGradTransform(const Layer& l) const override {
+    return inner_->WeightGradTransform(l);
+  }
+  std::vector<Tensor> a, e;
+
+ private:
+  QuantHooks* inner_;
+};
+
+// --wgrad-transform on the GPU: a Linear's transformed, quantised weight-gradient operands
+// Q_A(T x) and Q_E(T dy) are the CPU's bit for bit (HadamardAlongRowsCuda, then the sites), so
+// its dW is exactly the device product of the CPU's operands, and the CPU's dW to float32
+// reassociation; dx and the bias gradient are the untransformed ones. Rows with a remainder past
+// the last whole group, columns that fill no tile.
+TEST(CudaQuantSites, LinearWeightGradTransformMatchesTheCpu) {
+  CPD_REQUIRE_CUDA();
+  const int64_t n = 53, in = 37, out = 13;
+  for (const char* transform : {"rht16", "had32"}) {
+    SCOPED_TRACE(transform);
+    PrecisionConfig pc;
+    pc.global[int(Site::kWeight)].spec = "bf16";
+    pc.global[int(Site::kActivation)].spec = "e4m3:block=1x16:scale=e4m3";
+    pc.global[int(Site::kError)].spec = "e5m2";
+    pc.wgrad_transform = transform;
+    pc.seed = 9;
+    Linear a("fc", in, out, true, 4), b("fc", in, out, true, 4);
+    auto qa = SiteQuantizer::Create(pc, {&a});
+    auto qb = SiteQuantizer::Create(pc, {&b});
+    ASSERT_TRUE(qa.ok() && qb.ok());
+    (*qa)->SetStep(3);
+    (*qb)->SetStep(3);
+    RecordingHooks ra(qa->get()), rb(qb->get());
+    a.SetQuantHooks(&ra);
+    b.SetQuantHooks(&rb);
+    MoveToDevice(&b, Device::kCuda);
+    for (Param* p : a.Params()) p->grad.Fill(0.0f);
+    for (Param* p : b.Params()) p->grad.Fill(0.0f);
+    Tensor x = Random({n, in}, 1, -2.f, 2.f);
+    x.data()[5] = 250.f;  // an outlier for the transform to spread
+    const Tensor dy = Random({n, out}, 2);
+    ExpectMatch("forward", a.Forward(x, true), b.Forward(x.To(Device::kCuda), true), kReassoc);
+    ExpectMatch("input gradient", a.Backward(dy), b.Backward(dy.To(Device::kCuda)), kReassoc);
+    ExpectMatch("bias gradient", a.bias()->grad, b.bias()->grad, kExact);
+    // A: the forward's Q_A(x), then Q_A(T x); E: Q_E(dy), then Q_E(T dy).
+    ASSERT_EQ(ra.a.size(), 2u);
+    ASSERT_EQ(rb.a.size(), 2u);
+    ASSERT_EQ(ra.e.size(), 2u);
+    ASSERT_EQ(rb.e.size(), 2u);
+    ExpectMatch("Q_A(x)", ra.a[0], rb.a[0], kExact);
+    ExpectMatch("Q_E(dy)", ra.e[0], rb.e[0], kExact);
+    ExpectMatch("Q_A(T x)", ra.a[1], rb.a[1], kExact);
+    ExpectMatch("Q_E(T dy)", ra.e[1], rb.e[1], kExact);
+    EXPECT_NE(Host(ra.a[1]), Host(ra.a[0])) << "no transform was applied";
+    // The device product of the CPU's operands is the layer's dW exactly (added once to a zero
+    // gradient: -0 entries become +0, so values are compared, not bits).
+    const Tensor xt = ra.a[1].To(Device::kCuda), dyt = ra.e[1].To(Device::kCuda);
+    Tensor dw({out, in}, Device::kCuda);
+    cuda::LinearBackward(n, in, out, xt.data(), nullptr, dyt.data(), nullptr, dw.data(), nullptr);
+    const std::vector<float> want = Host(dw), got = Host(b.weight().grad);
+    ASSERT_EQ(want.size(), got.size());
+    size_t bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) bad += !(want[i] == got[i]);
+    EXPECT_EQ(bad, 0u) << "dW differs from the device product of the CPU's operands";
+    ExpectMatch("weight gradient", a.weight().grad, b.weight().grad, Tol{1e-4, 5e-5});
+  }
 }
 
 }  // namespace

@@ -565,27 +565,9 @@ CPD_HD BlockScale Pow2BlockScale(int32_t shift) {
   return BlockScale{Pow2(-shift), Pow2(shift), 1.0f};
 }
 
-// a * b, with the NaN that the CPU's x86 multiply gives on the GPU too: a NaN operand comes back
-// quieted (a's first) and Inf * 0 is x86's default NaN 0xffc00000, where the GPU's multiply
-// returns its one canonical NaN. A block's decode factor may be 0 (a scale that underflowed)
-// under an element grid with Inf, and a NaN code decodes to a NaN that the factors multiply.
-CPD_HD float MulAsX86(float a, float b) {
 #if defined(__CUDA_ARCH__)
-  const float r = __fmul_rn(a, b);
-  if ((FloatBits(r) & 0x7fffffffu) <= 0x7f800000u) return r;
-  const uint32_t ua = FloatBits(a), ub = FloatBits(b);
-  if ((ua & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ua | 0x00400000u);
-  if ((ub & 0x7fffffffu) > 0x7f800000u) return BitsFloat(ub | 0x00400000u);
-  return BitsFloat(0xffc00000u);
-#else
-  return a * b;
-#endif
-}
-
-// a + b and a - b with the NaN of the CPU's x86 add and subtract on the GPU too (MulAsX86's
-// rules): a NaN operand comes back quieted (a's first), and Inf - Inf is x86's default NaN
-// 0xffc00000, where the GPU returns its one canonical NaN. Both correctly rounded, never fused.
-#if defined(__CUDA_ARCH__)
+// r, or where r is NaN the NaN x86 gives for the operands a, b: a NaN operand quieted (a's
+// first), else (Inf * 0, Inf - Inf) the default NaN 0xffc00000.
 CPD_HD float NanAsX86(float r, float a, float b) {
   if ((FloatBits(r) & 0x7fffffffu) <= 0x7f800000u) return r;
   const uint32_t ua = FloatBits(a), ub = FloatBits(b);
@@ -595,6 +577,21 @@ CPD_HD float NanAsX86(float r, float a, float b) {
 }
 #endif
 
+// a * b, with the NaN that the CPU's x86 multiply gives on the GPU too: a NaN operand comes back
+// quieted (a's first) and Inf * 0 is x86's default NaN 0xffc00000, where the GPU's multiply
+// returns its one canonical NaN. A block's decode factor may be 0 (a scale that underflowed)
+// under an element grid with Inf, and a NaN code decodes to a NaN that the factors multiply.
+CPD_HD float MulAsX86(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return NanAsX86(__fmul_rn(a, b), a, b);
+#else
+  return a * b;
+#endif
+}
+
+// a + b and a - b with the NaN of the CPU's x86 add and subtract on the GPU too (MulAsX86's
+// rules): a NaN operand comes back quieted (a's first), and Inf - Inf is x86's default NaN
+// 0xffc00000, where the GPU returns its one canonical NaN. Both correctly rounded, never fused.
 CPD_HD float AddAsX86(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return NanAsX86(__fadd_rn(a, b), a, b);

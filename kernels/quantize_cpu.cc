@@ -307,21 +307,6 @@ CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes,
                   codes, n, p.index_base, ShiftedGridRange(g.max_bits, up), stats);
 }
 
-template <RoundMode kMode>
-CPD_INLINE void ScaledFloatGridDispatch(const float* in, float* out, uint32_t* codes, size_t n,
-                                        const FloatGrid& grid, const BlockScale& scale,
-                                        const LoopParams& p, ElementStats* stats) {
-  const FloatGrid g = grid;
-  const BlockScale sc = scale;
-  auto round = [&g, sc](float x, uint32_t rnd) CPD_LAMBDA_INLINE {
-    Rounded r;
-    r.value = BitsFloat(RoundScaled<kMode>(x, g, sc, rnd, &r.code));
-    return r;
-  };
-  DispatchOutputs(MakeElementSpan<kMode == RoundMode::kStochastic>(round, p.rng_key), in, out,
-                  codes, n, p.index_base, ScaledGridRange(g.max_bits, sc), stats);
-}
-
 // A run of one matrix row under per-block scales, a block of C columns at a time: the loops of
 // a block have its scale as a constant, so they vectorise as the unscaled loops do, and a row of
 // 16-element blocks costs one call, not one per block. Rounded in L1-sized pieces into scratch,
@@ -547,29 +532,6 @@ void MaxAbsPerBlock(const float* x, size_t n, size_t col0, size_t block_cols, fl
     float& m = amax[block - block0];
     m = std::max(m, BitsFloat(MaxAbsBits(x + a, b - a)));
     a = b;
-  }
-}
-
-CPD_CLONES
-void QuantizeScaledFloatGrid(const float* in, float* out, uint32_t* codes, size_t n,
-                             const FloatGrid& g, const BlockScale& scale, const LoopParams& p,
-                             ElementStats* stats) {
-  switch (p.mode) {
-    case RoundMode::kNearestEven:
-      ScaledFloatGridDispatch<RoundMode::kNearestEven>(in, out, codes, n, g, scale, p, stats);
-      break;
-    case RoundMode::kStochastic:
-      ScaledFloatGridDispatch<RoundMode::kStochastic>(in, out, codes, n, g, scale, p, stats);
-      break;
-    case RoundMode::kTowardZero:
-      ScaledFloatGridDispatch<RoundMode::kTowardZero>(in, out, codes, n, g, scale, p, stats);
-      break;
-    case RoundMode::kDown:
-      ScaledFloatGridDispatch<RoundMode::kDown>(in, out, codes, n, g, scale, p, stats);
-      break;
-    case RoundMode::kUp:
-      ScaledFloatGridDispatch<RoundMode::kUp>(in, out, codes, n, g, scale, p, stats);
-      break;
   }
 }
 

@@ -44,14 +44,11 @@ void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_
                              const FloatGrid& g, const ShiftRule& rule, const LoopParams& p,
                              ElementStats* stats, int32_t* shifts);
 
-// Block scales that are not powers of two (kernels/grid.h, BlockScale): out[i] =
-// (round(in[i] * enc) * dec) * dec2 on grid g, codes[i] its code; the same conventions as
-// QuantizeFloatGrid. HysteresisScaledFloatGrid and DecodeScaledFloatGridSpan likewise.
-void QuantizeScaledFloatGrid(const float* in, float* out, uint32_t* codes, size_t n,
-                             const FloatGrid& g, const BlockScale& scale, const LoopParams& p,
-                             ElementStats* stats);
-// The same over a run of one matrix row that may cross blocks of `block_cols` columns: element i
-// is column col0 + i and takes scales[(col0 + i) / block_cols - col0 / block_cols].
+// Block scales that are not powers of two (kernels/grid.h, BlockScale), over a run of one matrix
+// row that may cross blocks of `block_cols` columns: element i is column col0 + i, its scale is
+// s = scales[(col0 + i) / block_cols - col0 / block_cols], out[i] = (round(in[i] * s.enc) *
+// s.dec) * s.dec2 on grid g (RoundScaled) and codes[i] its code; otherwise the conventions of
+// QuantizeFloatGrid. HysteresisScaledFloatGrid and DecodeScaledFloatGridSpan take one scale.
 void QuantizeScaledFloatGridRow(const float* in, float* out, uint32_t* codes, size_t n, size_t col0,
                                 size_t block_cols, const FloatGrid& g, const BlockScale* scales,
                                 const LoopParams& p, ElementStats* stats);

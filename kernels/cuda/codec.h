@@ -45,7 +45,7 @@ CudaResult LaunchEncodeLinearGrid(const float* in, size_t n, int bits, const Lin
                                   GroupLayout groups, RoundMode mode, RandomParams rng,
                                   StatsTarget stats, uint8_t* dst, void* stream);
 
-// Block-scaled formats (quantize.h MatrixBlocks): codes as kernels::QuantizeScaledFloatGrid
+// Block-scaled formats (quantize.h MatrixBlocks): codes as kernels::QuantizeScaledFloatGridRow
 // writes them, under the scales of LaunchBlockScalesFromData (which writes the metadata).
 CudaResult LaunchEncodeBlockScaled(const float* in, size_t n, int bits, const FloatGrid& g,
                                    const BlockScale* scales, const MatrixBlocks& blocks,

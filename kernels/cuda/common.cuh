@@ -364,7 +364,7 @@ __device__ __forceinline__ uint64_t BlockOf(uint64_t i, const MatrixBlocks& b) {
   return GroupOf(r, b.rows_per_block) * b.blocks_per_row + GroupOf(c, b.cols_per_block);
 }
 
-// A float grid under a scale per block of the matrix view (kernels::QuantizeScaledFloatGrid).
+// A float grid under a scale per block of the matrix view (kernels::QuantizeScaledFloatGridRow).
 template <RoundMode kMode>
 struct BlockScaledOp {
   static constexpr bool kReadsOut = false;

@@ -489,7 +489,7 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
                         FormatFields* f, std::string* canon) {
   std::string element;
   std::string_view block, scale = "fp32";
-  bool tensor = false, two_d = false, has_scale = false;
+  bool tensor = false, two_d = false;
   std::set<std::string> seen;
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string key(parts[i].substr(0, parts[i].find('=')));
@@ -517,7 +517,6 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
         block = p.substr(6);
       } else if (p.substr(0, 6) == "scale=") {
         scale = p.substr(6);
-        has_scale = true;
       } else if (p == "tensor") {
         tensor = true;
       } else {
@@ -560,7 +559,6 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
                   : std::string(f->scale_type == BlockScaleType::kPow2 ? "e8m0" : "fp32")) +
              (tensor ? ":tensor" : "");
   }
-  (void)has_scale;
   return Status::Ok();
 }
 

@@ -162,25 +162,6 @@ struct SpecParts {
   Modifiers mod;
 };
 
-// What a family parser decides: the fields of the Format the spec names, its spelling aside.
-// Format::Parse copies them into the Format (whose members are private) and spells it.
-struct FormatFields {
-  FormatFamily family = FormatFamily::kFloat32;
-  ScaleScope scope = ScaleScope::kNone;
-  int bits = 32;
-  size_t block_size = 0;
-  FloatGrid grid{};
-  kernels::ShiftRule shift_rule{0, 0, 0};
-  bool flush_subnormals = false;
-  bool scope_by_layer = false;
-  std::shared_ptr<const kernels::BinadeGrid> binade_grid;
-  size_t block_rows = 0, block_cols = 0;
-  BlockScaleType scale_type = BlockScaleType::kPow2;
-  FloatGrid scale_grid{};
-  int scale_bits = 0;
-  bool tensor_level = false;
-};
-
 // Refuses any modifier given that is not one of `ok`, naming the format.
 Status AllowOnly(const SpecParts& s, std::initializer_list<std::string_view> ok) {
   for (const auto& given : s.mod.seen) {
@@ -616,21 +597,7 @@ Result<Format> Format::Parse(std::string_view spec) {
   auto build = [](std::string canon, FormatFields& fields) {
     Format f;
     f.spec_ = std::move(canon);
-    f.family_ = fields.family;
-    f.scope_ = fields.scope;
-    f.bits_ = fields.bits;
-    f.block_size_ = fields.block_size;
-    f.grid_ = fields.grid;
-    f.shift_rule_ = fields.shift_rule;
-    f.flush_subnormals_ = fields.flush_subnormals;
-    f.scope_by_layer_ = fields.scope_by_layer;
-    f.binade_grid_ = std::move(fields.binade_grid);
-    f.block_rows_ = fields.block_rows;
-    f.block_cols_ = fields.block_cols;
-    f.scale_type_ = fields.scale_type;
-    f.scale_grid_ = fields.scale_grid;
-    f.scale_bits_ = fields.scale_bits;
-    f.tensor_level_ = fields.tensor_level;
+    f.fields_ = std::move(fields);
     return f;
   };
   const std::vector<std::string_view> parts = Split(spec, ':');
@@ -660,7 +627,7 @@ Result<Format> Format::Parse(std::string_view spec) {
 }
 
 size_t Format::meta_bytes_per_group() const {
-  switch (family_) {
+  switch (family()) {
     case FormatFamily::kFloat32:
     case FormatFamily::kFloat:
       return 0;
@@ -672,13 +639,13 @@ size_t Format::meta_bytes_per_group() const {
     case FormatFamily::kUintMinMax:
       return 8;  // float32 min, float32 scale
     case FormatFamily::kBlockScaled:
-      switch (scale_type_) {
+      switch (scale_type()) {
         case BlockScaleType::kPow2:
           return 1;  // the E8M0 byte
         case BlockScaleType::kFloat32:
           return 4;  // the decode scale, float32
         case BlockScaleType::kFloatGrid:
-          return size_t(scale_bits_ + 7) / 8;  // the scale's code
+          return size_t(scale_bits() + 7) / 8;  // the scale's code
       }
   }
   return 0;
@@ -696,11 +663,11 @@ BlockGridShape BlockGridOf(const Format& format, size_t n, size_t channels, size
 }
 
 size_t Format::num_groups(size_t n, size_t channels, size_t columns) const {
-  if (family_ == FormatFamily::kBlockScaled) {
+  if (family() == FormatFamily::kBlockScaled) {
     const BlockGridShape g = BlockGridOf(*this, n, channels, columns);
     return g.block_rows * g.block_cols;
   }
-  switch (scope_) {
+  switch (scope()) {
     case ScaleScope::kNone:
       return 0;
     case ScaleScope::kTensor:
@@ -708,26 +675,26 @@ size_t Format::num_groups(size_t n, size_t channels, size_t columns) const {
     case ScaleScope::kChannel:
       return channels;
     case ScaleScope::kBlock:
-      return (n + block_size_ - 1) / block_size_;
+      return (n + block_size() - 1) / block_size();
   }
   return 0;
 }
 
 FormatInfo Format::Info() const {
   FormatInfo info;
-  info.bits = bits_;
-  switch (family_) {
+  info.bits = bits();
+  switch (family()) {
     case FormatFamily::kFloat32:
       info.max_finite = 3.4028234663852886e38;
       info.min_normal = std::ldexp(1.0, -126);
-      info.min_subnormal = flush_subnormals_ ? 0.0 : std::ldexp(1.0, -149);
+      info.min_subnormal = flush_subnormals() ? 0.0 : std::ldexp(1.0, -149);
       info.distinct_finite = (uint64_t(1) << 32) - (uint64_t(1) << 24) - 1 -
-                             (flush_subnormals_ ? 2 * ((uint64_t(1) << 23) - 1) : 0);
+                             (flush_subnormals() ? 2 * ((uint64_t(1) << 23) - 1) : 0);
       break;
     case FormatFamily::kFloat:
     case FormatFamily::kSharedShift:
     case FormatFamily::kBlockScaled: {
-      const FloatGrid& g = grid_;
+      const FloatGrid& g = grid();
       info.max_finite = kernels::BitsFloat(g.max_bits);
       const bool has_normal = (g.max_code >> g.mbits) > 0;
       info.min_normal = has_normal ? std::ldexp(1.0, g.emin) : 0.0;
@@ -735,28 +702,28 @@ FormatInfo Format::Info() const {
       uint64_t magnitudes = uint64_t(g.max_code) + 1;  // codes 0..max_code are all finite
       if (!g.subnormals) magnitudes -= (uint64_t(1) << g.mbits) - 1;
       info.distinct_finite = 2 * magnitudes - 1;
-      if (family_ == FormatFamily::kSharedShift) {
-        const char* where = scope_ == ScaleScope::kTensor    ? "tensor"
-                            : scope_ == ScaleScope::kChannel ? "channel"
-                                                             : "block";
+      if (family() == FormatFamily::kSharedShift) {
+        const char* where = scope() == ScaleScope::kTensor    ? "tensor"
+                            : scope() == ScaleScope::kChannel ? "channel"
+                                                              : "block";
         info.scale_note = std::string("values shown at shift s = 0; each ") + where +
                           " is scaled by 2^s, s chosen from its max |x|";
       }
-      if (family_ == FormatFamily::kBlockScaled) {
-        const std::string shape = std::to_string(block_rows_) + "x" + std::to_string(block_cols_);
+      if (family() == FormatFamily::kBlockScaled) {
+        const std::string shape = std::to_string(block_rows()) + "x" + std::to_string(block_cols());
         info.scale_note =
             "element values shown unscaled; each " + shape + " block is scaled by " +
-            (scale_type_ == BlockScaleType::kPow2
+            (scale_type() == BlockScaleType::kPow2
                  ? std::string("2^s (E8M0), s = floor(log2 max|x|) - emax of the element")
-             : scale_type_ == BlockScaleType::kFloat32
+             : scale_type() == BlockScaleType::kFloat32
                  ? std::string("a float32 max|x| / max element")
                  : std::string("max|x| / max element rounded to its scale format") +
-                       (tensor_level_ ? ", under a float32 tensor scale" : ""));
+                       (tensor_level() ? ", under a float32 tensor scale" : ""));
       }
       break;
     }
     case FormatFamily::kBinades: {
-      const kernels::BinadeGrid& g = *binade_grid_;
+      const kernels::BinadeGrid& g = binade_grid();
       info.max_finite = kernels::BitsFloat(g.max_bits);
       // "Normal" are the binades of the top run, those with the top binade's mantissa bits, and
       // "subnormal" any value below them: fp1xy lists then report their float's numbers
@@ -767,28 +734,28 @@ FormatInfo Format::Info() const {
       info.min_subnormal = run < g.count ? std::ldexp(1.0, 1 - g.count) : 0.0;
       info.distinct_finite = 2 * uint64_t(g.max_code) + 1;
       info.scale_note = std::string("values shown at shift s = 0; each ") +
-                        (scope_ == ScaleScope::kChannel ? "channel" : "tensor") +
+                        (scope() == ScaleScope::kChannel ? "channel" : "tensor") +
                         " is scaled by 2^s, s chosen from its max |x|";
       break;
     }
     case FormatFamily::kIntSymmetric: {
-      const int qmax = (1 << (bits_ - 1)) - 1;
+      const int qmax = (1 << (bits() - 1)) - 1;
       info.max_finite = qmax;
       info.min_normal = 1;
       info.distinct_finite = 2 * uint64_t(qmax) + 1;
       info.scale_note = "integer levels shown; value = q * scale, scale = max|x| / " +
                         std::to_string(qmax) +
-                        (scope_ == ScaleScope::kChannel ? " per channel" : " per tensor");
+                        (scope() == ScaleScope::kChannel ? " per channel" : " per tensor");
       break;
     }
     case FormatFamily::kUintMinMax: {
-      const int qmax = (1 << bits_) - 1;
+      const int qmax = (1 << bits()) - 1;
       info.max_finite = qmax;
       info.min_normal = 1;
       info.distinct_finite = uint64_t(qmax) + 1;
       info.scale_note = "integer levels shown; value = min + q * scale, scale = (max - min) / " +
                         std::to_string(qmax) +
-                        (scope_ == ScaleScope::kChannel ? " per channel" : " per tensor");
+                        (scope() == ScaleScope::kChannel ? " per channel" : " per tensor");
       break;
     }
   }
@@ -797,7 +764,7 @@ FormatInfo Format::Info() const {
 
 const kernels::BinadeGrid& Format::binade_grid() const {
   static const kernels::BinadeGrid kEmpty{};
-  return binade_grid_ != nullptr ? *binade_grid_ : kEmpty;
+  return fields_.binade_grid != nullptr ? *fields_.binade_grid : kEmpty;
 }
 
 std::vector<int> Format::binade_mbits() const {
@@ -808,32 +775,32 @@ std::vector<int> Format::binade_mbits() const {
 }
 
 Result<std::vector<float>> Format::Values() const {
-  if (bits_ > 16) {
-    return Status::InvalidArgument("format '" + spec_ + "' has " + std::to_string(bits_) +
+  if (bits() > 16) {
+    return Status::InvalidArgument("format '" + spec_ + "' has " + std::to_string(bits()) +
                                    " bits; values are listed only for formats of <= 16 bits");
   }
   std::set<float> values;
-  if (is_float_grid() || family_ == FormatFamily::kBlockScaled) {
-    for (uint32_t code = 0; code < (1u << bits_); ++code) {
-      const float v = kernels::DecodeFloatGrid(code, grid_);
+  if (is_float_grid() || family() == FormatFamily::kBlockScaled) {
+    for (uint32_t code = 0; code < (1u << bits()); ++code) {
+      const float v = kernels::DecodeFloatGrid(code, grid());
       if (!std::isfinite(v)) continue;
       // Codes a round never produces under :nosub (nonzero subnormals) are not values.
-      const uint32_t mag = code & ((1u << (bits_ - 1)) - 1u);
-      if (!grid_.subnormals && mag != 0 && (mag >> grid_.mbits) == 0) continue;
+      const uint32_t mag = code & ((1u << (bits() - 1)) - 1u);
+      if (!grid().subnormals && mag != 0 && (mag >> grid().mbits) == 0) continue;
       values.insert(v == 0.0f ? 0.0f : v);
     }
-  } else if (family_ == FormatFamily::kBinades) {
-    const kernels::BinadeGrid& g = *binade_grid_;
+  } else if (family() == FormatFamily::kBinades) {
+    const kernels::BinadeGrid& g = binade_grid();
     for (uint32_t mag = 0; mag <= g.max_code; ++mag) {
       const float v = kernels::DecodeBinadeGrid(mag, g);
       values.insert(v);
       values.insert(-v);  // -0 is not inserted: it compares equal to +0
     }
-  } else if (family_ == FormatFamily::kIntSymmetric) {
-    const int qmax = (1 << (bits_ - 1)) - 1;
+  } else if (family() == FormatFamily::kIntSymmetric) {
+    const int qmax = (1 << (bits() - 1)) - 1;
     for (int q = -qmax; q <= qmax; ++q) values.insert(float(q));
   } else {
-    for (int q = 0; q < (1 << bits_); ++q) values.insert(float(q));
+    for (int q = 0; q < (1 << bits()); ++q) values.insert(float(q));
   }
   return std::vector<float>(values.begin(), values.end());
 }

@@ -59,48 +59,70 @@ struct FormatInfo {
   std::string scale_note;        // empty for fixed formats
 };
 
+// What a spec decides about its Format, the spelling aside: the family parsers in format.cc fill
+// one, and a Format keeps it whole (Format::Parse is the only way to make one), so a new property
+// is a member here and an accessor in Format. Read a Format's accessors, not this.
+struct FormatFields {
+  FormatFamily family = FormatFamily::kFloat32;
+  ScaleScope scope = ScaleScope::kNone;
+  int bits = 32;
+  size_t block_size = 0;
+  kernels::FloatGrid grid{};
+  kernels::ShiftRule shift_rule{0, 0, 0};
+  bool flush_subnormals = false;
+  bool scope_by_layer = false;
+  // Shared, so that a Format stays cheap to copy (the table is half a kilobyte).
+  std::shared_ptr<const kernels::BinadeGrid> binade_grid;
+  size_t block_rows = 0, block_cols = 0;
+  BlockScaleType scale_type = BlockScaleType::kPow2;
+  kernels::FloatGrid scale_grid{};
+  int scale_bits = 0;
+  bool tensor_level = false;
+};
+
 class Format {
  public:
   // Parses a spec; errors name the bad part and list what is accepted.
   static Result<Format> Parse(std::string_view spec);
 
   const std::string& spec() const { return spec_; }  // canonical spelling
-  FormatFamily family() const { return family_; }
-  ScaleScope scope() const { return scope_; }
+  FormatFamily family() const { return fields_.family; }
+  ScaleScope scope() const { return fields_.scope; }
   // True for a log<b> spec without :ch or :tensor, whose grouping a training run's precision
   // policy picks per layer (runtime/nn/quant_sites.h, after Lee et al., ICLR 2022: per output
   // channel for convolutions, per tensor otherwise). scope() is then kTensor, what the format
   // means where no layer is known (cpd-quant, the all-reduce).
-  bool scope_by_layer() const { return scope_by_layer_; }
-  int bits() const { return bits_; }
-  size_t block_size() const { return block_size_; }  // kBlock formats; R * C for kBlockScaled
+  bool scope_by_layer() const { return fields_.scope_by_layer; }
+  int bits() const { return fields_.bits; }
+  // Elements per block: kBlock formats; R * C for kBlockScaled.
+  size_t block_size() const { return fields_.block_size; }
   // kBlockScaled: the block shape (rows x columns of the matrix view), how scales are chosen,
   // the scale's grid (kFloatGrid) and code bits, and whether a float32 tensor level sits above.
-  size_t block_rows() const { return block_rows_; }
-  size_t block_cols() const { return block_cols_; }
-  BlockScaleType scale_type() const { return scale_type_; }
-  const kernels::FloatGrid& scale_grid() const { return scale_grid_; }
-  int scale_bits() const { return scale_bits_; }
-  bool tensor_level() const { return tensor_level_; }
+  size_t block_rows() const { return fields_.block_rows; }
+  size_t block_cols() const { return fields_.block_cols; }
+  BlockScaleType scale_type() const { return fields_.scale_type; }
+  const kernels::FloatGrid& scale_grid() const { return fields_.scale_grid; }
+  int scale_bits() const { return fields_.scale_bits; }
+  bool tensor_level() const { return fields_.tensor_level; }
   bool is_float_grid() const {
-    return family_ == FormatFamily::kFloat32 || family_ == FormatFamily::kFloat ||
-           family_ == FormatFamily::kSharedShift;
+    return family() == FormatFamily::kFloat32 || family() == FormatFamily::kFloat ||
+           family() == FormatFamily::kSharedShift;
   }
   // The element grid of float formats (unscaled; fp32 is the e8m23 identity grid).
-  const kernels::FloatGrid& grid() const { return grid_; }
+  const kernels::FloatGrid& grid() const { return fields_.grid; }
   // The grid of kBinades formats (unscaled: top binade [1, 2)); an empty grid (count 0) for
   // the other families.
   const kernels::BinadeGrid& binade_grid() const;
   // Mantissa bits per binade of kBinades formats, from the top binade down (empty otherwise).
   std::vector<int> binade_mbits() const;
   // How kSharedShift and kBinades formats choose their shift from a group's max |x|.
-  const kernels::ShiftRule& shift_rule() const { return shift_rule_; }
-  bool flush_subnormals() const { return flush_subnormals_; }  // kFloat32 with :nosub
+  const kernels::ShiftRule& shift_rule() const { return fields_.shift_rule; }
+  bool flush_subnormals() const { return fields_.flush_subnormals; }  // kFloat32 with :nosub
 
   // Bytes of scale metadata per group (0 for fixed formats), and per tensor (the float32 tensor
   // level of a kBlockScaled format with :tensor; 0 otherwise).
   size_t meta_bytes_per_group() const;
-  size_t meta_bytes_per_tensor() const { return tensor_level_ ? 4 : 0; }
+  size_t meta_bytes_per_tensor() const { return tensor_level() ? 4 : 0; }
   // Number of scale groups for a span of n elements viewed as `channels` rows; kBlockScaled
   // views it as rows of `columns` elements (0: n / channels) and counts its R x C blocks.
   size_t num_groups(size_t n, size_t channels, size_t columns = 0) const;
@@ -111,22 +133,7 @@ class Format {
 
  private:
   std::string spec_;
-  FormatFamily family_ = FormatFamily::kFloat32;
-  ScaleScope scope_ = ScaleScope::kNone;
-  int bits_ = 32;
-  size_t block_size_ = 0;
-  kernels::FloatGrid grid_{};
-  kernels::ShiftRule shift_rule_{0, 0, 0};
-  bool flush_subnormals_ = false;
-  bool scope_by_layer_ = false;
-  size_t block_rows_ = 0;
-  size_t block_cols_ = 0;
-  BlockScaleType scale_type_ = BlockScaleType::kPow2;
-  kernels::FloatGrid scale_grid_{};
-  int scale_bits_ = 0;
-  bool tensor_level_ = false;
-  // Shared, so that a Format stays cheap to copy (the table is half a kilobyte).
-  std::shared_ptr<const kernels::BinadeGrid> binade_grid_;
+  FormatFields fields_;
 };
 
 // The matrix view of a kBlockScaled format's span: rows of `columns` elements (0: n / channels).

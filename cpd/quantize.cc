@@ -15,6 +15,7 @@ namespace {
 
 using internal::GroupLength;
 using internal::ValidateSpan;
+using kernels::BlockScale;
 using kernels::ElementStats;
 using kernels::FloatGrid;
 using kernels::LinearGrid;
@@ -204,10 +205,10 @@ void FillStats(const ElementStats& e, size_t n, QuantStats* stats) {
 
 struct BlockScales {
   BlockGridShape shape;
-  float tensor_enc = 1.0f;                  // the tensor level's encode scale (1 without)
-  std::vector<int32_t> shifts;              // kPow2
-  std::vector<kernels::BlockScale> scales;  // kFloat32, kFloatGrid
-  std::vector<uint32_t> scale_codes;        // kFloatGrid: each block scale's code
+  float tensor_enc = 1.0f;            // the tensor level's encode scale (1 without)
+  std::vector<int32_t> shifts;        // kPow2
+  std::vector<BlockScale> scales;     // kFloat32, kFloatGrid
+  std::vector<uint32_t> scale_codes;  // kFloatGrid: each block scale's code
   size_t count() const { return shape.block_rows * shape.block_cols; }
 };
 
@@ -280,7 +281,8 @@ BlockScales& BlockScalesScratch() {
   return scratch;
 }
 
-// Runs fn(block, begin, end) over the parts of [s, e) in each block: runs of one row.
+// Runs fn(block, begin, end) over the parts of [s, e) in each block: runs of one row (the kPow2
+// scales, whose kernels take one shift per call).
 template <typename Fn>
 void ForEachBlockPart(const Format& format, const BlockGridShape& g, size_t s, size_t e, Fn&& fn) {
   const size_t R = format.block_rows(), C = format.block_cols();
@@ -294,13 +296,17 @@ void ForEachBlockPart(const Format& format, const BlockGridShape& g, size_t s, s
   }
 }
 
-// Runs fn(row, begin, end) over the parts of [s, e) in each row of the matrix view.
+// Runs fn(begin, end, col0, scales) over the parts of [s, e) in each row of the matrix view: a
+// part starts at column col0, and `scales` points at the scale of its first block (kFloat32 and
+// kFloatGrid scales), from which the kernels' *Row functions walk the row's blocks.
 template <typename Fn>
-void ForEachRowPart(const BlockGridShape& g, size_t s, size_t e, Fn&& fn) {
+void ForEachRowPart(const Format& format, const BlockScales& bs, size_t s, size_t e, Fn&& fn) {
+  const BlockGridShape& g = bs.shape;
   for (size_t i = s; i < e;) {
-    const size_t r = i / g.cols;
+    const size_t r = i / g.cols, col0 = i - r * g.cols;
     const size_t end = std::min(e, (r + 1) * g.cols);
-    fn(r, i, end);
+    fn(i, end, col0,
+       bs.scales.data() + (r / format.block_rows()) * g.block_cols + col0 / format.block_cols());
     i = end;
   }
 }
@@ -318,16 +324,44 @@ void QuantizeBlockScaledChunk(const Format& format, const BlockScales& bs, const
     });
     return;
   }
-  const size_t C = format.block_cols();
-  ForEachRowPart(bs.shape, s, e, [&](size_t r, size_t b, size_t f) {
+  ForEachRowPart(format, bs, s, e, [&](size_t b, size_t f, size_t col0, const BlockScale* scales) {
     LoopParams p = base;
     p.index_base = base.index_base + b;
-    const size_t col0 = b - r * bs.shape.cols;
-    const kernels::BlockScale* scales =
-        bs.scales.data() + (r / format.block_rows()) * bs.shape.block_cols + col0 / C;
     kernels::QuantizeScaledFloatGridRow(in + b, out != nullptr ? out + b : nullptr,
                                         codes != nullptr ? codes + (b - s) : nullptr, f - b, col0,
-                                        C, format.grid(), scales, p, st);
+                                        format.block_cols(), format.grid(), scales, p, st);
+  });
+}
+
+// Hysteresis on the elements [s, e) under their block scales; returns the flips.
+uint64_t HysteresisBlockScaledChunk(const Format& format, const BlockScales& bs, const float* w,
+                                    float* q, size_t s, size_t e, ElementStats* st) {
+  uint64_t flips = 0;
+  if (format.scale_type() == BlockScaleType::kPow2) {
+    ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+      flips += kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(), bs.shifts[bi], st);
+    });
+    return flips;
+  }
+  ForEachRowPart(format, bs, s, e, [&](size_t b, size_t f, size_t col0, const BlockScale* scales) {
+    flips += kernels::HysteresisScaledFloatGridRow(w + b, q + b, f - b, col0, format.block_cols(),
+                                                   format.grid(), scales, st);
+  });
+  return flips;
+}
+
+// Decodes the elements [s, e), whose codes start at codes[0], under their block scales.
+void DecodeBlockScaledChunk(const Format& format, const BlockScales& bs, const uint32_t* codes,
+                            float* out, size_t s, size_t e) {
+  if (format.scale_type() == BlockScaleType::kPow2) {
+    ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
+      kernels::DecodeFloatGridSpan(codes + (b - s), out + b, f - b, format.grid(), bs.shifts[bi]);
+    });
+    return;
+  }
+  ForEachRowPart(format, bs, s, e, [&](size_t b, size_t f, size_t col0, const BlockScale* scales) {
+    kernels::DecodeScaledFloatGridRow(codes + (b - s), out + b, f - b, col0, format.block_cols(),
+                                      format.grid(), scales);
   });
 }
 
@@ -366,7 +400,7 @@ BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, siz
         bs.shifts.push_back(kernels::ShiftFromMetaByte(d[0], /*e8m0=*/true));
         break;
       case BlockScaleType::kFloat32:
-        bs.scales.push_back(kernels::BlockScale{0.0f, kernels::LoadFloatMeta(d), 1.0f});
+        bs.scales.push_back(BlockScale{0.0f, kernels::LoadFloatMeta(d), 1.0f});
         break;
       case BlockScaleType::kFloatGrid: {
         const uint32_t code = kernels::LoadCodeMeta(d, int32_t(stride));
@@ -499,13 +533,7 @@ Status QuantizeHysteresis(const Format& format, const float* w, float* q, size_t
     const size_t s = c * kChunk, e = std::min(n, s + kChunk);
     ElementStats* st = stats != nullptr ? &chunk_stats[c] : nullptr;
     if (block_scaled) {
-      ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
-        chunk_flips[c] += format.scale_type() == BlockScaleType::kPow2
-                              ? kernels::HysteresisFloatGrid(w + b, q + b, f - b, format.grid(),
-                                                             bs.shifts[bi], st)
-                              : kernels::HysteresisScaledFloatGrid(
-                                    w + b, q + b, f - b, format.grid(), bs.scales[bi], st);
-      });
+      chunk_flips[c] = HysteresisBlockScaledChunk(format, bs, w, q, s, e, st);
       continue;
     }
     ForEachGroupPart(groups, s, e, [&](size_t gi, size_t b, size_t f) {
@@ -586,14 +614,7 @@ Status Decode(const Format& format, const PackedTensor& packed, float* out, int 
       const size_t s = c * kChunk, e = std::min(n, s + kChunk);
       UnpackCodes(packed.bytes.data() + s * bits / 8, e - s, bits, codes.data());
       if (block_scaled) {
-        ForEachBlockPart(format, bs.shape, s, e, [&](size_t bi, size_t b, size_t f) {
-          const uint32_t* cb = codes.data() + (b - s);
-          if (format.scale_type() == BlockScaleType::kPow2) {
-            kernels::DecodeFloatGridSpan(cb, out + b, f - b, format.grid(), bs.shifts[bi]);
-          } else {
-            kernels::DecodeScaledFloatGridSpan(cb, out + b, f - b, format.grid(), bs.scales[bi]);
-          }
-        });
+        DecodeBlockScaledChunk(format, bs, codes.data(), out, s, e);
         continue;
       }
       ForEachGroupPart(groups, s, e, [&](size_t gi, size_t b, size_t f) {

@@ -50,6 +50,20 @@ struct SpanAcc {
   }
 };
 
+// Runs fn(begin, end, k) over the parts of a run of n elements of one matrix row, from column
+// col0 on, that lie in one block of C columns each; k counts blocks from col0's (an index into
+// the run's block scales).
+template <typename Fn>
+CPD_INLINE void ForEachRowBlock(size_t n, size_t col0, size_t C, const Fn& fn) {
+  const size_t block0 = col0 / C;
+  for (size_t a = 0; a < n;) {
+    const size_t block = (col0 + a) / C;
+    const size_t b = std::min(n, (block + 1) * C - col0);
+    fn(a, b, block - block0);
+    a = b;
+  }
+}
+
 // What a RoundFn returns for one element.
 struct Rounded {
   float value;
@@ -707,13 +721,20 @@ uint64_t HysteresisBinadeGrid(const float* w, float* q, size_t n, const BinadeGr
   return HysteresisLoop(w, q, n, round, ShiftedGridRange(g.max_bits, up), stats);
 }
 
-uint64_t HysteresisScaledFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                   const BlockScale& scale, ElementStats* stats) {
-  auto round = [&](float x, bool up_dir) CPD_LAMBDA_INLINE {
-    return BitsFloat(up_dir ? RoundScaled<RoundMode::kUp>(x, g, scale, 0, nullptr)
-                            : RoundScaled<RoundMode::kDown>(x, g, scale, 0, nullptr));
-  };
-  return HysteresisLoop(w, q, n, round, ScaledGridRange(g.max_bits, scale), stats);
+uint64_t HysteresisScaledFloatGridRow(const float* w, float* q, size_t n, size_t col0,
+                                      size_t block_cols, const FloatGrid& g,
+                                      const BlockScale* scales, ElementStats* stats) {
+  uint64_t flips = 0;
+  // A loop per block, each merging its statistics as a call per block did (the same sums).
+  ForEachRowBlock(n, col0, block_cols, [&](size_t a, size_t b, size_t k) CPD_LAMBDA_INLINE {
+    const BlockScale sc = scales[k];
+    auto round = [&g, sc](float x, bool up_dir) CPD_LAMBDA_INLINE {
+      return BitsFloat(up_dir ? RoundScaled<RoundMode::kUp>(x, g, sc, 0, nullptr)
+                              : RoundScaled<RoundMode::kDown>(x, g, sc, 0, nullptr));
+    };
+    flips += HysteresisLoop(w + a, q + a, b - a, round, ScaledGridRange(g.max_bits, sc), stats);
+  });
+  return flips;
 }
 
 uint64_t HysteresisLinearGrid(const float* w, float* q, size_t n, const LinearGrid& g,
@@ -755,9 +776,14 @@ void DecodeFloatGridSpan(const uint32_t* codes, float* out, size_t n, const Floa
   for (size_t i = 0; i < n; ++i) out[i] = DecodeFloatGrid(codes[i], g) * up;
 }
 
-void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
-                               const BlockScale& scale) {
-  for (size_t i = 0; i < n; ++i) out[i] = ScaledValue(DecodeFloatGrid(codes[i], g), scale);
+CPD_CLONES
+void DecodeScaledFloatGridRow(const uint32_t* codes, float* out, size_t n, size_t col0,
+                              size_t block_cols, const FloatGrid& grid, const BlockScale* scales) {
+  const FloatGrid g = grid;
+  ForEachRowBlock(n, col0, block_cols, [&](size_t a, size_t b, size_t k) CPD_LAMBDA_INLINE {
+    const BlockScale sc = scales[k];
+    for (size_t i = a; i < b; ++i) out[i] = ScaledValue(DecodeFloatGrid(codes[i], g), sc);
+  });
 }
 
 CPD_CLONES

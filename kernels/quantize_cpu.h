@@ -48,7 +48,7 @@ void QuantizeFloatGridBlocks(const float* in, float* out, uint32_t* codes, size_
 // row that may cross blocks of `block_cols` columns: element i is column col0 + i, its scale is
 // s = scales[(col0 + i) / block_cols - col0 / block_cols], out[i] = (round(in[i] * s.enc) *
 // s.dec) * s.dec2 on grid g (RoundScaled) and codes[i] its code; otherwise the conventions of
-// QuantizeFloatGrid. HysteresisScaledFloatGrid and DecodeScaledFloatGridSpan take one scale.
+// QuantizeFloatGrid.
 void QuantizeScaledFloatGridRow(const float* in, float* out, uint32_t* codes, size_t n, size_t col0,
                                 size_t block_cols, const FloatGrid& g, const BlockScale* scales,
                                 const LoopParams& p, ElementStats* stats);
@@ -61,10 +61,16 @@ void BlockScalesFromMax(const float* amax, size_t n, ScaleRule rule, const Float
                         uint32_t* scale_codes);
 // amax[(col0 + i) / block_cols - col0 / block_cols] = max(itself, |x[i]|) over finite x[i].
 void MaxAbsPerBlock(const float* x, size_t n, size_t col0, size_t block_cols, float* amax);
-uint64_t HysteresisScaledFloatGrid(const float* w, float* q, size_t n, const FloatGrid& g,
-                                   const BlockScale& scale, ElementStats* stats);
-void DecodeScaledFloatGridSpan(const uint32_t* codes, float* out, size_t n, const FloatGrid& g,
-                               const BlockScale& scale);
+// HysteresisFloatGrid on a run of one matrix row under its blocks' scales (the conventions of
+// QuantizeScaledFloatGridRow): element i rounds toward q[i] under its block's scale, and the
+// statistics count saturation against that block's range.
+uint64_t HysteresisScaledFloatGridRow(const float* w, float* q, size_t n, size_t col0,
+                                      size_t block_cols, const FloatGrid& g,
+                                      const BlockScale* scales, ElementStats* stats);
+// out[i] = ScaledValue(DecodeFloatGrid(codes[i], g), s) under element i's block scale s (the
+// conventions of QuantizeScaledFloatGridRow).
+void DecodeScaledFloatGridRow(const uint32_t* codes, float* out, size_t n, size_t col0,
+                              size_t block_cols, const FloatGrid& g, const BlockScale* scales);
 
 // Same as QuantizeFloatGrid for a linear grid; codes[i] = q - qmin.
 void QuantizeLinearGrid(const float* in, float* out, uint32_t* codes, size_t n, const LinearGrid& g,

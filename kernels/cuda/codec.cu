@@ -75,7 +75,7 @@ struct BinadeDecodeOp {
   }
 };
 
-// kernels::DecodeScaledFloatGridSpan: the grid value scaled back under its block's scale
+// kernels::DecodeScaledFloatGridRow: the grid value scaled back under its block's scale
 // (ScaledValue, which keeps a NaN's bits as the CPU does); kTable as FloatDecodeOp.
 template <bool kTable>
 struct BlockScaledDecodeOp {

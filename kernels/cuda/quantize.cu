@@ -103,7 +103,7 @@ struct LinearHysteresisOp {
   }
 };
 
-// kernels::HysteresisScaledFloatGrid (and HysteresisFloatGrid for power-of-two block scales,
+// kernels::HysteresisScaledFloatGridRow (and HysteresisFloatGrid for power-of-two block scales,
 // which RoundScaled under Pow2BlockScale equals).
 struct BlockScaledHysteresisOp {
   static constexpr bool kReadsOut = true;

@@ -220,8 +220,8 @@ CudaResult LaunchQuantizeBlockScaled(const float* in, float* out, size_t n, cons
                                      RoundMode mode, RandomParams rng, StatsTarget stats,
                                      void* stream);
 
-// Hysteresis (kernels::HysteresisScaledFloatGrid) under the block scales; prev, q and keep as in
-// LaunchHysteresisFloatGrid.
+// Hysteresis (kernels::HysteresisScaledFloatGridRow) under the block scales; prev, q and keep
+// as in LaunchHysteresisFloatGrid.
 CudaResult LaunchHysteresisBlockScaled(const float* w, const float* prev, float* q, float* keep,
                                        size_t n, const FloatGrid& g, const BlockScale* scales,
                                        const MatrixBlocks& blocks, StatsTarget stats, void* stream);

@@ -328,10 +328,22 @@ TEST(BlockScaledCodec, DecodeOfEncodeIsQuantize) {
 TEST(BlockScaledHysteresis, RoundsTowardThePreviousValueUnderEachBlocksScale) {
   // Q_t = ceil(w) where w < Q_{t-1}, else floor(w), on each block's grid (Lee et al.).
   using kernels::RoundMode;
-  for (const std::string spec : {"nvfp4:2d", "e4m3:block=1x128"}) {
-    const Format f = MustParse(spec);
-    const size_t cols = 160;
-    const std::vector<float> w = MatrixInputs(40, cols, 23, false);
+  struct Case {
+    std::string spec;
+    size_t rows, cols;
+  };
+  // Rows that end in a partial block (129 and 27 columns) or a partial 1x128 tile (160), 2D
+  // blocks over a partial last block row (530 = 33 * 16 + 2), and a matrix of more than one
+  // 64 Ki chunk, whose chunk boundary falls inside a row and inside a block.
+  for (const Case& c : std::vector<Case>{{"nvfp4:2d", 40, 160},
+                                         {"e4m3:block=1x128", 40, 160},
+                                         {"nvfp4", 530, 129},
+                                         {"nvfp4:2d", 530, 129},
+                                         {"e2m1:block=4x8:scale=e5m2:tensor", 13, 27}}) {
+    const std::string spec = c.spec + " " + std::to_string(c.rows) + "x" + std::to_string(c.cols);
+    const Format f = MustParse(c.spec);
+    const size_t cols = c.cols;
+    const std::vector<float> w = MatrixInputs(c.rows, cols, 23, false);
     QuantizeOptions opts;
     opts.columns = cols;
     std::vector<float> prev(w.size());
@@ -342,18 +354,23 @@ TEST(BlockScaledHysteresis, RoundsTowardThePreviousValueUnderEachBlocksScale) {
     for (float& v : w2) v *= jitter(rng);
     std::vector<float> q = prev;
     uint64_t flips = 0;
-    ASSERT_TRUE(QuantizeHysteresis(f, w2.data(), q.data(), w2.size(), opts, nullptr, &flips).ok());
+    QuantStats stats;
+    ASSERT_TRUE(QuantizeHysteresis(f, w2.data(), q.data(), w2.size(), opts, &stats, &flips).ok());
     const std::vector<float> up = Restated<RoundMode::kUp>(f, w2, cols);
     const std::vector<float> down = Restated<RoundMode::kDown>(f, w2, cols);
     std::vector<float> want(w2.size());
     uint64_t want_flips = 0;
+    double want_sq_error = 0.0;
     for (size_t i = 0; i < w2.size(); ++i) {
       want[i] = w2[i] < prev[i] ? up[i] : down[i];
       want_flips += Bits(want[i]) != Bits(prev[i]);
+      want_sq_error += (double(want[i]) - w2[i]) * (double(want[i]) - w2[i]);
     }
     ExpectSame(spec + " hysteresis", w2, want, q);
     EXPECT_EQ(flips, want_flips) << spec;
     EXPECT_GT(flips, 0u) << spec;
+    EXPECT_EQ(stats.count, w2.size()) << spec;
+    EXPECT_NEAR(stats.sq_error, want_sq_error, 1e-9 * want_sq_error) << spec;
   }
 }
 

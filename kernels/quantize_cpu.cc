@@ -6,14 +6,8 @@
 #include <cmath>
 #include <cstring>
 
-// Each hot loop is compiled for baseline x86-64, AVX2 and AVX-512; the loader picks the best
-// one for the machine (GCC function multi-versioning). Loops are written branch-free so that
-// GCC vectorises them; -ffp-contract=off keeps CPU results identical to the CUDA kernels.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CPD_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define CPD_CLONES
-#endif
+#include "kernels/clones.h"
+
 // The loop templates are forced inline into each clone so they are compiled for its ISA.
 #define CPD_INLINE inline __attribute__((always_inline))
 #define CPD_LAMBDA_INLINE __attribute__((always_inline))

@@ -240,6 +240,13 @@ void AddPrecisionOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "(random signs by seed and step, as NVFP4 and MXFP4 training) or had<k> "
                   "(deterministic), k = 16..256 a power of two, or none; on the CPU and CUDA "
                   "alike");
+  app->add_option("--accumulate", o->precision.accumulate,
+                  "Emulate the quantised layers' matrix products accumulated in a reduced float "
+                  "format: FORMAT[:every=N][:round=nearest|toward-zero], e.g. e8m13:every=128 "
+                  "(DeepSeek-V3's FP8 GEMMs: about 14 bits, promoted to float32 every 128 "
+                  "products); without every the whole sum stays in FORMAT. Linear layers on the "
+                  "CPU and CUDA, convolutions on the CPU; far slower than float32 GEMMs; none "
+                  "(the default): float32 GEMMs");
   app->add_option("--loss-scale", f->loss_scale,
                   "Loss scaling of the backward pass: off | dynamic | S (static). Every error "
                   "(E) and weight gradient (G) is S times larger at its site, and the gradient "
@@ -387,7 +394,11 @@ void AddTrainOptions(CLI::App* app, TrainOptions* o, TrainFlags* f) {
                   "fp32 (G, master weights and the optimizer fp32 throughout); deepseek-fp8: "
                   "DeepSeek-V3's FP8 recipe (2024): E4M3 everywhere, W in 128x128 blocks, A and E "
                   "in 1x128 tiles, float32 scales, nearest, embeddings, attention and the output "
-                  "layer fp32 (its limited-precision accumulation is not emulated yet)");
+                  "layer fp32 (add --accumulate e8m13:every=128 for its limited-precision "
+                  "accumulation); mxfp4-rht: Tseng et al.'s MXFP4 backward (2025): E mxfp4 "
+                  "stochastic, W and A bf16, a 64-point random Hadamard transform of the "
+                  "weight-gradient product's operands, embeddings, attention and the output "
+                  "layer fp32");
   AddDataAndModelOptions(app, o, f);
   AddOptimisationOptions(app, o, f);
   AddPrecisionOptions(app, o, f);
@@ -426,14 +437,27 @@ Status ApplyPreset(const CLI::App& app, TrainFlags* f, TrainOptions* o) {
     // DeepSeek-V3 technical report (arXiv 2412.19437), section 3.3: E4M3 for every GEMM's inputs,
     // activations (and their gradients) scaled per 1x128 tile, weights per 128x128 block;
     // embeddings, the output head and attention kept in higher precision. Its accumulation in
-    // limited precision with promotion to float32 every 128 elements is not emulated yet.
+    // limited precision with promotion to float32 every 128 products is hardware's, not a
+    // choice: --accumulate e8m13:every=128 emulates it (slowly), so the preset leaves it off.
     if (!given("--w-format")) f->wf = "e4m3:block=128x128";
     if (!given("--a-format")) f->af = "e4m3:block=1x128";
     if (!given("--e-format")) f->ef = "e4m3:block=1x128";
     if (!given("--keep-fp32")) f->keep_fp32 = "embeddings,attention,last";
+  } else if (f->preset == "mxfp4-rht") {
+    // Tseng, Yu, Park, "Training LLMs with MXFP4" (AISTATS 2025; amazon-science/mxfp4-llm):
+    // BF16 forward; the backward GEMMs in MXFP4 with stochastic rounding and a 64-point random
+    // Hadamard transform; Megatron's transformer Linear layers only. CPD's nearest: E MXFP4
+    // stochastic, W and A BF16, the transform on the weight-gradient product (docs/cpd-train.md
+    // lists the departures).
+    if (!given("--w-format")) f->wf = "bf16";
+    if (!given("--a-format")) f->af = "bf16";
+    if (!given("--e-format")) f->ef = "mxfp4";
+    if (!given("--e-rounding")) f->er = "stochastic";
+    if (!given("--wgrad-transform")) o->precision.wgrad_transform = "rht64";
+    if (!given("--keep-fp32")) f->keep_fp32 = "embeddings,attention,last";
   } else {
     return Status::InvalidArgument("--preset '" + f->preset +
-                                   "' (accepted: cpt, lee2022, nvfp4, deepseek-fp8)");
+                                   "' (accepted: cpt, lee2022, nvfp4, deepseek-fp8, mxfp4-rht)");
   }
   return Status::Ok();
 }
@@ -452,6 +476,7 @@ Status ApplyPrecisionFlags(const TrainFlags& f, TrainOptions* o) {
   o->precision.keep_fp32 = SplitCommas(f.keep_fp32);
   // "none" turns off a preset's transform (an empty value cannot be written in a study file).
   if (o->precision.wgrad_transform == "none") o->precision.wgrad_transform.clear();
+  if (o->precision.accumulate == "none") o->precision.accumulate.clear();
   for (const auto& lf : f.ar_layer_formats) {
     CPD_RETURN_IF_ERROR(cpd::runtime::AddAllReduceLayerFormat(lf, &o->precision));
   }

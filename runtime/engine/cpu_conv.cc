@@ -249,9 +249,9 @@ void OverrideConvPath(std::optional<ConvPath> p) {
 // ---- Forward and backward ----------------------------------------------------------------------
 
 void Conv2dForward(const ConvShape& s, const float* x, const float* w, const float* bias, float* y,
-                   ConvWorkspace* ws) {
+                   ConvWorkspace* ws, const kernels::Accumulation* acc) {
   const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w;
-  const ConvPath path = Conv2dPath(s);
+  const ConvPath path = acc != nullptr ? ConvPath::kIm2col : Conv2dPath(s);
   if (path == ConvPath::kDnnl && onednn::Conv2dForward(s, x, w, bias, y, ws)) return;
   const int team = ConvTeam(s);
   UseSingleThreadedBlas();
@@ -270,12 +270,12 @@ void Conv2dForward(const ConvShape& s, const float* x, const float* w, const flo
       const float* xi = x + i * in_size;
       float* yi = y + i * s.oc * ohw;
       if (col == nullptr) {
-        Sgemm(false, false, s.oc, ohw, ckk, 1.f, w, ckk, xi, ohw, 0.f, yi, ohw);
+        Sgemm(false, false, s.oc, ohw, ckk, 1.f, w, ckk, xi, ohw, 0.f, yi, ohw, acc);
       } else {
         for (int64_t oy0 = 0; oy0 < s.oh; oy0 += tile_rows) {
           const int64_t rows = std::min(tile_rows, s.oh - oy0), p = rows * s.ow;
           Im2ColRows(s, xi, oy0, rows, col);
-          Sgemm(false, false, s.oc, p, ckk, 1.f, w, ckk, col, p, 0.f, yi + oy0 * s.ow, ohw);
+          Sgemm(false, false, s.oc, p, ckk, 1.f, w, ckk, col, p, 0.f, yi + oy0 * s.ow, ohw, acc);
         }
       }
       if (bias != nullptr) AddBias(bias, s.oc, ohw, yi);
@@ -284,8 +284,8 @@ void Conv2dForward(const ConvShape& s, const float* x, const float* w, const flo
 }
 
 void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
-                    float* dw, float* db, ConvWorkspace* ws) {
-  const ConvPath path = Conv2dPath(s);
+                    float* dw, float* db, ConvWorkspace* ws, const kernels::Accumulation* acc) {
+  const ConvPath path = acc != nullptr ? ConvPath::kIm2col : Conv2dPath(s);
   if (path == ConvPath::kDnnl && onednn::Conv2dBackward(s, x, w, dy, dx, dw, db, ws)) return;
   const int64_t ckk = s.ckk(), ohw = s.ohw(), in_size = s.c * s.h * s.w, oc = s.oc;
   const int team = ConvTeam(s);
@@ -319,9 +319,9 @@ void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const fl
         float* dxi = dx == nullptr ? nullptr : dx + i * in_size;
         for (int64_t o = 0; o < oc; ++o) dbt[o] += SumF(dyi + o * ohw, ohw);
         if (col == nullptr) {
-          Sgemm(false, true, ckk, oc, ohw, 1.f, xi, ohw, dyi, ohw, 1.f, dwt, oc);
+          Sgemm(false, true, ckk, oc, ohw, 1.f, xi, ohw, dyi, ohw, 1.f, dwt, oc, acc);
           if (dxi != nullptr) {
-            Sgemm(true, false, s.c, ohw, oc, 1.f, w, s.c, dyi, ohw, 0.f, dxi, ohw);
+            Sgemm(true, false, s.c, ohw, oc, 1.f, w, s.c, dyi, ohw, 0.f, dxi, ohw, acc);
           }
           continue;
         }
@@ -330,9 +330,9 @@ void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const fl
           const int64_t rows = std::min(tile_rows, s.oh - oy0), p = rows * s.ow;
           const float* dyt = dyi + oy0 * s.ow;
           Im2ColRows(s, xi, oy0, rows, col);
-          Sgemm(false, true, ckk, oc, p, 1.f, col, p, dyt, ohw, 1.f, dwt, oc);
+          Sgemm(false, true, ckk, oc, p, 1.f, col, p, dyt, ohw, 1.f, dwt, oc, acc);
           if (dxi != nullptr) {
-            Sgemm(true, false, ckk, p, oc, 1.f, w, ckk, dyt, ohw, 0.f, dcol, p);
+            Sgemm(true, false, ckk, p, oc, 1.f, w, ckk, dyt, ohw, 0.f, dcol, p, acc);
             Col2ImRows(s, dcol, oy0, rows, dxi);
           }
         }

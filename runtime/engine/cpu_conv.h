@@ -1,13 +1,14 @@
-// The CPU convolution front end (part of runtime/engine/cpu_ops.h, which includes it): im2col/col2im,
-// the choice between the three ways of computing a convolution (im2col + OpenBLAS here, CPD's
-// direct AVX-512 kernels in cpu_conv_direct.cc, oneDNN in runtime/engine/dnnl_conv.h) and
-// Conv2dForward/Backward, which run the chosen one. Threading, determinism and layout as in
+// The CPU convolution front end (part of runtime/engine/cpu_ops.h, which includes it):
+// im2col/col2im, the choice between the three ways of computing a convolution (im2col + OpenBLAS
+// here, CPD's direct AVX-512 kernels in cpu_conv_direct.cc, oneDNN in runtime/engine/dnnl_conv.h)
+// and Conv2dForward/Backward, which run the chosen one. Threading, determinism and layout as in
 // runtime/cpu_ops.h.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 
+#include "kernels/accumulate.h"
 #include "runtime/engine/conv_shape.h"
 
 namespace cpd::runtime::cpu {
@@ -52,9 +53,10 @@ void OverrideConvPath(std::optional<ConvPath> p);
 
 // y = conv(x, w) + bias (bias may be null). The path of Conv2dPath: direct and im2col run the
 // images in parallel (per image the direct kernel, or im2col in row tiles + OpenBLAS GEMMs);
-// oneDNN parallelises inside its primitives.
+// oneDNN parallelises inside its primitives. With `acc` (cpd-train --accumulate) the im2col
+// path runs whatever Conv2dPath says, its GEMMs accumulating as kernels/accumulate.h emulates.
 void Conv2dForward(const ConvShape& s, const float* x, const float* w, const float* bias, float* y,
-                   ConvWorkspace* ws);
+                   ConvWorkspace* ws, const kernels::Accumulation* acc = nullptr);
 
 // Given dy [n, oc, oh, ow]: writes dw [oc, c, k, k] and, when non-null, db [oc] (the batch's
 // gradients, not accumulated) and dx [n, c, h, w] (computed with `w`).
@@ -62,7 +64,11 @@ void Conv2dForward(const ConvShape& s, const float* x, const float* w, const flo
 // their contents must not have changed since: the oneDNN path then reuses the copy of x it
 // re-laid out in that forward. (Conv2d calls it so: its Backward uses the tensors of its last
 // training forward, which must stay unchanged.)
+// With `acc` as Conv2dForward. The weight gradient's products then run per row tile of one image
+// (Conv2dForward's tiles), each tile's sum promoted into the float32 gradient: a sum never spans
+// more than one tile, whatever `every` says.
 void Conv2dBackward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
-                    float* dw, float* db, ConvWorkspace* ws);
+                    float* dw, float* db, ConvWorkspace* ws,
+                    const kernels::Accumulation* acc = nullptr);
 
 }  // namespace cpd::runtime::cpu

@@ -3,7 +3,9 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <stdexcept>
 
+#include "kernels/accumulate_cpu.h"
 #include "runtime/engine/cpu_internal.h"
 
 namespace cpd::runtime::cpu {
@@ -16,8 +18,14 @@ void UseSingleThreadedBlas() {
 }
 
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
+           const kernels::Accumulation* acc) {
   if (m <= 0 || n <= 0) return;
+  if (acc != nullptr) {
+    if (alpha != 1.f) throw std::logic_error("Sgemm: an emulated accumulation needs alpha = 1");
+    kernels::AccumulatedGemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc, *acc);
+    return;
+  }
   if (k <= 0) {
     // BLAS leaves C untouched only for beta = 1; make the empty sum explicit.
     for (int64_t i = 0; i < m; ++i) {
@@ -32,12 +40,12 @@ void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float al
 
 void ParallelSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                   int64_t ldc) {
+                   int64_t ldc, const kernels::Accumulation* acc) {
   const int team = TeamSize();
   const double macs = double(m) * double(n) * double(k);
   if (team <= 1 || macs < kParallelMacs || m < 2 * 16) {
     UseSingleThreadedBlas();
-    Sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    Sgemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, acc);
     return;
   }
   UseSingleThreadedBlas();
@@ -51,7 +59,7 @@ void ParallelSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, 
     if (rows <= 0) continue;
     // Rows r0.. of op(A): rows of A, or columns of A when it is transposed.
     const float* a_blk = trans_a ? a + r0 : a + r0 * lda;
-    Sgemm(trans_a, trans_b, rows, n, k, alpha, a_blk, lda, b, ldb, beta, c + r0 * ldc, ldc);
+    Sgemm(trans_a, trans_b, rows, n, k, alpha, a_blk, lda, b, ldb, beta, c + r0 * ldc, ldc, acc);
   }
 }
 

@@ -1,8 +1,10 @@
-// GEMM wrappers over OpenBLAS (part of runtime/engine/cpu_ops.h, which includes it), and the OpenBLAS
-// threading rule of the CPU layers. Threading and layout as in runtime/cpu_ops.h.
+// GEMM wrappers over OpenBLAS (part of runtime/engine/cpu_ops.h, which includes it), and the
+// OpenBLAS threading rule of the CPU layers. Threading and layout as in runtime/cpu_ops.h.
 #pragma once
 
 #include <cstdint>
+
+#include "kernels/accumulate.h"
 
 namespace cpd::runtime::cpu {
 
@@ -15,14 +17,17 @@ namespace cpd::runtime::cpu {
 void UseSingleThreadedBlas();
 
 // C[m, n] = alpha * op(A) op(B) + beta * C (row-major; op(A) is m x k, op(B) is k x n), one
-// cblas_sgemm call on the calling thread with OpenBLAS's current thread setting.
+// cblas_sgemm call on the calling thread with OpenBLAS's current thread setting. With `acc`
+// (cpd-train --accumulate) the products are summed as kernels/accumulate.h emulates instead, on
+// the calling thread; alpha must then be 1.
 void Sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+           int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
+           const kernels::Accumulation* acc = nullptr);
 
 // The same product with the rows of C split across the OpenMP threads, each block computed by
 // a single-threaded sgemm. Small products run on the calling thread.
 void ParallelSgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
                    const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                   int64_t ldc);
+                   int64_t ldc, const kernels::Accumulation* acc = nullptr);
 
 }  // namespace cpd::runtime::cpu

@@ -13,14 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/clones.h"  // CPD_CLONES: hot loops for baseline x86-64, AVX2 and AVX-512
 #include "runtime/engine/tensor.h"
-
-// Hot loops are compiled for baseline x86-64, AVX2 and AVX-512 and picked at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CPD_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define CPD_CLONES
-#endif
 
 // The hand-written AVX-512 kernels (the direct convolution of cpu_conv_direct.cc, 2x2 max
 // pooling in cpu_ops.cc) are compiled with GCC on x86-64 only, and run where HasAvx512().

@@ -20,8 +20,8 @@ using internal::TeamSize;
 // ---- Fully connected --------------------------------------------------------------------------
 
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                   const float* bias, float* y) {
-  ParallelSgemm(false, true, n, out, in, 1.f, x, in, w, in, 0.f, y, out);
+                   const float* bias, float* y, const kernels::Accumulation* acc) {
+  ParallelSgemm(false, true, n, out, in, 1.f, x, in, w, in, 0.f, y, out, acc);
   if (bias == nullptr) return;
   for (int64_t i = 0; i < n; ++i) {
     float* row = y + i * out;
@@ -31,8 +31,9 @@ void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const flo
 }
 
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                    const float* dy, float* dx, float* dw, float* db) {
-  if (dw != nullptr) ParallelSgemm(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);
+                    const float* dy, float* dx, float* dw, float* db,
+                    const kernels::Accumulation* acc) {
+  if (dw != nullptr) ParallelSgemm(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in, acc);
   if (db != nullptr) {
     std::fill(db, db + out, 0.f);
     for (int64_t i = 0; i < n; ++i) {
@@ -41,7 +42,7 @@ void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const fl
       for (int64_t o = 0; o < out; ++o) db[o] += row[o];
     }
   }
-  if (dx != nullptr) ParallelSgemm(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in);
+  if (dx != nullptr) ParallelSgemm(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in, acc);
 }
 
 // ---- Batch normalisation ----------------------------------------------------------------------

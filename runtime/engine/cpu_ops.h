@@ -28,13 +28,15 @@
 namespace cpd::runtime::cpu {
 
 // ---- Fully connected ------------------------------------------------------------------------
-// y [n, out] = x [n, in] w^T + bias (bias may be null); w is [out, in].
+// y [n, out] = x [n, in] w^T + bias (bias may be null); w is [out, in]. With `acc` the
+// products (not the bias sums) are accumulated as kernels/accumulate.h emulates.
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                   const float* bias, float* y);
+                   const float* bias, float* y, const kernels::Accumulation* acc = nullptr);
 // dw [out, in] = dy^T x and db [out] = column sums of dy (written, not accumulated; dw and db
 // may each be null); dx [n, in] = dy w when dx is non-null.
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                    const float* dy, float* dx, float* dw, float* db);
+                    const float* dy, float* dx, float* dw, float* db,
+                    const kernels::Accumulation* acc = nullptr);
 
 // ---- Batch normalisation (per channel over n and the spatial positions) ---------------------
 // x is [n, c, hw] (a 2-D input [n, c] is hw = 1). Training mode: normalises with the biased

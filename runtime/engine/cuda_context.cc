@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cuda/accumulate.h"
 #include "runtime/engine/conv_algos.h"
 #include "runtime/engine/cuda_internal.h"
 #include "runtime/engine/cuda_ops.h"
@@ -400,22 +401,39 @@ ConvAlgoChoice ChosenConvAlgo(const cpu::ConvShape& s, ConvPass pass) {
 
 // ---- Fully connected (cuBLAS GEMMs; bias kernels in cuda_ops.cu) -------------------------------
 
+namespace {
+
+// C = op(A) op(B) (beta 0): cuBLAS, or under an emulated accumulation kernels/cuda/accumulate.h.
+void Product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a,
+             int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+             const kernels::Accumulation* acc) {
+  if (acc == nullptr) {
+    internal::GemmRowMajor(trans_a, trans_b, m, n, k, 1.f, a, lda, b, ldb, 0.f, c, ldc);
+    return;
+  }
+  const kernels::cuda::CudaResult r = kernels::cuda::LaunchAccumulatedGemm(
+      trans_a, trans_b, m, n, k, a, lda, b, ldb, 0.f, c, ldc, *acc, internal::StreamHandle());
+  if (!r.ok()) {
+    throw std::runtime_error(std::string("accumulated GEMM: ") + (r.message ? r.message : "?") +
+                             " at " + (r.file ? r.file : "?") + ":" + std::to_string(r.line));
+  }
+}
+
+}  // namespace
+
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                   const float* bias, float* y) {
+                   const float* bias, float* y, const kernels::Accumulation* acc) {
   // y [n, out] = x [n, in] w^T, then + bias per row (the CPU's order: product first).
-  internal::GemmRowMajor(false, true, n, out, in, 1.f, x, in, w, in, 0.f, y, out);
+  Product(false, true, n, out, in, x, in, w, in, y, out, acc);
   if (bias != nullptr) internal::AddRowBias(n, out, bias, y);
 }
 
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                    const float* dy, float* dx, float* dw, float* db) {
-  if (dw != nullptr) {
-    internal::GemmRowMajor(true, false, out, in, n, 1.f, dy, out, x, in, 0.f, dw, in);  // dy^T x
-  }
+                    const float* dy, float* dx, float* dw, float* db,
+                    const kernels::Accumulation* acc) {
+  if (dw != nullptr) Product(true, false, out, in, n, dy, out, x, in, dw, in, acc);  // dy^T x
   if (db != nullptr) internal::ColumnSums(n, out, dy, db);
-  if (dx != nullptr) {
-    internal::GemmRowMajor(false, false, n, in, out, 1.f, dy, out, w, in, 0.f, dx, in);  // dy w
-  }
+  if (dx != nullptr) Product(false, false, n, in, out, dy, out, w, in, dx, in, acc);  // dy w
 }
 
 // ---- Convolution (cuDNN) ------------------------------------------------------------------------

@@ -48,6 +48,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/accumulate.h"
 #include "runtime/engine/conv_algos.h"
 #include "runtime/engine/conv_shape.h"
 
@@ -72,11 +73,13 @@ ConvAlgoPolicy GetConvAlgoPolicy();
 ConvAlgoChoice ChosenConvAlgo(const cpu::ConvShape& s, ConvPass pass);
 
 // ---- Fully connected --------------------------------------------------------------------------
-// As cpu::LinearForward / LinearBackward (row-major x [n, in], w [out, in], y [n, out]).
+// As cpu::LinearForward / LinearBackward (row-major x [n, in], w [out, in], y [n, out]). With
+// `acc` the products are kernels/cuda/accumulate.h's, bit for bit the CPU's.
 void LinearForward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                   const float* bias, float* y);
+                   const float* bias, float* y, const kernels::Accumulation* acc = nullptr);
 void LinearBackward(int64_t n, int64_t in, int64_t out, const float* x, const float* w,
-                    const float* dy, float* dx, float* dw, float* db);
+                    const float* dy, float* dx, float* dw, float* db,
+                    const kernels::Accumulation* acc = nullptr);
 
 // ---- Convolution (cuDNN) ----------------------------------------------------------------------
 // As cpu::Conv2dForward / Conv2dBackward, without the CPU's workspace argument. The cuDNN

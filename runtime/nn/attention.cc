@@ -16,6 +16,7 @@ using internal::ActivationSite;
 using internal::ErrorSite;
 using internal::FormatFloat;
 using internal::Misfit;
+using internal::RefuseAccumulation;
 using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
@@ -74,6 +75,7 @@ Tensor AttentionProduct::Multiply(const Tensor& a, const Tensor& b, bool train) 
   const std::vector<int64_t> c_shape = OutputShape(a.shape(), b.shape());
   const int64_t m = a.dim(-2), k = a.dim(-1), n = c_shape.back();
   const int64_t batch = int64_t(a.numel() / size_t(m * k));
+  RefuseAccumulation(hooks_, *this, "attention products");
   const Tensor aq = ActivationSite(*this, hooks_, a, &a_q_);
   const Tensor bq = ActivationSite(*this, hooks_, b, &b_q_);
   ResizeOn(&c_, c_shape, dev);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpd/transform.h"
+#include "kernels/accumulate.h"
 #include "runtime/engine/tensor.h"
 
 namespace cpd::runtime {
@@ -48,6 +49,12 @@ class QuantHooks {
   virtual std::optional<HadamardOptions> WeightGradTransform(const Layer& layer) const {
     (void)layer;
     return std::nullopt;
+  }
+  // How the layer's matrix products accumulate (cpd-train --accumulate, kernels/accumulate.h),
+  // or null for float32 GEMMs. Layers whose products cannot emulate it refuse a non-null one.
+  virtual const kernels::Accumulation* ProductAccumulation(const Layer& layer) const {
+    (void)layer;
+    return nullptr;
   }
 };
 

@@ -107,6 +107,16 @@ void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw) {
   CheckHooked(layer, *dw, shape, device, "weight-gradient");
 }
 
+const kernels::Accumulation* ProductAccumulation(QuantHooks* hooks, const Layer& layer) {
+  return hooks == nullptr ? nullptr : hooks->ProductAccumulation(layer);
+}
+
+void RefuseAccumulation(QuantHooks* hooks, const Layer& layer, const char* what) {
+  if (ProductAccumulation(hooks, layer) == nullptr) return;
+  throw std::runtime_error(Where(layer) + ": --accumulate is not implemented for " + what +
+                           "; keep the layer in fp32 (--keep-fp32) or drop --accumulate");
+}
+
 Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay) {
   Param p;
   p.name = name;
@@ -134,6 +144,8 @@ using internal::FormatFloat;
 using internal::ForwardSites;
 using internal::MakeParam;
 using internal::Misfit;
+using internal::ProductAccumulation;
+using internal::RefuseAccumulation;
 using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
@@ -247,7 +259,8 @@ Tensor Linear::Forward(const Tensor& x, bool train) {
   // Leading dimensions flatten into rows: [B, T, in] is the matrix [B * T, in].
   const int64_t rows = int64_t(x.numel() / size_t(in_));
   CPD_DISPATCH(dev, LinearForward(rows, in_, out_, xin.data(), w.data(),
-                                  has_bias_ ? bias_.value.data() : nullptr, y_.data()));
+                                  has_bias_ ? bias_.value.data() : nullptr, y_.data(),
+                                  ProductAccumulation(hooks_, *this)));
   ready_ = train;
   x_saved_ = train ? xin : Tensor();
   w_saved_ = train ? w : Tensor();
@@ -275,7 +288,8 @@ Tensor Linear::Backward(const Tensor& dy) {
       hooks_ != nullptr ? hooks_->WeightGradTransform(*this) : std::nullopt;
   CPD_DISPATCH(dev,
                LinearBackward(n, in_, out_, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(),
-                              transform ? nullptr : dw_.data(), has_bias_ ? db_.data() : nullptr));
+                              transform ? nullptr : dw_.data(), has_bias_ ? db_.data() : nullptr,
+                              ProductAccumulation(hooks_, *this)));
   if (transform) TransformedWeightGrad(*transform, n, dy);
   WeightGradSite(*this, hooks_, &dw_);
   Param& weight = this->weight();
@@ -313,7 +327,7 @@ void Linear::TransformedWeightGrad(const HadamardOptions& t, int64_t n, const Te
   hooks_->QuantizeError(*this, dyt_, &dyt_);
   // dW alone: with dx null, w is not read.
   CPD_DISPATCH(dev, LinearBackward(n, in_, out_, xt_.data(), nullptr, dyt_.data(), nullptr,
-                                   dw_.data(), nullptr));
+                                   dw_.data(), nullptr, ProductAccumulation(hooks_, *this)));
 }
 
 // ---- Conv2d -------------------------------------------------------------------------------------
@@ -390,14 +404,16 @@ Tensor Conv2d::Forward(const Tensor& x, bool train) {
   const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
   ResizeOn(&y_, {s.n, s.oc, s.oh, s.ow}, dev);
   const float* bias = has_bias_ ? bias_.value.data() : nullptr;
+  const kernels::Accumulation* acc = ProductAccumulation(hooks_, *this);
 #if CPD_WITH_CUDA
   if (dev == Device::kCuda) {
+    RefuseAccumulation(hooks_, *this, "convolutions on --device cuda (cuDNN)");
     cuda::Conv2dForward(s, xin.data(), w.data(), bias, y_.data());
   } else {
-    cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_);
+    cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_, acc);
   }
 #else
-  cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_);
+  cpu::Conv2dForward(s, xin.data(), w.data(), bias, y_.data(), &ws_, acc);
 #endif
   ready_ = train;
   saved_shape_ = s;
@@ -416,16 +432,18 @@ Tensor Conv2d::Backward(const Tensor& dy) {
   if (has_bias_) ResizeOn(&db_, {out_}, dev);
   ResizeOn(&dx_, {s.n, s.c, s.h, s.w}, dev);
   float* db = has_bias_ ? db_.data() : nullptr;
+  const kernels::Accumulation* acc = ProductAccumulation(hooks_, *this);
 #if CPD_WITH_CUDA
   if (dev == Device::kCuda) {
+    RefuseAccumulation(hooks_, *this, "convolutions on --device cuda (cuDNN)");
     cuda::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db);
   } else {
     cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db,
-                        &ws_);
+                        &ws_, acc);
   }
 #else
   cpu::Conv2dBackward(s, x_saved_.data(), w_saved_.data(), g.data(), dx_.data(), dw_.data(), db,
-                      &ws_);
+                      &ws_, acc);
 #endif
   WeightGradSite(*this, hooks_, &dw_);
   RequireDevice(*this, weight_.grad, "the weight gradient", dev);

@@ -64,6 +64,11 @@ std::pair<Tensor, Tensor> ForwardSites(const Layer& layer, QuantHooks* hooks, co
                                        const Tensor& w_master, Tensor* x_q, Tensor* w_q);
 Tensor ErrorSite(const Layer& layer, QuantHooks* hooks, const Tensor& dy, Tensor* dy_q);
 void WeightGradSite(const Layer& layer, QuantHooks* hooks, Tensor* dw);
+// The hooks' accumulation of the layer's products (null without hooks or without --accumulate).
+const kernels::Accumulation* ProductAccumulation(QuantHooks* hooks, const Layer& layer);
+// Throws std::runtime_error, naming the layer and `what`, where the hooks ask for an emulated
+// accumulation that these products cannot do.
+void RefuseAccumulation(QuantHooks* hooks, const Layer& layer, const char* what);
 
 // A zero-filled parameter "name" of the given shape with its gradient.
 Param MakeParam(const std::string& name, std::vector<int64_t> shape, bool weight_decay);

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "cpd/accumulate.h"
 #include "cpd/config.h"
 #include "kernels/grid.h"
 #if CPD_WITH_CUDA
@@ -85,6 +86,7 @@ std::string PrecisionConfigToJson(const PrecisionConfig& c) {
   json j = {{"sites", sites},           {"overrides", overrides},     {"keep_fp32", c.keep_fp32},
             {"grad_bits", c.grad_bits}, {"hysteresis", c.hysteresis}, {"seed", c.seed}};
   if (!c.wgrad_transform.empty()) j["wgrad_transform"] = c.wgrad_transform;
+  if (!c.accumulate.empty()) j["accumulate"] = c.accumulate;
   if (!c.allreduce_layers.empty()) {
     json layers = json::array();
     for (const auto& [name, spec] : c.allreduce_layers) layers.push_back(json::array({name, spec}));
@@ -125,6 +127,7 @@ std::string DescribePrecision(const PrecisionConfig& c) {
   }
   if (c.hysteresis) add("hysteresis");
   if (!c.wgrad_transform.empty()) add("weight-gradient " + c.wgrad_transform);
+  if (!c.accumulate.empty()) add("accumulate " + c.accumulate);
   if (!c.allreduce_layers.empty()) {
     std::string layers;
     for (const auto& [name, spec] : c.allreduce_layers) {
@@ -161,6 +164,10 @@ Result<PrecisionConfig> PrecisionConfigFromJson(const std::string& text) {
     if (j.contains("wgrad_transform")) {  // absent in configs written before it existed
       c.wgrad_transform = j["wgrad_transform"].get<std::string>();
       CPD_RETURN_IF_ERROR(ParseHadamard(c.wgrad_transform).status());
+    }
+    if (j.contains("accumulate")) {  // absent in configs written before it existed
+      c.accumulate = j["accumulate"].get<std::string>();
+      CPD_RETURN_IF_ERROR(ParseAccumulation(c.accumulate).status());
     }
     if (j.contains("allreduce_layers")) {  // absent in configs written before it existed
       for (const json& e : j["allreduce_layers"]) {
@@ -269,6 +276,10 @@ Status SiteQuantizer::Check(const PrecisionConfig& config, std::vector<std::stri
     auto t = ParseHadamard(config.wgrad_transform);
     if (!t.ok()) return Status::InvalidArgument("--wgrad-transform: " + t.status().message());
   }
+  if (!config.accumulate.empty()) {
+    auto a = ParseAccumulation(config.accumulate);
+    if (!a.ok()) return Status::InvalidArgument("--accumulate: " + a.status().message());
+  }
   for (const std::string& k : config.keep_fp32) {
     CPD_ASSIGN_OR_RETURN(const std::vector<std::string> names, KeptLayers(k));
     keep->insert(keep->end(), names.begin(), names.end());
@@ -292,6 +303,8 @@ Status SiteQuantizer::Reconfigure(PrecisionConfig config) {
     st.keep_fp32 = std::find(keep.begin(), keep.end(), name) != keep.end();
   }
   config_ = std::move(config);
+  accumulation_.reset();
+  if (!config_.accumulate.empty()) accumulation_ = *ParseAccumulation(config_.accumulate);
   for (auto& [name, st] : layers_) {
     if (!Quantizes(name)) DropPrevious(st);  // its hooks go: no forward would drop them
   }
@@ -562,6 +575,11 @@ std::optional<HadamardOptions> SiteQuantizer::WeightGradTransform(const Layer& l
   t.seed = config_.seed;
   t.step = uint64_t(step_);
   return t;
+}
+
+const kernels::Accumulation* SiteQuantizer::ProductAccumulation(const Layer& layer) const {
+  if (!accumulation_ || layers_.at(layer.name()).keep_fp32) return nullptr;
+  return &*accumulation_;
 }
 
 void SiteQuantizer::QuantizeWeightGrad(const Layer& layer, Tensor* dw) {

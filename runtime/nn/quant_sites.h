@@ -64,6 +64,9 @@ struct PrecisionConfig {
   // empty): NVFP4's and MXFP4 training's random Hadamard transform. Its signs are drawn by
   // (seed, step).
   std::string wgrad_transform;
+  // How the matrix products of the quantised layers accumulate (cpd/accumulate.h:
+  // "e8m13:every=128" is DeepSeek-V3's FP8 GEMM; empty: float32 GEMMs).
+  std::string accumulate;
   uint64_t seed = 0;
 };
 
@@ -166,6 +169,7 @@ class SiteQuantizer : public QuantHooks {
   void QuantizeError(const Layer& layer, const Tensor& dy, Tensor* dy_used) override;
   void QuantizeWeightGrad(const Layer& layer, Tensor* dw) override;
   std::optional<HadamardOptions> WeightGradTransform(const Layer& layer) const override;
+  const kernels::Accumulation* ProductAccumulation(const Layer& layer) const override;
 
  private:
   struct LayerState {
@@ -222,6 +226,7 @@ class SiteQuantizer : public QuantHooks {
   std::vector<uint64_t> DeviceFlips() const;
 
   PrecisionConfig config_;
+  std::optional<kernels::Accumulation> accumulation_;  // config_.accumulate, parsed
   std::map<std::string, LayerState> layers_;
   std::string first_layer_, last_layer_;
   std::vector<std::string> order_;  // the quantisable layers in model order

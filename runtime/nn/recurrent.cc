@@ -19,6 +19,7 @@ using internal::FormatFloat;
 using internal::ForwardSites;
 using internal::MakeParam;
 using internal::Misfit;
+using internal::RefuseAccumulation;
 using internal::RequireDevice;
 using internal::RequireReady;
 using internal::RequireShape;
@@ -73,6 +74,7 @@ Tensor InputProjection::Forward(const Tensor& x, bool train) {
   const Device dev = weight_.value.device();
   RequireDevice(*this, x, "the input", dev);
   const std::vector<int64_t> out_shape = OutputShape(x.shape());
+  RefuseAccumulation(hooks_, *this, "the LSTM's products");
   const auto [xin, w] = ForwardSites(*this, hooks_, x, weight_.value, &x_q_, &w_q_);
   const int64_t rows = int64_t(x.numel() / size_t(in_));
   ResizeOn(&y_, out_shape, dev);
@@ -147,6 +149,7 @@ void RecurrentProduct::ForwardBegin(const Tensor& h, bool train) {
   h_ = h;
   train_ = train;
   ready_ = false;
+  RefuseAccumulation(hooks_, *this, "the LSTM's products");
   // W once per forward: every step, and the backward, use the same quantised weights.
   w_used_ = WeightSite(*this, hooks_, weight_.value, &w_q_);
   hooked_a_ = hooks_ != nullptr;

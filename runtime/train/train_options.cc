@@ -9,6 +9,7 @@
 #include <tuple>
 #include <utility>
 
+#include "cpd/accumulate.h"
 #include "cpd/message.h"
 #include "cpd/threads.h"
 #include "cpd/transform.h"
@@ -89,6 +90,10 @@ Status ValidateTrainOptions(const TrainOptions& o) {
   if (!o.precision.wgrad_transform.empty()) {
     auto t = ParseHadamard(o.precision.wgrad_transform);
     if (!t.ok()) return bad("--wgrad-transform: " + t.status().message());
+  }
+  if (!o.precision.accumulate.empty()) {
+    auto a = ParseAccumulation(o.precision.accumulate);
+    if (!a.ok()) return bad("--accumulate: " + a.status().message());
   }
   if (o.max_steps < 0) {
     return bad("--max-steps must be >= 0 (0: all epochs), got " + std::to_string(o.max_steps));

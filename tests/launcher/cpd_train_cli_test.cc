@@ -97,6 +97,9 @@ TEST(CpdTrainCli, BadInputIsOneLineAndExitTwo) {
   ExpectUsageError(Train({"--a-format", "e4m3:block=0x16"}), "':block=0x16' needs RxC");
   ExpectUsageError(Train({"--w-format", "nvfp4:3d"}), "nvfp4 takes only ':2d'");
   ExpectUsageError(Train({"--wgrad-transform", "rht12"}), "--wgrad-transform: bad transform");
+  ExpectUsageError(Train({"--accumulate", "e8m13:every=0"}),
+                   "--accumulate: bad accumulation \"e8m13:every=0\": every must be");
+  ExpectUsageError(Train({"--accumulate", "mxfp8"}), "mxfp8 is not a fixed float format");
   // The transform runs on both devices; a bad one is refused on either.
   ExpectUsageError(Train({"--wgrad-transform", "had512", "--device", "cuda"}),
                    "--wgrad-transform: bad transform");

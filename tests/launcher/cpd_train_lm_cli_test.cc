@@ -162,7 +162,7 @@ TEST_F(LmCli, EveryNewFlagAndItsBadValues) {
                    "--n-head applies to --arch gpt");
 }
 
-// --preset nvfp4 and deepseek-fp8 on a GPT: the run record's precision names each recipe's
+// --preset nvfp4, deepseek-fp8 and mxfp4-rht on a GPT: the run record's precision names each recipe's
 // formats, rounding, transform and the layers kept in fp32; a flag given on the command line
 // still wins over the preset's.
 TEST_F(LmCli, RecipePresetsSetTheirPrecision) {
@@ -186,6 +186,15 @@ TEST_F(LmCli, RecipePresetsSetTheirPrecision) {
        {},
        "W=e4m3:block=128x128:scale=fp32 A=e4m3:block=1x128:scale=fp32 "
        "E=e4m3:block=1x128:scale=fp32, fp32: embeddings,attention,last"},
+      {"deepseek-fp8",
+       {"--accumulate", "e8m13:every=128"},
+       "W=e4m3:block=128x128:scale=fp32 A=e4m3:block=1x128:scale=fp32 "
+       "E=e4m3:block=1x128:scale=fp32, fp32: embeddings,attention,last, "
+       "accumulate e8m13:every=128"},
+      {"mxfp4-rht",
+       {},
+       "W=bf16 A=bf16 E=mxfp4/stochastic, fp32: embeddings,attention,last, weight-gradient "
+       "rht64"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];
@@ -201,7 +210,7 @@ TEST_F(LmCli, RecipePresetsSetTheirPrecision) {
         << c.preset << ": " << first;
   }
   ExpectUsageError(Train({"--preset", "nvfp5", "--check"}),
-                   "(accepted: cpt, lee2022, nvfp4, deepseek-fp8)");
+                   "(accepted: cpt, lee2022, nvfp4, deepseek-fp8, mxfp4-rht)");
 }
 
 TEST_F(LmCli, BadDataIsOneLineNamingTheFile) {

@@ -12,11 +12,14 @@
 #include <random>
 #include <vector>
 
+#include "cpd/accumulate.h"
 #include "cpd/format.h"
 #include "cpd/quantize.h"
+#include "kernels/accumulate_cpu.h"
 #include "runtime/control/job_control.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/models.h"
+#include "runtime/nn/recurrent.h"
 
 namespace cpd::runtime {
 namespace {
@@ -346,6 +349,141 @@ TEST(SiteQuantizerWeightGradTransform, LinearsWeightGradientFromTransformedOpera
   auto q = SiteQuantizer::Create(bad, {&fc});
   ASSERT_FALSE(q.ok());
   EXPECT_NE(q.status().message().find("--wgrad-transform"), std::string::npos);
+}
+
+// --accumulate: a quantised Linear's three products are kernels::AccumulatedGemm's on the
+// operands the sites give (bit for bit); the bias gradient keeps its float32 sums; a layer in
+// --keep-fp32 keeps float32 GEMMs; a bad spec is refused by name.
+TEST(SiteQuantizerAccumulation, LinearProductsAccumulateAsEmulated) {
+  const int64_t n = 37, in = 70, out = 9;
+  std::vector<float> x(size_t(n * in)), dy(size_t(n * out));
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  for (float& v : dy) v = normal(rng);
+  struct Result {
+    std::vector<float> y, dx, dw, db, w;
+  };
+  auto run = [&](const std::string& accumulate, bool keep) {
+    Linear fc("fc", in, out, true, 7);
+    PrecisionConfig c;
+    // A site whose format changes no value here (no subnormal inputs): the hooks are installed,
+    // and the products see the fp32 operands.
+    c.global[int(Site::kWeight)].spec = "fp32:nosub";
+    c.accumulate = accumulate;
+    if (keep) c.keep_fp32 = {"fc"};
+    auto q = SiteQuantizer::Create(c, {&fc});
+    EXPECT_TRUE(q.ok()) << q.status().message();
+    (*q)->InstallHooks({&fc});
+    Tensor xt({n, in}), dyt({n, out});
+    xt.CopyFromHost(x.data());
+    dyt.CopyFromHost(dy.data());
+    for (Param* p : fc.Params()) p->grad.Fill(0.0f);
+    Result r{std::vector<float>(size_t(n * out)), std::vector<float>(size_t(n * in)),
+             std::vector<float>(size_t(out * in)), std::vector<float>(size_t(out)),
+             std::vector<float>(size_t(out * in))};
+    fc.Forward(xt, true).CopyToHost(r.y.data());
+    fc.Backward(dyt).CopyToHost(r.dx.data());
+    fc.weight().grad.CopyToHost(r.dw.data());
+    fc.bias()->grad.CopyToHost(r.db.data());
+    fc.weight().value.CopyToHost(r.w.data());
+    return r;
+  };
+  const std::string spec = "e8m6:every=16";
+  const Result plain = run("", false), acc = run(spec, false);
+  const kernels::Accumulation a = *ParseAccumulation(spec);
+  std::vector<float> y(plain.y.size()), dx(plain.dx.size()), dw(plain.dw.size());
+  kernels::AccumulatedGemm(false, true, n, out, in, x.data(), in, acc.w.data(), in, 0.f, y.data(),
+                           out, a);
+  std::vector<float> bias(static_cast<size_t>(out));
+  {
+    Linear fresh("fc", in, out, true, 7);
+    fresh.bias()->value.CopyToHost(bias.data());
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t o = 0; o < out; ++o) y[size_t(i * out + o)] += bias[size_t(o)];
+  }
+  kernels::AccumulatedGemm(true, false, out, in, n, dy.data(), out, x.data(), in, 0.f, dw.data(),
+                           in, a);
+  kernels::AccumulatedGemm(false, false, n, in, out, dy.data(), out, acc.w.data(), in, 0.f,
+                           dx.data(), in, a);
+  EXPECT_EQ(acc.y, y);
+  EXPECT_EQ(acc.dw, dw);
+  EXPECT_EQ(acc.dx, dx);
+  EXPECT_EQ(acc.db, plain.db);
+  EXPECT_NE(acc.y, plain.y) << "a 7-bit running sum left every output as float32's";
+  const Result kept = run(spec, true);
+  EXPECT_EQ(kept.y, plain.y);
+  EXPECT_EQ(kept.dw, plain.dw);
+
+  Linear fc("fc", in, out, true, 7);
+  PrecisionConfig bad;
+  bad.accumulate = "e8m13:every=0";
+  auto q = SiteQuantizer::Create(bad, {&fc});
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("--accumulate"), std::string::npos);
+}
+
+// On the CPU a convolution's products accumulate too (on the im2col path): with a float32 grid
+// the result is the convolution to float32 rounding, with a coarse one it is not, reproducibly.
+TEST(SiteQuantizerAccumulation, ConvolutionProductsAccumulate) {
+  const std::vector<int64_t> shape = {2, 3, 9, 9};
+  std::vector<float> x(size_t(2 * 3 * 9 * 9)), dy(size_t(2 * 4 * 9 * 9));
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  for (float& v : dy) v = normal(rng);
+  auto run = [&](const std::string& accumulate) {
+    Conv2d conv("conv", 3, 4, 3, 1, 1, true, 5);
+    PrecisionConfig c;
+    c.global[int(Site::kWeight)].spec = "fp32:nosub";
+    c.accumulate = accumulate;
+    auto q = SiteQuantizer::Create(c, {&conv});
+    EXPECT_TRUE(q.ok()) << q.status().message();
+    (*q)->InstallHooks({&conv});
+    Tensor xt(shape), dyt({2, 4, 9, 9});
+    xt.CopyFromHost(x.data());
+    dyt.CopyFromHost(dy.data());
+    for (Param* p : conv.Params()) p->grad.Fill(0.0f);
+    std::vector<float> y(dy.size()), dx(x.size()), dw(4 * 3 * 3 * 3);
+    conv.Forward(xt, true).CopyToHost(y.data());
+    conv.Backward(dyt).CopyToHost(dx.data());
+    conv.weight().grad.CopyToHost(dw.data());
+    y.insert(y.end(), dx.begin(), dx.end());
+    y.insert(y.end(), dw.begin(), dw.end());
+    return y;
+  };
+  const std::vector<float> plain = run(""), exact = run("fp32"), coarse = run("e8m4:every=8");
+  double err = 0.0, norm = 0.0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    err = std::max(err, double(std::fabs(exact[i] - plain[i])));
+    norm = std::max(norm, double(std::fabs(plain[i])));
+  }
+  EXPECT_LT(err / norm, 1e-5);
+  EXPECT_NE(coarse, plain);
+  EXPECT_EQ(coarse, run("e8m4:every=8"));
+}
+
+// Products that cannot emulate the accumulation refuse it with one line naming the layer and
+// the way out, rather than run float32 GEMMs under a flag that says otherwise.
+TEST(SiteQuantizerAccumulation, LstmProductsRefuseIt) {
+  InputProjection proj("proj", 6, 8, "proj.weight", "proj.bias");
+  PrecisionConfig c;
+  c.global[int(Site::kWeight)].spec = "bf16";
+  c.accumulate = "e8m13:every=128";
+  auto q = SiteQuantizer::Create(c, {&proj});
+  ASSERT_TRUE(q.ok()) << q.status().message();
+  (*q)->InstallHooks({&proj});
+  Tensor xt({2, 3, 6});
+  xt.Fill(0.5f);
+  try {
+    proj.Forward(xt, true);
+    FAIL() << "an LSTM projection ran under --accumulate";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("proj"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--accumulate is not implemented"), std::string::npos)
+        << e.what();
+  }
 }
 
 // --keep-fp32's groups on the default GPT: embeddings (wte, wpe), attention (every block's qk

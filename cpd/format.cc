@@ -21,7 +21,8 @@ constexpr char kAccepted[] =
     "log<b>[:ch|:tensor] (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
     "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
     "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
-    ":nosub :ieee; block scales: nvfp4[:2d], FLOAT:block=RxC[:scale=fp32|e8m0|FLOAT][:tensor]";
+    ":nosub :ieee; block scales: nvfp4[:2d], "
+    "FLOAT:block=RxC|tensor[:scale=fp32|e8m0|FLOAT][:tensor]";
 
 Status BadSpec(std::string_view spec, const std::string& why) {
   return Status::InvalidArgument("bad format spec '" + std::string(spec) + "': " + why + " (" +
@@ -427,8 +428,12 @@ bool IsBlockScaledSpec(const std::vector<std::string_view>& parts) {
   return false;
 }
 
-// "RxC" or "N" (1 x N), each side 1..65536, at most 2^20 elements.
+// "RxC" or "N" (1 x N), each side 1..65536, at most 2^20 elements; or "tensor".
 Status ParseBlockShape(std::string_view spec, std::string_view text, FormatFields* f) {
+  if (text == "tensor") {
+    f->block_rows = f->block_cols = kWholeTensorBlock;
+    return Status::Ok();
+  }
   const size_t x = text.find('x');
   int r = 1, c = 0;
   const bool ok = x == std::string_view::npos
@@ -438,7 +443,7 @@ Status ParseBlockShape(std::string_view spec, std::string_view text, FormatField
       size_t(r) * size_t(c) > (size_t(1) << 20)) {
     return BadSpec(spec, "':block=" + std::string(text) +
                              "' needs RxC (or N for 1xN): rows and columns 1..65536 of a block, "
-                             "at most 2^20 elements");
+                             "at most 2^20 elements; or 'tensor' for one block over the tensor");
   }
   f->block_rows = size_t(r);
   f->block_cols = size_t(c);
@@ -529,7 +534,10 @@ Status ParseBlockScaled(std::string_view spec, const std::vector<std::string_vie
   // MX's rule: X = 2^(floor(log2 amax) - emax_elem), an E8M0 value in 2^-127..2^127.
   const int32_t emax_elem = kernels::FloorLog2(kernels::BitsFloat(f->grid.max_bits));
   f->shift_rule = {-emax_elem, -127, 127};
-  const std::string shape = std::to_string(f->block_rows) + "x" + std::to_string(f->block_cols);
+  const std::string shape =
+      f->block_rows == kWholeTensorBlock
+          ? std::string("tensor")
+          : std::to_string(f->block_rows) + "x" + std::to_string(f->block_cols);
   if (element == "e2m1" && f->scale_type == BlockScaleType::kFloatGrid && scale == "e4m3" &&
       tensor && (shape == "1x16" || shape == "16x16")) {
     *canon = shape == "1x16" ? "nvfp4" : "nvfp4:2d";
@@ -570,7 +578,9 @@ const char* FormatSpecHelp() {
          "codes take 1 + ceil(log2(1 + sum 2^M_i)) <= 16 bits (fp134 = binades:4x7,3,2,1,0). "
          "Block scales: FLOAT:block=RxC[:scale=fp32|e8m0|FLOAT][:tensor] puts a float element "
          "format under one scale per R x C block of the tensor's matrix view (rows of its last "
-         "dimension; weights [out, fan-in]; block=N is 1xN), the scale float32 (default, "
+         "dimension; weights [out, fan-in]; block=N is 1xN; block=tensor one block over the "
+         "whole tensor, e4m3:block=tensor being FP8 with a per-tensor scale), the scale float32 "
+         "(default, "
          "DeepSeek-V3: e4m3:block=1x128, e4m3:block=128x128), a power of two (e8m0, OCP MX's "
          "rule) or a float format (e4m3) optionally under a float32 tensor level (:tensor); "
          "nvfp4 = e2m1:block=1x16:scale=e4m3:tensor (NVIDIA NVFP4), nvfp4:2d its 16x16 blocks.";

@@ -59,6 +59,10 @@ struct FormatInfo {
   std::string scale_note;        // empty for fixed formats
 };
 
+// The block side of ':block=tensor', larger than any matrix view CPD quantises (a span has fewer
+// than 2^31 rows and columns), so that the whole view is one block.
+inline constexpr size_t kWholeTensorBlock = size_t(1) << 31;
+
 // What a spec decides about its Format, the spelling aside: the family parsers in format.cc fill
 // one, and a Format keeps it whole (Format::Parse is the only way to make one), so a new property
 // is a member here and an accessor in Format. Read a Format's accessors, not this.
@@ -100,6 +104,9 @@ class Format {
   // the scale's grid (kFloatGrid) and code bits, and whether a float32 tensor level sits above.
   size_t block_rows() const { return fields_.block_rows; }
   size_t block_cols() const { return fields_.block_cols; }
+  // ':block=tensor': one block over the whole matrix view (a per-tensor scale, as FP8 training
+  // with per-tensor scaling uses): both sides kWholeTensorBlock.
+  bool whole_tensor_block() const { return fields_.block_rows == kWholeTensorBlock; }
   BlockScaleType scale_type() const { return fields_.scale_type; }
   const kernels::FloatGrid& scale_grid() const { return fields_.scale_grid; }
   int scale_bits() const { return fields_.scale_bits; }

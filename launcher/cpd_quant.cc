@@ -59,7 +59,11 @@ int RunInfo(const std::string& spec, bool list) {
               info.min_subnormal > 0 ? Describe(info.min_subnormal).c_str() : "none");
   std::printf("distinct finite %llu\n", static_cast<unsigned long long>(info.distinct_finite));
   if (f->family() == cpd::FormatFamily::kBlockScaled) {
-    std::printf("block           %zux%zu\n", f->block_rows(), f->block_cols());
+    if (f->whole_tensor_block()) {
+      std::printf("block           tensor\n");
+    } else {
+      std::printf("block           %zux%zu\n", f->block_rows(), f->block_cols());
+    }
   } else if (f->scope() == cpd::ScaleScope::kBlock) {
     std::printf("block           %zu\n", f->block_size());
   }

@@ -135,6 +135,8 @@ def main():
         ("e4m3:block=128x128", deepseek, 128, 128, (384, 256)),
         ("e4m3:block=128x128", deepseek, 128, 128, (130, 300)),
         ("e2m1:block=32:scale=e8m0", mx4, 1, 32, (128, 256)),
+        # FP8 with one float32 scale per tensor: the whole matrix is the block.
+        ("e4m3:block=tensor", deepseek, 200, 300, (200, 300)),
     ]
     cases.append(("nvfp4", nvfp4, 1, 16, (128, 256), nvfp4_boundaries))
     failures = 0

@@ -69,6 +69,8 @@ TEST(BlockScaledSpec, NamesAndCanonicalSpellings) {
       {"e4m3:block=1x16:scale=e4m3", "e4m3:block=1x16:scale=e4m3"},
       {"e2m1:block=8x4:scale=e5m2:tensor", "e2m1:block=8x4:scale=e5m2:tensor"},
       {"e5m2:inf:block=4x4", "e5m2:inf:block=4x4:scale=fp32"},
+      {"e4m3:block=tensor", "e4m3:block=tensor:scale=fp32"},
+      {"e2m1:block=tensor:scale=e4m3", "e2m1:block=tensor:scale=e4m3"},
   };
   for (const auto& [spec, canon] : cases) {
     const Format f = MustParse(spec);
@@ -87,6 +89,26 @@ TEST(BlockScaledSpec, NamesAndCanonicalSpellings) {
   EXPECT_EQ(MustParse("e4m3:block=128x128").meta_bytes_per_group(), 4u);
   EXPECT_EQ(MustParse("e2m1:block=32:scale=e8m0").meta_bytes_per_group(), 1u);
   EXPECT_EQ(MustParse("e2m1:block=2x2:scale=bf16").meta_bytes_per_group(), 2u);
+}
+
+// ':block=tensor' is one block over the matrix view, whatever its shape: the same result as a
+// block of exactly that shape.
+TEST(BlockScaledQuantize, ATensorBlockIsTheWholeMatrix) {
+  const Format tensor = MustParse("e4m3:block=tensor");
+  EXPECT_TRUE(tensor.whole_tensor_block());
+  EXPECT_EQ(tensor.num_groups(40 * 160, 1, 160), 1u);
+  const std::vector<float> x = MatrixInputs(40, 160, 3, false);
+  QuantizeOptions opts;
+  opts.columns = 160;
+  std::vector<float> a(x.size()), b(x.size());
+  ASSERT_TRUE(Quantize(tensor, x.data(), a.data(), x.size(), opts).ok());
+  ASSERT_TRUE(Quantize(MustParse("e4m3:block=40x160"), x.data(), b.data(), x.size(), opts).ok());
+  ExpectSame("e4m3:block=tensor against e4m3:block=40x160", x, b, a);
+  const Format mx = MustParse("e2m1:block=tensor:scale=e8m0");
+  ASSERT_TRUE(Quantize(mx, x.data(), a.data(), x.size(), opts).ok());
+  ASSERT_TRUE(
+      Quantize(MustParse("e2m1:block=40x160:scale=e8m0"), x.data(), b.data(), x.size(), opts).ok());
+  ExpectSame("e2m1:block=tensor:scale=e8m0 against a 40x160 block", x, b, a);
 }
 
 TEST(BlockScaledSpec, ErrorsNameTheProblem) {
@@ -192,6 +214,9 @@ TEST(BlockScaledQuantize, MatchesTheRulesRestatedPerElement) {
       {"e4m3:block=1x16:scale=e4m3", 16, 48},
       {"e2m1:block=4x8:scale=e5m2:tensor", 13, 27},
       {"e5m2:block=3x5:scale=bf16", 10, 10},
+      {"e4m3:block=tensor", 13, 27},
+      {"e4m3:block=tensor", 1, 5000},
+      {"e2m1:block=tensor:scale=e4m3", 40, 33},
   };
   for (const Case& c : cases) {
     const Format f = MustParse(c.spec);
@@ -304,9 +329,10 @@ TEST(BlockScaledQuantize, ResultsDoNotDependOnTheThreadCount) {
 }
 
 TEST(BlockScaledCodec, DecodeOfEncodeIsQuantize) {
-  for (const std::string spec : {"nvfp4", "nvfp4:2d", "e4m3:block=1x128", "e4m3:block=128x128",
-                                 "e2m1:block=32:scale=e8m0", "e2m1:block=4x8:scale=e5m2:tensor",
-                                 "e5m2:block=3x5:scale=bf16", "e4m3:block=1x16:scale=e4m3"}) {
+  for (const std::string spec :
+       {"nvfp4", "nvfp4:2d", "e4m3:block=1x128", "e4m3:block=128x128", "e2m1:block=32:scale=e8m0",
+        "e2m1:block=4x8:scale=e5m2:tensor", "e5m2:block=3x5:scale=bf16",
+        "e4m3:block=1x16:scale=e4m3", "e4m3:block=tensor"}) {
     const Format f = MustParse(spec);
     for (size_t cols : {size_t(40), size_t(129)}) {
       const std::vector<float> x = MatrixInputs(600, cols, cols, true);

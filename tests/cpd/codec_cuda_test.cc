@@ -416,7 +416,7 @@ INSTANTIATE_TEST_SUITE_P(cuda, CodecCudaDegenerateTest,
 INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, CodecCudaDegenerateTest,
                          ::testing::Values("nvfp4", "nvfp4:2d", "e4m3:block=1x128",
                                            "e2m1:block=4x8:scale=e5m2:tensor",
-                                           "e5m2:inf:block=1x32:scale=e4m3"),
+                                           "e5m2:inf:block=1x32:scale=e4m3", "e4m3:block=tensor"),
                          SpecName);
 
 // Arguments are refused before any work: a buffer whose size is not PackedSize, null buffers,

@@ -403,7 +403,8 @@ TEST(FormatParse, RefusalMessagesArePinned) {
       "log<b>[:ch|:tensor] (2<=b<=8), mxfp8|mxfp6|mxfp4, bfp<b>:<block> (2<=b<=16), "
       "binades:M0,M1,...[:room=N][:ch] (mantissa bits 0..22 per binade from the top, MxK for K "
       "binades of M bits, 1..127 binades, at most 16 bits); float modifiers :sat (default) :inf "
-      ":nosub :ieee; block scales: nvfp4[:2d], FLOAT:block=RxC[:scale=fp32|e8m0|FLOAT][:tensor]";
+      ":nosub :ieee; block scales: nvfp4[:2d], "
+      "FLOAT:block=RxC|tensor[:scale=fp32|e8m0|FLOAT][:tensor]";
   const std::pair<const char*, const char*> cases[] = {
       {"", "empty format name"},
       {":ch", "empty format name"},

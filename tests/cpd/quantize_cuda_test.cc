@@ -333,7 +333,7 @@ INSTANTIATE_TEST_SUITE_P(cuda, QuantizeCudaDegenerateTest,
 INSTANTIATE_TEST_SUITE_P(cuda_block_scaled, QuantizeCudaDegenerateTest,
                          ::testing::Values("nvfp4", "nvfp4:2d", "e4m3:block=128x128",
                                            "e2m1:block=4x8:scale=e5m2:tensor",
-                                           "e5m2:inf:block=1x32:scale=e4m3"),
+                                           "e5m2:inf:block=1x32:scale=e4m3", "e4m3:block=tensor"),
                          SpecName);
 INSTANTIATE_TEST_SUITE_P(cuda_binades, QuantizeCudaDegenerateTest,
                          ::testing::Values("binades:3,3,3:ch", "binades:0x7:room=0:ch"), SpecName);

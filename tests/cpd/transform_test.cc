@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+#include "kernels/hadamard.h"
+
 namespace cpd {
 namespace {
 
@@ -107,6 +109,61 @@ TEST(Hadamard, SignsFollowSeedAndStepAndNotTheThreadCount) {
   EXPECT_EQ(0, std::memcmp(base.data(), run(1, 2, 4).data(), base.size() * 4));
   EXPECT_NE(0, std::memcmp(base.data(), run(1, 3, 1).data(), base.size() * 4));
   EXPECT_NE(0, std::memcmp(base.data(), run(2, 2, 1).data(), base.size() * 4));
+}
+
+// The order every implementation follows (and the CUDA kernel relies on): stage h = 1, 2, ...,
+// k/2 one after another, each pair (r, r + h) with r & h == 0 through kernels/hadamard.h's
+// butterflies, the signs at the first stage and the scale at the last. Restated here one element
+// and one stage at a time; the library (which fuses stages in registers) must give the same bits,
+// infinities included, for every block size. A NaN matches any NaN: the compiler may turn a
+// product by -1 into a negation, which flips a NaN's sign (transform_cuda_test allows the same).
+TEST(Hadamard, EqualsTheStageByStageOrderBitForBit) {
+  for (uint32_t k = 16; k <= 256; k *= 2) {
+    const size_t rows = 2 * k + 3, cols = 37;
+    std::vector<float> x = Random(rows * cols, k, true);
+    x[5] = INFINITY;
+    x[cols + 9] = -INFINITY;
+    x[2 * cols + 1] = NAN;
+    for (const bool random : {true, false}) {
+      HadamardOptions o;
+      o.block = k;
+      o.random_signs = random;
+      o.seed = 3;
+      o.step = 11;
+      std::vector<float> got = x, want = x;
+      ASSERT_TRUE(HadamardAlongRows(o, got.data(), rows, cols).ok());
+      const uint64_t key = kernels::MakeRandomKey(o.seed, o.step);
+      const float scale = kernels::HadamardScale(k);
+      for (size_t g = 0; g + k <= rows; g += k) {
+        for (uint32_t h = 1; h < k; h *= 2) {
+          for (uint32_t r = 0; r < k; ++r) {
+            if ((r & h) != 0) continue;
+            for (size_t c = 0; c < cols; ++c) {
+              float* a = &want[(g + r) * cols + c];
+              float* b = &want[(g + r + h) * cols + c];
+              if (2 * h == k) {
+                kernels::HadamardScaledButterfly(a, b, scale);
+              } else {
+                const bool first = h == 1;
+                kernels::HadamardSignedButterfly(
+                    a, b, first && random ? kernels::HadamardSign(key, r) : 1.0f,
+                    first && random ? kernels::HadamardSign(key, r + h) : 1.0f);
+              }
+            }
+          }
+        }
+      }
+      for (size_t i = 0; i < got.size(); ++i) {
+        uint32_t gu, wu;
+        std::memcpy(&gu, &got[i], 4);
+        std::memcpy(&wu, &want[i], 4);
+        if (std::isnan(got[i]) && std::isnan(want[i])) continue;  // x86 leaves NaN signs open
+        ASSERT_EQ(gu, wu) << "k " << k << (random ? " random" : " deterministic") << " at row "
+                          << i / cols << " column " << i % cols << ": " << got[i] << " vs "
+                          << want[i];
+      }
+    }
+  }
 }
 
 TEST(Hadamard, SpecsAndErrors) {

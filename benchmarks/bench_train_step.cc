@@ -16,7 +16,8 @@
 //
 // Configurations: fp32; cpt8 (CPT at 8/8 bits: uint8:minmax W per channel and A, E uint8
 // stochastic); fp134e (FP134 errors); fp134ae (FP134 activations and errors); lee2022 (log4 W
-// with hysteresis, FP134 A and E).
+// with hysteresis, FP134 A and E); deepseek (cpd-train --preset deepseek-fp8, meant for --arch
+// gpt) and deepseek-acc (the same with --accumulate e8m13:every=128: the emulation's cost).
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -73,8 +74,17 @@ cpd::Result<PrecisionConfig> ConfigFor(const std::string& name) {
     pc.keep_fp32 = {"first", "last"};
     return pc;
   }
-  return cpd::Status::InvalidArgument("unknown config '" + name +
-                                      "' (accepted: fp32, cpt8, fp134e, fp134ae, lee2022)");
+  if (name == "deepseek" || name == "deepseek-acc") {  // cpd-train --preset deepseek-fp8
+    pc.global[int(Site::kWeight)].spec = "e4m3:block=128x128";
+    pc.global[int(Site::kActivation)].spec = "e4m3:block=1x128";
+    pc.global[int(Site::kError)].spec = "e4m3:block=1x128";
+    pc.keep_fp32 = {"embeddings", "attention", "last"};
+    if (name == "deepseek-acc") pc.accumulate = "e8m13:every=128";
+    return pc;
+  }
+  return cpd::Status::InvalidArgument(
+      "unknown config '" + name +
+      "' (accepted: fp32, cpt8, fp134e, fp134ae, lee2022, deepseek, deepseek-acc)");
 }
 
 bool IsLanguageModel(const std::string& arch) { return arch == "gpt" || arch == "lstm"; }

@@ -340,15 +340,23 @@ CPD_INLINE void ScaledRowDispatch(const float* in, float* out, uint32_t* codes, 
     const size_t len = std::min(kL1Piece, n - s);
     if constexpr (kRandom) FillRandomBits(p.rng_key, p.index_base + s, len, rnd);
     float* const dst = direct ? out + s : scratch;
-    for (size_t a = 0; a < len;) {
-      const size_t block = (col0 + s + a) / C;
-      const size_t b = std::min(len, (block + 1) * C - col0 - s);
+    const float* const x = in + s;
+    // The piece's first block, then one block after another: no division per block (for
+    // NVFP4's 16 elements the division cost as much as the rounding).
+    size_t block = (col0 + s) / C;
+    size_t end = (block + 1) * C - col0 - s;  // where the current block ends, from s
+    for (size_t a = 0; a < len; ++block, end += C) {
+      const size_t b = std::min(len, end);
       const BlockScale sc = scales[block - block0];
-      const float* x = in + s;
-      for (size_t i = a; i < b; ++i) {
+      auto round = [&](size_t i) CPD_LAMBDA_INLINE {
         uint32_t code;
         dst[i] = BitsFloat(RoundScaled<kMode>(x[i], g, sc, kRandom ? rnd[i] : 0u, &code));
         if constexpr (kCodes) codes[s + i] = code;
+      };
+      if (b - a == 16) {  // NVFP4's and the 16-wide blocks': one vector with a fixed count
+        for (size_t i = a; i < a + 16; ++i) round(i);
+      } else {
+        for (size_t i = a; i < b; ++i) round(i);
       }
       if (stats != nullptr) {
         AccumulateStats(x + a, dst + a, b - a, ScaledGridRange(g.max_bits, sc), &acc);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "cpd/quantize_internal.h"
 #include "kernels/quantize_cpu.h"
@@ -413,6 +414,39 @@ BlockScales ReadBlockScales(const Format& format, size_t n, size_t channels, siz
   return bs;
 }
 
+// Quantize's one-pass path for block-scaled formats whose blocks are runs of one row that every
+// L1 piece holds whole (1 x C blocks, C dividing kernels::kL1Piece and the row length; float
+// scales): how the pieces compute their scales, after one read-only pass for the tensor level's
+// amax. Nothing (the two-pass path) otherwise. The same results as ComputeBlockScales: the same
+// block maxima, the same tensor amax (their largest), the same scale functions.
+std::optional<kernels::PieceScaleRule> RowFusedScales(const Format& format, const float* in,
+                                                      size_t n, const QuantizeOptions& opts) {
+  if (format.family() != FormatFamily::kBlockScaled || format.block_rows() != 1 ||
+      format.whole_tensor_block() || format.scale_type() == BlockScaleType::kPow2 ||
+      kernels::kL1Piece % format.block_cols() != 0) {
+    return std::nullopt;
+  }
+  const BlockGridShape g = BlockGridOf(format, n, opts.channels, opts.columns);
+  if (g.cols == 0 || g.cols % format.block_cols() != 0) return std::nullopt;
+  const bool on_grid = format.scale_type() == BlockScaleType::kFloatGrid;
+  kernels::PieceScaleRule rule{
+      on_grid ? kernels::ScaleRule::kFloatGrid : kernels::ScaleRule::kFloat32, format.scale_grid(),
+      1.0f, kernels::BitsFloat(format.grid().max_bits)};
+  if (on_grid && format.tensor_level()) {
+    const size_t chunks = (n + kChunk - 1) / kChunk;
+    std::vector<float> chunk_max(chunks, 0.0f);
+#pragma omp parallel for num_threads(ThreadCount(opts, chunks)) schedule(static)
+    for (size_t ci = 0; ci < chunks; ++ci) {
+      chunk_max[ci] = kernels::MaxAbsFinite(in + ci * kChunk, std::min(kChunk, n - ci * kChunk));
+    }
+    const float amax =
+        chunk_max.empty() ? 0.0f : *std::max_element(chunk_max.begin(), chunk_max.end());
+    rule.tensor_enc = kernels::TensorEncodeScale(
+        amax, kernels::BitsFloat(format.scale_grid().max_bits), rule.elem_max);
+  }
+  return rule;
+}
+
 // The shared driver of Quantize and Encode: chunks in parallel, statistics merged in order.
 Status Run(const Format& format, const float* in, float* out, uint8_t* packed, size_t n,
            const QuantizeOptions& opts, QuantStats* stats) {
@@ -423,7 +457,11 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
       !block_scaled && format.scope() == ScaleScope::kBlock && kChunk % format.block_size() == 0;
   Groups groups;
   BlockScales& block_scales = BlockScalesScratch();
-  if (block_scaled) {
+  const std::optional<kernels::PieceScaleRule> row_fused =
+      packed == nullptr ? RowFusedScales(format, in, n, opts) : std::nullopt;
+  if (row_fused) {
+    // Each piece's block scales are computed as the chunk loop reaches it.
+  } else if (block_scaled) {
     ComputeBlockScales(format, in, n, opts, &block_scales);
   } else if (fused_blocks) {
     groups.group_len = format.block_size();
@@ -453,6 +491,16 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
         kernels::QuantizeFloatGridBlocks(in + s, out != nullptr ? out + s : nullptr, c, e - s,
                                          format.block_size(), format.grid(), format.shift_rule(), p,
                                          st, groups.shifts.data() + s / format.block_size());
+      } else if (row_fused) {
+        const size_t cols = BlockGridOf(format, n, opts.channels, opts.columns).cols;
+        for (size_t i = s; i < e;) {  // the row parts of QuantizeBlockScaledChunk
+          const size_t end = std::min(e, (i / cols + 1) * cols);
+          LoopParams p = base;
+          p.index_base = base.index_base + i;
+          kernels::QuantizeScaledFloatGridRowFused(in + i, out + i, end - i, format.block_cols(),
+                                                   format.grid(), *row_fused, p, st);
+          i = end;
+        }
       } else if (block_scaled) {
         QuantizeBlockScaledChunk(format, block_scales, in, out, c, s, e, base, st);
       } else {

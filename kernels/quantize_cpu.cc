@@ -319,11 +319,13 @@ CPD_INLINE void BinadeGridDispatch(const float* in, float* out, uint32_t* codes,
 // a block have its scale as a constant, so they vectorise as the unscaled loops do, and a row of
 // 16-element blocks costs one call, not one per block. Rounded in L1-sized pieces into scratch,
 // whose statistics are taken block by block (each block's saturation bound is its own).
+// With `piece_rule` (QuantizeScaledFloatGridRowFused) the scales are not read from `scales` but
+// computed for each piece from its blocks, which it then holds whole.
 template <RoundMode kMode, bool kCodes>
 CPD_INLINE void ScaledRowDispatch(const float* in, float* out, uint32_t* codes, size_t n,
                                   size_t col0, size_t C, const FloatGrid& grid,
                                   const BlockScale* scales, const LoopParams& p,
-                                  ElementStats* stats) {
+                                  ElementStats* stats, const PieceScaleRule* piece_rule = nullptr) {
   const FloatGrid g = grid;
   constexpr bool kRandom = kMode == RoundMode::kStochastic;
   uint32_t rnd[kRandom ? kL1Piece : 1];
@@ -345,9 +347,24 @@ CPD_INLINE void ScaledRowDispatch(const float* in, float* out, uint32_t* codes, 
     // NVFP4's 16 elements the division cost as much as the rounding).
     size_t block = (col0 + s) / C;
     size_t end = (block + 1) * C - col0 - s;  // where the current block ends, from s
+    // Scale of block b: piece_scales[b - first_block].
+    const BlockScale* piece_scales = scales;
+    size_t first_block = block0;
+    BlockScale computed[kL1Piece];
+    if (piece_rule != nullptr) {
+      float amax[kL1Piece];
+      uint32_t scale_codes[kL1Piece];  // written, not used: Quantize keeps no codes
+      const size_t blocks = len / C;
+      std::fill(amax, amax + blocks, 0.0f);
+      MaxAbsPerBlock(x, len, 0, C, amax);
+      BlockScalesFromMax(amax, blocks, piece_rule->rule, piece_rule->scale_grid,
+                         piece_rule->tensor_enc, piece_rule->elem_max, computed, scale_codes);
+      piece_scales = computed;
+      first_block = block;
+    }
     for (size_t a = 0; a < len; ++block, end += C) {
       const size_t b = std::min(len, end);
-      const BlockScale sc = scales[block - block0];
+      const BlockScale sc = piece_scales[block - first_block];
       auto round = [&](size_t i) CPD_LAMBDA_INLINE {
         uint32_t code;
         dst[i] = BitsFloat(RoundScaled<kMode>(x[i], g, sc, kRandom ? rnd[i] : 0u, &code));
@@ -499,6 +516,34 @@ void QuantizeScaledFloatGridRow(const float* in, float* out, uint32_t* codes, si
       break;
   }
 #undef CPD_SCALED_ROW
+}
+
+CPD_CLONES
+void QuantizeScaledFloatGridRowFused(const float* in, float* out, size_t n, size_t block_cols,
+                                     const FloatGrid& g, const PieceScaleRule& scales,
+                                     const LoopParams& p, ElementStats* stats) {
+  switch (p.mode) {
+    case RoundMode::kNearestEven:
+      ScaledRowDispatch<RoundMode::kNearestEven, false>(in, out, nullptr, n, 0, block_cols, g,
+                                                        nullptr, p, stats, &scales);
+      break;
+    case RoundMode::kStochastic:
+      ScaledRowDispatch<RoundMode::kStochastic, false>(in, out, nullptr, n, 0, block_cols, g,
+                                                       nullptr, p, stats, &scales);
+      break;
+    case RoundMode::kTowardZero:
+      ScaledRowDispatch<RoundMode::kTowardZero, false>(in, out, nullptr, n, 0, block_cols, g,
+                                                       nullptr, p, stats, &scales);
+      break;
+    case RoundMode::kDown:
+      ScaledRowDispatch<RoundMode::kDown, false>(in, out, nullptr, n, 0, block_cols, g, nullptr, p,
+                                                 stats, &scales);
+      break;
+    case RoundMode::kUp:
+      ScaledRowDispatch<RoundMode::kUp, false>(in, out, nullptr, n, 0, block_cols, g, nullptr, p,
+                                               stats, &scales);
+      break;
+  }
 }
 
 // The scales of many blocks from their amaxes, in one vectorised loop (a block of 16 elements

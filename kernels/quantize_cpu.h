@@ -61,6 +61,20 @@ void BlockScalesFromMax(const float* amax, size_t n, ScaleRule rule, const Float
                         uint32_t* scale_codes);
 // amax[(col0 + i) / block_cols - col0 / block_cols] = max(itself, |x[i]|) over finite x[i].
 void MaxAbsPerBlock(const float* x, size_t n, size_t col0, size_t block_cols, float* amax);
+// QuantizeScaledFloatGridRow without codes for blocks of one row (1 x block_cols) that the run
+// holds whole (col0 and n multiples of block_cols, block_cols dividing kL1Piece): each L1 piece's
+// block scales are computed in the piece (MaxAbsPerBlock, then BlockScalesFromMax with `rule`,
+// `scale_grid`, `tensor_enc` and `elem_max`) just before it is rounded, so the input is read
+// from memory once. The same results, statistics included, as computing the scales first.
+struct PieceScaleRule {
+  ScaleRule rule;
+  FloatGrid scale_grid;
+  float tensor_enc;
+  float elem_max;
+};
+void QuantizeScaledFloatGridRowFused(const float* in, float* out, size_t n, size_t block_cols,
+                                     const FloatGrid& g, const PieceScaleRule& scales,
+                                     const LoopParams& p, ElementStats* stats);
 // HysteresisFloatGrid on a run of one matrix row under its blocks' scales (the conventions of
 // QuantizeScaledFloatGridRow): element i rounds toward q[i] under its block's scale, and the
 // statistics count saturation against that block's range.

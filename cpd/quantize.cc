@@ -297,19 +297,28 @@ void ForEachBlockPart(const Format& format, const BlockGridShape& g, size_t s, s
   }
 }
 
-// Runs fn(begin, end, col0, scales) over the parts of [s, e) in each row of the matrix view: a
-// part starts at column col0, and `scales` points at the scale of its first block (kFloat32 and
+// Runs fn(begin, end, row, col0) over the parts of [s, e) in each row of `cols` elements: a part
+// is row `row` from column col0.
+template <typename Fn>
+void ForEachRowSpan(size_t cols, size_t s, size_t e, Fn&& fn) {
+  for (size_t i = s; i < e;) {
+    const size_t r = i / cols;
+    const size_t end = std::min(e, (r + 1) * cols);
+    fn(i, end, r, i - r * cols);
+    i = end;
+  }
+}
+
+// Runs fn(begin, end, col0, scales) over the parts of [s, e) in each row of the matrix view
+// (ForEachRowSpan), `scales` pointing at the scale of the part's first block (kFloat32 and
 // kFloatGrid scales), from which the kernels' *Row functions walk the row's blocks.
 template <typename Fn>
 void ForEachRowPart(const Format& format, const BlockScales& bs, size_t s, size_t e, Fn&& fn) {
   const BlockGridShape& g = bs.shape;
-  for (size_t i = s; i < e;) {
-    const size_t r = i / g.cols, col0 = i - r * g.cols;
-    const size_t end = std::min(e, (r + 1) * g.cols);
-    fn(i, end, col0,
+  ForEachRowSpan(g.cols, s, e, [&](size_t b, size_t f, size_t r, size_t col0) {
+    fn(b, f, col0,
        bs.scales.data() + (r / format.block_rows()) * g.block_cols + col0 / format.block_cols());
-    i = end;
-  }
+  });
 }
 
 void QuantizeBlockScaledChunk(const Format& format, const BlockScales& bs, const float* in,
@@ -492,15 +501,14 @@ Status Run(const Format& format, const float* in, float* out, uint8_t* packed, s
                                          format.block_size(), format.grid(), format.shift_rule(), p,
                                          st, groups.shifts.data() + s / format.block_size());
       } else if (row_fused) {
+        // The row parts of QuantizeBlockScaledChunk, each computing its own scales.
         const size_t cols = BlockGridOf(format, n, opts.channels, opts.columns).cols;
-        for (size_t i = s; i < e;) {  // the row parts of QuantizeBlockScaledChunk
-          const size_t end = std::min(e, (i / cols + 1) * cols);
+        ForEachRowSpan(cols, s, e, [&](size_t b, size_t f, size_t, size_t) {
           LoopParams p = base;
-          p.index_base = base.index_base + i;
-          kernels::QuantizeScaledFloatGridRowFused(in + i, out + i, end - i, format.block_cols(),
+          p.index_base = base.index_base + b;
+          kernels::QuantizeScaledFloatGridRowFused(in + b, out + b, f - b, format.block_cols(),
                                                    format.grid(), *row_fused, p, st);
-          i = end;
-        }
+        });
       } else if (block_scaled) {
         QuantizeBlockScaledChunk(format, block_scales, in, out, c, s, e, base, st);
       } else {

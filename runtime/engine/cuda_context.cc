@@ -413,10 +413,8 @@ void Product(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const 
   }
   const kernels::cuda::CudaResult r = kernels::cuda::LaunchAccumulatedGemm(
       trans_a, trans_b, m, n, k, a, lda, b, ldb, 0.f, c, ldc, *acc, internal::StreamHandle());
-  if (!r.ok()) {
-    throw std::runtime_error(std::string("accumulated GEMM: ") + (r.message ? r.message : "?") +
-                             " at " + (r.file ? r.file : "?") + ":" + std::to_string(r.line));
-  }
+  if (!r.ok())
+    internal::ThrowError(r.file ? r.file : "?", r.line, r.expr ? r.expr : "?", r.message, r.code);
 }
 
 }  // namespace
